@@ -1,0 +1,5 @@
+import sys
+
+from onnxmp.cli import main
+
+sys.exit(main())
