@@ -1,0 +1,80 @@
+"""Stage 3: color.  Runs the data seeds and TF's passes in spec order."""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import Iterable, Mapping
+
+import onnx
+import onnx_graphsurgeon as gs
+
+from onnxmp.color.rules import (
+    ALLOW, DENY, FP32, Coloring, Reason,
+    add_allow_ops, add_clear_and_infer_to_allow_if_between_allow, add_infer_to_allow_if_follow_allow,
+    force_color_match, make_casts_allow_if_all_outputs_allow, propagate_allow_through_clear,
+    propagate_deny_forward_through_clear_and_infer, remove_allow_set_with_fp32,
+)
+from onnxmp.color.seeds import seed_deny_from_calibration, seed_deny_from_initializer_range
+from onnxmp.color.vertices import TypeView, Vertex, build_type_view
+from onnxmp.kernels import KernelTable
+from onnxmp.passes import PassResult
+
+__all__ = ["ALLOW", "DENY", "FP32", "Coloring", "Reason", "TypeView", "Vertex", "ColorOptions", "color",
+           "LOW_TYPES"]
+
+log = logging.getLogger("onnxmp.color")
+
+LOW_TYPES = {"float16": onnx.TensorProto.FLOAT16, "bfloat16": onnx.TensorProto.BFLOAT16}
+PROVIDERS = {"cuda": "CUDAExecutionProvider", "cpu": "CPUExecutionProvider"}
+
+
+@dataclass
+class ColorOptions:
+    lists: Mapping[str, frozenset[str]]
+    target: str = "cuda"
+    precision: str = "float16"
+    block_nodes: Iterable[str] = ()
+    keep_io_types: bool = True
+    underflow_share: float = 0.5
+    calibration_magnitudes: Mapping[str, float] | None = None
+    calibration_threshold: float = 65504.0 / 4
+    kernels: KernelTable | None = None
+
+
+@dataclass
+class ColorResult:
+    coloring: Coloring
+    passes: list[tuple[str, PassResult]] = field(default_factory=list)
+
+
+def color(graph: gs.Graph, options: ColorOptions) -> ColorResult:
+    kernels = options.kernels or KernelTable.default()
+    view = build_type_view(graph, options.lists, low_type=LOW_TYPES[options.precision],
+                           provider=PROVIDERS[options.target], kernels=kernels,
+                           block_nodes=options.block_nodes, keep_io_types=options.keep_io_types)
+    state = Coloring(view, low_name=options.precision)
+    result = ColorResult(state)
+
+    def run(name: str, fn, *args, **kwargs) -> PassResult:
+        outcome = fn(state, *args, **kwargs)
+        result.passes.append((name, outcome))
+        log.debug("%s: %s", name, outcome.details)
+        return outcome
+
+    run("seed_deny_from_initializer_range", seed_deny_from_initializer_range, graph,
+        underflow_share=options.underflow_share)
+    if options.calibration_magnitudes:
+        run("seed_deny_from_calibration", seed_deny_from_calibration, options.calibration_magnitudes,
+            options.calibration_threshold)
+    if not run("add_allow_ops", add_allow_ops).modified:
+        log.info("no allow-list op can run in %s here; the model is left unchanged", options.precision)
+        return result
+    run("propagate_deny_forward_through_clear_and_infer", propagate_deny_forward_through_clear_and_infer)
+    run("add_clear_and_infer_to_allow_if_between_allow", add_clear_and_infer_to_allow_if_between_allow)
+    if options.precision == "bfloat16":
+        run("add_infer_to_allow_if_follow_allow", add_infer_to_allow_if_follow_allow)
+    run("propagate_allow_through_clear", propagate_allow_through_clear)
+    run("remove_allow_set_with_fp32", remove_allow_set_with_fp32)
+    run("force_color_match", force_color_match)
+    run("make_casts_allow_if_all_outputs_allow", make_casts_allow_if_all_outputs_allow)
+    return result

@@ -1,0 +1,284 @@
+"""TensorFlow's AMP coloring passes over (node, type-parameter) vertices (spec §5).
+
+Each rule is one function named after TF's pass.  Colors are an analysis
+result, ``{vertex key: (color, Reason)}`` held by :class:`Coloring`; nothing is
+written into the graph here.  Every rule returns a :class:`PassResult` saying
+whether it painted anything, and checks its postcondition.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable, Iterable, NamedTuple
+
+from onnxmp.color.vertices import TypeView, Vertex
+from onnxmp.passes import PassResult, require
+
+ALLOW = "allow"
+DENY = "deny"
+FP32 = "fp32"  # never painted: stays in its original precision
+
+
+class Reason(NamedTuple):
+    rule: str
+    cause: str
+
+
+@dataclass
+class Coloring:
+    view: TypeView
+    colors: dict[str, tuple[str, Reason]] = field(default_factory=dict)
+    low_name: str = "float16"
+
+    def is_allow(self, key: str) -> bool:
+        return self.colors.get(key, (None,))[0] == ALLOW
+
+    def is_deny(self, key: str) -> bool:
+        return self.colors.get(key, (None,))[0] == DENY
+
+    def paint(self, key: str, color: str, rule: str, cause: str) -> bool:
+        """Paint unless already that color; True when something changed."""
+        if self.colors.get(key, (None,))[0] == color:
+            return False
+        self.colors[key] = (color, Reason(rule, cause))
+        return True
+
+    def unpaint(self, key: str) -> None:
+        self.colors.pop(key, None)
+
+    def allow_keys(self) -> list[str]:
+        return [k for k, (c, _) in self.colors.items() if c == ALLOW]
+
+    def final(self, key: str) -> tuple[str, Reason]:
+        if key in self.colors:
+            return self.colors[key]
+        v = self.view.vertices[key]
+        if v.why_not:
+            return FP32, Reason("not_processed", v.why_not)
+        return FP32, Reason("not_promoted", _why_fp32(v))
+
+
+def _why_fp32(v: Vertex) -> str:
+    if v.list == "infer":
+        return f"infer op {v.op} is not between allow ops"
+    if v.list == "clear":
+        return f"clear op {v.op} has no allow neighbour"
+    if v.list == "allow":
+        return f"allow op {v.op} was not painted"
+    return f"op {v.op} keeps its type"
+
+
+def _dfs(view: TypeView, roots: Iterable[str], direction: str,
+         enter: Callable[[str], bool], visit: Callable[[str, str | None], None]) -> None:
+    """Depth-first traversal over float32 edges; ``enter`` guards every non-root vertex."""
+    seen: set[str] = set()
+    for root in roots:
+        if root in seen:
+            continue
+        seen.add(root)
+        visit(root, None)
+        stack = [root]
+        while stack:
+            current = stack.pop()
+            nexts: list[str] = []
+            if direction in ("in", "both"):
+                nexts += view.fanin[current]
+            if direction in ("out", "both"):
+                nexts += view.fanout[current]
+            for nxt in nexts:
+                if nxt in seen or not enter(nxt):
+                    continue
+                seen.add(nxt)
+                visit(nxt, current)
+                stack.append(nxt)
+
+
+def _ok_for_low(v: Vertex) -> bool:
+    return v.processed and v.float32 and v.capable
+
+
+def add_allow_ops(state: Coloring) -> PassResult:
+    """Every vertex of a processed allow-list node joins ALLOW (unless a data seed denied it)."""
+    painted = 0
+    for v in state.view.vertices.values():
+        if v.list == "allow" and _ok_for_low(v) and not state.is_deny(v.key):
+            painted += state.paint(v.key, ALLOW, "add_allow_ops", f"allow-list op {v.op}")
+    require(all(_ok_for_low(state.view.vertices[k]) for k in state.allow_keys()),
+            "add_allow_ops", "every ALLOW vertex is processed, float32 and low-precision capable")
+    return PassResult(painted > 0, {"painted": painted})
+
+
+def propagate_deny_forward_through_clear_and_infer(state: Coloring) -> PassResult:
+    """Deny spreads forward through clear and infer vertices that lie upstream of a deny or infer op.
+
+    (a) Walk backward from every vertex of every deny and infer node (and every
+    data-seeded deny vertex), entering only clear-list nodes: everything reached
+    is "upstream of deny-or-infer".  (b) Walk forward from every deny vertex,
+    entering only that set, and paint it DENY.  So deny->infer->clear->infer->
+    clear->allow->infer ends deny, deny, deny, deny, -, allow, -: the last clear
+    feeds only the allow op and is left for the allow passes.
+    """
+    view = state.view
+    roots = [k for k, v in view.vertices.items()
+             if v.float32 and (v.list in ("deny", "infer") or state.is_deny(k))]
+    upstream: set[str] = set()
+    root_set = set(roots)
+    _dfs(view, roots, "in",
+         enter=lambda k: k in root_set or (k not in upstream and view.vertices[k].list == "clear"),
+         visit=lambda k, _p: upstream.add(k))
+
+    painted = 0
+    for k, v in view.vertices.items():
+        if v.float32 and v.list == "deny" and not state.is_deny(k):
+            painted += state.paint(k, DENY, "propagate_deny_forward_through_clear_and_infer",
+                                   f"deny-list op {v.op}")
+    deny_roots = [k for k, v in view.vertices.items() if v.float32 and state.is_deny(k)]
+    origin: dict[str, str] = {k: k for k in deny_roots}
+
+    def visit(k: str, parent: str | None) -> None:
+        nonlocal painted
+        if parent is None:
+            return
+        origin[k] = origin.get(parent, parent)
+        if state.is_deny(k):
+            return
+        src = view.vertices[origin[k]]
+        via = view.vertices[parent] if parent != origin[k] else None
+        cause = f"downstream of deny {src.op} `{src.node}`"
+        if via is not None:
+            cause += f" through {via.list or 'op'} {via.op} `{via.node}`"
+        painted += state.paint(k, DENY, "propagate_deny_forward_through_clear_and_infer", cause)
+
+    _dfs(view, deny_roots, "out",
+         enter=lambda k: k in upstream and not state.is_allow(k), visit=visit)
+    require(not (set(state.allow_keys()) & {k for k in view.vertices if state.is_deny(k)}),
+            "propagate_deny_forward_through_clear_and_infer", "no vertex is both ALLOW and DENY")
+    return PassResult(painted > 0, {"painted": painted})
+
+
+def add_clear_and_infer_to_allow_if_between_allow(state: Coloring) -> PassResult:
+    """Clear and infer vertices on a path from an allow vertex to an allow vertex join ALLOW.
+
+    Walk forward from allow vertices through processed, low-precision-capable,
+    float32 clear/infer vertices that are not DENY; then backward from allow
+    vertices through that set.  Reached both ways means between allow ops.
+    """
+    view = state.view
+    allow_roots = [k for k in state.allow_keys() if view.vertices[k].list == "allow"]
+    root_set = set(allow_roots)
+    downstream: set[str] = set()
+
+    def passable(k: str) -> bool:
+        v = view.vertices[k]
+        return (v.list in ("clear", "infer") and _ok_for_low(v) and not state.is_deny(k))
+
+    _dfs(view, allow_roots, "out",
+         enter=lambda k: k not in root_set and k not in downstream and passable(k),
+         visit=lambda k, _p: downstream.add(k))
+    between: dict[str, str] = {}
+
+    def visit(k: str, parent: str | None) -> None:
+        if parent is not None:
+            between[k] = parent
+
+    _dfs(view, allow_roots, "in", enter=lambda k: k in downstream and k not in between, visit=visit)
+    painted = 0
+    for k, via in between.items():
+        v = view.vertices[k]
+        painted += state.paint(k, ALLOW, "add_clear_and_infer_to_allow_if_between_allow",
+                               f"{v.list} op {v.op} lies between allow ops")
+    return PassResult(painted > 0, {"painted": painted})
+
+
+def add_infer_to_allow_if_follow_allow(state: Coloring) -> PassResult:
+    """bfloat16 only (as in TF): in one sweep, an infer vertex with at least one ALLOW
+    direct input and no DENY direct input becomes ALLOW."""
+    view = state.view
+    promote = []
+    for k, v in view.vertices.items():
+        if v.list != "infer" or not _ok_for_low(v) or state.is_deny(k) or state.is_allow(k):
+            continue
+        fanin = view.fanin[k]
+        if any(state.is_deny(f) for f in fanin):
+            continue
+        allow_in = [f for f in fanin if state.is_allow(f)]
+        if allow_in:
+            promote.append((k, allow_in[0]))
+    for k, src in promote:  # decided first, painted after: a single sweep, not a propagation
+        state.paint(k, ALLOW, "add_infer_to_allow_if_follow_allow",
+                    f"infer op follows allow {view.vertices[src].op} `{view.vertices[src].node}`")
+    return PassResult(bool(promote), {"painted": len(promote)})
+
+
+def propagate_allow_through_clear(state: Coloring) -> PassResult:
+    """Walk both ways from ALLOW vertices through processed, capable, float32 clear
+    vertices that are not DENY; they join ALLOW.  Infer vertices are not crossed."""
+    view = state.view
+    roots = state.allow_keys()
+    root_set = set(roots)
+    reached: dict[str, str] = {}
+
+    def visit(k: str, parent: str | None) -> None:
+        if parent is not None:
+            reached[k] = parent
+
+    def enter(k: str) -> bool:
+        v = view.vertices[k]
+        return (k not in root_set and v.list == "clear" and _ok_for_low(v) and not state.is_deny(k))
+
+    _dfs(view, roots, "both", enter=enter, visit=visit)
+    painted = 0
+    for k, parent in reached.items():
+        src = view.vertices[parent]
+        painted += state.paint(k, ALLOW, "propagate_allow_through_clear",
+                               f"clear op next to allow {src.op} `{src.node}`")
+    return PassResult(painted > 0, {"painted": painted})
+
+
+def remove_allow_set_with_fp32(state: Coloring) -> PassResult:
+    """Remove from ALLOW any vertex whose schema or kernel cannot take the low-precision type."""
+    removed = 0
+    for k in state.allow_keys():
+        v = state.view.vertices[k]
+        if not _ok_for_low(v):
+            state.unpaint(k)
+            removed += 1
+    require(all(_ok_for_low(state.view.vertices[k]) for k in state.allow_keys()),
+            "remove_allow_set_with_fp32", "every ALLOW vertex can take the low-precision type")
+    return PassResult(removed > 0, {"removed": removed})
+
+
+def force_color_match(state: Coloring) -> PassResult:
+    """Tensors that must share a type end with one color.
+
+    Minimum behaviour of spec §5.7: control-flow nodes (If/Loop/Scan) keep their
+    own inputs and outputs at the original type, so their vertices never go
+    ALLOW, and each body is colored on its own with its formal inputs and outputs
+    fixed (pinned tensors get Casts inside the body at rewrite time).
+    """
+    removed = 0
+    for k in state.allow_keys():
+        v = state.view.vertices[k]
+        if v.op_type in ("If", "Loop", "Scan"):
+            state.paint(k, DENY, "force_color_match", f"{v.op_type} inputs and outputs keep their type")
+            removed += 1
+    return PassResult(removed > 0, {"removed": removed})
+
+
+def make_casts_allow_if_all_outputs_allow(state: Coloring) -> PassResult:
+    """An existing Cast(to=FLOAT), ConstantOfShape or float Constant whose consumers are
+    all ALLOW is retargeted to the low-precision type (its output vertex joins ALLOW)."""
+    view = state.view
+    painted = 0
+    for k, v in view.vertices.items():
+        if v.op_type not in ("Cast", "Constant", "ConstantOfShape") or not v.outputs or v.inputs:
+            continue
+        if not _ok_for_low(v) or state.is_deny(k) or state.is_allow(k):
+            continue
+        (_, tensor), = v.outputs
+        if tensor in view.pinned:
+            continue
+        consumers = view.consumers_of.get(tensor, [])
+        if consumers and all(state.is_allow(c) for c in consumers):
+            painted += state.paint(k, ALLOW, "make_casts_allow_if_all_outputs_allow",
+                                   f"every consumer of `{tensor}` is ALLOW")
+    return PassResult(painted > 0, {"painted": painted})

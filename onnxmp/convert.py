@@ -1,0 +1,195 @@
+"""The pipeline ``load -> normalize -> color -> rewrite -> verify -> save``.
+
+``convert`` returns a verified mixed-precision model (or raises
+:class:`OnnxMPError`); ``explain`` runs the analysis only.
+"""
+from __future__ import annotations
+
+import logging
+import re
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Iterable, Mapping
+
+import onnx
+import onnx_graphsurgeon as gs
+
+from onnxmp.color import ColorOptions, ColorResult, color
+from onnxmp.errors import OnnxMPError
+from onnxmp.graphs import iter_graphs
+from onnxmp.lists import PRECISIONS, TARGETS, ListOverrides, resolve_lists
+from onnxmp.load import ModelLike, load
+from onnxmp.normalize import normalize
+from onnxmp.report import Report, tensor_core_advice, vertex_rows
+from onnxmp.rewrite import rewrite
+from onnxmp.verify import verify
+
+log = logging.getLogger("onnxmp.convert")
+
+
+@dataclass
+class ConversionResult:
+    model: onnx.ModelProto
+    report: Report
+    coloring: ColorResult | None = field(default=None, repr=False)
+
+
+@contextmanager
+def _timed(timings: dict[str, float], stage: str):
+    start = time.perf_counter()
+    yield
+    timings[stage] = timings.get(stage, 0.0) + time.perf_counter() - start
+
+
+def _options(model: onnx.ModelProto, target, precision, level, lists, block_nodes, keep_io_types,
+             calibration_magnitudes=None, calibration_threshold=65504.0 / 4, underflow_share=0.5) -> ColorOptions:
+    if target not in TARGETS:
+        raise OnnxMPError(f"unknown target {target!r}", hint=f"choose one of: {', '.join(TARGETS)}")
+    if precision not in PRECISIONS:
+        raise OnnxMPError(f"unknown precision {precision!r}", hint=f"choose one of: {', '.join(PRECISIONS)}")
+    opset = next((o.version for o in model.opset_import if o.domain in ("", "ai.onnx")), None)
+    if precision == "bfloat16" and opset is not None and opset < 13:
+        raise OnnxMPError(f"bfloat16 needs opset >= 13 (Cast to bfloat16); the model has opset {opset}",
+                          hint="upgrade it with onnx.version_converter.convert_version(model, 13)")
+    block = list(block_nodes or ())
+    for pattern in block:
+        try:
+            re.compile(pattern)
+        except Exception as exc:
+            raise OnnxMPError(f"bad --block-node pattern {pattern!r}: {exc}", hint="use a Python regular expression") \
+                from None
+    return ColorOptions(lists=resolve_lists(target, precision, level, lists), target=target, precision=precision,
+                        block_nodes=block, keep_io_types=keep_io_types,
+                        calibration_magnitudes=calibration_magnitudes,
+                        calibration_threshold=calibration_threshold, underflow_share=underflow_share)
+
+
+def _analyse(proto: onnx.ModelProto, options: ColorOptions, level: str, timings: dict[str, float]):
+    with _timed(timings, "normalize"):
+        normalized = normalize(proto)
+    with _timed(timings, "color"):
+        colored = color(normalized.graph, options)
+    report = Report(target=options.target, precision=options.precision, level=level,
+                    vertices=vertex_rows(colored.coloring), timings=timings,
+                    node_count=sum(len(g.nodes) for _, g, _ in iter_graphs(normalized.graph)))
+    report.advice = tensor_core_advice(normalized.graph, colored.coloring)
+    if normalized.inference_error:
+        report.calibration["shape_inference_error"] = normalized.inference_error
+    return normalized, colored, report
+
+
+def explain(model: ModelLike, *, target: str = "cuda", precision: str = "float16", keep_io_types: bool = True,
+            level: str = "default", lists: Mapping[str, Iterable[str]] | ListOverrides | None = None,
+            block_nodes: Iterable[str] = (), calibration=None, **calibration_options) -> Report:
+    """Color ``model`` and return the report, without rewriting anything."""
+    timings: dict[str, float] = {}
+    with _timed(timings, "load"):
+        proto = load(model)
+    magnitudes = _calibration_magnitudes(proto, calibration, calibration_options)
+    options = _options(proto, target, precision, level, lists, block_nodes, keep_io_types,
+                       magnitudes, **_threshold(calibration_options))
+    _, colored, report = _analyse(proto, options, level, timings)
+    report.changed = bool(colored.coloring.allow_keys())
+    if not report.changed:
+        report.unchanged_reason = _unchanged_reason(report)
+    return report
+
+
+def convert(model: ModelLike, *, target: str = "cuda", precision: str = "float16", keep_io_types: bool = True,
+            level: str = "default", lists: Mapping[str, Iterable[str]] | ListOverrides | None = None,
+            block_nodes: Iterable[str] = (), calibration=None, master_weights: Iterable[str] = (),
+            **calibration_options) -> ConversionResult:
+    """Convert ``model`` to mixed ``precision`` for ``target`` with TF's AMP algorithm.
+
+    ``calibration`` (sample inputs: a dict of arrays, a list of them, or .npz paths)
+    enables the data-driven deny seed and the accuracy-guided fallback (see
+    :mod:`onnxmp.calibrate`).  ``master_weights`` names initializers that must stay
+    float32 and be Cast at each low-precision use (training).
+    """
+    if calibration is not None:
+        from onnxmp.calibrate import convert_with_calibration
+
+        return convert_with_calibration(
+            model, calibration=calibration, target=target, precision=precision, keep_io_types=keep_io_types,
+            level=level, lists=lists, block_nodes=block_nodes, master_weights=master_weights,
+            **calibration_options)
+    return convert_once(model, target=target, precision=precision, keep_io_types=keep_io_types, level=level,
+                        lists=lists, block_nodes=block_nodes, master_weights=master_weights)
+
+
+def convert_once(model: ModelLike, *, target: str = "cuda", precision: str = "float16", keep_io_types: bool = True,
+                 level: str = "default", lists=None, block_nodes: Iterable[str] = (),
+                 master_weights: Iterable[str] = (), calibration_magnitudes: Mapping[str, float] | None = None,
+                 calibration_threshold: float = 65504.0 / 4, underflow_share: float = 0.5) -> ConversionResult:
+    """One pass of the pipeline, no calibration loop."""
+    timings: dict[str, float] = {}
+    with _timed(timings, "load"):
+        original = load(model)
+    options = _options(original, target, precision, level, lists, block_nodes, keep_io_types,
+                       calibration_magnitudes, calibration_threshold, underflow_share)
+    normalized, colored, report = _analyse(original, options, level, timings)
+    if not colored.coloring.allow_keys():
+        report.unchanged_reason = _unchanged_reason(report)
+        log.info("model unchanged: %s", report.unchanged_reason)
+        return ConversionResult(original, report, colored)
+    with _timed(timings, "rewrite"):
+        try:
+            result, stats = rewrite(normalized.graph, colored.coloring, precision=precision,
+                                    master_weights=master_weights, keep_io_types=keep_io_types)
+            converted = export(normalized.graph, original)
+        except OnnxMPError:
+            raise
+        except Exception as exc:  # keep deep stack traces away from users
+            raise OnnxMPError(f"rewrite failed: {type(exc).__name__}: {str(exc)[:300]}",
+                              hint="please report this model; --block-node or --deny-add can route around "
+                                   "the failing node meanwhile") from exc
+    with _timed(timings, "verify"):
+        verify(converted, original=original, keep_io_types=keep_io_types)
+    report.changed = result.modified
+    report.casts_inserted = len(stats.casts)
+    report.cast_nodes = stats.casts
+    report.converted_initializers = stats.converted_initializers
+    report.twin_initializers = stats.twin_initializers
+    return ConversionResult(converted, report, colored)
+
+
+def export(graph: gs.Graph, original: onnx.ModelProto) -> onnx.ModelProto:
+    """GS export, keeping what GS does not carry: IR version and model metadata.
+
+    The IR version matters: onnxruntime 1.19 (the last training build) rejects
+    the newer IR that onnx's helpers stamp by default.
+    """
+    graph.cleanup(remove_unused_graph_inputs=False, remove_unused_node_outputs=False, recurse_subgraphs=True)
+    model = gs.export_onnx(graph, do_type_check=False)
+    model.ir_version = original.ir_version
+    del model.opset_import[:]
+    model.opset_import.extend(original.opset_import)
+    for field_name in ("producer_name", "producer_version", "domain", "model_version", "doc_string"):
+        setattr(model, field_name, getattr(original, field_name))
+    del model.metadata_props[:]
+    model.metadata_props.extend(original.metadata_props)
+    if original.functions and not model.functions:
+        model.functions.extend(original.functions)
+    return model
+
+
+def _unchanged_reason(report: Report) -> str:
+    heavy = [v for v in report.vertices if v.op in ("Conv", "ConvTranspose", "MatMul", "Gemm", "Einsum", "LSTM",
+                                                      "GRU", "RNN")]
+    if not heavy:
+        return "no allow-list op (Conv/MatMul/Gemm/...) with float32 tensors"
+    causes = sorted({v.cause for v in heavy})
+    return "no allow-list op can run in low precision: " + "; ".join(causes[:3])
+
+
+def _threshold(calibration_options: Mapping) -> dict:
+    return {k: calibration_options[k] for k in ("calibration_threshold", "underflow_share") if k in calibration_options}
+
+
+def _calibration_magnitudes(proto, calibration, calibration_options):
+    if calibration is None:
+        return None
+    from onnxmp.calibrate import observe_magnitudes
+
+    return observe_magnitudes(proto, calibration)

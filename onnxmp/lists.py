@@ -1,0 +1,175 @@
+"""The four op lists of TensorFlow's AMP (allow / infer / deny / clear), for ONNX.
+
+Spec §2 and §7.  Defaults are per (target, precision); users adjust them through
+the API (``lists=``), the CLI (``--allow-add`` ...) and environment variables
+modelled on TF's (``ONNXMP_ALLOWLIST_ADD`` ...).  Ops outside the default ONNX
+domain are written ``domain:OpType`` (for example ``com.microsoft:Attention``).
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from typing import Iterable, Mapping
+
+from onnxmp.errors import OnnxMPError
+
+LIST_NAMES = ("allow", "infer", "deny", "clear")
+LEVELS = ("default", "tensor_cores_only", "treat_infer_as_deny", "unsafe_force_all")
+TARGETS = ("cuda", "cpu")
+PRECISIONS = ("float16", "bfloat16")
+
+_MS = "com.microsoft:"
+
+# Tensor Core work: always worth running in low precision where a kernel exists.
+_ALLOW = {
+    "Conv", "ConvTranspose", "MatMul", "Gemm", "Einsum", "LSTM", "GRU", "RNN",
+    _MS + "Attention", _MS + "MultiHeadAttention", _MS + "FusedMatMul",
+}
+# Numerically safe in low precision, but only worth it between allow ops.
+_INFER = {
+    "Add", "Sub", "Mul", "Div", "Sum", "Mean",
+    "Sigmoid", "HardSigmoid", "Tanh", "Erf", "Gelu", "Elu", "Selu", "LeakyRelu", "PRelu",
+    "Softplus", "Softsign", "HardSwish", "Mish", "Celu", "ThresholdedRelu",
+    "BatchNormalization", "InstanceNormalization", "LayerNormalization", "GroupNormalization",
+    "Softmax", "LogSoftmax", "Log", "Sqrt", "Reciprocal",
+    "AveragePool", "GlobalAveragePool", "LpPool",
+    _MS + "BiasGelu", _MS + "FastGelu", _MS + "SkipLayerNormalization",
+}
+# Range or accumulation makes fp16 unsafe; they also taint downstream infer/clear ops.
+_LOSSES = {"SoftmaxCrossEntropyLoss", "NegativeLogLikelihoodLoss"}
+_RANDOM = {"RandomNormal", "RandomNormalLike", "RandomUniform", "RandomUniformLike", "Multinomial"}
+_DENY = {
+    "Exp", "Pow", "CumSum", "Range",
+    "ReduceSum", "ReduceMean", "ReduceSumSquare", "ReduceL1", "ReduceL2", "ReduceLogSum",
+    "ReduceLogSumExp", "ReduceProd",
+} | _LOSSES | _RANDOM
+# Numerically neutral: they follow their neighbours.
+_CLEAR = {
+    "Relu", "Identity", "Dropout",
+    "Reshape", "Transpose", "Squeeze", "Unsqueeze", "Flatten", "Concat", "Split", "Slice",
+    "Expand", "Tile", "Pad", "DepthToSpace", "SpaceToDepth", "ReverseSequence", "Trilu",
+    "Gather", "GatherElements", "GatherND", "Compress", "Where", "TopK", "ArgMax", "ArgMin",
+    "MaxPool", "GlobalMaxPool", "Max", "Min", "Clip",
+    "Abs", "Neg", "Sign", "Ceil", "Floor", "Round",
+    "Equal", "Less", "LessOrEqual", "Greater", "GreaterOrEqual", "IsNaN", "IsInf",
+    "Resize", "Upsample", "Shape", "Size",
+}
+
+# What unsafe_force_all still keeps out of low precision (spec §7).
+NEVER_FORCED = {"Constant"} | _LOSSES | _RANDOM
+
+
+def default_lists(target: str = "cuda", precision: str = "float16") -> dict[str, set[str]]:
+    """Default lists for ``target``/``precision``.
+
+    bfloat16 has float32's exponent range, so TF runs the same lists for it; the
+    kernel table then decides what really runs.  The CPU target uses the same lists
+    gated by the CPU EP's kernels: ORT CPU has almost no fp16 compute kernels, so
+    on the CPU only emulation (``onnxmp emulate``) is meaningful.
+    """
+    _check_choice("target", target, TARGETS)
+    _check_choice("precision", precision, PRECISIONS)
+    return {"allow": set(_ALLOW), "infer": set(_INFER), "deny": set(_DENY), "clear": set(_CLEAR)}
+
+
+def _check_choice(what: str, value: str, choices: Iterable[str]) -> None:
+    if value not in choices:
+        raise OnnxMPError(f"unknown {what} {value!r}", hint=f"choose one of: {', '.join(choices)}")
+
+
+@dataclass
+class ListOverrides:
+    """Adds and removes per list; adds are applied before removes, as in TF."""
+
+    add: dict[str, set[str]] = field(default_factory=lambda: {n: set() for n in LIST_NAMES})
+    remove: dict[str, set[str]] = field(default_factory=lambda: {n: set() for n in LIST_NAMES})
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] | None = None) -> "ListOverrides":
+        environ = os.environ if environ is None else environ
+        out = cls()
+        for name in LIST_NAMES:
+            for action, target in (("ADD", out.add), ("REMOVE", out.remove)):
+                raw = environ.get(f"ONNXMP_{name.upper()}LIST_{action}", "")
+                target[name].update(op.strip() for op in raw.split(",") if op.strip())
+        return out
+
+    @classmethod
+    def from_mapping(cls, spec: Mapping[str, Iterable[str]] | None) -> "ListOverrides":
+        """``{"allow_add": [...], "deny_remove": [...]}`` or ``{"allow": [...]}`` (= add)."""
+        out = cls()
+        for key, ops in (spec or {}).items():
+            if isinstance(ops, str):
+                ops = [ops]
+            name, _, action = key.partition("_")
+            action = action or "add"
+            if name not in LIST_NAMES or action not in ("add", "remove"):
+                raise OnnxMPError(
+                    f"unknown list override {key!r}",
+                    hint="use keys like 'allow_add', 'deny_remove' (lists: allow, infer, deny, clear)",
+                )
+            (out.add if action == "add" else out.remove)[name].update(ops)
+        return out
+
+
+def resolve_lists(
+    target: str = "cuda",
+    precision: str = "float16",
+    level: str = "default",
+    lists: Mapping[str, Iterable[str]] | ListOverrides | None = None,
+    environ: Mapping[str, str] | None = None,
+) -> dict[str, frozenset[str]]:
+    """Defaults, then environment overrides, then API overrides, then the level.
+
+    An op left in two lists is an error: TF's behaviour for such a clash would
+    depend on pass order, which a user cannot see.
+    """
+    _check_choice("level", level, LEVELS)
+    result = default_lists(target, precision)
+    api = lists if isinstance(lists, ListOverrides) else ListOverrides.from_mapping(lists)
+    for overrides in (ListOverrides.from_env(environ), api):
+        for name in LIST_NAMES:
+            result[name] |= overrides.add[name]
+        for name in LIST_NAMES:
+            result[name] -= overrides.remove[name]
+    _check_disjoint(result)
+    return {name: frozenset(ops) for name, ops in apply_level(result, level).items()}
+
+
+def _check_disjoint(result: Mapping[str, set[str]]) -> None:
+    for i, a in enumerate(LIST_NAMES):
+        for b in LIST_NAMES[i + 1:]:
+            both = sorted(result[a] & result[b])
+            if both:
+                raise OnnxMPError(
+                    f"op {both[0]} is in both the {a} and the {b} list",
+                    hint=f"remove it from one, e.g. --{b}-remove {both[0]} "
+                    f"(or ONNXMP_{b.upper()}LIST_REMOVE={both[0]})",
+                )
+
+
+def apply_level(result: Mapping[str, set[str]], level: str) -> dict[str, set[str]]:
+    """Spec §7: levels reshape the lists, exactly as TF's AMP levels do."""
+    allow, infer, deny, clear = (set(result[n]) for n in LIST_NAMES)
+    if level == "tensor_cores_only":
+        infer, deny, clear = set(), set(), set()
+    elif level == "treat_infer_as_deny":
+        deny |= infer
+        infer = set()
+    elif level == "unsafe_force_all":
+        allow = (allow | infer | deny | clear) - NEVER_FORCED
+        deny = deny & NEVER_FORCED
+        infer, clear = set(), set()
+    return {"allow": allow, "infer": infer, "deny": deny, "clear": clear}
+
+
+def list_of(op_key: str, lists: Mapping[str, frozenset[str]]) -> str | None:
+    """Which list ``op_key`` (``OpType`` or ``domain:OpType``) is on, if any."""
+    for name in LIST_NAMES:
+        if op_key in lists[name]:
+            return name
+    return None
+
+
+def op_key(op_type: str, domain: str) -> str:
+    return op_type if domain in ("", "ai.onnx") else f"{domain}:{op_type}"

@@ -1,0 +1,80 @@
+"""Stage 1: load.  Accepts a path or a ModelProto; never modifies the input."""
+from __future__ import annotations
+
+import logging
+import os
+from pathlib import Path
+from typing import Union
+
+import onnx
+
+from onnxmp.errors import OnnxMPError
+
+log = logging.getLogger("onnxmp.load")
+
+ModelLike = Union[str, os.PathLike, onnx.ModelProto, bytes]
+
+
+def load(model: ModelLike) -> onnx.ModelProto:
+    """Return a ModelProto the caller may mutate freely.
+
+    A path is read with its external data (relative to the file's folder).  A
+    ModelProto is deep-copied so the caller's object is never touched.
+    """
+    if isinstance(model, onnx.ModelProto):
+        copy = onnx.ModelProto()
+        copy.CopyFrom(model)
+        _check_not_empty(copy, "the given ModelProto")
+        return copy
+    if isinstance(model, (bytes, bytearray)):
+        return _parse_bytes(bytes(model), "the given bytes")
+    if not isinstance(model, (str, os.PathLike)):
+        raise OnnxMPError(
+            f"cannot load a model from {type(model).__name__}",
+            hint="pass a path to an .onnx file or an onnx.ModelProto",
+        )
+    path = Path(model)
+    if not path.is_file():
+        raise OnnxMPError(f"no such model file: {path}", hint="check the path")
+    try:
+        proto = onnx.load(str(path), load_external_data=False)
+    except Exception as exc:  # protobuf raises DecodeError or RuntimeError depending on the build
+        raise OnnxMPError(
+            f"{path} is not a readable ONNX model ({type(exc).__name__}: {str(exc)[:200]})",
+            hint="the file may be truncated or not an ONNX protobuf; re-export it",
+        ) from None
+    _check_not_empty(proto, str(path))
+    if _uses_external_data(proto):
+        try:
+            onnx.load_external_data_for_model(proto, str(path.parent))
+        except (OSError, ValueError) as exc:
+            raise OnnxMPError(
+                f"cannot read the external data of {path}: {exc}",
+                hint="keep the external data files next to the model, with the names it records",
+            ) from None
+    log.debug("loaded %s: %d nodes", path, len(proto.graph.node))
+    return proto
+
+
+def _parse_bytes(data: bytes, what: str) -> onnx.ModelProto:
+    proto = onnx.ModelProto()
+    try:
+        proto.ParseFromString(data)
+    except Exception as exc:
+        raise OnnxMPError(f"{what} are not an ONNX model ({exc})", hint="re-export the model") from None
+    _check_not_empty(proto, what)
+    return proto
+
+
+def _check_not_empty(proto: onnx.ModelProto, what: str) -> None:
+    # A truncated file often still parses into an empty or partial proto.
+    if not proto.HasField("graph") or (not proto.graph.node and not proto.graph.output):
+        raise OnnxMPError(f"{what} holds no graph", hint="the file may be truncated or not an ONNX model")
+    if not proto.opset_import:
+        raise OnnxMPError(f"{what} declares no opset_import", hint="re-export the model with an opset")
+
+
+def _uses_external_data(proto: onnx.ModelProto) -> bool:
+    return any(
+        t.data_location == onnx.TensorProto.EXTERNAL for t in onnx.external_data_helper._get_all_tensors(proto)
+    )

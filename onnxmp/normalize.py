@@ -1,0 +1,107 @@
+"""Stage 2: normalize.  Unique names, topological order, dtypes from shape inference.
+
+Everything after this stage keys nodes and tensors by name, so names must be
+unique across the main graph and all subgraphs.
+"""
+from __future__ import annotations
+
+import logging
+from collections import Counter
+from dataclasses import dataclass, field
+
+import onnx
+import onnx_graphsurgeon as gs
+
+from onnxmp.errors import OnnxMPError
+from onnxmp.graphs import iter_graphs
+from onnxmp.passes import PassResult, require
+
+log = logging.getLogger("onnxmp.normalize")
+
+
+@dataclass
+class Normalized:
+    graph: gs.Graph
+    result: PassResult
+    inference_error: str | None = None
+    renamed_nodes: list[tuple[str, str]] = field(default_factory=list)
+
+
+def infer_types(model: onnx.ModelProto) -> tuple[onnx.ModelProto, str | None]:
+    """Shape inference, tolerant: unknown ops or opsets leave types unknown rather than fail.
+
+    Vertices with unknown types are simply not painted (spec §1), and the report says why.
+    """
+    try:
+        return onnx.shape_inference.infer_shapes(model, data_prop=True), None
+    except Exception as exc:  # onnx raises InferenceError, ValidationError or RuntimeError
+        message = str(exc).splitlines()[0][:300]
+        log.warning("shape inference failed (%s); types not declared in the model stay unknown", message)
+        return model, message
+
+
+def normalize(model: onnx.ModelProto) -> Normalized:
+    """Import into onnx-graphsurgeon with unique names and topologically sorted graphs."""
+    inferred, error = infer_types(model)
+    try:
+        graph = gs.import_onnx(inferred)
+    except Exception as exc:
+        raise OnnxMPError(
+            f"onnx-graphsurgeon cannot import the model: {str(exc).splitlines()[0][:300]}",
+            hint="run onnx.checker.check_model on it; the model may be malformed",
+        ) from None
+    renamed = make_node_names_unique(graph)
+    sorted_changed = toposort_all(graph)
+    _check_unique_names(graph)
+    return Normalized(graph, PassResult(bool(renamed) or sorted_changed,
+                                        {"renamed_nodes": len(renamed), "resorted": sorted_changed}),
+                      error, renamed)
+
+
+def make_node_names_unique(graph: gs.Graph) -> list[tuple[str, str]]:
+    """Give unnamed and duplicate-named nodes deterministic names ``<op>_<n>``.
+
+    The first node holding a name keeps it, so already-unique models are untouched.
+    """
+    all_nodes = [n for _, g, _ in iter_graphs(graph) for n in g.nodes]
+    taken = Counter(n.name for n in all_nodes if n.name)
+    seen: set[str] = set()
+    renamed: list[tuple[str, str]] = []
+    counter = 0
+    for node in all_nodes:
+        if node.name and node.name not in seen:
+            seen.add(node.name)
+            continue
+        while True:
+            candidate = f"{node.op}_onnxmp_{counter}"
+            counter += 1
+            if candidate not in taken and candidate not in seen:
+                break
+        renamed.append((node.name, candidate))
+        node.name = candidate
+        seen.add(candidate)
+    if renamed:
+        log.info("named %d unnamed or duplicate-named nodes", len(renamed))
+    return renamed
+
+
+def toposort_all(graph: gs.Graph) -> bool:
+    """Sort every graph; True when some graph was out of order."""
+    changed = False
+    for graph_id, g, _ in iter_graphs(graph):
+        before = [n.name for n in g.nodes]
+        try:
+            g.toposort(recurse_subgraphs=False)
+        except Exception as exc:
+            raise OnnxMPError(
+                f"graph {graph_id or 'main'!r} cannot be sorted topologically: {str(exc)[:200]}",
+                hint="the graph has a cycle or a node reads a tensor nothing produces",
+            ) from None
+        if [n.name for n in g.nodes] != before:
+            changed = True
+    return changed
+
+
+def _check_unique_names(graph: gs.Graph) -> None:
+    names = [n.name for _, g, _ in iter_graphs(graph) for n in g.nodes]
+    require(len(names) == len(set(names)), "normalize", "node names unique across all graphs")

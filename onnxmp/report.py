@@ -1,0 +1,214 @@
+"""Explain (spec §8): per-vertex color with the rule and cause, a summary, and
+Tensor Core advice from the seed documents."""
+from __future__ import annotations
+
+import json
+from collections import Counter, defaultdict
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import numpy as np
+import onnx_graphsurgeon as gs
+
+from onnxmp.color.rules import ALLOW, Coloring
+from onnxmp.graphs import iter_graphs
+
+TENSOR_CORE_OPS = ("Conv", "ConvTranspose", "MatMul", "Gemm")
+
+
+@dataclass
+class VertexRow:
+    vertex: str
+    node: str
+    op: str
+    param: str
+    graph: str
+    color: str
+    rule: str
+    cause: str
+    tensors: list[str]
+
+
+@dataclass
+class Advice:
+    node: str
+    op: str
+    dimension: str
+    value: int
+    message: str
+
+
+@dataclass
+class Report:
+    target: str
+    precision: str
+    level: str
+    vertices: list[VertexRow] = field(default_factory=list)
+    casts_inserted: int = 0
+    cast_nodes: list[str] = field(default_factory=list)
+    changed: bool = False
+    unchanged_reason: str | None = None
+    advice: list[Advice] = field(default_factory=list)
+    timings: dict[str, float] = field(default_factory=dict)
+    node_count: int = 0
+    converted_initializers: list[str] = field(default_factory=list)
+    twin_initializers: list[str] = field(default_factory=list)
+    calibration: dict[str, Any] = field(default_factory=dict)
+
+    # -- aggregates ---------------------------------------------------------------
+    def color_counts(self) -> dict[str, int]:
+        return dict(Counter(v.color for v in self.vertices))
+
+    def node_colors(self) -> dict[str, str]:
+        """A node is low precision when any vertex is ALLOW, else deny when any is DENY."""
+        rank = {ALLOW: 2, "deny": 1}
+        out: dict[str, str] = {}
+        for v in self.vertices:
+            if rank.get(v.color, 0) >= rank.get(out.get(v.node), 0) or v.node not in out:
+                out[v.node] = v.color if rank.get(v.color, 0) >= rank.get(out.get(v.node), 0) else out[v.node]
+        return out
+
+    def per_op(self) -> dict[str, dict[str, int]]:
+        ops = {v.node: v.op for v in self.vertices}
+        table: dict[str, Counter] = defaultdict(Counter)
+        for node, color in self.node_colors().items():
+            table[ops[node]][color] += 1
+        return {op: dict(c) for op, c in sorted(table.items())}
+
+    def tensor_core_share(self) -> float | None:
+        colors = self.node_colors()
+        ops = {v.node: v.op for v in self.vertices}
+        heavy = [n for n, op in ops.items() if op in TENSOR_CORE_OPS]
+        if not heavy:
+            return None
+        return sum(colors[n] == ALLOW for n in heavy) / len(heavy)
+
+    def denied(self) -> list[VertexRow]:
+        return [v for v in self.vertices if v.color == "deny"]
+
+    # -- output ---------------------------------------------------------------------
+    def to_dict(self) -> dict[str, Any]:
+        data = asdict(self)
+        data["summary"] = {"colors": self.color_counts(), "per_op": self.per_op(),
+                           "tensor_core_fp16_share": self.tensor_core_share()}
+        return data
+
+    def to_json(self, indent: int | None = 2) -> str:
+        return json.dumps(self.to_dict(), indent=indent, default=_json_default)
+
+    def summary(self) -> str:
+        lines = [f"onnxmp: target={self.target} precision={self.precision} level={self.level} "
+                 f"nodes={self.node_count}"]
+        if not self.changed:
+            lines.append(f"model unchanged: {self.unchanged_reason or 'nothing to convert'}")
+        counts = self.color_counts()
+        lines.append("vertices: " + ", ".join(f"{c}={counts.get(c, 0)}" for c in ("allow", "deny", "fp32")))
+        share = self.tensor_core_share()
+        if share is not None:
+            lines.append(f"{self.precision} share of Conv/MatMul/Gemm nodes: {share:.0%}")
+        lines.append(f"Casts inserted: {self.casts_inserted}")
+        if self.converted_initializers or self.twin_initializers:
+            lines.append(f"initializers: {len(self.converted_initializers)} converted, "
+                         f"{len(self.twin_initializers)} with a low-precision twin")
+        lines.append("")
+        lines.append(f"{'op':<28}{'allow':>7}{'deny':>7}{'fp32':>7}")
+        for op, c in self.per_op().items():
+            lines.append(f"{op:<28}{c.get('allow', 0):>7}{c.get('deny', 0):>7}{c.get('fp32', 0):>7}")
+        denied = self.denied()
+        if denied:
+            lines.append("")
+            lines.append("kept in fp32 (deny):")
+            seen = set()
+            for v in denied:
+                if v.node in seen:
+                    continue
+                seen.add(v.node)
+                lines.append(f"  {v.node} ({v.op}): {v.cause}")
+                if len(seen) >= 20:
+                    lines.append(f"  ... {len({d.node for d in denied}) - 20} more (see --report JSON)")
+                    break
+        if self.advice:
+            lines.append("")
+            lines.append("Tensor Core advice (dimensions should be multiples of 8, or powers of two below 256):")
+            for a in self.advice[:20]:
+                lines.append(f"  {a.message}")
+            if len(self.advice) > 20:
+                lines.append(f"  ... {len(self.advice) - 20} more")
+        if self.timings:
+            lines.append("")
+            lines.append("time: " + ", ".join(f"{k} {v * 1000:.0f} ms" for k, v in self.timings.items()))
+        return "\n".join(lines)
+
+
+def _json_default(obj):
+    if isinstance(obj, (np.integer,)):
+        return int(obj)
+    if isinstance(obj, (np.floating,)):
+        return float(obj)
+    return str(obj)
+
+
+def vertex_rows(state: Coloring) -> list[VertexRow]:
+    rows = []
+    for key, v in state.view.vertices.items():
+        if not v.float32 and v.type_known:
+            continue  # int/bool parameters are never candidates; listing them is noise
+        color, reason = state.final(key)
+        rows.append(VertexRow(key, v.node, v.op, v.param, v.graph or "main", color, reason.rule, reason.cause,
+                              v.tensors))
+    return rows
+
+
+def tensor_core_friendly(dim: int) -> bool:
+    """Seed documents: multiples of 8, or powers of two below 256."""
+    return dim % 8 == 0 or (dim < 256 and dim > 0 and dim & (dim - 1) == 0)
+
+
+def tensor_core_advice(graph: gs.Graph, state: Coloring) -> list[Advice]:
+    """For each low-precision MatMul/Gemm/Conv, name static K/N or channel dims that are not friendly."""
+    allow_nodes = {state.view.vertices[k].node for k in state.allow_keys()}
+    advice: list[Advice] = []
+    for _, g, _ in iter_graphs(graph):
+        for node in g.nodes:
+            if node.name not in allow_nodes or node.op not in TENSOR_CORE_OPS:
+                continue
+            for label, dim in _dims(node):
+                if isinstance(dim, (int, np.integer)) and dim > 0 and not tensor_core_friendly(int(dim)):
+                    advice.append(Advice(node.name, node.op, label, int(dim),
+                                         f"{node.op} `{node.name}`: {label} = {dim} is not a multiple of 8 "
+                                         "(nor a power of two below 256); pad it for Tensor Cores"))
+    return advice
+
+
+def _shape(t: gs.Tensor):
+    shape = t.shape if not isinstance(t, gs.Constant) else t.values.shape
+    return list(shape) if shape is not None else None
+
+
+def _dims(node: gs.Node) -> list[tuple[str, Any]]:
+    if node.op == "MatMul" and len(node.inputs) >= 2:
+        a, b = _shape(node.inputs[0]), _shape(node.inputs[1])
+        out = []
+        if a and len(a) >= 1:
+            out.append(("K", a[-1]))
+        if b and len(b) >= 2:
+            out.append(("N", b[-1]))
+        return out
+    if node.op == "Gemm" and len(node.inputs) >= 2:
+        a, b = _shape(node.inputs[0]), _shape(node.inputs[1])
+        ta, tb = node.attrs.get("transA", 0), node.attrs.get("transB", 0)
+        out = []
+        if a and len(a) == 2:
+            out.append(("K", a[0] if ta else a[1]))
+        if b and len(b) == 2:
+            out.append(("N", b[0] if tb else b[1]))
+        return out
+    if node.op in ("Conv", "ConvTranspose") and len(node.inputs) >= 2:
+        w = _shape(node.inputs[1])
+        if not w or len(w) < 2:
+            return []
+        group = int(node.attrs.get("group", 1))
+        if node.op == "Conv":
+            return [("input channels", w[1] * group), ("output channels", w[0])]
+        return [("input channels", w[0]), ("output channels", w[1] * group)]
+    return []

@@ -1,0 +1,200 @@
+"""Stage 4: rewrite.  Apply a coloring to the graph (spec §6).
+
+* Output tensors of ALLOW vertices are retyped to the low-precision type.
+* At each boundary one Cast per (source tensor, target type, graph) is placed
+  after the producer and shared by every consumer that needs it.
+* Initializers read only by ALLOW vertices are stored in low precision; one
+  read by both sides keeps its fp32 original and gets a low-precision twin.
+  Master weights (training) always stay fp32 and are Cast at use.
+* Tensors whose name the outside world sees (graph inputs/outputs with
+  ``keep_io_types``, body formal I/O, outer-scope tensors read by a body) keep
+  their name and dtype: the low-precision producer writes a renamed tensor and
+  a Cast restores the original name.
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import Iterable
+
+import ml_dtypes
+import numpy as np
+import onnx
+import onnx_graphsurgeon as gs
+
+from onnxmp.color.rules import Coloring
+from onnxmp.graphs import iter_graphs, onnx_dtype
+from onnxmp.passes import PassResult, require
+
+log = logging.getLogger("onnxmp.rewrite")
+
+LOW_NUMPY = {"float16": np.dtype(np.float16), "bfloat16": np.dtype(ml_dtypes.bfloat16)}
+LOW_ENUM = {"float16": onnx.TensorProto.FLOAT16, "bfloat16": onnx.TensorProto.BFLOAT16}
+SUFFIX = {"float16": "fp16", "bfloat16": "bf16", "float32": "fp32"}
+
+
+@dataclass
+class RewriteStats:
+    casts: list[str] = field(default_factory=list)          # names of inserted Cast nodes
+    retyped_tensors: int = 0
+    converted_initializers: list[str] = field(default_factory=list)
+    twin_initializers: list[str] = field(default_factory=list)
+    retargeted_nodes: list[str] = field(default_factory=list)
+
+
+class _Names:
+    """Deterministic names that never collide with any name in any graph."""
+
+    def __init__(self, graph: gs.Graph):
+        self.taken: set[str] = set()
+        for _, g, _ in iter_graphs(graph):
+            self.taken.update(n.name for n in g.nodes)
+            self.taken.update(t.name for t in g.inputs + g.outputs)
+            for n in g.nodes:
+                self.taken.update(t.name for t in n.inputs + n.outputs)
+
+    def fresh(self, base: str) -> str:
+        name, i = base, 1
+        while name in self.taken:
+            name, i = f"{base}_{i}", i + 1
+        self.taken.add(name)
+        return name
+
+
+def rewrite(graph: gs.Graph, state: Coloring, *, precision: str = "float16",
+            master_weights: Iterable[str] = (), keep_io_types: bool = True) -> tuple[PassResult, RewriteStats]:
+    view = state.view
+    low_np, low_enum, low_sfx = LOW_NUMPY[precision], LOW_ENUM[precision], SUFFIX[precision]
+    master = set(master_weights)
+    names = _Names(graph)
+    stats = RewriteStats()
+    allow = set(state.allow_keys())
+
+    # Which (node, input index) positions read in low precision.
+    low_input: set[tuple[str, int]] = set()
+    for key in allow:
+        v = view.vertices[key]
+        low_input.update((v.node, i) for i, _ in v.inputs)
+
+    graphs = list(iter_graphs(graph))
+    # Every reader of every initializer, across graphs, to decide convert vs twin.
+    const_readers: dict[str, list[bool]] = {}
+    for _, g, _ in graphs:
+        for node in g.nodes:
+            for i, t in enumerate(node.inputs):
+                if isinstance(t, gs.Constant):
+                    const_readers.setdefault(t.name, []).append((node.name, i) in low_input)
+    graph_io = {t.name for _, g, _ in graphs for t in g.inputs + g.outputs}
+
+    for graph_id, g, _ in graphs:
+        new_nodes: list[gs.Node] = []
+        shared_casts: dict[tuple[str, int], gs.Variable] = {}
+        low_alias: dict[str, gs.Tensor] = {}  # original tensor name -> tensor holding its low value
+
+        def cast(src: gs.Tensor, to_enum: int, to_np, sfx: str) -> gs.Variable:
+            key = (src.name, to_enum)
+            if key not in shared_casts:
+                out = gs.Variable(names.fresh(f"{src.name}_onnxmp_{sfx}"), dtype=to_np, shape=src.shape)
+                node = gs.Node("Cast", names.fresh(f"{src.name}_onnxmp_cast_{sfx}"),
+                               attrs={"to": int(to_enum)}, inputs=[src], outputs=[out])
+                new_nodes.append(node)
+                stats.casts.append(node.name)
+                shared_casts[key] = out
+            return shared_casts[key]
+
+        # 1. Retype ALLOW outputs (renaming pinned ones) and retarget dtype attributes.
+        for node in list(g.nodes):
+            for key in view.node_vertices.get(node.name, []):
+                if key not in allow:
+                    continue
+                v = view.vertices[key]
+                for index, name in v.outputs:
+                    tensor = node.outputs[index]
+                    if name in view.pinned:
+                        low = gs.Variable(names.fresh(f"{name}_onnxmp_{low_sfx}"), dtype=low_np, shape=tensor.shape)
+                        node.outputs[index] = low
+                        restore = gs.Node("Cast", names.fresh(f"{name}_onnxmp_cast_fp32"),
+                                          attrs={"to": int(onnx.TensorProto.FLOAT)}, inputs=[low], outputs=[tensor])
+                        new_nodes.append(restore)
+                        stats.casts.append(restore.name)
+                        low_alias[name] = low
+                    else:
+                        tensor.dtype = low_np
+                        low_alias[name] = tensor
+                    stats.retyped_tensors += 1
+                if node.op in ("Cast", "Constant", "ConstantOfShape"):
+                    _retarget(node, low_enum, low_np)
+                    stats.retargeted_nodes.append(node.name)
+
+        # 2. Graph inputs of the main graph may turn low when keep_io_types is off.
+        if graph_id == "" and not keep_io_types:
+            for tensor in g.inputs:
+                if onnx_dtype(tensor) != onnx.TensorProto.FLOAT or tensor.name in view.pinned:
+                    continue
+                readers = [(n.name, i) for n in g.nodes for i, t in enumerate(n.inputs) if t.name == tensor.name]
+                if readers and all(r in low_input for r in readers):
+                    tensor.dtype = low_np
+                    low_alias[tensor.name] = tensor
+                    stats.retyped_tensors += 1
+
+        # 3. Fix every consumer: low readers of fp32 sources, fp32 readers of low tensors.
+        twins: dict[str, gs.Constant] = {}
+        for node in list(g.nodes):
+            if node in new_nodes:
+                continue
+            for i, tensor in enumerate(list(node.inputs)):
+                if not tensor.name:
+                    continue
+                wants_low = (node.name, i) in low_input
+                if isinstance(tensor, gs.Constant):
+                    if wants_low and onnx_dtype(tensor) == onnx.TensorProto.FLOAT:
+                        node.inputs[i] = _low_constant(tensor, const_readers, master, twins, names, low_np,
+                                                       low_enum, low_sfx, stats, cast, graph_io)
+                    continue
+                is_low = tensor.name in low_alias
+                if wants_low and not is_low:
+                    if onnx_dtype(tensor) == onnx.TensorProto.FLOAT:
+                        node.inputs[i] = cast(tensor, low_enum, low_np, low_sfx)
+                elif wants_low and is_low:
+                    node.inputs[i] = low_alias[tensor.name]
+                elif not wants_low and is_low and low_alias[tensor.name].name == tensor.name:
+                    node.inputs[i] = cast(tensor, onnx.TensorProto.FLOAT, np.float32, "fp32")
+        g.nodes.extend(new_nodes)
+        try:
+            g.toposort(recurse_subgraphs=False)
+        except Exception as exc:  # a rewrite bug, not user input
+            require(False, "rewrite", f"graph {graph_id or 'main'!r} stays sortable ({exc})")
+    modified = bool(stats.casts or stats.retyped_tensors or stats.converted_initializers or stats.twin_initializers)
+    return PassResult(modified, {"casts": len(stats.casts)}), stats
+
+
+def _low_constant(tensor: gs.Constant, readers, master, twins, names, low_np, low_enum, low_sfx, stats, cast,
+                  graph_io) -> gs.Tensor:
+    if tensor.name in master or tensor.name in graph_io:
+        return cast(tensor, low_enum, low_np, low_sfx)
+    if all(readers[tensor.name]):
+        if tensor.name not in stats.converted_initializers:
+            tensor.values = np.asarray(tensor.values).astype(low_np)
+            stats.converted_initializers.append(tensor.name)
+        return tensor
+    if tensor.name not in twins:
+        twins[tensor.name] = gs.Constant(names.fresh(f"{tensor.name}_onnxmp_{low_sfx}"),
+                                         np.asarray(tensor.values).astype(low_np))
+        stats.twin_initializers.append(tensor.name)
+    return twins[tensor.name]
+
+
+def _retarget(node: gs.Node, low_enum: int, low_np) -> None:
+    """Spec §5.8: an op whose float32 output type comes from an attribute now makes low precision."""
+    if node.op == "Cast":
+        node.attrs["to"] = int(low_enum)
+        return
+    value = node.attrs.get("value")
+    if node.op == "Constant" and value is None:
+        for attr in ("value_float", "value_floats"):
+            if attr in node.attrs:
+                value = gs.Constant(node.outputs[0].name + "_value",
+                                    np.asarray(node.attrs.pop(attr), dtype=np.float32))
+    if value is None:  # ConstantOfShape defaults to a float32 zero
+        value = gs.Constant(node.outputs[0].name + "_value", np.zeros((1,), dtype=np.float32))
+    node.attrs["value"] = gs.Constant(value.name, np.asarray(value.values).astype(low_np))
