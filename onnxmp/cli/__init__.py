@@ -61,6 +61,9 @@ def main(argv: list[str] | None = None) -> int:
         if exc.hint:
             sys.stderr.write(f"  hint: {exc.hint}\n")
         return 1
+    except BrokenPipeError:  # `onnxmp lists | head` is normal use, not an error
+        sys.stderr.close()
+        return 0
     except KeyboardInterrupt:
         sys.stderr.write("onnxmp: interrupted\n")
         return 130

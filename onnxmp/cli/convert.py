@@ -1,0 +1,156 @@
+"""``onnxmp convert``, ``onnxmp explain`` and ``onnxmp lists``."""
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import sys
+import tempfile
+from pathlib import Path
+
+from onnxmp.errors import OnnxMPError
+from onnxmp.lists import LEVELS, LIST_NAMES, PRECISIONS, TARGETS
+
+log = logging.getLogger("onnxmp.cli")
+
+
+def register(sub) -> None:
+    from onnxmp.cli import add_verbosity_flags
+
+    p = sub.add_parser("convert", help="convert a float32 ONNX model to mixed precision",
+                       description="Color the model with TensorFlow's AMP algorithm and rewrite it to mixed "
+                                   "float16/bfloat16. Prints a summary; --report writes the full explanation.")
+    p.add_argument("model", help="input .onnx file")
+    p.add_argument("-o", "--output", required=True, help="output .onnx file (written atomically)")
+    _add_common(p)
+    p.add_argument("--calibrate", nargs="+", metavar="NPZ", default=None,
+                   help="sample inputs (.npz): deny nodes whose intermediates overflow and fall back to fp32 "
+                        "where the converted model misses --tolerance")
+    p.add_argument("--tolerance", type=float, default=None,
+                   help="with --calibrate: max relative error (vs max |ref|) allowed per output")
+    p.add_argument("--report", metavar="FILE.json", help="write the full per-vertex explanation as JSON")
+    add_verbosity_flags(p)
+    p.set_defaults(func=_convert)
+
+    p = sub.add_parser("explain", help="show how a model would be colored, without converting it")
+    p.add_argument("model", help="input .onnx file")
+    _add_common(p)
+    p.add_argument("--json", action="store_true", help="print the full explanation as JSON")
+    add_verbosity_flags(p)
+    p.set_defaults(func=_explain)
+
+    p = sub.add_parser("lists", help="print the op lists and the kernel coverage of a target")
+    p.add_argument("--target", choices=TARGETS, default="cuda")
+    p.add_argument("--precision", choices=PRECISIONS, default="float16")
+    p.add_argument("--level", choices=LEVELS, default="default")
+    p.add_argument("--opset", type=int, default=17, help="opset at which kernel coverage is shown (default 17)")
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+    add_verbosity_flags(p)
+    p.set_defaults(func=_lists)
+
+
+def _add_common(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--target", choices=TARGETS, default="cuda", help="execution provider to convert for")
+    p.add_argument("--precision", choices=PRECISIONS, default="float16")
+    p.add_argument("--no-keep-io-types", dest="keep_io_types", action="store_false",
+                   help="let graph inputs/outputs take the low-precision type")
+    p.add_argument("--level", choices=LEVELS, default="default")
+    for name in LIST_NAMES:
+        p.add_argument(f"--{name}-add", action="append", default=[], metavar="OP", help=f"add OP to the {name} list")
+        p.add_argument(f"--{name}-remove", action="append", default=[], metavar="OP",
+                       help=f"remove OP from the {name} list")
+    p.add_argument("--block-node", action="append", default=[], metavar="REGEX",
+                   help="keep nodes whose name matches REGEX in float32 (repeatable)")
+
+
+def _overrides(args) -> dict[str, list[str]]:
+    out = {}
+    for name in LIST_NAMES:
+        for action in ("add", "remove"):
+            ops = [op for chunk in getattr(args, f"{name}_{action}") for op in chunk.split(",") if op]
+            if ops:
+                out[f"{name}_{action}"] = ops
+    return out
+
+
+def _common_kwargs(args) -> dict:
+    return dict(target=args.target, precision=args.precision, keep_io_types=args.keep_io_types, level=args.level,
+                lists=_overrides(args), block_nodes=args.block_node)
+
+
+def _write_text(path: str, text: str) -> None:
+    target = Path(path)
+    fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", dir=target.parent if str(target.parent) else ".")
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+        os.replace(tmp, target)
+    except OSError as exc:
+        Path(tmp).unlink(missing_ok=True)
+        raise OnnxMPError(f"cannot write {path}: {exc}", hint="check the folder exists and is writable") from None
+
+
+def _convert(args) -> int:
+    import onnxmp
+
+    kwargs = _common_kwargs(args)
+    if args.calibrate:
+        kwargs["calibration"] = args.calibrate
+        if args.tolerance is not None:
+            kwargs["tolerance"] = args.tolerance
+    elif args.tolerance is not None:
+        raise OnnxMPError("--tolerance needs --calibrate", hint="pass sample inputs: --calibrate inputs.npz")
+    if Path(args.output).resolve() == Path(args.model).resolve():
+        raise OnnxMPError("the output path is the input path", hint="onnxmp never modifies its input; choose -o")
+    result = onnxmp.convert(args.model, **kwargs)
+    onnxmp.save(result.model, args.output)
+    if args.report:
+        _write_text(args.report, result.report.to_json())
+    sys.stdout.write(result.report.summary() + "\n")
+    sys.stdout.write(f"wrote {args.output}\n")
+    return 0
+
+
+def _explain(args) -> int:
+    import onnxmp
+
+    report = onnxmp.explain(args.model, **_common_kwargs(args))
+    if args.json:
+        sys.stdout.write(report.to_json() + "\n")
+        return 0
+    sys.stdout.write(report.summary() + "\n\n")
+    sys.stdout.write(f"{'vertex':<48}{'color':<7}{'rule':<48}cause\n")
+    for v in report.vertices:
+        sys.stdout.write(f"{v.vertex:<48}{v.color:<7}{v.rule:<48}{v.cause}\n")
+    return 0
+
+
+def _lists(args) -> int:
+    from onnxmp.color import PROVIDERS
+    from onnxmp.kernels import KernelTable
+    from onnxmp.lists import resolve_lists
+
+    lists = resolve_lists(args.target, args.precision, args.level)
+    table = KernelTable.default()
+    provider = PROVIDERS[args.target]
+    coverage = {}
+    for name in LIST_NAMES:
+        for op in sorted(lists[name]):
+            domain, _, op_type = op.rpartition(":")
+            coverage[op] = {"list": name, "kernel": table.supports(provider, domain, op_type, args.opset, None,
+                                                                   args.precision)}
+    if args.json:
+        sys.stdout.write(json.dumps({"target": args.target, "precision": args.precision, "level": args.level,
+                                     "opset": args.opset, "kernel_table": table.source, "ops": coverage},
+                                    indent=2) + "\n")
+        return 0
+    sys.stdout.write(f"target={args.target} precision={args.precision} level={args.level} opset={args.opset}\n")
+    sys.stdout.write(f"kernel facts: {table.source}\n")
+    mark = {True: "yes", False: "no", None: "no kernel"}
+    for name in LIST_NAMES:
+        ops = sorted(op for op, c in coverage.items() if c["list"] == name)
+        sys.stdout.write(f"\n{name} ({len(ops)} ops)   {args.precision} kernel on {provider} at opset {args.opset}\n")
+        for op in ops:
+            sys.stdout.write(f"  {op:<40}{mark[coverage[op]['kernel']]}\n")
+    return 0

@@ -1,0 +1,252 @@
+"""Each coloring rule and data seed: a case where it fires and one where it does not."""
+from __future__ import annotations
+
+import numpy as np
+import onnx
+import pytest
+
+import onnxmp
+from onnxmp.color import ColorOptions, color
+from onnxmp.color.rules import ALLOW, DENY, force_color_match, remove_allow_set_with_fp32
+from onnxmp.lists import resolve_lists
+from onnxmp.normalize import normalize
+from tests.graphs import FLOAT, FLOAT16, header, parse
+
+
+def named(text: str) -> onnx.ModelProto:
+    model = parse(text)
+    for node in model.graph.node:
+        node.name = node.output[0]
+    return model
+
+
+def colors(model, **kw) -> dict[str, str]:
+    return onnxmp.explain(model, **kw).node_colors()
+
+
+BETWEEN = header() + """
+g (float[4,4] x, float[4,4] w) => (float[4,4] y) {
+    a = MatMul(x, w)
+    b = Add(a, x)
+    y = MatMul(b, w)
+}"""
+AFTER = header() + """
+g (float[4,4] x, float[4,4] w) => (float[4,4] y) {
+    a = MatMul(x, w)
+    y = Add(a, x)
+}"""
+
+
+def test_add_allow_ops_fires_for_allow_op_with_kernel():
+    assert colors(named(AFTER))["a"] == ALLOW
+
+
+def test_add_allow_ops_does_not_fire_without_a_low_precision_kernel():
+    report = onnxmp.explain(named(AFTER), target="cpu")  # ORT CPU has no fp16 MatMul
+    assert report.node_colors()["a"] == "fp32"
+    assert not report.changed
+    assert "no CPUExecutionProvider float16 kernel for MatMul" in next(v.cause for v in report.vertices if v.node == "a")
+
+
+def test_between_allow_fires_and_does_not_fire():
+    assert colors(named(BETWEEN))["b"] == ALLOW
+    assert colors(named(AFTER))["y"] == "fp32"
+
+
+def test_add_infer_to_allow_if_follow_allow_only_in_bfloat16():
+    assert colors(named(AFTER), precision="bfloat16")["y"] == ALLOW
+    assert colors(named(AFTER), precision="float16")["y"] == "fp32"
+
+
+def test_add_infer_to_allow_if_follow_allow_skips_infer_with_deny_input():
+    model = named(header() + """
+    g (float[4,4] x, float[4,4] w) => (float[4,4] y) {
+        a = MatMul(x, w)
+        e = Exp(x)
+        y = Add(a, e)
+    }""")
+    assert colors(model, precision="bfloat16")["y"] == DENY
+
+
+def test_propagate_allow_through_clear_fires_and_does_not_cross_infer():
+    fires = named(header() + """
+    g (float[4,4] x, float[4,4] w) => (float[4,4] y) {
+        a = MatMul(x, w)
+        y = Relu(a)
+    }""")
+    assert colors(fires)["y"] == ALLOW
+    blocked = named(header() + """
+    g (float[4,4] x, float[4,4] w) => (float[4,4] y) {
+        a = MatMul(x, w)
+        s = Sigmoid(a)
+        y = Relu(s)
+    }""")
+    result = colors(blocked)
+    assert result["s"] == "fp32" and result["y"] == "fp32"
+
+
+def _state(model, **kw):
+    normalized = normalize(model)
+    options = ColorOptions(lists=resolve_lists(), **kw)
+    return color(normalized.graph, options).coloring
+
+
+def test_remove_allow_set_with_fp32_removes_incapable_vertex():
+    state = _state(named(AFTER))
+    add = "y:T"
+    assert not state.is_allow(add)
+    state.view.vertices[add].capable = False
+    state.paint(add, ALLOW, "test", "forced")
+    assert remove_allow_set_with_fp32(state).modified
+    assert not state.is_allow(add)
+
+
+def test_remove_allow_set_with_fp32_keeps_capable_vertices():
+    state = _state(named(BETWEEN))
+    before = set(state.allow_keys())
+    assert not remove_allow_set_with_fp32(state).modified
+    assert set(state.allow_keys()) == before
+
+
+IF_MODEL = header() + """
+g (float[4] x, bool c) => (float[4] y) {
+    y = If(c) <then_branch = t () => (float[4] yt) { yt = Relu(x) },
+               else_branch = e () => (float[4] ye) { ye = Sigmoid(x) }>
+}"""
+
+
+def test_force_color_match_keeps_control_flow_io_fp32_even_if_listed():
+    model = named(IF_MODEL)
+    report = onnxmp.explain(model, lists={"allow_add": ["If"]})
+    v = next(v for v in report.vertices if v.node == "y")
+    assert v.color == DENY and v.rule == "force_color_match"
+
+
+def test_force_color_match_does_nothing_without_control_flow():
+    state = _state(named(BETWEEN))
+    assert not force_color_match(state).modified
+
+
+def test_env_overrides_apply(monkeypatch):
+    monkeypatch.setenv("ONNXMP_ALLOWLIST_REMOVE", "MatMul")
+    assert colors(named(AFTER))["a"] == "fp32"
+    monkeypatch.delenv("ONNXMP_ALLOWLIST_REMOVE")
+    monkeypatch.setenv("ONNXMP_CLEARLIST_REMOVE", "Relu")
+    monkeypatch.setenv("ONNXMP_INFERLIST_ADD", "Relu")
+    model = named(header() + """
+    g (float[4,4] x, float[4,4] w) => (float[4,4] y) {
+        a = MatMul(x, w)
+        y = Relu(a)
+    }""")
+    assert colors(model)["y"] == "fp32"  # as an infer op, Relu no longer follows a lone allow op
+
+
+def test_op_in_two_lists_is_an_error(monkeypatch):
+    with pytest.raises(onnxmp.OnnxMPError, match="both the allow and the deny list"):
+        onnxmp.convert(named(AFTER), lists={"allow_add": ["Exp"]})
+    monkeypatch.setenv("ONNXMP_CLEARLIST_ADD", "MatMul")
+    with pytest.raises(onnxmp.OnnxMPError, match="MatMul"):
+        onnxmp.convert(named(AFTER))
+
+
+def test_bad_list_key_and_level_are_errors():
+    with pytest.raises(onnxmp.OnnxMPError, match="unknown list override"):
+        onnxmp.convert(named(AFTER), lists={"allowed": ["X"]})
+    with pytest.raises(onnxmp.OnnxMPError, match="unknown level"):
+        onnxmp.convert(named(AFTER), level="fast")
+
+
+def test_level_tensor_cores_only_changes_only_allow_ops():
+    result = colors(named(BETWEEN), level="tensor_cores_only")
+    assert result["a"] == ALLOW and result["y"] == ALLOW and result["b"] == "fp32"
+
+
+def test_level_unsafe_force_all_converts_deny_ops_but_not_random_or_loss():
+    model = named(header() + """
+    g (float[4,4] x, float[4,4] w) => (float[4,4] y) {
+        a = MatMul(x, w)
+        e = Exp(a)
+        y = MatMul(e, w)
+    }""")
+    assert colors(model)["e"] == DENY
+    assert colors(model, level="unsafe_force_all")["e"] == ALLOW
+    from onnxmp.lists import resolve_lists as rl
+
+    forced = rl(level="unsafe_force_all")
+    assert "RandomNormal" in forced["deny"] and "SoftmaxCrossEntropyLoss" in forced["deny"]
+    assert "RandomNormal" not in forced["allow"]
+
+
+def _matmul_with_weight(values: np.ndarray) -> onnx.ModelProto:
+    graph = onnx.helper.make_graph(
+        [onnx.helper.make_node("MatMul", ["x", "w"], ["a"], name="mm"),
+         onnx.helper.make_node("Relu", ["a"], ["y"], name="relu")],
+        "g", [onnx.helper.make_tensor_value_info("x", FLOAT, [2, 4])],
+        [onnx.helper.make_tensor_value_info("y", FLOAT, [2, 4])],
+        [onnx.numpy_helper.from_array(values.astype(np.float32), "w")])
+    model = onnx.helper.make_model(graph, opset_imports=[onnx.helper.make_opsetid("", 17)])
+    model.ir_version = 8
+    return model
+
+
+def test_initializer_range_seed_fires_above_65504():
+    w = np.full((4, 4), 0.5)
+    w[0, 0] = 1e5
+    report = onnxmp.explain(_matmul_with_weight(w))
+    mm = next(v for v in report.vertices if v.node == "mm")
+    assert mm.color == DENY and mm.rule == "seed_deny_from_initializer_range" and "max 1e+05 > 65504" in mm.cause
+
+
+def test_initializer_range_seed_ignores_inf_and_small_values():
+    w = np.full((4, 4), 0.5)
+    w[0, 0] = np.inf  # not finite: the seed only looks at finite magnitudes
+    assert onnxmp.explain(_matmul_with_weight(w)).node_colors()["mm"] == ALLOW
+    assert onnxmp.explain(_matmul_with_weight(np.full((4, 4), 60000.0))).node_colors()["mm"] == ALLOW
+
+
+def test_underflow_seed_fires_when_most_values_flush_to_zero():
+    w = np.full((4, 4), 1e-9)
+    report = onnxmp.explain(_matmul_with_weight(w))
+    assert report.node_colors()["mm"] == DENY
+    assert "flush to zero" in next(v.cause for v in report.vertices if v.node == "mm")
+
+
+def test_underflow_seed_does_not_fire_for_a_few_tiny_values():
+    w = np.full((4, 4), 1e-2)
+    w[0, :3] = 1e-9  # 3 of 16 flush: below the 50% share
+    assert onnxmp.explain(_matmul_with_weight(w)).node_colors()["mm"] == ALLOW
+
+
+def test_initializer_read_by_both_sides_gets_a_low_precision_twin():
+    model = _matmul_with_weight(np.eye(4))
+    model.graph.node.append(onnx.helper.make_node("Sin", ["w"], ["z"], name="sin"))
+    model.graph.output.append(onnx.helper.make_tensor_value_info("z", FLOAT, [4, 4]))
+    result = onnxmp.convert(model)
+    inits = {t.name: t.data_type for t in result.model.graph.initializer}
+    assert inits["w"] == FLOAT and inits["w_onnxmp_fp16"] == FLOAT16
+    assert result.report.twin_initializers == ["w"]
+
+
+def test_initializer_read_only_by_allow_vertices_is_converted_in_place():
+    result = onnxmp.convert(_matmul_with_weight(np.eye(4)))
+    assert {t.name: t.data_type for t in result.model.graph.initializer} == {"w": FLOAT16}
+
+
+def test_master_weights_stay_fp32_and_are_cast_at_use():
+    model = _matmul_with_weight(np.eye(4))
+    result = onnxmp.convert(model, master_weights=["w"])
+    inits = {t.name: t.data_type for t in result.model.graph.initializer}
+    assert inits == {"w": FLOAT}
+    assert any(n.op_type == "Cast" and n.input == ["w"] for n in result.model.graph.node)
+
+
+def test_unknown_type_vertex_is_not_painted_and_says_why():
+    model = named(header(extra=', "custom.domain" : 1') + """
+    g (float[4,4] x, float[4,4] w) => (float[4,4] y) {
+        a = MatMul(x, w)
+        b = custom.domain.Foo(a)
+        y = MatMul(b, w)
+    }""".replace("custom.domain.Foo", "custom.domain.Foo"))
+    report = onnxmp.explain(model)
+    foo = next(v for v in report.vertices if v.node == "b")
+    assert foo.color == "fp32"
