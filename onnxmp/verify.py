@@ -22,7 +22,7 @@ def verify(model: onnx.ModelProto, *, original: onnx.ModelProto | None = None, k
     try:
         if not large:
             onnx.checker.check_model(model, full_check=True)
-    except onnx.checker.ValidationError as exc:
+    except Exception as exc:  # ValidationError, or InferenceError from full_check
         raise OnnxMPError(f"converted model fails onnx.checker: {_first_line(exc)}", hint=_HINT) from None
     try:
         onnx.shape_inference.infer_shapes(model, check_type=True, strict_mode=True, data_prop=False)
