@@ -43,7 +43,8 @@ def _timed(timings: dict[str, float], stage: str):
 
 
 def _options(model: onnx.ModelProto, target, precision, level, lists, block_nodes, keep_io_types,
-             calibration_magnitudes=None, calibration_threshold=65504.0 / 4, underflow_share=0.5) -> ColorOptions:
+             calibration_magnitudes=None, calibration_threshold=65504.0 / 4, underflow_share=0.5,
+             forced_deny=None) -> ColorOptions:
     if target not in TARGETS:
         raise OnnxMPError(f"unknown target {target!r}", hint=f"choose one of: {', '.join(TARGETS)}")
     if precision not in PRECISIONS:
@@ -62,7 +63,8 @@ def _options(model: onnx.ModelProto, target, precision, level, lists, block_node
     return ColorOptions(lists=resolve_lists(target, precision, level, lists), target=target, precision=precision,
                         block_nodes=block, keep_io_types=keep_io_types,
                         calibration_magnitudes=calibration_magnitudes,
-                        calibration_threshold=calibration_threshold, underflow_share=underflow_share)
+                        calibration_threshold=calibration_threshold, underflow_share=underflow_share,
+                        forced_deny=forced_deny)
 
 
 def _analyse(proto: onnx.ModelProto, options: ColorOptions, level: str, timings: dict[str, float]):
@@ -121,13 +123,14 @@ def convert(model: ModelLike, *, target: str = "cuda", precision: str = "float16
 def convert_once(model: ModelLike, *, target: str = "cuda", precision: str = "float16", keep_io_types: bool = True,
                  level: str = "default", lists=None, block_nodes: Iterable[str] = (),
                  master_weights: Iterable[str] = (), calibration_magnitudes: Mapping[str, float] | None = None,
-                 calibration_threshold: float = 65504.0 / 4, underflow_share: float = 0.5) -> ConversionResult:
+                 calibration_threshold: float = 65504.0 / 4, underflow_share: float = 0.5,
+                 forced_deny: Mapping[str, str] | None = None) -> ConversionResult:
     """One pass of the pipeline, no calibration loop."""
     timings: dict[str, float] = {}
     with _timed(timings, "load"):
         original = load(model)
     options = _options(original, target, precision, level, lists, block_nodes, keep_io_types,
-                       calibration_magnitudes, calibration_threshold, underflow_share)
+                       calibration_magnitudes, calibration_threshold, underflow_share, forced_deny)
     normalized, colored, report = _analyse(original, options, level, timings)
     if not colored.coloring.allow_keys():
         report.unchanged_reason = _unchanged_reason(report)

@@ -134,6 +134,15 @@ class Report:
                 lines.append(f"  {a.message}")
             if len(self.advice) > 20:
                 lines.append(f"  ... {len(self.advice) - 20} more")
+        cal = self.calibration
+        if cal.get("cycles"):
+            lines.append("")
+            lines.append(f"calibration: {cal['samples']} sample(s), {cal['cycles']} convert+run cycle(s), "
+                         f"{'within' if cal['passed'] else 'MISSES'} tolerance {cal['tolerance']:g}")
+            for seed in cal.get("seeded", [])[:10]:
+                lines.append(f"  seeded fp32: `{seed['tensor']}` reached {seed['observed_max']:.3g}")
+            for item in cal.get("fallback", []):
+                lines.append(f"  moved to fp32: {item['node']}: {item['cause']}")
         if self.timings:
             lines.append("")
             lines.append("time: " + ", ".join(f"{k} {v * 1000:.0f} ms" for k, v in self.timings.items()))

@@ -104,6 +104,13 @@ def _convert(args) -> int:
     if Path(args.output).resolve() == Path(args.model).resolve():
         raise OnnxMPError("the output path is the input path", hint="onnxmp never modifies its input; choose -o")
     result = onnxmp.convert(args.model, **kwargs)
+    calibration = result.report.calibration
+    if args.calibrate and not calibration.get("passed", False):
+        sys.stdout.write(result.report.summary() + "\n")
+        raise OnnxMPError(
+            f"the converted model still misses the tolerance after {calibration.get('cycles')} calibration cycles; "
+            "nothing written", hint="raise --tolerance, add --level treat_infer_as_deny, or --deny-add the ops "
+                                    "named above")
     onnxmp.save(result.model, args.output)
     if args.report:
         _write_text(args.report, result.report.to_json())

@@ -14,7 +14,9 @@ from onnxmp.color.rules import (
     force_color_match, make_casts_allow_if_all_outputs_allow, propagate_allow_through_clear,
     propagate_deny_forward_through_clear_and_infer, remove_allow_set_with_fp32,
 )
-from onnxmp.color.seeds import seed_deny_from_calibration, seed_deny_from_initializer_range
+from onnxmp.color.seeds import (
+    seed_deny_from_accuracy_fallback, seed_deny_from_calibration, seed_deny_from_initializer_range,
+)
 from onnxmp.color.vertices import TypeView, Vertex, build_type_view
 from onnxmp.kernels import KernelTable
 from onnxmp.passes import PassResult
@@ -38,6 +40,7 @@ class ColorOptions:
     underflow_share: float = 0.5
     calibration_magnitudes: Mapping[str, float] | None = None
     calibration_threshold: float = 65504.0 / 4
+    forced_deny: Mapping[str, str] | None = None  # node name -> cause (accuracy fallback)
     kernels: KernelTable | None = None
 
 
@@ -66,6 +69,8 @@ def color(graph: gs.Graph, options: ColorOptions) -> ColorResult:
     if options.calibration_magnitudes:
         run("seed_deny_from_calibration", seed_deny_from_calibration, options.calibration_magnitudes,
             options.calibration_threshold)
+    if options.forced_deny:
+        run("seed_deny_from_accuracy_fallback", seed_deny_from_accuracy_fallback, options.forced_deny)
     if not run("add_allow_ops", add_allow_ops).modified:
         log.info("no allow-list op can run in %s here; the model is left unchanged", options.precision)
         return result

@@ -109,3 +109,14 @@ def seed_deny_from_calibration(state: Coloring, magnitudes: Mapping[str, float],
                                        f"output `{tensor}` reached |x| = {observed:.3g} > {threshold:g} "
                                        "on calibration data")
     return PassResult(painted > 0, {"painted": painted})
+
+
+def seed_deny_from_accuracy_fallback(state: Coloring, causes: Mapping[str, str]) -> PassResult:
+    """Nodes the calibration loop found adding too much error are painted DENY (named cause)."""
+    view = state.view
+    painted = 0
+    for node, cause in causes.items():
+        for k in view.node_vertices.get(node, []):
+            if view.vertices[k].float32:
+                painted += state.paint(k, DENY, "seed_deny_from_accuracy_fallback", cause)
+    return PassResult(painted > 0, {"painted": painted})

@@ -1,0 +1,111 @@
+"""``onnxmp emulate`` and ``onnxmp validate``: run low precision on the CPU and check parity."""
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+import tempfile
+
+import onnx
+
+from onnxmp.cli import add_verbosity_flags
+from onnxmp.errors import OnnxMPError
+
+log = logging.getLogger("onnxmp.cli.parity")
+
+_PROTOBUF_LIMIT = 2**31 - 1
+
+
+def register(subparsers) -> None:
+    p = subparsers.add_parser(
+        "emulate", help="rewrite a float16/bfloat16 model to run on the ORT CPU EP with low-precision numerics",
+        description="Every low-precision tensor becomes float32 holding rounded values "
+                    "(Cast to the low type and back after each producer).")
+    p.add_argument("model", metavar="IN", help="input .onnx model")
+    p.add_argument("-o", "--output", required=True, metavar="OUT", help="emulated .onnx model to write")
+    p.add_argument("--precision", choices=("float16", "bfloat16"), default="float16",
+                   help="low-precision type to emulate (default: float16)")
+    p.add_argument("--float-io", action="store_true",
+                   help="make low-precision graph inputs/outputs float32 (default: keep their dtypes)")
+    add_verbosity_flags(p)
+    p.set_defaults(func=run_emulate)
+
+    p = subparsers.add_parser(
+        "validate", help="compare a candidate model's outputs with its float32 reference",
+        description="Runs both models on the same inputs with onnxruntime and compares every output "
+                    "(max abs/rel error, cosine similarity, top-1 agreement). Exit status 1 when "
+                    "parity fails.")
+    p.add_argument("reference", metavar="REF", help="float32 reference .onnx model")
+    p.add_argument("candidate", metavar="CAND", help="converted .onnx model")
+    p.add_argument("--inputs", nargs="+", metavar="NPZ",
+                   help=".npz files, one sample each (default: one random sample)")
+    p.add_argument("--dims", nargs="+", default=[], metavar="NAME=SIZE", type=_dim,
+                   help="sizes of symbolic input dims for generated inputs, e.g. N=2")
+    p.add_argument("--seed", type=int, default=0, help="seed for generated inputs (default: 0)")
+    p.add_argument("--provider", choices=("cpu", "cuda"), default="cpu",
+                   help="cpu emulates low precision; cuda runs it for real (default: cpu)")
+    p.add_argument("--report", metavar="JSON", help="write the full report as JSON")
+    p.add_argument("--plot", metavar="PNG", help="write error histograms as a PNG")
+    p.add_argument("--cosine-min", type=float, metavar="X", help="minimum cosine similarity")
+    p.add_argument("--rel-err-max", type=float, metavar="X", help="maximum error relative to max |ref|")
+    p.add_argument("--abs-err-max", type=float, metavar="X", help="maximum absolute error")
+    p.add_argument("--top1-min", type=float, metavar="X", help="minimum top-1 agreement (0..1)")
+    add_verbosity_flags(p)
+    p.set_defaults(func=run_validate)
+
+
+def _dim(text: str) -> tuple[str, int]:
+    name, sep, size = text.partition("=")
+    if not sep or not name or not size.isdigit() or int(size) < 1:
+        raise argparse.ArgumentTypeError(f"expected NAME=SIZE with SIZE >= 1, got {text!r}")
+    return name, int(size)
+
+
+def run_emulate(args: argparse.Namespace) -> int:
+    from onnxmp.emulate import as_model, emulate, low_precision_types
+
+    model = as_model(args.model)
+    if args.precision not in low_precision_types(model):
+        log.warning("%s has no %s tensors; writing it unchanged", args.model, args.precision)
+    _save_model(emulate(model, args.precision, keep_io_types=not args.float_io), args.output)
+    log.info("wrote %s", args.output)
+    return 0
+
+
+def run_validate(args: argparse.Namespace) -> int:
+    from onnxmp.plots import plot_errors, write_atomic
+    from onnxmp.validate import validate
+
+    overrides = {key: getattr(args, key) for key in ("cosine_min", "rel_err_max", "abs_err_max", "top1_min")
+                 if getattr(args, key) is not None}
+    report = validate(args.reference, args.candidate, args.inputs, provider=args.provider,
+                      thresholds=overrides, dims=dict(args.dims), seed=args.seed)
+    sys.stdout.write(report.summary() + "\n")
+    if args.report:
+        write_atomic(args.report, (report.to_json() + "\n").encode())
+    if args.plot:
+        plot_errors(report, args.plot)
+    if not report.passed:
+        failures = report.failures()
+        more = f" (+{len(failures) - 1} more)" if len(failures) > 1 else ""
+        sys.stderr.write(f"onnxmp validate: parity failed: {failures[0]}{more}\n")
+        return 1
+    return 0
+
+
+def _save_model(model: onnx.ModelProto, path: str) -> None:
+    """Write ``model`` atomically; past protobuf's 2 GB limit, weights go to ``<path>.data``."""
+    from onnxmp.plots import write_atomic
+
+    if model.ByteSize() <= _PROTOBUF_LIMIT:
+        write_atomic(path, model.SerializeToString())
+        return
+    folder = os.path.dirname(os.path.abspath(path))
+    data_name = os.path.basename(path) + ".data"
+    with tempfile.TemporaryDirectory(dir=folder, prefix=".tmp-onnxmp-") as tmp:
+        staged = os.path.join(tmp, os.path.basename(path))
+        onnx.save_model(model, staged, save_as_external_data=True, location=data_name)
+        # Data first: the model file is what readers open, and it then always finds its data.
+        os.replace(os.path.join(tmp, data_name), os.path.join(folder, data_name))
+        os.replace(staged, path)

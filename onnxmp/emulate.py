@@ -1,0 +1,452 @@
+"""Run low-precision models on the ONNX Runtime CPU EP with low-precision numerics.
+
+The ORT CPU EP has almost no float16 or bfloat16 compute kernels, so a real
+fp16 model cannot run there.  :func:`emulate` rewrites such a model so that
+every low-precision tensor becomes a float32 tensor holding values that are
+exactly representable in the low-precision type:
+
+* after every node that produced a low-precision tensor, a ``Cast(to=FLOAT16)``
+  -> ``Cast(to=FLOAT)`` pair rounds the float32 result, which reproduces fp16
+  rounding, overflow to inf and underflow to 0 (the compute itself happens in
+  float32, like the fp32 accumulation of a GPU's fp16 kernels);
+* an existing ``Cast(to=FLOAT16)`` stays and is followed by ``Cast(to=FLOAT)``;
+* low-precision initializers and constant attribute tensors become float32
+  (exact: the values are already representable);
+* ``to``/``dtype`` attributes naming the low-precision type (RandomNormal,
+  EyeLike, ...) are retargeted to FLOAT; the rounding pair follows;
+* If/Loop/Scan bodies are rewritten recursively, their formal inputs, outputs
+  and value_info retyped to float32.
+
+Interface: with ``keep_io_types=True`` (the default) main-graph inputs and
+outputs keep their names and low-precision dtypes, so the emulated model is a
+drop-in replacement: an input is Cast to float32 right after it enters, an
+output is Cast back right before it leaves.  ``keep_io_types=False`` turns
+them into float32 instead, rounding inputs on entry; use that where the caller
+cannot feed the low-precision type (onnxruntime's Python API has no bfloat16).
+"""
+from __future__ import annotations
+
+import logging
+import os
+from typing import Iterator
+
+import numpy as np
+import onnx
+import onnx.checker
+import onnx.inliner
+import onnx.shape_inference
+from onnx import AttributeProto, TensorProto, helper, numpy_helper
+
+from onnxmp.errors import OnnxMPError
+
+log = logging.getLogger("onnxmp.emulate")
+
+PRECISIONS = {"float16": TensorProto.FLOAT16, "bfloat16": TensorProto.BFLOAT16}
+_TAG = {TensorProto.FLOAT16: "f16", TensorProto.BFLOAT16: "bf16"}
+_DEFAULT_DOMAINS = ("", "ai.onnx")
+
+# Default-domain ops whose low-precision outputs only copy or select input
+# values (or constants) that are already representable, so rounding them again
+# would change nothing; skipping them keeps the emulated graph small.
+_EXACT_OPS = frozenset({
+    "Constant", "ConstantOfShape", "Identity", "Reshape", "Flatten", "Squeeze", "Unsqueeze",
+    "Transpose", "Expand", "Tile", "Concat", "Split", "Slice", "Gather", "GatherElements",
+    "GatherND", "Compress", "Where", "Pad", "DepthToSpace", "SpaceToDepth", "MaxPool",
+    "ReduceMax", "ReduceMin", "TopK", "Relu", "Max", "Min", "Abs", "Neg",
+    "If", "Loop", "Scan", "SequenceAt",
+})
+
+
+def as_model(model: onnx.ModelProto | str | os.PathLike) -> onnx.ModelProto:
+    """Return ``model`` itself, or the model loaded (with external data) from a path."""
+    if isinstance(model, onnx.ModelProto):
+        return model
+    try:
+        return onnx.load(os.fspath(model))
+    except FileNotFoundError:
+        raise OnnxMPError(f"model file not found: {model}") from None
+    except Exception as exc:  # protobuf decode errors have no common base class
+        raise OnnxMPError(f"cannot read ONNX model {model}: {exc}", "is it an .onnx file?") from None
+
+
+def precision_type(precision: str) -> int:
+    try:
+        return PRECISIONS[precision]
+    except KeyError:
+        raise OnnxMPError(f"unknown precision {precision!r}",
+                          f"use one of: {', '.join(PRECISIONS)}") from None
+
+
+def low_precision_types(model: onnx.ModelProto | str | os.PathLike) -> list[str]:
+    """Names of the low-precision float types (``"float16"``, ``"bfloat16"``) the model uses.
+
+    A low-precision tensor can only come from a declared type, an initializer,
+    a constant attribute or a dtype attribute, so a structural scan (subgraphs
+    and local functions included) finds every one without type inference.
+    """
+    model = as_model(model)
+    return [name for name, elem in PRECISIONS.items() if _uses(model, elem)]
+
+
+def emulate(model: onnx.ModelProto | str | os.PathLike, precision: str = "float16", *,
+            keep_io_types: bool = True) -> onnx.ModelProto:
+    """Return a copy of ``model`` whose ``precision`` tensors are float32 holding rounded values.
+
+    A model that does not use ``precision`` comes back unchanged (an equal
+    copy).  To emulate a model that mixes float16 and bfloat16, apply this once
+    per precision.
+    """
+    elem = precision_type(precision)
+    source = as_model(model)
+    result = onnx.ModelProto()
+    result.CopyFrom(source)
+    if not _uses(result, elem):
+        return result
+    if any(_uses_function(f, elem) for f in result.functions):
+        # Function bodies are typed at each call site; inlining lets the plain
+        # per-node rewrite see the concrete types.
+        result = onnx.inliner.inline_local_functions(result)
+    types = _infer_types(result)
+    _Emulator(elem, types, _Namer(_all_names(result.graph))).main_graph(result.graph, keep_io_types)
+    return result
+
+
+# --- detection -------------------------------------------------------------------
+
+
+def _subgraphs(node: onnx.NodeProto) -> Iterator[onnx.GraphProto]:
+    for attr in node.attribute:
+        if attr.type == AttributeProto.GRAPH:
+            yield attr.g
+        elif attr.type == AttributeProto.GRAPHS:
+            yield from attr.graphs
+
+
+def _type_uses(tp: onnx.TypeProto, elem: int) -> bool:
+    which = tp.WhichOneof("value")
+    if which in ("tensor_type", "sparse_tensor_type"):
+        return getattr(tp, which).elem_type == elem
+    if which in ("sequence_type", "optional_type"):
+        return _type_uses(getattr(tp, which).elem_type, elem)
+    if which == "map_type":
+        return _type_uses(tp.map_type.value_type, elem)
+    return False
+
+
+def _node_uses(node: onnx.NodeProto, elem: int) -> bool:
+    for attr in node.attribute:
+        if attr.type == AttributeProto.INT and attr.name in ("to", "dtype") and attr.i == elem:
+            return True
+        if attr.type == AttributeProto.TENSOR and attr.t.data_type == elem:
+            return True
+        if attr.type == AttributeProto.TENSORS and any(t.data_type == elem for t in attr.tensors):
+            return True
+        if attr.type == AttributeProto.SPARSE_TENSOR and attr.sparse_tensor.values.data_type == elem:
+            return True
+        if attr.type == AttributeProto.TYPE_PROTO and _type_uses(attr.tp, elem):
+            return True
+        if attr.type == AttributeProto.TYPE_PROTOS and any(_type_uses(t, elem) for t in attr.type_protos):
+            return True
+    return any(_graph_uses(g, elem) for g in _subgraphs(node))
+
+
+def _graph_uses(graph: onnx.GraphProto, elem: int) -> bool:
+    values = [*graph.input, *graph.output, *graph.value_info]
+    return (any(_type_uses(v.type, elem) for v in values)
+            or any(t.data_type == elem for t in graph.initializer)
+            or any(s.values.data_type == elem for s in graph.sparse_initializer)
+            or any(_node_uses(n, elem) for n in graph.node))
+
+
+def _uses_function(function: onnx.FunctionProto, elem: int) -> bool:
+    return any(_node_uses(n, elem) for n in function.node) or any(
+        _type_uses(v.type, elem) for v in function.value_info)
+
+
+def _uses(model: onnx.ModelProto, elem: int) -> bool:
+    return _graph_uses(model.graph, elem) or any(_uses_function(f, elem) for f in model.functions)
+
+
+# --- types and names -----------------------------------------------------------
+
+
+def _infer_types(model: onnx.ModelProto) -> dict[str, onnx.TypeProto]:
+    """Type of every tensor, from ONNX type inference on a weightless copy of the model.
+
+    Initializers are declared as graph inputs instead of copied, so models over
+    protobuf's 2 GB limit (or with external data) still infer; types never
+    depend on weight values.
+    """
+    skeleton = onnx.ModelProto(ir_version=model.ir_version)
+    skeleton.opset_import.extend(model.opset_import)
+    skeleton.functions.extend(model.functions)
+    graph = skeleton.graph
+    graph.node.extend(model.graph.node)
+    graph.input.extend(model.graph.input)
+    graph.output.extend(model.graph.output)
+    graph.value_info.extend(model.graph.value_info)
+    declared = {v.name for v in graph.input}
+    for init in model.graph.initializer:
+        if init.name not in declared:
+            graph.input.append(helper.make_tensor_value_info(init.name, init.data_type, init.dims))
+    for sparse in model.graph.sparse_initializer:
+        if sparse.values.name not in declared:
+            graph.input.append(helper.make_tensor_value_info(sparse.values.name, sparse.values.data_type,
+                                                             sparse.dims))
+    try:
+        inferred = onnx.shape_inference.infer_shapes(skeleton, check_type=False, strict_mode=False)
+    except (onnx.shape_inference.InferenceError, onnx.checker.ValidationError) as exc:
+        log.warning("type inference failed (%s); using declared types only", exc)
+        inferred = skeleton
+
+    types: dict[str, onnx.TypeProto] = {}
+
+    def collect(g: onnx.GraphProto) -> None:
+        for v in [*g.input, *g.output, *g.value_info]:
+            if v.type.WhichOneof("value") is not None and v.name not in types:
+                types[v.name] = onnx.TypeProto()
+                types[v.name].CopyFrom(v.type)  # the rewrite retypes the originals in place
+        for t in g.initializer:
+            types.setdefault(t.name, helper.make_tensor_type_proto(t.data_type, None))
+        for node in g.node:
+            for sub in _subgraphs(node):
+                collect(sub)
+
+    collect(model.graph)  # declared types win over inferred ones
+    collect(inferred.graph)
+    return types
+
+
+def _all_names(graph: onnx.GraphProto) -> set[str]:
+    names = {graph.name}
+    names.update(v.name for v in [*graph.input, *graph.output, *graph.value_info])
+    names.update(t.name for t in graph.initializer)
+    names.update(s.values.name for s in graph.sparse_initializer)
+    for node in graph.node:
+        names.add(node.name)
+        names.update(node.input)
+        names.update(node.output)
+        for sub in _subgraphs(node):
+            names |= _all_names(sub)
+    return names
+
+
+class _Namer:
+    """Deterministic names that collide with nothing in the model nor with each other."""
+
+    def __init__(self, used: set[str]):
+        self.used = used
+
+    def __call__(self, base: str) -> str:
+        name, k = base, 0
+        while name in self.used:
+            k += 1
+            name = f"{base}_{k}"
+        self.used.add(name)
+        return name
+
+
+# --- rewriting -----------------------------------------------------------------
+
+
+def _retype(tp: onnx.TypeProto, elem: int) -> bool:
+    """Turn every ``elem`` inside ``tp`` into FLOAT; return whether anything changed."""
+    which = tp.WhichOneof("value")
+    if which in ("tensor_type", "sparse_tensor_type"):
+        inner = getattr(tp, which)
+        if inner.elem_type == elem:
+            inner.elem_type = TensorProto.FLOAT
+            return True
+        return False
+    if which in ("sequence_type", "optional_type"):
+        return _retype(getattr(tp, which).elem_type, elem)
+    if which == "map_type":
+        return _retype(tp.map_type.value_type, elem)
+    return False
+
+
+def _to_float(tensor: TensorProto) -> TensorProto:
+    if tensor.data_location == TensorProto.EXTERNAL:
+        raise OnnxMPError(f"tensor {tensor.name!r} keeps its data in an external file that is not loaded",
+                          "load the model with its external data (onnx.load does by default)")
+    converted = numpy_helper.from_array(numpy_helper.to_array(tensor).astype(np.float32), tensor.name)
+    converted.doc_string = tensor.doc_string
+    converted.metadata_props.extend(tensor.metadata_props)
+    return converted
+
+
+def _read_by_non_casts(graph: onnx.GraphProto, outputs: bool = True) -> set[str]:
+    """Tensors read by a non-Cast node of ``graph``, by a subgraph, or (if ``outputs``) by the caller."""
+    readers = {v.name for v in graph.output} if outputs else set()
+    for node in graph.node:
+        if not (node.op_type == "Cast" and node.domain in _DEFAULT_DOMAINS):
+            readers.update(node.input)
+        for sub in _subgraphs(node):
+            readers |= _all_names(sub)  # a superset of the outer names it reads: safe
+    return readers
+
+
+def _cast_target(node: onnx.NodeProto) -> int:
+    return next((attr.i for attr in node.attribute if attr.name == "to"), TensorProto.UNDEFINED)
+
+
+def _rename(graph: onnx.GraphProto, mapping: dict[str, str], *, outputs: bool) -> None:
+    """Rename tensors in ``graph`` and its subgraphs (whose outputs may name outer values)."""
+    for node in graph.node:
+        for field in (node.input, node.output):
+            for i, name in enumerate(field):
+                if name in mapping:
+                    field[i] = mapping[name]
+        for sub in _subgraphs(node):
+            _rename(sub, mapping, outputs=True)
+    for value in [*graph.value_info, *graph.initializer, *(s.values for s in graph.sparse_initializer)]:
+        value.name = mapping.get(value.name, value.name)
+    if outputs:
+        for value in graph.output:
+            value.name = mapping.get(value.name, value.name)
+
+
+class _Emulator:
+    def __init__(self, elem: int, types: dict[str, onnx.TypeProto], namer: _Namer):
+        self.elem = elem
+        self.tag = _TAG[elem]
+        self.types = types
+        self.name = namer
+
+    def _is_low(self, name: str) -> bool:
+        tp = self.types.get(name)
+        return tp is not None and tp.HasField("tensor_type") and tp.tensor_type.elem_type == self.elem
+
+    def _cast(self, src: str, dst: str, to: int) -> onnx.NodeProto:
+        tag = "f32" if to == TensorProto.FLOAT else self.tag
+        return helper.make_node("Cast", [src], [dst], name=self.name(f"{dst}__emu_cast_{tag}"), to=to)
+
+    def _round(self, src: str, dst: str) -> list[onnx.NodeProto]:
+        """``src`` (float32) -> low precision -> ``dst`` (float32)."""
+        low = self.name(f"{dst}__emu_{self.tag}")
+        return [self._cast(src, low, self.elem), self._cast(low, dst, TensorProto.FLOAT)]
+
+    def graph(self, graph: onnx.GraphProto, keep_output_types: bool = False) -> None:
+        for i, init in enumerate(graph.initializer):
+            if init.data_type == self.elem:
+                graph.initializer[i].CopyFrom(_to_float(init))
+        for sparse in graph.sparse_initializer:
+            if sparse.values.data_type == self.elem:
+                sparse.values.CopyFrom(_to_float(sparse.values))
+        for value in graph.value_info:
+            _retype(value.type, self.elem)
+        needs_float = _read_by_non_casts(graph, outputs=not keep_output_types)
+        nodes = [new for node in graph.node for new in self._node(node, needs_float)]
+        graph.ClearField("node")
+        graph.node.extend(nodes)
+
+    def _subgraph(self, graph: onnx.GraphProto) -> None:
+        # Formal inputs/outputs of bodies are internal tensors: plain float32,
+        # fed by and feeding already rounded values, so they need no Casts.
+        for value in [*graph.input, *graph.output]:
+            _retype(value.type, self.elem)
+        self.graph(graph)
+
+    def _node(self, node: onnx.NodeProto, needs_float: set[str]) -> list[onnx.NodeProto]:
+        default_domain = node.domain in _DEFAULT_DOMAINS
+        is_cast = default_domain and node.op_type == "Cast"
+        for attr in node.attribute:
+            if attr.type == AttributeProto.GRAPH:
+                self._subgraph(attr.g)
+            elif attr.type == AttributeProto.GRAPHS:
+                for sub in attr.graphs:
+                    self._subgraph(sub)
+            elif attr.type == AttributeProto.TENSOR and attr.t.data_type == self.elem:
+                attr.t.CopyFrom(_to_float(attr.t))
+            elif attr.type == AttributeProto.TENSORS:
+                for t in attr.tensors:
+                    if t.data_type == self.elem:
+                        t.CopyFrom(_to_float(t))
+            elif attr.type == AttributeProto.SPARSE_TENSOR and attr.sparse_tensor.values.data_type == self.elem:
+                attr.sparse_tensor.values.CopyFrom(_to_float(attr.sparse_tensor.values))
+            elif attr.type == AttributeProto.TYPE_PROTO:
+                _retype(attr.tp, self.elem)
+            elif attr.type == AttributeProto.TYPE_PROTOS:
+                for tp in attr.type_protos:
+                    _retype(tp, self.elem)
+            elif (attr.type == AttributeProto.INT and attr.name in ("to", "dtype") and attr.i == self.elem
+                  and not is_cast):
+                attr.i = TensorProto.FLOAT
+
+        if default_domain and node.op_type in _EXACT_OPS:
+            return [node]
+        rewritten = [node]
+        for k, out in enumerate(node.output):
+            if not out or not self._is_low(out) or (is_cast and out not in needs_float):
+                # A Cast to the low type read only by Casts is already a
+                # rounding step that ORT CPU can run (a converter's output
+                # Cast, or an emulated model emulated again).
+                continue
+            if is_cast:
+                # Casting straight from the source type keeps the single
+                # rounding of the real model (double -> fp16 is not double ->
+                # float -> fp16); only the way back to float32 is added.
+                low = self.name(f"{out}__emu_{self.tag}")
+                node.output[k] = low
+                rewritten.append(self._cast(low, out, TensorProto.FLOAT))
+            else:
+                raw = self.name(f"{out}__emu_f32")
+                node.output[k] = raw
+                rewritten.extend(self._round(raw, out))
+        return rewritten
+
+    def main_graph(self, graph: onnx.GraphProto, keep_io_types: bool) -> None:
+        self.graph(graph, keep_output_types=keep_io_types)
+        initializers = {t.name for t in graph.initializer}
+        inputs = {v.name for v in graph.input}
+        needs_float = _read_by_non_casts(graph)
+        head: list[onnx.NodeProto] = []
+        renames: dict[str, str] = {}
+        for value in graph.input:
+            if value.name in initializers:
+                # An IR < 4 initializer listed as input: the initializer is float32 now.
+                _retype(value.type, self.elem)
+                continue
+            if not self._is_low(value.name):
+                if not keep_io_types:
+                    _retype(value.type, self.elem)
+                elif _type_uses(value.type, self.elem):
+                    raise OnnxMPError(
+                        f"graph input {value.name!r} is a non-tensor type holding {self.tag} values",
+                        "emulate with keep_io_types=False to make it float32")
+                continue
+            if keep_io_types and value.name not in needs_float:
+                continue  # ORT CPU casts from the low type; nothing else reads it
+            inner = self.name(f"{value.name}__emu_f32")
+            renames[value.name] = inner
+            if keep_io_types:
+                head.append(self._cast(value.name, inner, TensorProto.FLOAT))
+            else:
+                _retype(value.type, self.elem)
+                head.extend(self._round(value.name, inner))
+        _rename(graph, renames, outputs=False)
+
+        tail: list[onnx.NodeProto] = []
+        renames = {}
+        low_casts = {node.output[0] for node in graph.node if node.op_type == "Cast"
+                     and node.domain in _DEFAULT_DOMAINS and _cast_target(node) == self.elem}
+        for value in graph.output:
+            if not keep_io_types:
+                _retype(value.type, self.elem)
+                continue
+            if value.name in inputs or value.name in renames or value.name in low_casts:
+                continue  # a pass-through input, or already Cast to the low type
+            if not self._is_low(value.name):
+                if _type_uses(value.type, self.elem):
+                    raise OnnxMPError(
+                        f"graph output {value.name!r} is a non-tensor type holding {self.tag} values",
+                        "emulate with keep_io_types=False to make it float32")
+                continue
+            inner = self.name(f"{value.name}__emu_f32")
+            renames[value.name] = inner
+            tail.append(self._cast(inner, value.name, self.elem))
+        _rename(graph, renames, outputs=False)
+
+        nodes = [*head, *graph.node, *tail]
+        graph.ClearField("node")
+        graph.node.extend(nodes)

@@ -1,0 +1,419 @@
+"""Numerical parity of a (mixed-precision) candidate model against its float32 reference.
+
+Both models run on onnxruntime with the same inputs and every reference
+output is compared, by name, with the candidate's:
+
+* ``max_abs_err``: max |ref - cand|;
+* ``max_rel_err``: max |ref - cand| / max |ref|.  Normwise, not elementwise:
+  elementwise relative error explodes on values near zero, which fp16 cannot
+  represent closely anyway, so it would flag every healthy model;
+* ``cosine``: cosine similarity of the flattened outputs;
+* ``top1``: share of rows whose argmax agrees, for classifier-like outputs
+  (2-D ``[batch, classes > 1]`` floats).
+
+Over several samples the worst case is kept (largest errors, smallest
+cosine); top-1 agreement is pooled over all rows.  Errors are measured where
+both outputs are finite; a position that is finite in one model only (fp16
+overflow, NaN) fails the output outright.  Non-float outputs must match
+exactly.
+
+The reference always runs on the CPU: it is the float32 ground truth (the CUDA
+EP may use TF32).  With ``provider="cpu"`` a candidate that computes in
+float16/bfloat16 is emulated (:mod:`onnxmp.emulate`); with ``"cuda"`` it runs
+for real.
+
+Default thresholds depend on the candidate's lowest precision.  On the test
+models (MLP, CNN, transformer block, GRU, LSTM, Loop/If) converted with
+onnxconverter-common, float16 gave max_rel_err <= 8e-4 and cosine >=
+0.9999997, and bfloat16 (8 mantissa bits to fp16's 11) max_rel_err <= 9e-3 and
+cosine >= 0.99998; the defaults leave roughly 10x (fp16) and 5x (bf16) room for
+deeper models, while a broken conversion (an overflowing BatchNorm variance)
+scores a cosine near 0.
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import logging
+import math
+import os
+import subprocess
+import tempfile
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+import onnx
+
+from onnxmp.emulate import as_model, emulate, low_precision_types
+from onnxmp.errors import OnnxMPError
+from onnxmp.inputs import Sample, check_inputs, generate_inputs, load_npz
+
+log = logging.getLogger("onnxmp.validate")
+
+METRICS = ("max_abs_err", "max_rel_err", "cosine", "top1")
+PROVIDERS = {"cpu": "CPUExecutionProvider", "cuda": "CUDAExecutionProvider"}
+_PROTOBUF_LIMIT = 2**31 - 1
+
+
+@dataclass
+class Thresholds:
+    """Pass limits; ``None`` disables a check."""
+
+    cosine_min: float | None = 0.999
+    rel_err_max: float | None = 1e-2
+    abs_err_max: float | None = None
+    # Off by default: near-tied logits may legitimately swap under fp16.
+    top1_min: float | None = None
+
+
+DEFAULT_THRESHOLDS = {
+    "float16": Thresholds(cosine_min=0.999, rel_err_max=1e-2),
+    "bfloat16": Thresholds(cosine_min=0.995, rel_err_max=5e-2),
+    # A candidate left in float32 (nothing was converted) is held to the
+    # float16 limits: those are what the conversion promised.
+    "float32": Thresholds(cosine_min=0.999, rel_err_max=1e-2),
+}
+
+
+@dataclass
+class ErrorHistogram:
+    """Counts of |ref - cand| in log-spaced bins, for plotting without keeping every error.
+
+    Exact matches are counted apart (a log axis has no 0); errors outside the
+    bin range land in the end bins.
+    """
+
+    edges: list[float] = field(default_factory=lambda: np.logspace(-12, 12, 24 * 4 + 1).tolist())
+    counts: list[int] = field(default_factory=lambda: [0] * (24 * 4))
+    zeros: int = 0
+
+    def add(self, errors: np.ndarray) -> None:
+        errors = errors[np.isfinite(errors)]
+        nonzero = errors[errors > 0]
+        self.zeros += int(errors.size - nonzero.size)
+        edges = np.asarray(self.edges)
+        clipped = np.clip(nonzero, edges[0], np.nextafter(edges[-1], 0))
+        counts, _ = np.histogram(clipped, bins=edges)
+        self.counts = (np.asarray(self.counts) + counts).tolist()
+
+
+@dataclass
+class OutputParity:
+    name: str
+    dtype: str
+    shape: list[int]
+    exact: bool  # compared for equality (non-float output)
+    max_abs_err: float | None = None
+    max_rel_err: float | None = None
+    cosine: float | None = None
+    top1: float | None = None
+    nonfinite_mismatches: int = 0  # elements finite in one model only (or different inf/NaN)
+    mismatches: int = 0  # unequal elements of an exactly compared output
+    histogram: ErrorHistogram = field(default_factory=ErrorHistogram)
+    failures: list[str] = field(default_factory=list)
+
+    @property
+    def passed(self) -> bool:
+        return not self.failures
+
+
+@dataclass
+class ParityReport:
+    outputs: list[OutputParity]
+    thresholds: Thresholds
+    samples: int
+    provider: str
+    precision: str  # the candidate's lowest precision; picks the default thresholds
+    emulated: list[str]  # low-precision types emulated on CPU
+
+    @property
+    def passed(self) -> bool:
+        return all(o.passed for o in self.outputs)
+
+    def failures(self) -> list[str]:
+        return [f"{o.name}: {reason}" for o in self.outputs for reason in o.failures]
+
+    def to_dict(self) -> dict:
+        data = dataclasses.asdict(self)
+        data["passed"] = self.passed
+        for out, src in zip(data["outputs"], self.outputs):
+            out["passed"] = src.passed
+        return _json_safe(data)
+
+    def to_json(self, indent: int | None = 2) -> str:
+        """JSON text; non-finite floats are written as the strings "inf", "-inf", "nan"."""
+        return json.dumps(self.to_dict(), indent=indent)
+
+    def summary(self) -> str:
+        header = ("output", "shape", "max|err|", "rel err", "cosine", "top-1", "result")
+        rows = [header]
+        for o in self.outputs:
+            if o.exact:
+                metrics = ("-", "-", "-", "-")
+            else:
+                metrics = (_fmt(o.max_abs_err, ".3e"), _fmt(o.max_rel_err, ".3e"), _fmt(o.cosine, ".8f"),
+                           "-" if o.top1 is None else f"{100 * o.top1:.1f}%")
+            result = "ok" if o.passed else "FAIL"
+            if o.exact:
+                result += f" (exact, {o.mismatches} differ)"
+            rows.append((o.name, "x".join(map(str, o.shape)) or "scalar", *metrics, result))
+        widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
+        lines = ["  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in rows]
+        t = self.thresholds
+        limits = [f"cosine >= {t.cosine_min}" if t.cosine_min is not None else "",
+                  f"rel err <= {t.rel_err_max}" if t.rel_err_max is not None else "",
+                  f"max|err| <= {t.abs_err_max}" if t.abs_err_max is not None else "",
+                  f"top-1 >= {t.top1_min}" if t.top1_min is not None else ""]
+        how = "emulated on CPU" if self.emulated else f"run on {self.provider}"
+        lines.append(f"thresholds: {', '.join(x for x in limits if x) or 'none'}")
+        lines.append(f"samples: {self.samples}; candidate: {self.precision}, {how}")
+        lines.append("PASSED" if self.passed else "FAILED: " + "; ".join(self.failures()))
+        return "\n".join(lines)
+
+
+def _fmt(value: float | None, spec: str) -> str:
+    return "-" if value is None else format(value, spec)
+
+
+def _json_safe(value):
+    if isinstance(value, float) and not math.isfinite(value):
+        return "nan" if math.isnan(value) else ("inf" if value > 0 else "-inf")
+    if isinstance(value, dict):
+        return {k: _json_safe(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_json_safe(v) for v in value]
+    return value
+
+
+def _is_float(array: np.ndarray) -> bool:
+    return np.issubdtype(array.dtype, np.floating) or "float" in array.dtype.name
+
+
+# --- comparing ---------------------------------------------------------------------
+
+
+def _compare(result: OutputParity, ref: np.ndarray, cand: np.ndarray, metrics: set[str],
+             rows: list[int]) -> None:
+    """Fold one sample's comparison into ``result`` (worst case over samples)."""
+    if ref.shape != cand.shape:
+        reason = f"shape {list(cand.shape)} differs from the reference's {list(ref.shape)}"
+        if reason not in result.failures:
+            result.failures.append(reason)
+        return
+    if result.exact:
+        result.mismatches += int(np.count_nonzero(ref != cand))
+        return
+    r = ref.astype(np.float64)
+    c = cand.astype(np.float64)
+    finite = np.isfinite(r) & np.isfinite(c)
+    same_special = (np.isnan(r) & np.isnan(c)) | (~finite & (r == c))
+    result.nonfinite_mismatches += int(np.count_nonzero(~finite & ~same_special))
+
+    r_f, c_f = r[finite], c[finite]
+    errors = np.abs(r_f - c_f)
+    result.histogram.add(errors)
+    max_abs = float(errors.max()) if errors.size else 0.0
+    scale = float(np.abs(r_f).max()) if errors.size else 0.0
+    max_rel = max_abs / scale if scale > 0 else max_abs
+    norms = float(np.linalg.norm(r_f)) * float(np.linalg.norm(c_f))
+    if norms > 0:
+        cosine = float(np.dot(r_f, c_f)) / norms
+    else:
+        cosine = 1.0 if np.array_equal(r_f, c_f) else 0.0
+    if "max_abs_err" in metrics:
+        result.max_abs_err = max(result.max_abs_err or 0.0, max_abs)
+    if "max_rel_err" in metrics:
+        result.max_rel_err = max(result.max_rel_err or 0.0, max_rel)
+    if "cosine" in metrics:
+        result.cosine = cosine if result.cosine is None else min(result.cosine, cosine)
+    if "top1" in metrics and r.ndim == 2 and r.shape[1] > 1:
+        rows[0] += int(np.count_nonzero(np.argmax(r, axis=1) == np.argmax(c, axis=1)))
+        rows[1] += r.shape[0]
+
+
+def _judge(result: OutputParity, limits: Thresholds) -> None:
+    if result.failures:  # a shape mismatch makes the metrics meaningless
+        return
+    if result.exact:
+        if result.mismatches:
+            result.failures.append(f"{result.mismatches} elements differ ({result.dtype} must match exactly)")
+        return
+    if result.nonfinite_mismatches:
+        result.failures.append(f"{result.nonfinite_mismatches} elements are inf/NaN in one model only "
+                               "(overflow or NaN in the candidate?)")
+    checks = [
+        (result.cosine, limits.cosine_min, lambda v, t: v < t, "cosine {v:.6f} < {t}"),
+        (result.max_rel_err, limits.rel_err_max, lambda v, t: v > t, "max rel err {v:.3e} > {t}"),
+        (result.max_abs_err, limits.abs_err_max, lambda v, t: v > t, "max abs err {v:.3e} > {t}"),
+        (result.top1, limits.top1_min, lambda v, t: v < t, "top-1 agreement {v:.4f} < {t}"),
+    ]
+    for value, limit, fails, message in checks:
+        if value is not None and limit is not None and fails(value, limit):
+            result.failures.append(message.format(v=value, t=limit))
+
+
+# --- running -----------------------------------------------------------------------
+
+
+def _warn_if_no_tensor_cores() -> None:
+    """Best effort: fp16 is only faster on GPUs with Tensor Cores (compute capability >= 7.0)."""
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=name,compute_cap", "--format=csv,noheader"],
+                             capture_output=True, text=True, timeout=10, check=True).stdout
+        name, cap = out.splitlines()[0].rsplit(",", 1)
+        capability = float(cap)
+    except (OSError, subprocess.SubprocessError, ValueError, IndexError) as exc:
+        log.debug("cannot read the GPU compute capability: %s", exc)
+        return
+    if capability < 7.0:
+        log.warning("GPU %s has compute capability %.1f (< 7.0, no Tensor Cores): "
+                    "float16 will not be faster than float32 there", name.strip(), capability)
+
+
+def _session(model: onnx.ModelProto, provider: str, role: str, stack: contextlib.ExitStack):
+    import onnxruntime as ort
+
+    ep = PROVIDERS[provider]
+    if ep not in ort.get_available_providers():
+        raise OnnxMPError(f"this onnxruntime build has no {ep}",
+                          "install onnxruntime-gpu (onnxmp[gpu]), or use --provider cpu to emulate "
+                          "low precision")
+    options = ort.SessionOptions()
+    options.log_severity_level = 3
+    source: str | bytes
+    if model.ByteSize() > _PROTOBUF_LIMIT:
+        # Too big to serialize in one piece: hand onnxruntime a file with external data.
+        folder = stack.enter_context(tempfile.TemporaryDirectory(prefix="onnxmp-"))
+        source = os.path.join(folder, f"{role}.onnx")
+        onnx.save_model(model, source, save_as_external_data=True, location=f"{role}.onnx.data")
+    else:
+        source = model.SerializeToString()
+    providers = [ep] if provider == "cpu" else [ep, PROVIDERS["cpu"]]
+    try:
+        session = ort.InferenceSession(source, options, providers=providers)
+    except Exception as exc:  # onnxruntime's exceptions share no public base class
+        raise OnnxMPError(f"onnxruntime cannot load the {role} model: {str(exc).splitlines()[0]}",
+                          "check the model with onnx.checker.check_model") from None
+    if ep not in session.get_providers():
+        raise OnnxMPError(f"{ep} failed to initialize for the {role} model",
+                          "check the CUDA and cuDNN libraries onnxruntime needs")
+    return session
+
+
+def _run(session, model: onnx.ModelProto, sample: Sample, role: str) -> dict[str, np.ndarray]:
+    feeds = check_inputs(model, sample)
+    for name, array in feeds.items():
+        if array.dtype.name == "bfloat16":
+            raise OnnxMPError(f"{role} model input {name!r} is bfloat16, which onnxruntime's Python API "
+                              "cannot feed", "convert with keep_io_types=True, or use --provider cpu")
+    try:
+        values = session.run(None, feeds)
+    except Exception as exc:  # onnxruntime's exceptions share no public base class
+        raise OnnxMPError(f"the {role} model failed to run: {str(exc).splitlines()[0]}") from None
+    return {o.name: np.asarray(v) for o, v in zip(session.get_outputs(), values)}
+
+
+def _samples(model: onnx.ModelProto, inputs, dims, seed: int) -> list[Sample]:
+    if inputs is None:
+        return [generate_inputs(model, dims, seed=seed)]
+    if dims:
+        log.warning("--dims is ignored: the inputs given fix every shape")
+    if isinstance(inputs, Mapping):
+        return [dict(inputs)]
+    if isinstance(inputs, (str, os.PathLike)):
+        return load_npz(inputs)
+    inputs = list(inputs)
+    if all(isinstance(i, (str, os.PathLike)) for i in inputs):
+        return load_npz(inputs)
+    if not inputs or not all(isinstance(i, Mapping) for i in inputs):
+        raise OnnxMPError("inputs must be a dict of arrays, a list of them, or .npz paths")
+    return [dict(i) for i in inputs]
+
+
+def _thresholds(thresholds: Thresholds | Mapping[str, float | None] | None, precision: str) -> Thresholds:
+    if isinstance(thresholds, Thresholds):
+        return thresholds
+    limits = dataclasses.replace(DEFAULT_THRESHOLDS[precision])
+    known = {f.name for f in dataclasses.fields(Thresholds)}
+    for key, value in (thresholds or {}).items():
+        if key not in known:
+            raise OnnxMPError(f"unknown threshold {key!r}", f"known: {', '.join(sorted(known))}")
+        setattr(limits, key, value)
+    return limits
+
+
+def _emulated(model: onnx.ModelProto) -> tuple[onnx.ModelProto, list[str]]:
+    precisions = low_precision_types(model)
+    for precision in precisions:
+        # float32 I/O: onnxruntime's Python API cannot feed bfloat16, and
+        # rounding on entry reproduces what a low-precision input would hold.
+        model = emulate(model, precision, keep_io_types=False)
+    return model, precisions
+
+
+def validate(reference: onnx.ModelProto | str | os.PathLike, candidate: onnx.ModelProto | str | os.PathLike,
+             inputs: Mapping[str, np.ndarray] | Sequence[Mapping[str, np.ndarray]] | str | os.PathLike
+             | Sequence[str | os.PathLike] | None = None, *, provider: str = "cpu",
+             metrics: Iterable[str] | None = None,
+             thresholds: Thresholds | Mapping[str, float | None] | None = None,
+             dims: Mapping[str, int] | None = None, seed: int = 0) -> ParityReport:
+    """Run ``reference`` and ``candidate`` on the same inputs and compare every output.
+
+    ``inputs``: one sample (dict), several, or ``.npz`` paths; ``None``
+    generates one sample from the reference's input metadata (``dims`` sets
+    its symbolic dims, ``seed`` its values).  ``metrics`` restricts the
+    metrics computed (and so checked) to a subset of :data:`METRICS`.
+    ``thresholds`` overrides the defaults for the candidate's precision,
+    wholly (a :class:`Thresholds`) or per key (a dict).
+    """
+    if provider not in PROVIDERS:
+        raise OnnxMPError(f"unknown provider {provider!r}", f"use one of: {', '.join(PROVIDERS)}")
+    wanted = set(METRICS if metrics is None else metrics)
+    if wanted - set(METRICS):
+        raise OnnxMPError(f"unknown metric(s) {', '.join(sorted(wanted - set(METRICS)))}",
+                          f"known: {', '.join(METRICS)}")
+    ref_model = as_model(reference)
+    cand_model = as_model(candidate)
+    cand_precisions = low_precision_types(cand_model)
+    precision = next((p for p in ("bfloat16", "float16") if p in cand_precisions), "float32")
+    limits = _thresholds(thresholds, precision)
+
+    cand_outputs = {o.name for o in cand_model.graph.output}
+    missing = [o.name for o in ref_model.graph.output if o.name not in cand_outputs]
+    if missing:
+        raise OnnxMPError(f"the candidate has no output named {', '.join(map(repr, missing))}",
+                          "outputs are compared by name; the candidate must keep the reference's names")
+    samples = _samples(ref_model, inputs, dims, seed)
+
+    ref_model, _ = _emulated(ref_model)  # a reference with fp16 in it still runs on the CPU
+    emulated: list[str] = []
+    if provider == "cpu":
+        cand_model, emulated = _emulated(cand_model)
+    else:
+        _warn_if_no_tensor_cores()
+    if emulated:
+        log.info("emulating %s numerics of the candidate on CPU", " and ".join(emulated))
+
+    results: dict[str, OutputParity] = {}
+    top1_rows: dict[str, list[int]] = {}
+    with contextlib.ExitStack() as stack:
+        ref_session = _session(ref_model, "cpu", "reference", stack)
+        cand_session = _session(cand_model, provider, "candidate", stack)
+        for sample in samples:
+            ref_out = _run(ref_session, ref_model, sample, "reference")
+            cand_out = _run(cand_session, cand_model, sample, "candidate")
+            for name, ref in ref_out.items():
+                if name not in results:
+                    results[name] = OutputParity(name=name, dtype=ref.dtype.name, shape=list(ref.shape),
+                                                 exact=not _is_float(ref))
+                    top1_rows[name] = [0, 0]
+                _compare(results[name], ref, cand_out[name], wanted, top1_rows[name])
+    for name, result in results.items():
+        agree, total = top1_rows[name]
+        if total:
+            result.top1 = agree / total
+        _judge(result, limits)
+    return ParityReport(outputs=list(results.values()), thresholds=limits, samples=len(samples),
+                        provider=provider, precision=precision, emulated=emulated)
