@@ -1,15 +1,22 @@
 """Run low-precision models on the ONNX Runtime CPU EP with low-precision numerics.
 
-The ORT CPU EP has almost no float16 or bfloat16 compute kernels, so a real
-fp16 model cannot run there.  :func:`emulate` rewrites such a model so that
-every low-precision tensor becomes a float32 tensor holding values that are
-exactly representable in the low-precision type:
+The ORT CPU EP has almost no float16 or bfloat16 compute kernels.  It still
+loads an fp16 model, but by wrapping each kernel-less region in Casts to
+float32 and dropping the Cast pairs between regions, so the intermediates stay
+float32 and fp16 overflow never shows (300 * 300 stays 90000).
+
+:func:`emulate` rewrites such a model so that every low-precision tensor
+becomes a float32 tensor holding values exactly representable in the
+low-precision type:
 
 * after every node that produced a low-precision tensor, a ``Cast(to=FLOAT16)``
   -> ``Cast(to=FLOAT)`` pair rounds the float32 result, which reproduces fp16
   rounding, overflow to inf and underflow to 0 (the compute itself happens in
   float32, like the fp32 accumulation of a GPU's fp16 kernels);
-* an existing ``Cast(to=FLOAT16)`` stays and is followed by ``Cast(to=FLOAT)``;
+* ops that only move or select values (Reshape, Concat, Relu, If, ...) get
+  no pair: their outputs are already representable;
+* an existing ``Cast(to=FLOAT16)`` stays and is followed by ``Cast(to=FLOAT)``
+  (unless only Casts read it: then it already is a rounding step);
 * low-precision initializers and constant attribute tensors become float32
   (exact: the values are already representable);
 * ``to``/``dtype`` attributes naming the low-precision type (RandomNormal,
@@ -82,7 +89,8 @@ def low_precision_types(model: onnx.ModelProto | str | os.PathLike) -> list[str]
 
     A low-precision tensor can only come from a declared type, an initializer,
     a constant attribute or a dtype attribute, so a structural scan (subgraphs
-    and local functions included) finds every one without type inference.
+    and local functions included) finds every one without type inference.  An
+    emulated model still lists its precision: its rounding Casts name it.
     """
     model = as_model(model)
     return [name for name, elem in PRECISIONS.items() if _uses(model, elem)]

@@ -23,7 +23,7 @@ import onnx
 import onnx_graphsurgeon as gs
 
 from onnxmp.color.rules import Coloring
-from onnxmp.graphs import iter_graphs, onnx_dtype
+from onnxmp.graphs import MAIN, iter_graphs, onnx_dtype
 from onnxmp.passes import PassResult, require
 
 log = logging.getLogger("onnxmp.rewrite")
@@ -75,6 +75,16 @@ def rewrite(graph: gs.Graph, state: Coloring, *, precision: str = "float16",
     for key in allow:
         v = view.vertices[key]
         low_input.update((v.node, i) for i, _ in v.inputs)
+    # Control-flow groups that go low: their tensors are retyped as a whole (spec §5.7).
+    group_tensors: set[str] = set()
+    body_members: set[str] = set()  # formal body I/O of low groups: retyped, not pinned any more
+    node_outputs: set[str] = set()  # outputs of the control-flow nodes of low groups
+    for group in state.low_groups:
+        outer = view.graph_of_node[group.node]
+        group_tensors.update(t for _, t in group.members)
+        body_members.update(t for gid, t in group.members if gid != outer)
+        node_outputs.add(group.output)
+        low_input.update(group.low_inputs)
 
     graphs = list(iter_graphs(graph))
     # Every reader of every initializer, across graphs, to decide convert vs twin.
@@ -86,10 +96,67 @@ def rewrite(graph: gs.Graph, state: Coloring, *, precision: str = "float16",
                     const_readers.setdefault(t.name, []).append((node.name, i) in low_input)
     graph_io = {t.name for _, g, _ in graphs for t in g.inputs + g.outputs}
 
+    # Names are unique across scopes, so one alias map serves every graph: a body
+    # reading an outer low tensor reads it directly, without a round trip.
+    low_alias: dict[str, gs.Tensor] = {}  # original tensor name -> tensor holding its low value
+    new_nodes: dict[str, list[gs.Node]] = {gid: [] for gid, _, _ in graphs}
+
+    def retype_output(graph_id: str, node: gs.Node, index: int) -> None:
+        tensor = node.outputs[index]
+        name = tensor.name
+        if name in view.pinned and name not in body_members:
+            low = gs.Variable(names.fresh(f"{name}_onnxmp_{low_sfx}"), dtype=low_np, shape=tensor.shape)
+            node.outputs[index] = low
+            restore = gs.Node("Cast", names.fresh(f"{name}_onnxmp_cast_fp32"),
+                              attrs={"to": int(onnx.TensorProto.FLOAT)}, inputs=[low], outputs=[tensor])
+            new_nodes[graph_id].append(restore)
+            stats.casts.append(restore.name)
+            low_alias[name] = low
+        else:
+            tensor.dtype = low_np
+            low_alias[name] = tensor
+        stats.retyped_tensors += 1
+
+    # 1. Retype low outputs (renaming pinned ones) and retarget dtype attributes, in every graph.
     for graph_id, g, _ in graphs:
-        new_nodes: list[gs.Node] = []
+        for node in list(g.nodes):
+            for key in view.node_vertices.get(node.name, []):
+                if key not in allow:
+                    continue
+                for index, _name in view.vertices[key].outputs:
+                    retype_output(graph_id, node, index)
+                if node.op in ("Cast", "Constant", "ConstantOfShape"):
+                    _retarget(node, low_enum, low_np)
+                    stats.retargeted_nodes.append(node.name)
+            if node.op in ("If", "Loop", "Scan"):
+                for index, out in enumerate(node.outputs):
+                    if out.name in node_outputs and out.name not in low_alias:
+                        retype_output(graph_id, node, index)
+        for tensor in g.inputs:
+            # Body formal inputs of a low group (Loop carried values) take the low type.
+            if graph_id != MAIN and tensor.name in group_tensors:
+                tensor.dtype = low_np
+                low_alias[tensor.name] = tensor
+                stats.retyped_tensors += 1
+
+    # 2. Graph inputs of the main graph may turn low when keep_io_types is off.
+    if not keep_io_types:
+        main = graphs[0][1]
+        for tensor in main.inputs:
+            if onnx_dtype(tensor) != onnx.TensorProto.FLOAT or tensor.name in view.pinned:
+                continue
+            readers = [(n.name, i) for _, g, _ in graphs for n in g.nodes for i, t in enumerate(n.inputs)
+                       if t.name == tensor.name]
+            if readers and all(r in low_input for r in readers):
+                tensor.dtype = low_np
+                low_alias[tensor.name] = tensor
+                stats.retyped_tensors += 1
+
+    # 3. Fix every consumer: low readers of fp32 sources, fp32 readers of low tensors.
+    #    Casts go into the reader's graph, shared per (tensor, target type).
+    twins: dict[str, gs.Constant] = {}
+    for graph_id, g, _ in graphs:
         shared_casts: dict[tuple[str, int], gs.Variable] = {}
-        low_alias: dict[str, gs.Tensor] = {}  # original tensor name -> tensor holding its low value
 
         def cast(src: gs.Tensor, to_enum: int, to_np, sfx: str) -> gs.Variable:
             key = (src.name, to_enum)
@@ -97,50 +164,14 @@ def rewrite(graph: gs.Graph, state: Coloring, *, precision: str = "float16",
                 out = gs.Variable(names.fresh(f"{src.name}_onnxmp_{sfx}"), dtype=to_np, shape=src.shape)
                 node = gs.Node("Cast", names.fresh(f"{src.name}_onnxmp_cast_{sfx}"),
                                attrs={"to": int(to_enum)}, inputs=[src], outputs=[out])
-                new_nodes.append(node)
+                new_nodes[graph_id].append(node)
                 stats.casts.append(node.name)
                 shared_casts[key] = out
             return shared_casts[key]
 
-        # 1. Retype ALLOW outputs (renaming pinned ones) and retarget dtype attributes.
+        inserted = {n.name for n in new_nodes[graph_id]}
         for node in list(g.nodes):
-            for key in view.node_vertices.get(node.name, []):
-                if key not in allow:
-                    continue
-                v = view.vertices[key]
-                for index, name in v.outputs:
-                    tensor = node.outputs[index]
-                    if name in view.pinned:
-                        low = gs.Variable(names.fresh(f"{name}_onnxmp_{low_sfx}"), dtype=low_np, shape=tensor.shape)
-                        node.outputs[index] = low
-                        restore = gs.Node("Cast", names.fresh(f"{name}_onnxmp_cast_fp32"),
-                                          attrs={"to": int(onnx.TensorProto.FLOAT)}, inputs=[low], outputs=[tensor])
-                        new_nodes.append(restore)
-                        stats.casts.append(restore.name)
-                        low_alias[name] = low
-                    else:
-                        tensor.dtype = low_np
-                        low_alias[name] = tensor
-                    stats.retyped_tensors += 1
-                if node.op in ("Cast", "Constant", "ConstantOfShape"):
-                    _retarget(node, low_enum, low_np)
-                    stats.retargeted_nodes.append(node.name)
-
-        # 2. Graph inputs of the main graph may turn low when keep_io_types is off.
-        if graph_id == "" and not keep_io_types:
-            for tensor in g.inputs:
-                if onnx_dtype(tensor) != onnx.TensorProto.FLOAT or tensor.name in view.pinned:
-                    continue
-                readers = [(n.name, i) for n in g.nodes for i, t in enumerate(n.inputs) if t.name == tensor.name]
-                if readers and all(r in low_input for r in readers):
-                    tensor.dtype = low_np
-                    low_alias[tensor.name] = tensor
-                    stats.retyped_tensors += 1
-
-        # 3. Fix every consumer: low readers of fp32 sources, fp32 readers of low tensors.
-        twins: dict[str, gs.Constant] = {}
-        for node in list(g.nodes):
-            if node in new_nodes:
+            if node.name in inserted:
                 continue
             for i, tensor in enumerate(list(node.inputs)):
                 if not tensor.name:
@@ -159,7 +190,13 @@ def rewrite(graph: gs.Graph, state: Coloring, *, precision: str = "float16",
                     node.inputs[i] = low_alias[tensor.name]
                 elif not wants_low and is_low and low_alias[tensor.name].name == tensor.name:
                     node.inputs[i] = cast(tensor, onnx.TensorProto.FLOAT, np.float32, "fp32")
-        g.nodes.extend(new_nodes)
+        for tensor in list(g.outputs):
+            # A body output bound to a low group but produced in fp32 (an input passed through).
+            if graph_id != MAIN and tensor.name in group_tensors and tensor.name not in low_alias:
+                require(False, "rewrite", f"group member `{tensor.name}` has a low-precision producer")
+
+    for graph_id, g, _ in graphs:
+        g.nodes.extend(new_nodes[graph_id])
         try:
             g.toposort(recurse_subgraphs=False)
         except Exception as exc:  # a rewrite bug, not user input

@@ -10,7 +10,6 @@ import tempfile
 import onnx
 
 from onnxmp.cli import add_verbosity_flags
-from onnxmp.errors import OnnxMPError
 
 log = logging.getLogger("onnxmp.cli.parity")
 

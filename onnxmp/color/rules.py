@@ -28,6 +28,8 @@ class Coloring:
     view: TypeView
     colors: dict[str, tuple[str, Reason]] = field(default_factory=dict)
     low_name: str = "float16"
+    low_groups: list = field(default_factory=list)          # ColorGroups that go low precision
+    group_notes: dict[str, str] = field(default_factory=dict)  # group name -> why it stays as it is
 
     def is_allow(self, key: str) -> bool:
         return self.colors.get(key, (None,))[0] == ALLOW
@@ -248,20 +250,42 @@ def remove_allow_set_with_fp32(state: Coloring) -> PassResult:
 
 
 def force_color_match(state: Coloring) -> PassResult:
-    """Tensors that must share a type end with one color.
+    """Tensors that must share a type end with one color (spec §5.7).
 
-    Minimum behaviour of spec §5.7: control-flow nodes (If/Loop/Scan) keep their
-    own inputs and outputs at the original type, so their vertices never go
-    ALLOW, and each body is colored on its own with its formal inputs and outputs
-    fixed (pinned tensors get Casts inside the body at rewrite time).
+    Loop carried values (outer initial value, body input, body output, Loop
+    output), Loop/Scan scan outputs, If branch outputs with the If output, and
+    Scan state form groups.  A group goes low precision only if every member
+    can: each value computed in a body comes from an ALLOW vertex, and an outer
+    initial value is not DENY.  Otherwise the group keeps its original type: the
+    control-flow node's own inputs and outputs stay as they are, and Casts at
+    the body's formal inputs and outputs go inside the body.  Control-flow
+    vertices themselves are never painted ALLOW.
     """
-    removed = 0
+    view = state.view
+    changed = False
     for k in state.allow_keys():
-        v = state.view.vertices[k]
+        v = view.vertices[k]
         if v.op_type in ("If", "Loop", "Scan"):
-            state.paint(k, DENY, "force_color_match", f"{v.op_type} inputs and outputs keep their type")
-            removed += 1
-    return PassResult(removed > 0, {"removed": removed})
+            state.paint(k, DENY, "force_color_match", f"{v.op_type} inputs and outputs follow their color groups")
+            changed = True
+    state.low_groups = []
+    for group in view.groups:
+        blocker = None
+        for tensor in group.must_allow:
+            producer = view.producer_of.get(tensor)
+            if producer is None or not state.is_allow(producer):
+                blocker = f"`{tensor}` is not computed by an allow vertex"
+                break
+        for tensor in group.must_not_deny:
+            producer = view.producer_of.get(tensor)
+            if blocker is None and producer is not None and state.is_deny(producer):
+                blocker = f"initial value `{tensor}` comes from deny {view.vertices[producer].op}"
+        if blocker is None:
+            state.low_groups.append(group)
+            changed = True
+        else:
+            state.group_notes[group.name] = blocker
+    return PassResult(changed, {"low_groups": len(state.low_groups)})
 
 
 def make_casts_allow_if_all_outputs_allow(state: Coloring) -> PassResult:

@@ -48,6 +48,31 @@ class Vertex:
 
 
 @dataclass
+class ColorGroup:
+    """Tensors bound across a control-flow boundary that must share one type (spec §5.7).
+
+    ``members`` are (graph id, tensor name); ``must_allow`` are the tensors whose
+    producer vertex must be ALLOW (values computed in a body), ``must_not_deny``
+    those whose producer may be anything but DENY (an outer initial value: one
+    Cast outside the loop is cheap).  ``low_inputs`` are (node, input index)
+    positions of the control-flow node that then read the low-precision value.
+    """
+
+    kind: str
+    node: str
+    index: int
+    output: str              # the control-flow node's output bound to the group
+    members: list[tuple[str, str]]
+    must_allow: list[str]
+    must_not_deny: list[str] = field(default_factory=list)
+    low_inputs: list[tuple[str, int]] = field(default_factory=list)
+
+    @property
+    def name(self) -> str:
+        return f"{self.kind} `{self.node}` #{self.index}"
+
+
+@dataclass
 class TypeView:
     """Vertices of every graph plus fan-in/fan-out over float32 tensors."""
 
@@ -60,6 +85,7 @@ class TypeView:
     pinned: dict[str, str]                    # tensor name -> why its dtype may not change
     graph_of_node: dict[str, str]
     unknown_schema: dict[str, str]            # node name -> op key, for the report
+    groups: list[ColorGroup] = field(default_factory=list)
 
 
 def _schema(op_type: str, domain: str, opset: int) -> onnx.defs.OpSchema | None:
@@ -207,8 +233,83 @@ def build_type_view(
                 fanout[src].append(dst)
             if src not in fanin[dst]:
                 fanin[dst].append(src)
+    groups = [g for g in control_flow_groups(graph) if all(tensor_dtype.get(t, _float_of(graph, gid, t))
+                                                           == onnx.TensorProto.FLOAT for gid, t in g.members)]
+    for group in groups:
+        # TF colors one flat graph where NextIteration/Merge edges close the loop; here the
+        # group's producers are linked to the group's consumers so the passes see through
+        # the boundary (a body Add between this iteration's MatMul and the next one's is
+        # "between allow ops").  force_color_match settles the group afterwards.
+        producers = [producer_of[t] for t in group.must_allow + group.must_not_deny if t in producer_of]
+        consumers = [c for _, t in group.members for c in consumers_of.get(t, [])
+                     if vertices[c].op_type not in ("If", "Loop", "Scan")]
+        for src in producers:
+            for dst in consumers:
+                if dst not in fanout[src]:
+                    fanout[src].append(dst)
+                if src not in fanin[dst]:
+                    fanin[dst].append(src)
     return TypeView(vertices, fanin, fanout, node_vertices, producer_of, consumers_of, pinned,
-                    graph_of_node, unknown_schema)
+                    graph_of_node, unknown_schema, groups)
+
+
+def _float_of(graph: gs.Graph, graph_id: str, name: str) -> int | None:
+    for gid, g, _ in iter_graphs(graph):
+        if gid == graph_id:
+            for t in g.inputs + g.outputs:
+                if t.name == name:
+                    return onnx_dtype(t)
+    return None
+
+
+def control_flow_groups(graph: gs.Graph) -> list[ColorGroup]:
+    """Loop carried values and scan outputs, If outputs, Scan state and scan outputs."""
+    groups: list[ColorGroup] = []
+    for graph_id, g, _ in iter_graphs(graph):
+        for node in g.nodes:
+            if node.op == "If" and isinstance(node.attrs.get("then_branch"), gs.Graph):
+                then_g, else_g = node.attrs["then_branch"], node.attrs["else_branch"]
+                for i, out in enumerate(node.outputs):
+                    if i >= len(then_g.outputs) or i >= len(else_g.outputs):
+                        continue
+                    t, e = then_g.outputs[i].name, else_g.outputs[i].name
+                    groups.append(ColorGroup("If output", node.name, i, out.name,
+                                             [(graph_id, out.name), (f"{node.name}/then_branch", t),
+                                              (f"{node.name}/else_branch", e)], must_allow=[t, e]))
+            elif node.op in ("Loop", "Scan") and isinstance(node.attrs.get("body"), gs.Graph):
+                groups += _loop_or_scan_groups(graph_id, node)
+    return groups
+
+
+def _loop_or_scan_groups(graph_id: str, node: gs.Node) -> list[ColorGroup]:
+    body: gs.Graph = node.attrs["body"]
+    body_id = f"{node.name}/body"
+    if node.op == "Loop":
+        n_state = len(node.inputs) - 2
+        first_in, first_body_in, first_body_out = 2, 2, 1
+    else:
+        n_state = len(node.inputs) - int(node.attrs.get("num_scan_inputs", 0))
+        first_in, first_body_in, first_body_out = 0, 0, 0
+    groups = []
+    for i in range(n_state):
+        outer_in = node.inputs[first_in + i]
+        body_in = body.inputs[first_body_in + i]
+        body_out = body.outputs[first_body_out + i]
+        if not outer_in.name or i >= len(node.outputs):
+            continue
+        groups.append(ColorGroup(f"{node.op} carried value", node.name, i, node.outputs[i].name,
+                                 [(graph_id, outer_in.name), (body_id, body_in.name), (body_id, body_out.name),
+                                  (graph_id, node.outputs[i].name)],
+                                 must_allow=[body_out.name], must_not_deny=[outer_in.name],
+                                 low_inputs=[(node.name, first_in + i)]))
+    for k, body_out in enumerate(body.outputs[first_body_out + n_state:]):
+        out_index = n_state + k
+        if out_index >= len(node.outputs):
+            break
+        groups.append(ColorGroup(f"{node.op} scan output", node.name, out_index, node.outputs[out_index].name,
+                                 [(body_id, body_out.name), (graph_id, node.outputs[out_index].name)],
+                                 must_allow=[body_out.name]))
+    return groups
 
 
 def _decide_processing(vertex: Vertex, schema, node: gs.Node, node_list: str | None, blocked: str | None,
