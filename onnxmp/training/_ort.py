@@ -1,0 +1,80 @@
+"""Access to onnxruntime's training API without importing torch.
+
+``onnxruntime/training/__init__.py`` imports its torch-based optimizers, so a
+plain ``import onnxruntime.training`` fails (or costs seconds) without torch.
+The pieces onnxmp needs (``artifacts``/``onnxblock`` for building graphs and
+``api`` for running them) do not need torch, so when torch is absent we put a
+bare package object in ``sys.modules`` and let submodules import from its
+folder.  With torch installed the real package is imported, so other code in
+the same process still sees the complete ``onnxruntime.training``.
+"""
+from __future__ import annotations
+
+import contextlib
+import importlib
+import importlib.util
+import logging
+import os
+import sys
+import tempfile
+import types
+
+from onnxmp.errors import OnnxMPError
+
+_INSTALL_HINT = ("install the training build: pip install onnxruntime-training-cpu==1.19.2 "
+                 "(or onnxruntime-training==1.19.2 for CUDA); it exists for Python <= 3.11 only")
+
+
+def _training_package() -> types.ModuleType:
+    name = "onnxruntime.training"
+    if name in sys.modules:
+        return sys.modules[name]
+    try:
+        import onnxruntime
+    except ImportError as exc:
+        raise OnnxMPError("onnxruntime is not installed", _INSTALL_HINT) from exc
+    spec = importlib.util.find_spec(name)
+    if spec is None or spec.submodule_search_locations is None:
+        raise OnnxMPError(f"onnxruntime {onnxruntime.__version__} has no training support", _INSTALL_HINT)
+    if importlib.util.find_spec("torch") is not None:
+        return importlib.import_module(name)
+    package = types.ModuleType(name)
+    package.__path__ = list(spec.submodule_search_locations)
+    package.__package__ = name
+    package.__spec__ = spec
+    sys.modules[name] = package
+    onnxruntime.training = package
+    return package
+
+
+def onnxblock() -> types.ModuleType:
+    _training_package()
+    return importlib.import_module("onnxruntime.training.onnxblock")
+
+
+def api() -> types.ModuleType:
+    _training_package()
+    return importlib.import_module("onnxruntime.training.api")
+
+
+@contextlib.contextmanager
+def native_stderr_to_log(logger: logging.Logger):
+    """Send what native code writes to fd 2 during the block to ``logger.debug``.
+
+    ORT's gradient-graph builder logs every graph transformer at INFO through
+    its own logger, whatever the default severity says; this keeps that noise
+    out of the user's terminal while ``-v -v`` still shows it.
+    """
+    sys.stderr.flush()
+    saved = os.dup(2)
+    with tempfile.TemporaryFile() as sink:
+        os.dup2(sink.fileno(), 2)
+        try:
+            yield
+        finally:
+            sys.stderr.flush()
+            os.dup2(saved, 2)
+            os.close(saved)
+            sink.seek(0)
+            for line in sink.read().decode(errors="replace").splitlines():
+                logger.debug("onnxruntime: %s", line)

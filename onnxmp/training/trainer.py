@@ -1,0 +1,433 @@
+"""Mixed-precision training loop on onnxruntime-training's Module/Optimizer API.
+
+One :meth:`Trainer.train_step` runs one micro-batch through the training
+graph, which accumulates its unscaled gradients and reports ``all_finite``.
+After ``grad_accum_steps`` micro-batches the trainer decides once for the
+effective batch (the AND of the micro-steps' ``all_finite``):
+
+* finite: ``optimizer.step()`` (global-norm clipping happens inside the
+  optimizer graph, on the unscaled accumulated gradients);
+* not finite: no ``optimizer.step()``, so weights, moments and ORT's step
+  count stay exactly as they were; the loss scale backs off.
+
+Either way ``lazy_reset_grad()`` clears the accumulation buffers.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import shutil
+import tempfile
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Iterable, Mapping, Sequence
+
+import numpy as np
+import onnx
+from onnx import numpy_helper
+
+from onnxmp.errors import OnnxMPError
+from onnxmp.training import _ort
+from onnxmp.training.artifacts import (
+    ALL_FINITE,
+    GRAD_WEIGHT,
+    LOSS,
+    LOSS_SCALE,
+    MANIFEST,
+    Artifacts,
+    atomic_path,
+    build_optimizer_model,
+    write_json,
+)
+from onnxmp.training.scaler import DynamicLossScaler
+
+log = logging.getLogger("onnxmp.training")
+
+# Checkpoint properties hold int, 32-bit float or str; JSON strings keep every
+# float (the loss scale, the clip norm) exact.
+_SCALER_PROPERTY = "onnxmp.scaler"
+_TRAINER_PROPERTY = "onnxmp.trainer"
+
+Metric = Callable[[np.ndarray, np.ndarray], float]
+
+
+def accuracy(labels: np.ndarray, predictions: np.ndarray) -> float:
+    """Share of rows whose arg-max over the last axis equals the integer label."""
+    return float(np.mean(np.argmax(predictions, axis=-1) == labels))
+
+
+def binary_accuracy(labels: np.ndarray, predictions: np.ndarray) -> float:
+    """For logits: share where ``logit > 0`` matches ``label > 0.5``."""
+    return float(np.mean((predictions > 0) == (labels > 0.5)))
+
+
+METRICS: dict[str, Metric] = {"accuracy": accuracy, "binary_accuracy": binary_accuracy}
+
+
+@dataclass(frozen=True)
+class StepResult:
+    """Outcome of one micro-batch.
+
+    ``loss`` is unscaled; ``all_finite`` is this micro-batch's check;
+    ``stepped`` says the optimizer applied an update on this call and
+    ``skipped`` that an effective batch ended here without one.
+    ``loss_scale`` is the scale this micro-batch ran with.
+    """
+
+    loss: float
+    all_finite: bool
+    stepped: bool
+    loss_scale: float
+    skipped: bool = False
+
+
+@dataclass
+class History:
+    """Per-micro-step curves and per-epoch summaries of :meth:`Trainer.fit`."""
+
+    step_loss: list[float] = field(default_factory=list)
+    step_loss_scale: list[float] = field(default_factory=list)
+    step_skipped: list[bool] = field(default_factory=list)
+    epochs: list[dict[str, Any]] = field(default_factory=list)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+class Trainer:
+    """Train from an :class:`Artifacts` folder (or its path).
+
+    ``scaler`` defaults to :class:`DynamicLossScaler` for float16 artifacts and
+    a static scale of 1 otherwise (bfloat16 and float32 have float32's range).
+    ``lr`` sets the optimizer's learning rate (``None`` leaves ORT's default, 1e-3);
+    ``lr_schedule(step)`` sets it before each applied update, ``step`` counting
+    applied updates.  ``clip_global_norm`` clips the unscaled gradients of each
+    effective batch by their global L2 norm.
+    """
+
+    def __init__(self, artifacts: Artifacts | str | os.PathLike, *, device: str = "cpu",
+                 scaler: DynamicLossScaler | None = None, grad_accum_steps: int = 1, lr: float | None = 1e-3,
+                 lr_schedule: Callable[[int], float] | None = None, clip_global_norm: float | None = None):
+        self.artifacts = artifacts if isinstance(artifacts, Artifacts) else Artifacts.load(artifacts)
+        if int(grad_accum_steps) != grad_accum_steps or grad_accum_steps < 1:
+            raise OnnxMPError(f"grad_accum_steps must be a positive integer, got {grad_accum_steps}")
+        self.device = _check_device(device, self.artifacts)
+        self.grad_accum_steps = int(grad_accum_steps)
+        self.clip_global_norm = None if clip_global_norm is None else float(clip_global_norm)
+        self.lr_schedule = lr_schedule
+        if scaler is None:
+            scaler = DynamicLossScaler() if self.artifacts.precision == "float16" else DynamicLossScaler.static(1.0)
+        self.scaler = scaler
+
+        api = _ort.api()
+        try:
+            self._state = api.CheckpointState.load_checkpoint(str(self.artifacts.checkpoint))
+            self._module = api.Module(str(self.artifacts.training_model), self._state,
+                                      str(self.artifacts.eval_model), device=self.device)
+            self._optimizer = self._make_optimizer(api)
+        except OnnxMPError:
+            raise
+        except Exception as exc:
+            raise OnnxMPError(f"onnxruntime cannot load the artifacts in {self.artifacts.directory}: "
+                              f"{_first_line(exc)}", "rebuild them with this onnxmp version") from None
+        if lr is not None:
+            self._optimizer.set_learning_rate(float(lr))
+
+        self._train_inputs = self._module.train().input_names()
+        self._train_outputs = self._module.output_names()
+        self._eval_inputs = self._module.eval().input_names()
+        self._eval_outputs = self._module.output_names()
+        self._module.train()
+        self._dtypes = {name: np.dtype(d) for name, d in self.artifacts.manifest["input_dtypes"].items()}
+
+        # Counters; all of them are saved with the checkpoint.
+        self.optimizer_steps = 0  # applied updates (ORT's own step count moves with it)
+        self.skipped_steps = 0  # effective batches whose update was skipped
+        self.micro_steps = 0
+        self.epoch = 0  # completed fit() epochs
+        self._pending = 0  # micro-batches accumulated towards the current effective batch
+        self._pending_finite = True
+
+    def _make_optimizer(self, api):
+        # SGDOptimizerV2's schema infers a scalar flag where onnxblock declares [1]; ORT
+        # warns about that harmless mismatch on every load, so its log goes to debug.
+        if self.clip_global_norm is None:
+            with _ort.native_stderr_to_log(log):
+                return api.Optimizer(str(self.artifacts.optimizer_model), self._module)
+        model = build_optimizer_model(self.artifacts.manifest["optimizer"], opset=self.artifacts.manifest["opset"],
+                                      clip_global_norm=self.clip_global_norm)
+        # ORT reads the optimizer model once, at construction.
+        with tempfile.TemporaryDirectory(prefix="onnxmp-optimizer-") as folder:
+            path = Path(folder) / "optimizer_model.onnx"
+            onnx.save(model, path)
+            with _ort.native_stderr_to_log(log):
+                return api.Optimizer(str(path), self._module)
+
+    # --- stepping ---------------------------------------------------------------------
+
+    def train_step(self, *arrays: np.ndarray) -> StepResult:
+        """Run one micro-batch: ``arrays`` in :attr:`Artifacts.inputs` order (model inputs, then labels)."""
+        scale = self.scaler.scale
+        feeds = self._feeds(arrays)
+        feeds[LOSS_SCALE] = np.array(scale, dtype=np.float32)
+        feeds[GRAD_WEIGHT] = np.array(1.0 / self.grad_accum_steps, dtype=np.float32)
+        outputs = self._run(self._train_inputs, feeds)
+        named = dict(zip(self._train_outputs, outputs))
+        finite = bool(named[ALL_FINITE])
+        self.micro_steps += 1
+        self._pending += 1
+        self._pending_finite &= finite
+        stepped = skipped = False
+        if self._pending == self.grad_accum_steps:
+            stepped = self._finish_effective_batch()
+            skipped = not stepped
+        return StepResult(loss=float(named[LOSS]), all_finite=finite, stepped=stepped, loss_scale=scale,
+                          skipped=skipped)
+
+    def _finish_effective_batch(self) -> bool:
+        apply = self.scaler.update(self._pending_finite)
+        if apply:
+            if self.lr_schedule is not None:
+                self._optimizer.set_learning_rate(float(self.lr_schedule(self.optimizer_steps)))
+            self._optimizer.step()
+            self.optimizer_steps += 1
+        else:
+            self.skipped_steps += 1
+            log.debug("non-finite gradients: update skipped, loss scale now %g", self.scaler.scale)
+        self._module.lazy_reset_grad()
+        self._pending = 0
+        self._pending_finite = True
+        return apply
+
+    def flush(self) -> StepResult | None:
+        """Decide on a partly accumulated effective batch now (its gradients weigh ``m/k``)."""
+        if not self._pending:
+            return None
+        finite = self._pending_finite
+        stepped = self._finish_effective_batch()
+        return StepResult(loss=math.nan, all_finite=finite, stepped=stepped, loss_scale=self.scaler.scale,
+                          skipped=not stepped)
+
+    # --- loops ------------------------------------------------------------------------
+
+    def fit(self, train_batches: Iterable[Sequence[np.ndarray]] | Callable[[int], Iterable[Sequence[np.ndarray]]],
+            epochs: int, eval_batches: Iterable[Sequence[np.ndarray]] | None = None,
+            metrics: Sequence[str | tuple[str, Metric]] = (), *, progress: bool = True,
+            on_epoch_end: Callable[["Trainer", dict[str, Any]], None] | None = None) -> History:
+        """Train until ``epochs`` epochs are complete in total (a resumed trainer continues).
+
+        ``train_batches`` is a re-iterable collection of batches, or a function
+        of the epoch index returning one (shuffle there, seeded by the epoch,
+        and a resumed run sees the same data).  A partial effective batch left
+        at an epoch's end is applied then.  ``on_epoch_end(trainer, summary)``
+        runs after each epoch (to save, for example).
+        """
+        from tqdm.auto import tqdm
+
+        history = History()
+        metric_fns = _metric_functions(metrics)
+        for epoch in range(self.epoch, epochs):
+            batches = train_batches(epoch) if callable(train_batches) else train_batches
+            total = len(batches) if hasattr(batches, "__len__") else None
+            bar = tqdm(batches, total=total, desc=f"epoch {epoch + 1}/{epochs}", disable=not progress,
+                       dynamic_ncols=True)
+            loss_sum, loss_count, skipped_before = 0.0, 0, self.skipped_steps
+            for batch in bar:
+                result = self.train_step(*batch)
+                history.step_loss.append(result.loss)
+                history.step_loss_scale.append(result.loss_scale)
+                history.step_skipped.append(result.skipped)
+                if math.isfinite(result.loss):
+                    loss_sum += result.loss
+                    loss_count += 1
+                bar.set_postfix(loss=f"{loss_sum / max(loss_count, 1):.4f}", scale=f"{self.scaler.scale:g}",
+                                skipped=self.skipped_steps, refresh=False)
+            bar.close()
+            self.flush()
+            self.epoch = epoch + 1
+            summary = {"epoch": self.epoch, "loss": loss_sum / loss_count if loss_count else math.nan,
+                       "loss_scale": self.scaler.scale, "skipped_steps": self.skipped_steps - skipped_before,
+                       "optimizer_steps": self.optimizer_steps}
+            if eval_batches is not None:
+                summary.update({f"eval_{k}": v for k, v in self.evaluate(eval_batches, metric_fns).items()})
+            history.epochs.append(summary)
+            log.info("epoch %d: %s", self.epoch,
+                     ", ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}"
+                               for k, v in summary.items() if k != "epoch"))
+            if on_epoch_end is not None:
+                on_epoch_end(self, summary)
+        return history
+
+    def evaluate(self, batches: Iterable[Sequence[np.ndarray]],
+                 metrics: Sequence[str | tuple[str, Metric]] = ()) -> dict[str, float]:
+        """Mean loss and metrics over ``batches``, weighted by batch size.
+
+        A metric is a name from :data:`METRICS` or ``(name, fn(labels, predictions))``;
+        predictions are the model's first output.
+        """
+        metric_fns = _metric_functions(metrics)
+        prediction = self.artifacts.manifest["forward_outputs"][0]
+        label = self.artifacts.manifest["label_input"]
+        totals = {LOSS: 0.0, **{name: 0.0 for name, _ in metric_fns}}
+        count = 0
+        self._module.eval()
+        try:
+            for batch in batches:
+                feeds = self._feeds(batch)
+                named = dict(zip(self._eval_outputs, self._run(self._eval_inputs, feeds)))
+                n = len(feeds[label])
+                totals[LOSS] += float(named[LOSS]) * n
+                for name, fn in metric_fns:
+                    totals[name] += fn(feeds[label], named[prediction]) * n
+                count += n
+        finally:
+            self._module.train()
+        if not count:
+            raise OnnxMPError("evaluate() got no batches")
+        return {name: value / count for name, value in totals.items()}
+
+    # --- state ------------------------------------------------------------------------
+
+    def parameters(self) -> dict[str, np.ndarray]:
+        """Copies of the current float32 parameters (trainable and frozen), by name."""
+        return {name: np.array(param.data, copy=True) for name, param in self._state.parameters}
+
+    @property
+    def learning_rate(self) -> float:
+        return self._optimizer.get_learning_rate()
+
+    def save(self, path: str | os.PathLike) -> Path:
+        """Write a resumable folder: the artifacts plus a checkpoint holding parameters,
+        optimizer state, loss-scaler state and counters."""
+        if self._pending:
+            raise OnnxMPError("cannot save in the middle of an accumulated batch",
+                              f"save after a multiple of grad_accum_steps={self.grad_accum_steps} steps, "
+                              "or call flush() first")
+        path = Path(path)
+        try:
+            path.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise OnnxMPError(f"cannot create {path}: {exc.strerror or exc}") from None
+        properties = self._state.properties
+        properties[_SCALER_PROPERTY] = json.dumps(self.scaler.state_dict())
+        properties[_TRAINER_PROPERTY] = json.dumps({
+            "optimizer_steps": self.optimizer_steps, "skipped_steps": self.skipped_steps,
+            "micro_steps": self.micro_steps, "epoch": self.epoch,
+            "grad_accum_steps": self.grad_accum_steps, "clip_global_norm": self.clip_global_norm,
+            # ORT 1.19 restores moments and step count from the checkpoint, but not the learning rate.
+            "learning_rate": self.learning_rate,
+        })
+        manifest = self.artifacts.manifest
+        (path / MANIFEST).unlink(missing_ok=True)
+        for kind, name in manifest["files"].items():
+            source, target = self.artifacts.path(kind), path / name
+            if kind == "checkpoint" or (target.exists() and source.samefile(target)):
+                continue
+            with atomic_path(target) as tmp:
+                shutil.copyfile(source, tmp)
+        with atomic_path(path / manifest["files"]["checkpoint"]) as tmp:
+            _ort.api().CheckpointState.save_checkpoint(self._state, tmp, include_optimizer_state=True)
+        write_json(path / MANIFEST, manifest)
+        log.info("saved trainer state (%d updates, epoch %d) to %s", self.optimizer_steps, self.epoch, path)
+        return path
+
+    @classmethod
+    def resume(cls, path: str | os.PathLike, *, device: str = "cpu",
+               lr_schedule: Callable[[int], float] | None = None, **overrides: Any) -> "Trainer":
+        """Continue from a folder written by :meth:`save`, bit for bit.
+
+        Saved settings (``grad_accum_steps``, ``clip_global_norm``, the scaler,
+        the learning rate) apply unless given in ``overrides``.
+        """
+        artifacts = Artifacts.load(path)
+        properties = _ort.api().CheckpointState.load_checkpoint(str(artifacts.checkpoint)).properties
+        if _TRAINER_PROPERTY not in properties:
+            raise OnnxMPError(f"{path} holds artifacts but no saved training state",
+                              "resume from a folder written by Trainer.save (or `onnxmp train --out`)")
+        saved = json.loads(properties[_TRAINER_PROPERTY])
+        scaler = DynamicLossScaler.from_state_dict(json.loads(properties[_SCALER_PROPERTY]))
+        settings = {"scaler": scaler, "grad_accum_steps": saved["grad_accum_steps"],
+                    "clip_global_norm": saved["clip_global_norm"], "lr": saved["learning_rate"], **overrides}
+        trainer = cls(artifacts, device=device, lr_schedule=lr_schedule, **settings)
+        trainer.optimizer_steps = saved["optimizer_steps"]
+        trainer.skipped_steps = saved["skipped_steps"]
+        trainer.micro_steps = saved["micro_steps"]
+        trainer.epoch = saved["epoch"]
+        return trainer
+
+    def export_inference(self, path: str | os.PathLike, precision: str = "float16", *,
+                         target: str = "cuda") -> Path:
+        """Write the trained model for deployment: the original forward model with the
+        trained weights, converted by ``onnxmp.convert`` unless ``precision="float32"``."""
+        from onnxmp.load import load
+        from onnxmp.save import save
+
+        model = load(self.artifacts.path("forward_model"))
+        trained = self.parameters()
+        for i, init in enumerate(model.graph.initializer):
+            if init.name in trained:
+                dtype = onnx.helper.tensor_dtype_to_np_dtype(init.data_type)
+                model.graph.initializer[i].CopyFrom(numpy_helper.from_array(trained[init.name].astype(dtype),
+                                                                            init.name))
+        if precision != "float32":
+            import onnxmp
+
+            convert = getattr(onnxmp, "convert", None)
+            if convert is None:
+                raise OnnxMPError(f"exporting {precision} needs onnxmp.convert, which this onnxmp build lacks",
+                                  "export precision='float32'")
+            model = convert(model, target=target, precision=precision, keep_io_types=True).model
+        return save(model, path)
+
+    # --- plumbing ---------------------------------------------------------------------
+
+    def _feeds(self, arrays: Sequence[np.ndarray]) -> dict[str, np.ndarray]:
+        names = self.artifacts.inputs
+        if len(arrays) != len(names):
+            raise OnnxMPError(f"a batch needs {len(names)} arrays ({', '.join(names)}), got {len(arrays)}")
+        return {name: np.ascontiguousarray(array, dtype=self._dtypes[name]) for name, array in zip(names, arrays)}
+
+    def _run(self, input_names: list[str], feeds: Mapping[str, np.ndarray]) -> tuple:
+        try:
+            outputs = self._module(*[feeds[name] for name in input_names])
+        except RuntimeError as exc:  # ORT's InvalidArgument/Fail: wrong shapes or dtypes in the batch
+            raise OnnxMPError(f"onnxruntime rejected the batch: {_first_line(exc)}",
+                              f"inputs are {', '.join(self.artifacts.inputs)} "
+                              f"with dtypes {self.artifacts.manifest['input_dtypes']}") from None
+        return outputs if isinstance(outputs, tuple) else (outputs,)
+
+
+def _metric_functions(metrics: Sequence[str | tuple[str, Metric]]) -> list[tuple[str, Metric]]:
+    result = []
+    for metric in metrics:
+        if isinstance(metric, str):
+            if metric not in METRICS:
+                raise OnnxMPError(f"unknown metric {metric!r}", f"use one of {', '.join(METRICS)} "
+                                                                "or a (name, function) pair")
+            result.append((metric, METRICS[metric]))
+        else:
+            result.append(tuple(metric))
+    return result
+
+
+def _check_device(device: str, artifacts: Artifacts) -> str:
+    import onnxruntime
+
+    kind = device.split(":")[0]
+    if kind not in ("cpu", "cuda"):
+        raise OnnxMPError(f"unknown device {device!r}", "use cpu or cuda (cuda:N for another GPU)")
+    if kind == "cuda" and "CUDAExecutionProvider" not in onnxruntime.get_available_providers():
+        raise OnnxMPError("this onnxruntime build has no CUDA support",
+                          "install onnxruntime-training==1.19.2 (CUDA 11.8) or train on the cpu")
+    if kind == "cpu" and artifacts.target == "cuda" and artifacts.precision != "float32":
+        raise OnnxMPError(f"these {artifacts.precision} artifacts hold real low-precision ops, "
+                          "which the ORT CPU EP cannot run",
+                          "build the artifacts with target='cpu' (emulated) to train on the CPU")
+    return device
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0][:500] if text else type(exc).__name__

@@ -1,0 +1,197 @@
+"""What build_artifacts writes: the loss-scaling contract inside training_model.onnx."""
+import json
+
+import numpy as np
+import onnx
+import pytest
+from onnx import TensorProto, helper
+
+from onnxmp.errors import OnnxMPError
+from onnxmp.training import Artifacts, Trainer, build_artifacts
+from onnxmp.training.models import mlp, trainable
+
+
+def _producers(graph):
+    return {out: node for node in graph.node for out in node.output}
+
+
+def _check_topological(graph):
+    known = {v.name for v in graph.input} | {t.name for t in graph.initializer} | {""}
+    for node in graph.node:
+        missing = [i for i in node.input if i not in known]
+        assert not missing, f"{node.op_type} {node.name} reads {missing} before they exist"
+        known.update(node.output)
+
+
+@pytest.mark.parametrize("which", ["fp32_artifacts", "fp16_artifacts", "cuda16_artifacts"])
+def test_training_model_holds_the_loss_scaling_contract(which, request):
+    artifacts = request.getfixturevalue(which)
+    model = onnx.load(artifacts.training_model)
+    graph = model.graph
+    producers = _producers(graph)
+    inputs = {v.name: v for v in graph.input}
+    outputs = [v.name for v in graph.output]
+
+    # The scaled loss is the first output (backprop starts there), the unscaled one next.
+    assert outputs[:3] == ["loss_scaled", "loss", "all_finite"]
+    scale_mul = producers["loss_scaled"]
+    assert scale_mul.op_type == "Mul" and set(scale_mul.input) == {"loss", "loss_scale"}
+    assert inputs["loss_scale"].type.tensor_type.elem_type == TensorProto.FLOAT
+    assert graph.output[2].type.tensor_type.elem_type == TensorProto.BOOL
+
+    # Every accumulator reads Mul(grad, grad_weight * Reciprocal(loss_scale)).
+    accumulators = [n for n in graph.node if n.op_type == "InPlaceAccumulatorV2"]
+    assert len(accumulators) == len(artifacts.manifest["requires_grad"])
+    reciprocals = [n for n in graph.node if n.op_type == "Reciprocal" and list(n.input) == ["loss_scale"]]
+    assert len(reciprocals) == 1  # computed once
+    unscale = producers[next(o for o in reciprocals[0].output)]
+    assert unscale.op_type == "Reciprocal"
+    for acc in accumulators:
+        mul = producers[acc.input[1]]
+        assert mul.op_type == "Mul"
+        factor = producers[mul.input[1]]
+        assert factor.op_type == "Mul" and reciprocals[0].output[0] in factor.input
+        assert "grad_weight" in factor.input
+        assert producers[mul.input[0]].op_type != "InPlaceAccumulatorV2"
+
+    # all_finite = Not(Or(IsInf(s), IsNaN(s))), s = Sum of per-gradient ReduceSums of unscaled grads.
+    not_node = producers["all_finite"]
+    assert not_node.op_type == "Not"
+    or_node = producers[not_node.input[0]]
+    assert or_node.op_type == "Or"
+    assert {producers[i].op_type for i in or_node.input} == {"IsInf", "IsNaN"}
+    total = producers[producers[or_node.input[0]].input[0]]
+    assert total.op_type == "Sum" and len(total.input) == len(accumulators)
+    unscaled = {acc.input[1] for acc in accumulators}
+    assert {producers[i].input[0] for i in total.input} == unscaled
+    _check_topological(graph)
+
+
+@pytest.mark.parametrize("which", ["fp32_artifacts", "fp16_artifacts", "sgd_artifacts", "cuda16_artifacts"])
+def test_versions_load_in_ort_1_19(which, request):
+    artifacts = request.getfixturevalue(which)
+    for path in (artifacts.training_model, artifacts.eval_model, artifacts.optimizer_model):
+        model = onnx.load(path)
+        assert model.ir_version <= 10, path
+        default = [o.version for o in model.opset_import if o.domain in ("", "ai.onnx")]
+        assert default and max(default) <= 21, path
+        onnx.checker.check_model(model)
+    if artifacts.target == "cpu":
+        Trainer(artifacts)  # ORT itself accepts all of them
+
+
+def test_cuda_artifacts_hold_real_float16(cuda16_artifacts):
+    model = onnx.load(cuda16_artifacts.training_model)
+    types = {v.name: v.type.tensor_type.elem_type for v in onnx.shape_inference.infer_shapes(model).graph.value_info}
+    matmuls = [n for n in model.graph.node if n.op_type == "MatMul"]
+    assert matmuls and all(types.get(n.output[0]) == TensorProto.FLOAT16 for n in matmuls)
+    inputs = {v.name: v.type.tensor_type.elem_type for v in model.graph.input}
+    assert all(inputs[p] == TensorProto.FLOAT for p in cuda16_artifacts.manifest["requires_grad"])
+
+
+def test_fp16_forward_is_emulated_with_fp32_master_weights(fp16_artifacts):
+    model = onnx.load(fp16_artifacts.training_model)
+    casts = [n for n in model.graph.node if n.op_type == "Cast"]
+    to_half = [n for n in casts if n.attribute[0].i == TensorProto.FLOAT16]
+    assert to_half, "emulation rounds through float16 Casts"
+    params = set(fp16_artifacts.manifest["requires_grad"])
+    inputs = {v.name: v.type.tensor_type.elem_type for v in model.graph.input}
+    assert all(inputs[p] == TensorProto.FLOAT for p in params)
+    # MatMul weights (allow list) are read through a Cast to float16; the
+    # last bias may stay float32 (its Add feeds only the float32 output).
+    for weight in ("W0", "W1"):
+        readers = [n for n in model.graph.node if weight in n.input]
+        assert readers and all(n.op_type == "Cast" and n.attribute[0].i == TensorProto.FLOAT16 for n in readers)
+
+
+def test_eval_model_and_manifest(fp16_artifacts):
+    evaluation = onnx.load(fp16_artifacts.eval_model)
+    assert [v.name for v in evaluation.graph.output] == ["loss", "logits"]
+    assert "loss_scale" not in {v.name for v in evaluation.graph.input}
+    manifest = json.loads((fp16_artifacts.directory / "manifest.json").read_text())
+    assert manifest["inputs"] == ["x", "labels"]
+    assert manifest["input_dtypes"] == {"x": "float32", "labels": "int64"}
+    assert manifest["precision"] == "float16" and manifest["target"] == "cpu"
+    import onnxmp
+
+    assert manifest["onnxmp_version"] == onnxmp.__version__
+    assert Artifacts.load(fp16_artifacts.directory).manifest == manifest
+
+
+@pytest.mark.parametrize("loss,labels", [
+    ("mse", lambda y: np.eye(4, dtype=np.float32)[y]),
+    ("l1", lambda y: np.eye(4, dtype=np.float32)[y]),
+    ("bce_with_logits", lambda y: np.eye(4, dtype=np.float32)[y]),
+])
+def test_other_losses_train(tmp_path, model, batches, loss, labels):
+    artifacts = build_artifacts(model, requires_grad=trainable(model), loss=loss, precision="float32",
+                                out_dir=tmp_path)
+    assert artifacts.inputs == ["x", "target"]
+    trainer = Trainer(artifacts, lr=0.01)
+    x, y = batches[0]
+    first = trainer.train_step(x, labels(y)).loss
+    for _ in range(5):
+        last = trainer.train_step(x, labels(y)).loss
+    assert last < first
+
+
+def test_custom_loss_block(tmp_path, model, batches):
+    from onnxmp.training import _ort
+
+    ob = _ort.onnxblock()
+
+    class DoubledCrossEntropy(ob.Block):
+        def __init__(self):
+            super().__init__()
+            self.ce = ob.loss.CrossEntropyLoss()
+            self.mul = ob.blocks.Mul()
+
+        def build(self, output, labels):
+            two = "two"
+            self.base.graph.initializer.append(helper.make_tensor(two, TensorProto.FLOAT, [], [2.0]))
+            return self.mul(self.ce(output, labels), two)
+
+    artifacts = build_artifacts(model, requires_grad=trainable(model), loss=DoubledCrossEntropy(),
+                                precision="float32", out_dir=tmp_path / "custom")
+    plain = build_artifacts(model, requires_grad=trainable(model), precision="float32", out_dir=tmp_path / "plain")
+    x, y = batches[0]
+    doubled = Trainer(artifacts).train_step(x, y).loss
+    assert doubled == pytest.approx(2 * Trainer(plain).train_step(x, y).loss, rel=1e-6)
+
+
+def test_frozen_parameters_do_not_change(tmp_path, model, batches):
+    artifacts = build_artifacts(model, requires_grad=["W0", "b0"], frozen=["W1", "b1"], precision="float32",
+                                out_dir=tmp_path)
+    trainer = Trainer(artifacts, lr=0.1)
+    before = trainer.parameters()
+    trainer.train_step(*batches[0])
+    after = trainer.parameters()
+    assert np.array_equal(before["W1"], after["W1"]) and not np.array_equal(before["W0"], after["W0"])
+
+
+def test_high_opset_and_ir_are_brought_down(tmp_path, batches):
+    model = mlp((8, 16, 4), opset=22, ir_version=11)
+    artifacts = build_artifacts(model, requires_grad=trainable(model), precision="float32", out_dir=tmp_path)
+    forward = onnx.load(artifacts.path("forward_model"))
+    assert forward.opset_import[0].version == 21 and forward.ir_version == 10
+    assert np.isfinite(Trainer(artifacts).train_step(*batches[0]).loss)
+
+
+@pytest.mark.parametrize("kwargs,message", [
+    ({"requires_grad": ["nope"]}, "not initializers"),
+    ({"requires_grad": []}, "empty"),
+    ({"requires_grad": ["W0"], "frozen": ["W0"]}, "both trainable and frozen"),
+    ({"requires_grad": ["W0"], "loss": "hinge"}, "unknown loss"),
+    ({"requires_grad": ["W0"], "precision": "float8"}, "unknown precision"),
+    ({"requires_grad": ["W0"], "target": "tpu"}, "unknown target"),
+    ({"requires_grad": ["W0"], "optimizer": "lamb"}, "unknown optimizer"),
+    ({"requires_grad": ["W0"], "label_name": "x"}, "already uses"),
+])
+def test_user_errors(tmp_path, model, kwargs, message):
+    with pytest.raises(OnnxMPError, match=message):
+        build_artifacts(model, out_dir=tmp_path, **{"precision": "float32", "requires_grad": ["W0"], **kwargs})
+
+
+def test_loading_a_folder_without_manifest(tmp_path):
+    with pytest.raises(OnnxMPError, match="not an onnxmp training folder"):
+        Artifacts.load(tmp_path)

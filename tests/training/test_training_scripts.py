@@ -1,0 +1,33 @@
+"""The training scripts run (smoke tests, CPU)."""
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+SCRIPTS = Path(__file__).resolve().parents[2] / "scripts"
+
+
+def _run(*args, cwd):
+    done = subprocess.run([sys.executable, *map(str, args)], cwd=cwd, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return done.stdout
+
+
+def test_validate_training_quick(tmp_path):
+    out = _run(SCRIPTS / "validate_training.py", "--quick", "--no-progress", "--json", tmp_path / "v.json",
+               "--plot", tmp_path / "v.png", cwd=tmp_path)
+    figures = json.loads((tmp_path / "v.json").read_text())
+    assert set(figures) >= {"fp32", "amp_dynamic", "amp_scale1", "skipped_steps", "underflow_case"}
+    assert set(figures["underflow_case"]) >= {"fp32", "amp_dynamic", "amp_scale1"}
+    assert all(0 <= figures[k] <= 1 for k in ("fp32", "amp_dynamic", "amp_scale1"))
+    assert (tmp_path / "v.png").stat().st_size > 10_000
+    assert "underflow" in out
+
+
+def test_bench_training_small(tmp_path):
+    out = _run(SCRIPTS / "bench_training.py", "--sizes", "16-32-4", "--batch-size", "8", "--steps", "5",
+               "--warmup", "1", "--json", tmp_path / "b.json", cwd=tmp_path)
+    figures = json.loads((tmp_path / "b.json").read_text())
+    assert set(figures["results"]) == {"float32", "float16"}
+    assert all(r["steps_per_s"] > 0 for r in figures["results"].values())
+    assert "steps/s" in out
