@@ -128,14 +128,15 @@ def convert_once(model: ModelLike, *, target: str = "cuda", precision: str = "fl
     """One pass of the pipeline, no calibration loop."""
     timings: dict[str, float] = {}
     with _timed(timings, "load"):
-        original = load(model)
+        original = load(model, lazy_external=True)
     options = _options(original, target, precision, level, lists, block_nodes, keep_io_types,
                        calibration_magnitudes, calibration_threshold, underflow_share, forced_deny)
     normalized, colored, report = _analyse(original, options, level, timings)
     if not colored.coloring.allow_keys():
         report.unchanged_reason = _unchanged_reason(report)
         log.info("model unchanged: %s", report.unchanged_reason)
-        return ConversionResult(original, report, colored)
+        # normalize annotated `original` with inferred types; hand back the model as it came.
+        return ConversionResult(load(model, lazy_external=True), report, colored)
     with _timed(timings, "rewrite"):
         try:
             result, stats = rewrite(normalized.graph, colored.coloring, precision=precision,

@@ -45,6 +45,7 @@ import onnx.shape_inference
 from onnx import AttributeProto, TensorProto, helper, numpy_helper
 
 from onnxmp.errors import OnnxMPError
+from onnxmp.load import load
 
 log = logging.getLogger("onnxmp.emulate")
 
@@ -65,15 +66,17 @@ _EXACT_OPS = frozenset({
 
 
 def as_model(model: onnx.ModelProto | str | os.PathLike) -> onnx.ModelProto:
-    """Return ``model`` itself, or the model loaded (with external data) from a path."""
+    """Return ``model`` itself, or the model loaded (with external data) from a path.
+
+    Unlike :func:`onnxmp.load.load` a ModelProto is not copied: every caller
+    here only reads it or copies it before changing anything.
+    """
     if isinstance(model, onnx.ModelProto):
         return model
-    try:
-        return onnx.load(os.fspath(model))
-    except FileNotFoundError:
-        raise OnnxMPError(f"model file not found: {model}") from None
-    except Exception as exc:  # protobuf decode errors have no common base class
-        raise OnnxMPError(f"cannot read ONNX model {model}: {exc}", "is it an .onnx file?") from None
+    if isinstance(model, (str, os.PathLike)) and not os.path.exists(model):
+        # The CLI and its users key on "not found" for a missing file.
+        raise OnnxMPError(f"model file not found: {os.fspath(model)}", "check the path")
+    return load(model)
 
 
 def precision_type(precision: str) -> int:

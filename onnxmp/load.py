@@ -15,11 +15,13 @@ log = logging.getLogger("onnxmp.load")
 ModelLike = Union[str, os.PathLike, onnx.ModelProto, bytes]
 
 
-def load(model: ModelLike) -> onnx.ModelProto:
+def load(model: ModelLike, *, lazy_external: bool = False) -> onnx.ModelProto:
     """Return a ModelProto the caller may mutate freely.
 
-    A path is read with its external data (relative to the file's folder).  A
-    ModelProto is deep-copied so the caller's object is never touched.
+    A path is read with its external data (relative to the file's folder); with
+    ``lazy_external`` the data stays in its files and tensors point at them by
+    absolute path (see :mod:`onnxmp.external`), so models over 2 GB never sit in
+    memory whole.  A ModelProto is deep-copied so the caller's object is never touched.
     """
     if isinstance(model, onnx.ModelProto):
         copy = onnx.ModelProto()
@@ -44,7 +46,11 @@ def load(model: ModelLike) -> onnx.ModelProto:
             hint="the file may be truncated or not an ONNX protobuf; re-export it",
         ) from None
     _check_not_empty(proto, str(path))
-    if _uses_external_data(proto):
+    if _uses_external_data(proto) and lazy_external:
+        from onnxmp.external import make_locations_absolute
+
+        make_locations_absolute(proto, path.parent)
+    elif _uses_external_data(proto):
         try:
             onnx.load_external_data_for_model(proto, str(path.parent))
         except (OSError, ValueError) as exc:

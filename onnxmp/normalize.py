@@ -13,6 +13,7 @@ import onnx
 import onnx_graphsurgeon as gs
 
 from onnxmp.errors import OnnxMPError
+from onnxmp.external import skeleton, use_external_reader
 from onnxmp.graphs import iter_graphs
 from onnxmp.passes import PassResult, require
 
@@ -31,13 +32,33 @@ def infer_types(model: onnx.ModelProto) -> tuple[onnx.ModelProto, str | None]:
     """Shape inference, tolerant: unknown ops or opsets leave types unknown rather than fail.
 
     Vertices with unknown types are simply not painted (spec §1), and the report says why.
+    Inference runs on a weightless view of the model (protobuf cannot serialize more
+    than 2 GB), and the inferred value_info is copied back into ``model``.
     """
     try:
-        return onnx.shape_inference.infer_shapes(model, data_prop=True), None
+        inferred = onnx.shape_inference.infer_shapes(skeleton(model), data_prop=True)
     except Exception as exc:  # onnx raises InferenceError, ValidationError or RuntimeError
         message = str(exc).splitlines()[0][:300]
         log.warning("shape inference failed (%s); types not declared in the model stay unknown", message)
         return model, message
+    _copy_value_info(inferred.graph, model.graph)
+    return model, None
+
+
+def _copy_value_info(src: onnx.GraphProto, dst: onnx.GraphProto) -> None:
+    """Inference keeps the graph's structure, so graphs and subgraphs pair up one to one."""
+    del dst.value_info[:]
+    dst.value_info.extend(src.value_info)
+    for field in ("input", "output"):
+        for a, b in zip(getattr(src, field), getattr(dst, field)):
+            b.type.CopyFrom(a.type)
+    for n_src, n_dst in zip(src.node, dst.node):
+        for a_src, a_dst in zip(n_src.attribute, n_dst.attribute):
+            if a_src.type == onnx.AttributeProto.GRAPH:
+                _copy_value_info(a_src.g, a_dst.g)
+            elif a_src.type == onnx.AttributeProto.GRAPHS:
+                for g_src, g_dst in zip(a_src.graphs, a_dst.graphs):
+                    _copy_value_info(g_src, g_dst)
 
 
 def normalize(model: onnx.ModelProto) -> Normalized:
@@ -50,6 +71,7 @@ def normalize(model: onnx.ModelProto) -> Normalized:
             f"onnx-graphsurgeon cannot import the model: {str(exc).splitlines()[0][:300]}",
             hint="run onnx.checker.check_model on it; the model may be malformed",
         ) from None
+    use_external_reader(graph)
     renamed = make_node_names_unique(graph)
     sorted_changed = toposort_all(graph)
     _check_unique_names(graph)

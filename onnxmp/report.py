@@ -190,7 +190,7 @@ def tensor_core_advice(graph: gs.Graph, state: Coloring) -> list[Advice]:
 
 
 def _shape(t: gs.Tensor):
-    shape = t.shape if not isinstance(t, gs.Constant) else t.values.shape
+    shape = t.shape  # a Constant reports its shape without loading (lazy) values
     return list(shape) if shape is not None else None
 
 

@@ -23,6 +23,7 @@ import onnx
 import onnx_graphsurgeon as gs
 
 from onnxmp.color.rules import Coloring
+from onnxmp.external import ConvertedValues, ExternalValues, constant_array
 from onnxmp.graphs import MAIN, iter_graphs, onnx_dtype
 from onnxmp.passes import PassResult, require
 
@@ -211,12 +212,18 @@ def _low_constant(tensor: gs.Constant, readers, master, twins, names, low_np, lo
         return cast(tensor, low_enum, low_np, low_sfx)
     if all(readers[tensor.name]):
         if tensor.name not in stats.converted_initializers:
-            tensor.values = np.asarray(tensor.values).astype(low_np)
+            if isinstance(tensor._values, ExternalValues):
+                # Big models: convert at export, one tensor at a time (see onnxmp.external).
+                tensor._values = ConvertedValues(tensor._values.tensor, low_np, low_enum)
+            else:
+                tensor.values = constant_array(tensor).astype(low_np)
+            tensor.data_location = None  # the new values no longer live in the source's data file
             stats.converted_initializers.append(tensor.name)
         return tensor
     if tensor.name not in twins:
+        # Read without caching: the fp32 original must stay a (possibly external) reference.
         twins[tensor.name] = gs.Constant(names.fresh(f"{tensor.name}_onnxmp_{low_sfx}"),
-                                         np.asarray(tensor.values).astype(low_np))
+                                         constant_array(tensor).astype(low_np))
         stats.twin_initializers.append(tensor.name)
     return twins[tensor.name]
 

@@ -10,11 +10,20 @@ from pathlib import Path
 import onnx
 
 from onnxmp.errors import OnnxMPError
+from onnxmp.external import has_external_data, write_with_external_data
 
 log = logging.getLogger("onnxmp.save")
 
 # Protobuf cannot serialize a message over 2 GiB; stay well below it.
 EXTERNAL_DATA_THRESHOLD = 1 << 30
+
+
+def _publish(tmp: Path, final: Path) -> None:
+    # mkstemp creates 0600 files; a saved model gets the usual permissions.
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(tmp, 0o666 & ~umask)
+    os.replace(tmp, final)
 
 
 def save(model: onnx.ModelProto, path: str | os.PathLike, *, external_data: bool | None = None) -> Path:
@@ -24,23 +33,26 @@ def save(model: onnx.ModelProto, path: str | os.PathLike, *, external_data: bool
     if not folder.is_dir():
         raise OnnxMPError(f"output folder {folder} does not exist", hint="create it first or choose another -o")
     if external_data is None:
-        external_data = model.ByteSize() > EXTERNAL_DATA_THRESHOLD
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=folder)
-    os.close(fd)
+        external_data = has_external_data(model) or model.ByteSize() > EXTERNAL_DATA_THRESHOLD
     data_name = f"{path.name}.data"
-    tmp_data = folder / f".{data_name}.tmp"
+    try:
+        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=folder)
+        os.close(fd)
+        fd, tmp_data_name = tempfile.mkstemp(prefix=f".{data_name}.", suffix=".tmp", dir=folder)
+        os.close(fd)
+    except OSError as exc:
+        raise OnnxMPError(f"cannot write into {folder}: {exc.strerror or exc}",
+                          hint="check the folder's permissions or choose another -o") from None
+    tmp_data = Path(tmp_data_name)
     try:
         if external_data:
-            # Written under a temporary data file name first, then renamed with the model.
-            copy = onnx.ModelProto()
-            copy.CopyFrom(model)
-            onnx.save_model(copy, tmp, save_as_external_data=True, all_tensors_to_one_file=True,
-                            location=tmp_data.name, size_threshold=1024)
-            _rename_external_location(tmp, tmp_data.name, data_name)
-            os.replace(tmp_data, folder / data_name)
+            # Data goes to a temporary file first and is renamed with the model, tensor by
+            # tensor, so neither the weights nor the serialized proto are ever whole in memory.
+            write_with_external_data(model, Path(tmp), tmp_data, data_name)
+            _publish(tmp_data, folder / data_name)
         else:
             onnx.save_model(model, tmp)
-        os.replace(tmp, path)
+        _publish(Path(tmp), path)
     except OSError as exc:
         raise OnnxMPError(f"cannot write {path}: {exc.strerror or exc}", hint="check free space and permissions") \
             from None
@@ -51,11 +63,3 @@ def save(model: onnx.ModelProto, path: str | os.PathLike, *, external_data: bool
     log.info("saved %s%s", path, " (+ external data)" if external_data else "")
     return path
 
-
-def _rename_external_location(model_path: str, old: str, new: str) -> None:
-    proto = onnx.load(model_path, load_external_data=False)
-    for tensor in onnx.external_data_helper._get_all_tensors(proto):
-        for entry in tensor.external_data:
-            if entry.key == "location" and entry.value == old:
-                entry.value = new
-    onnx.save_model(proto, model_path)

@@ -6,10 +6,14 @@ topological-order check of every graph; any failure is an :class:`OnnxMPError`.
 from __future__ import annotations
 
 import logging
+import tempfile
 
 import onnx
 
 from onnxmp.errors import OnnxMPError
+from onnxmp.external import check_skeleton, has_external_data, skeleton
+
+SKELETON_ABOVE = 1 << 30  # bytes; well under protobuf's 2 GB serialization limit
 
 log = logging.getLogger("onnxmp.verify")
 
@@ -18,14 +22,17 @@ _HINT = ("onnxmp produced an invalid model; please report it. Meanwhile, --block
 
 
 def verify(model: onnx.ModelProto, *, original: onnx.ModelProto | None = None, keep_io_types: bool = True) -> None:
-    large = model.ByteSize() > onnx.checker.MAXIMUM_PROTOBUF if hasattr(onnx.checker, "MAXIMUM_PROTOBUF") else False
     try:
-        if not large:
+        if has_external_data(model) or model.ByteSize() > SKELETON_ABOVE:
+            # Neither the proto nor the weights fit protobuf's 2 GB: check a weightless skeleton by path.
+            with tempfile.TemporaryDirectory(prefix="onnxmp-verify-") as folder:
+                onnx.checker.check_model(str(check_skeleton(model, folder)), full_check=True)
+        else:
             onnx.checker.check_model(model, full_check=True)
     except Exception as exc:  # ValidationError, or InferenceError from full_check
         raise OnnxMPError(f"converted model fails onnx.checker: {_first_line(exc)}", hint=_HINT) from None
     try:
-        onnx.shape_inference.infer_shapes(model, check_type=True, strict_mode=True, data_prop=False)
+        onnx.shape_inference.infer_shapes(skeleton(model), check_type=True, strict_mode=True, data_prop=False)
     except Exception as exc:  # InferenceError; RuntimeError for some ops
         raise OnnxMPError(f"converted model fails strict type inference: {_first_line(exc)}", hint=_HINT) from None
     check_topological(model.graph, "main")

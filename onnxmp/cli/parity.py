@@ -3,17 +3,11 @@ from __future__ import annotations
 
 import argparse
 import logging
-import os
 import sys
-import tempfile
-
-import onnx
 
 from onnxmp.cli import add_verbosity_flags
 
 log = logging.getLogger("onnxmp.cli.parity")
-
-_PROTOBUF_LIMIT = 2**31 - 1
 
 
 def register(subparsers) -> None:
@@ -63,12 +57,12 @@ def _dim(text: str) -> tuple[str, int]:
 
 def run_emulate(args: argparse.Namespace) -> int:
     from onnxmp.emulate import as_model, emulate, low_precision_types
+    from onnxmp.save import save
 
     model = as_model(args.model)
     if args.precision not in low_precision_types(model):
         log.warning("%s has no %s tensors; writing it unchanged", args.model, args.precision)
-    _save_model(emulate(model, args.precision, keep_io_types=not args.float_io), args.output)
-    log.info("wrote %s", args.output)
+    save(emulate(model, args.precision, keep_io_types=not args.float_io), args.output)
     return 0
 
 
@@ -91,20 +85,3 @@ def run_validate(args: argparse.Namespace) -> int:
         sys.stderr.write(f"onnxmp validate: parity failed: {failures[0]}{more}\n")
         return 1
     return 0
-
-
-def _save_model(model: onnx.ModelProto, path: str) -> None:
-    """Write ``model`` atomically; past protobuf's 2 GB limit, weights go to ``<path>.data``."""
-    from onnxmp.plots import write_atomic
-
-    if model.ByteSize() <= _PROTOBUF_LIMIT:
-        write_atomic(path, model.SerializeToString())
-        return
-    folder = os.path.dirname(os.path.abspath(path))
-    data_name = os.path.basename(path) + ".data"
-    with tempfile.TemporaryDirectory(dir=folder, prefix=".tmp-onnxmp-") as tmp:
-        staged = os.path.join(tmp, os.path.basename(path))
-        onnx.save_model(model, staged, save_as_external_data=True, location=data_name)
-        # Data first: the model file is what readers open, and it then always finds its data.
-        os.replace(os.path.join(tmp, data_name), os.path.join(folder, data_name))
-        os.replace(staged, path)

@@ -14,6 +14,7 @@ import numpy as np
 import onnx_graphsurgeon as gs
 
 from onnxmp.color.rules import DENY, Coloring
+from onnxmp.external import constant_array
 from onnxmp.graphs import iter_graphs
 from onnxmp.passes import PassResult
 
@@ -38,19 +39,27 @@ class RangeCheck:
         return None
 
 
+CHECK_CHUNK = 1 << 22  # elements per step: big initializers are scanned with bounded memory
+
+
 def check_values(values: np.ndarray, low_dtype) -> RangeCheck:
-    a = np.asarray(values, dtype=np.float32)
-    finite = a[np.isfinite(a)]
-    max_abs = float(np.abs(finite).max()) if finite.size else 0.0
-    nonzero = finite[finite != 0]
-    with np.errstate(over="ignore"):  # overflow is reported through max_abs, not here
-        share = float(np.mean(nonzero.astype(low_dtype) == 0)) if nonzero.size else 0.0
-    return RangeCheck(max_abs, share, int(a.size))
+    flat = np.asarray(values).reshape(-1)
+    max_abs, nonzero, flushed = 0.0, 0, 0
+    for start in range(0, flat.size, CHECK_CHUNK):
+        a = flat[start:start + CHECK_CHUNK].astype(np.float32, copy=False)
+        finite = a[np.isfinite(a)]
+        if finite.size:
+            max_abs = max(max_abs, float(np.abs(finite).max()))
+        nz = finite[finite != 0]
+        nonzero += nz.size
+        with np.errstate(over="ignore"):  # overflow is reported through max_abs, not here
+            flushed += int(np.count_nonzero(nz.astype(low_dtype) == 0))
+    return RangeCheck(max_abs, flushed / nonzero if nonzero else 0.0, int(flat.size))
 
 
 def _constant_values(tensor: gs.Tensor) -> np.ndarray | None:
     if isinstance(tensor, gs.Constant):
-        return np.asarray(tensor.values)
+        return constant_array(tensor)
     if isinstance(tensor, gs.Variable) and tensor.inputs and tensor.inputs[0].op == "Constant":
         value = tensor.inputs[0].attrs.get("value")
         if isinstance(value, gs.Constant):
