@@ -59,17 +59,28 @@ _CLEAR = {
 NEVER_FORCED = {"Constant"} | _LOSSES | _RANDOM
 
 
+# bfloat16 keeps float32's exponent range but only 8 bits of mantissa: ops denied in
+# fp16 for *range* alone (x**2 of a LayerNorm variance overflows 65504) are safe,
+# while ops denied for *precision* (Exp amplifies relative error by |x|, reductions
+# accumulate) stay denied.
+_BF16_RANGE_ONLY = {"Pow"}
+
+
 def default_lists(target: str = "cuda", precision: str = "float16") -> dict[str, set[str]]:
     """Default lists for ``target``/``precision``.
 
-    bfloat16 has float32's exponent range, so TF runs the same lists for it; the
+    bfloat16 moves the range-only denials (:data:`_BF16_RANGE_ONLY`) to infer; the
     kernel table then decides what really runs.  The CPU target uses the same lists
     gated by the CPU EP's kernels: ORT CPU has almost no fp16 compute kernels, so
     on the CPU only emulation (``onnxmp emulate``) is meaningful.
     """
     _check_choice("target", target, TARGETS)
     _check_choice("precision", precision, PRECISIONS)
-    return {"allow": set(_ALLOW), "infer": set(_INFER), "deny": set(_DENY), "clear": set(_CLEAR)}
+    lists = {"allow": set(_ALLOW), "infer": set(_INFER), "deny": set(_DENY), "clear": set(_CLEAR)}
+    if precision == "bfloat16":
+        lists["deny"] -= _BF16_RANGE_ONLY
+        lists["infer"] |= _BF16_RANGE_ONLY
+    return lists
 
 
 def _check_choice(what: str, value: str, choices: Iterable[str]) -> None:

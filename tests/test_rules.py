@@ -250,3 +250,19 @@ def test_unknown_type_vertex_is_not_painted_and_says_why():
     report = onnxmp.explain(model)
     foo = next(v for v in report.vertices if v.node == "b")
     assert foo.color == "fp32"
+
+
+def test_bfloat16_has_its_own_lists_pow_is_range_only():
+    from onnxmp.lists import default_lists
+
+    fp16, bf16 = default_lists(precision="float16"), default_lists(precision="bfloat16")
+    assert "Pow" in fp16["deny"] and "Pow" in bf16["infer"] and "Pow" not in bf16["deny"]
+    assert "Exp" in bf16["deny"] and "ReduceMean" in bf16["deny"]  # precision-driven denials stay
+    model = named(header() + """
+    g (float[4,4] x, float[4,4] w, float[1] two) => (float[4,4] y) {
+        a = MatMul(x, w)
+        p = Pow(a, two)
+        y = MatMul(p, w)
+    }""")
+    assert colors(model, precision="float16")["p"] == DENY
+    assert colors(model, precision="bfloat16")["p"] == ALLOW
