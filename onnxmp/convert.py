@@ -50,6 +50,14 @@ def _options(model: onnx.ModelProto, target, precision, level, lists, block_node
     if precision not in PRECISIONS:
         raise OnnxMPError(f"unknown precision {precision!r}", hint=f"choose one of: {', '.join(PRECISIONS)}")
     opset = next((o.version for o in model.opset_import if o.domain in ("", "ai.onnx")), None)
+    newest = onnx.defs.onnx_opset_version()
+    if opset is not None and opset > newest:
+        # Schemas decide which tensors change type together; guessing them for an unknown opset
+        # could silently produce an invalid model.
+        raise OnnxMPError(f"the model uses ai.onnx opset {opset}, newer than this onnx {onnx.__version__} knows "
+                          f"(up to {newest})",
+                          hint=f"upgrade onnx, or convert the model down with "
+                               f"onnx.version_converter.convert_version(model, {newest})")
     if precision == "bfloat16" and opset is not None and opset < 13:
         raise OnnxMPError(f"bfloat16 needs opset >= 13 (Cast to bfloat16); the model has opset {opset}",
                           hint="upgrade it with onnx.version_converter.convert_version(model, 13)")

@@ -35,7 +35,7 @@ class RangeCheck:
             return f"initializer `{name}` max {self.max_abs:.3g} > {limit:g}"
         if self.underflow_share > share:
             return (f"initializer `{name}`: {self.underflow_share:.0%} of its non-zero values "
-                    f"flush to zero in low precision (more than {share:.0%})")
+                    f"flush to zero or turn subnormal in low precision (more than {share:.0%})")
         return None
 
 
@@ -44,6 +44,7 @@ CHECK_CHUNK = 1 << 22  # elements per step: big initializers are scanned with bo
 
 def check_values(values: np.ndarray, low_dtype) -> RangeCheck:
     flat = np.asarray(values).reshape(-1)
+    tiny = ml_dtypes.finfo(low_dtype).tiny  # smallest normal number
     max_abs, nonzero, flushed = 0.0, 0, 0
     for start in range(0, flat.size, CHECK_CHUNK):
         a = flat[start:start + CHECK_CHUNK].astype(np.float32, copy=False)
@@ -53,7 +54,10 @@ def check_values(values: np.ndarray, low_dtype) -> RangeCheck:
         nz = finite[finite != 0]
         nonzero += nz.size
         with np.errstate(over="ignore"):  # overflow is reported through max_abs, not here
-            flushed += int(np.count_nonzero(nz.astype(low_dtype) == 0))
+            # In a weight tensor, subnormals keep only a few significant bits: as harmful as a
+            # flush.  A lone scalar (an epsilon) only needs to survive, so it counts only if it flushes.
+            floor = tiny if flat.size > 1 else 0
+            flushed += int(np.count_nonzero(np.abs(nz.astype(low_dtype)) <= floor))
     return RangeCheck(max_abs, flushed / nonzero if nonzero else 0.0, int(flat.size))
 
 
@@ -73,8 +77,9 @@ def _constant_values(tensor: gs.Tensor) -> np.ndarray | None:
 def seed_deny_from_initializer_range(state: Coloring, graph: gs.Graph, *, underflow_share: float = 0.5
                                      ) -> PassResult:
     """A list node fed by a float32 initializer or Constant whose finite |value| exceeds the
-    low-precision maximum (65504 for fp16), or whose non-zero values mostly flush to zero,
-    is painted DENY: it stays float32 and taints downstream as a deny op does."""
+    low-precision maximum (65504 for fp16), or whose non-zero values mostly flush to zero or
+    turn subnormal (below 6.1e-5 in fp16), is painted DENY: it stays float32 and taints
+    downstream as a deny op does."""
     limit, low_dtype = LOW_LIMITS[state.low_name]
     view = state.view
     painted = 0

@@ -21,6 +21,7 @@ from onnxmp.lists import list_of, op_key
 RETARGETABLE = ("Cast", "Constant", "ConstantOfShape")
 
 _WHOLE_NODE = "*"  # param of the single vertex of an op with no known schema
+NOT_A_TENSOR = -1  # dtype marker for sequence/optional/map values
 
 
 @dataclass
@@ -183,7 +184,9 @@ def build_type_view(
                             key=f"{node.name}:{param}", node=node.name, op=key, op_type=node.op,
                             domain=domain, opset=opset, param=param, graph=graph_id)
                     (vertex.inputs if side == "in" else vertex.outputs).append((index, tensor.name))
-                    tensor_dtype[tensor.name] = onnx_dtype(tensor)
+                    # Sequences/optionals of float are not float32 tensors: they never change type.
+                    is_tensor = getattr(tensor, "type", "tensor_type") == "tensor_type"
+                    tensor_dtype[tensor.name] = onnx_dtype(tensor) if is_tensor else NOT_A_TENSOR
             blocked = next((p.pattern for p in block if p.search(node.name)), None)
             node_list = list_of(key, lists)
             for vertex in groups.values():
@@ -191,6 +194,8 @@ def build_type_view(
                 known = [d for d in dtypes if d is not None]
                 vertex.type_known = bool(known)
                 vertex.float32 = bool(known) and all(d == onnx.TensorProto.FLOAT for d in known)
+                if NOT_A_TENSOR in known:
+                    vertex.why_not = "a sequence or optional value, not a tensor"
                 if schema is None and not vertex.float32:
                     # An op without schema: its float tensors only form the vertex (spec §1).
                     floats = [t for t in vertex.tensors if tensor_dtype[t] == onnx.TensorProto.FLOAT]
@@ -319,7 +324,7 @@ def _decide_processing(vertex: Vertex, schema, node: gs.Node, node_list: str | N
         vertex.why_not = "type unknown (shape inference could not type its tensors)"
         return
     if not vertex.float32:
-        vertex.why_not = "not float32"
+        vertex.why_not = vertex.why_not or "not float32"
         return
     if blocked is not None:
         vertex.why_not = f"node name matches block pattern {blocked!r}"
