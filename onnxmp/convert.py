@@ -35,11 +35,41 @@ class ConversionResult:
     coloring: ColorResult | None = field(default=None, repr=False)
 
 
+PROGRESS_ABOVE_NODES = 5000  # smaller models convert in well under a second: no bar
+
+
+class _StageBar:
+    """A tqdm bar over pipeline stages for big models (stderr, only on a terminal)."""
+
+    def __init__(self):
+        self.bar = None
+
+    def start(self, nodes: int, stages: int) -> None:
+        if nodes > PROGRESS_ABOVE_NODES:
+            from tqdm import tqdm
+
+            self.bar = tqdm(total=stages, desc=f"onnxmp convert ({nodes} nodes)", unit="stage", disable=None,
+                            leave=False)
+
+    def stage(self, name: str) -> None:
+        if self.bar is not None:
+            self.bar.set_postfix_str(name)
+            self.bar.update(1)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+
+
+_BAR = _StageBar()
+
+
 @contextmanager
 def _timed(timings: dict[str, float], stage: str):
     start = time.perf_counter()
     yield
     timings[stage] = timings.get(stage, 0.0) + time.perf_counter() - start
+    _BAR.stage(stage)
 
 
 def _options(model: onnx.ModelProto, target, precision, level, lists, block_nodes, keep_io_types,
@@ -137,6 +167,18 @@ def convert_once(model: ModelLike, *, target: str = "cuda", precision: str = "fl
     timings: dict[str, float] = {}
     with _timed(timings, "load"):
         original = load(model, lazy_external=True)
+    _BAR.start(len(original.graph.node), stages=4)
+    try:
+        return _convert_loaded(model, original, timings, target, precision, keep_io_types, level, lists,
+                               block_nodes, master_weights, calibration_magnitudes, calibration_threshold,
+                               underflow_share, forced_deny)
+    finally:
+        _BAR.close()
+
+
+def _convert_loaded(model, original, timings, target, precision, keep_io_types, level, lists, block_nodes,
+                    master_weights, calibration_magnitudes, calibration_threshold, underflow_share,
+                    forced_deny) -> ConversionResult:
     options = _options(original, target, precision, level, lists, block_nodes, keep_io_types,
                        calibration_magnitudes, calibration_threshold, underflow_share, forced_deny)
     normalized, colored, report = _analyse(original, options, level, timings)
