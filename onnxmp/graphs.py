@@ -34,12 +34,19 @@ def onnx_dtype(tensor: gs.Tensor) -> int | None:
         return None
     if isinstance(dtype, (int, np.integer)):
         return int(dtype)
-    try:
-        return int(onnx.helper.np_dtype_to_tensor_dtype(np.dtype(dtype)))
-    except (TypeError, KeyError, ValueError):
-        from onnx_graphsurgeon.exporters.onnx_exporter import dtype_to_onnx
+    cached = _DTYPES.get(dtype)
+    if cached is None:
+        try:
+            cached = int(onnx.helper.np_dtype_to_tensor_dtype(np.dtype(dtype)))
+        except (TypeError, KeyError, ValueError):
+            from onnx_graphsurgeon.exporters.onnx_exporter import dtype_to_onnx
 
-        return int(dtype_to_onnx(dtype))
+            cached = int(dtype_to_onnx(dtype))
+        _DTYPES[dtype] = cached
+    return cached
+
+
+_DTYPES: dict = {}  # numpy dtype -> ONNX enum; the conversion is slow and called per tensor
 
 
 def is_float32(tensor: gs.Tensor) -> bool:

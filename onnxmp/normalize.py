@@ -107,8 +107,24 @@ def make_node_names_unique(graph: gs.Graph) -> list[tuple[str, str]]:
     return renamed
 
 
+def is_sorted(g: gs.Graph, outer: frozenset[str] = frozenset()) -> bool:
+    """Linear check; exporters almost always emit sorted graphs, and GS's toposort is costly."""
+    known = set(outer) | {t.name for t in g.inputs} | {""}
+    for node in g.nodes:
+        for t in node.inputs:
+            if t.name not in known and not isinstance(t, gs.Constant):
+                return False
+        for value in node.attrs.values():
+            if isinstance(value, gs.Graph) and not is_sorted(value, frozenset(known)):
+                return False
+        known.update(t.name for t in node.outputs)
+    return True
+
+
 def toposort_all(graph: gs.Graph) -> bool:
     """Sort every graph; True when some graph was out of order."""
+    if is_sorted(graph):
+        return False
     changed = False
     for graph_id, g, _ in iter_graphs(graph):
         before = [n.name for n in g.nodes]

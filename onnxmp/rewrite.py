@@ -197,13 +197,44 @@ def rewrite(graph: gs.Graph, state: Coloring, *, precision: str = "float16",
                 require(False, "rewrite", f"group member `{tensor.name}` has a low-precision producer")
 
     for graph_id, g, _ in graphs:
-        g.nodes.extend(new_nodes[graph_id])
-        try:
-            g.toposort(recurse_subgraphs=False)
-        except Exception as exc:  # a rewrite bug, not user input
-            require(False, "rewrite", f"graph {graph_id or 'main'!r} stays sortable ({exc})")
+        place_after_producers(g, new_nodes[graph_id])
     modified = bool(stats.casts or stats.retyped_tensors or stats.converted_initializers or stats.twin_initializers)
     return PassResult(modified, {"casts": len(stats.casts)}), stats
+
+
+def place_after_producers(g: gs.Graph, casts: list[gs.Node]) -> None:
+    """Put each inserted Cast right after the node producing its input (spec §6), in one pass.
+
+    Casts of graph inputs, initializers and outer-scope tensors go first.  A Cast may
+    read another inserted Cast (a restored output cast again), so placement follows
+    chains; this keeps the sorted order ``normalize`` established without a full sort.
+    """
+    after: dict[str, list[gs.Node]] = {}
+    produced_here = {t.name for n in g.nodes for t in n.outputs}
+    head: list[gs.Node] = []
+    cast_outputs = {n.outputs[0].name for n in casts}
+    for cast in casts:
+        src = cast.inputs[0].name
+        if src in produced_here or src in cast_outputs:
+            after.setdefault(src, []).append(cast)
+        else:
+            head.append(cast)
+    inserted = {id(n) for n in casts}
+    ordered: list[gs.Node] = []
+
+    def emit(node: gs.Node) -> None:
+        ordered.append(node)
+        for out in node.outputs:
+            for follower in after.pop(out.name, []):
+                emit(follower)
+
+    for node in head:
+        emit(node)
+    for node in g.nodes:
+        if id(node) not in inserted:
+            emit(node)
+    require(not after, "rewrite", "every inserted Cast found its producer")
+    g.nodes = ordered
 
 
 def _low_constant(tensor: gs.Constant, readers, master, twins, names, low_np, low_enum, low_sfx, stats, cast,

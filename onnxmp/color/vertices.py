@@ -7,6 +7,7 @@ float32 tensor that links them inside the same graph.
 """
 from __future__ import annotations
 
+import functools
 import re
 from dataclasses import dataclass, field
 from typing import Iterable, Mapping, Sequence
@@ -89,6 +90,7 @@ class TypeView:
     groups: list[ColorGroup] = field(default_factory=list)
 
 
+@functools.lru_cache(maxsize=None)
 def _schema(op_type: str, domain: str, opset: int) -> onnx.defs.OpSchema | None:
     try:
         return onnx.defs.get_schema(op_type, opset, domain)
