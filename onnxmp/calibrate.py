@@ -216,7 +216,7 @@ def _rank_added_error(result, reference, candidate, tolerance, forced) -> list[d
         return err_cache[name]
 
     scored = []
-    for node, keys in view.node_vertices.items():
+    for order, (node, keys) in enumerate(view.node_vertices.items()):
         keys = [k for k in keys if view.vertices[k].float32 and view.vertices[k].graph == ""]
         outs = [t for k in keys for _, t in view.vertices[k].outputs]
         ins = [t for k in keys for _, t in view.vertices[k].inputs]
@@ -228,14 +228,30 @@ def _rank_added_error(result, reference, candidate, tolerance, forced) -> list[d
             continue  # the damage happened upstream
         added = math.inf if math.isinf(out_err) else out_err - in_err
         if added > tolerance / 10:
-            scored.append((added, node, view.vertices[keys[0]].op, out_err, in_err, ins))
-    scored.sort(key=lambda r: (-r[0], r[1]))
+            scored.append((order, added, node, view.vertices[keys[0]].op, out_err, in_err, ins))
+    # Relative errors grow downstream as tensors' ranges change, so the node adding the most
+    # is often a victim.  Errors flow forward: among the nodes adding a significant share of
+    # the worst, the earliest in topological order are the likeliest sources.
+    worst = max((r[1] for r in scored), default=0.0)
+    significant = [r for r in scored if r[1] >= 0.25 * worst or (math.isinf(worst) and math.isinf(r[1]))]
+    significant.sort(key=lambda r: r[0])
     chosen: dict[str, dict[str, Any]] = {}
-    worst = scored[0][0] if scored else 0.0
-    for added, node, op, out_err, in_err, ins in scored:
-        if added < 0.5 * worst and not (math.isinf(worst) and math.isinf(added)):
-            break
+    downstream: set[str] = set()  # nodes fed by a chosen culprit: maybe only its victims
+
+    def mark_downstream(culprit: str) -> None:
+        stack = list(view.node_vertices.get(culprit, []))
+        while stack:
+            for nxt in view.fanout.get(stack.pop(), []):
+                owner = view.vertices[nxt].node
+                if owner not in downstream:
+                    downstream.add(owner)
+                    stack.extend(view.node_vertices.get(owner, []))
+
+    for _, added, node, op, out_err, in_err, ins in significant:
+        if node in downstream:
+            continue
         if node in allow_nodes and node not in forced:
+            mark_downstream(node)
             chosen.setdefault(node, {
                 "node": node, "op": op, "added_error": added, "output_error": out_err, "input_error": in_err,
                 "cause": f"accuracy fallback: adds relative error {added:.3g} on calibration data "
@@ -247,6 +263,7 @@ def _rank_added_error(result, reference, candidate, tolerance, forced) -> list[d
                 continue
             src = view.vertices[producer]
             if src.node in allow_nodes and src.node not in forced:
+                mark_downstream(src.node)
                 chosen.setdefault(src.node, {
                     "node": src.node, "op": src.op, "added_error": added, "output_error": out_err,
                     "input_error": in_err,
