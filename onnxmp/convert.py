@@ -105,7 +105,14 @@ def _options(model: onnx.ModelProto, target, precision, level, lists, block_node
                         forced_deny=forced_deny)
 
 
+def initializer_inputs(model: onnx.ModelProto) -> tuple[str, ...]:
+    """Graph inputs that are also initializers (exports with keep_initializers_as_inputs)."""
+    inits = {t.name for t in model.graph.initializer}
+    return tuple(i.name for i in model.graph.input if i.name in inits)
+
+
 def _analyse(proto: onnx.ModelProto, options: ColorOptions, level: str, timings: dict[str, float]):
+    options.initializer_inputs = initializer_inputs(proto)
     with _timed(timings, "normalize"):
         normalized = normalize(proto)
     with _timed(timings, "color"):
@@ -226,6 +233,7 @@ def export(graph: gs.Graph, original: onnx.ModelProto) -> onnx.ModelProto:
     """
     graph.cleanup(remove_unused_graph_inputs=False, remove_unused_node_outputs=False, recurse_subgraphs=True)
     model = gs.export_onnx(graph, do_type_check=False)
+    _restore_initializer_inputs(model, original)
     model.ir_version = original.ir_version
     del model.opset_import[:]
     model.opset_import.extend(original.opset_import)
@@ -236,6 +244,19 @@ def export(graph: gs.Graph, original: onnx.ModelProto) -> onnx.ModelProto:
     if original.functions and not model.functions:
         model.functions.extend(original.functions)
     return model
+
+
+def _restore_initializer_inputs(model: onnx.ModelProto, original: onnx.ModelProto) -> None:
+    """GS drops initializers from the graph inputs on import; put them back where they were."""
+    names = set(initializer_inputs(original))
+    if not names:
+        return
+    present = {i.name for i in model.graph.input}
+    ordered = [i if i.name in names and i.name not in present else
+               next(v for v in model.graph.input if v.name == i.name)
+               for i in original.graph.input if i.name in names or i.name in present]
+    del model.graph.input[:]
+    model.graph.input.extend(ordered)
 
 
 def _unchanged_reason(report: Report) -> str:

@@ -95,7 +95,7 @@ def rewrite(graph: gs.Graph, state: Coloring, *, precision: str = "float16",
             for i, t in enumerate(node.inputs):
                 if isinstance(t, gs.Constant):
                     const_readers.setdefault(t.name, []).append((node.name, i) in low_input)
-    graph_io = {t.name for _, g, _ in graphs for t in g.inputs + g.outputs}
+    graph_io = {t.name for _, g, _ in graphs for t in g.inputs + g.outputs} | set(view.pinned)
 
     # Names are unique across scopes, so one alias map serves every graph: a body
     # reading an outer low tensor reads it directly, without a round trip.

@@ -15,7 +15,7 @@ from onnxmp.color.rules import (
     propagate_deny_forward_through_clear_and_infer, remove_allow_set_with_fp32,
 )
 from onnxmp.color.seeds import (
-    seed_deny_from_accuracy_fallback, seed_deny_from_calibration, seed_deny_from_initializer_range,
+    seed_deny_forced, seed_deny_from_calibration, seed_deny_from_initializer_range,
 )
 from onnxmp.color.vertices import TypeView, Vertex, build_type_view
 from onnxmp.kernels import KernelTable
@@ -42,6 +42,7 @@ class ColorOptions:
     calibration_threshold: float = 65504.0 / 4
     forced_deny: Mapping[str, str] | None = None  # node name -> cause (accuracy fallback)
     kernels: KernelTable | None = None
+    initializer_inputs: tuple[str, ...] = ()
 
 
 @dataclass
@@ -54,7 +55,8 @@ def color(graph: gs.Graph, options: ColorOptions) -> ColorResult:
     kernels = options.kernels or KernelTable.default()
     view = build_type_view(graph, options.lists, low_type=LOW_TYPES[options.precision],
                            provider=PROVIDERS[options.target], kernels=kernels,
-                           block_nodes=options.block_nodes, keep_io_types=options.keep_io_types)
+                           block_nodes=options.block_nodes, keep_io_types=options.keep_io_types,
+                           initializer_inputs=options.initializer_inputs)
     state = Coloring(view, low_name=options.precision)
     result = ColorResult(state)
 
@@ -70,7 +72,7 @@ def color(graph: gs.Graph, options: ColorOptions) -> ColorResult:
         run("seed_deny_from_calibration", seed_deny_from_calibration, options.calibration_magnitudes,
             options.calibration_threshold)
     if options.forced_deny:
-        run("seed_deny_from_accuracy_fallback", seed_deny_from_accuracy_fallback, options.forced_deny)
+        run("seed_deny_forced", seed_deny_forced, options.forced_deny)
     if not run("add_allow_ops", add_allow_ops).modified:
         log.info("no allow-list op can run in %s here; the model is left unchanged", options.precision)
         return result

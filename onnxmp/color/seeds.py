@@ -125,12 +125,13 @@ def seed_deny_from_calibration(state: Coloring, magnitudes: Mapping[str, float],
     return PassResult(painted > 0, {"painted": painted})
 
 
-def seed_deny_from_accuracy_fallback(state: Coloring, causes: Mapping[str, str]) -> PassResult:
-    """Nodes the calibration loop found adding too much error are painted DENY (named cause)."""
+def seed_deny_forced(state: Coloring, causes: Mapping[str, str]) -> PassResult:
+    """Nodes a caller forces to float32, each with its cause, are painted DENY: the accuracy
+    fallback's culprits, and the compat API's range limits."""
     view = state.view
     painted = 0
     for node, cause in causes.items():
         for k in view.node_vertices.get(node, []):
             if view.vertices[k].float32:
-                painted += state.paint(k, DENY, "seed_deny_from_accuracy_fallback", cause)
+                painted += state.paint(k, DENY, "seed_deny_forced", cause)
     return PassResult(painted > 0, {"painted": painted})

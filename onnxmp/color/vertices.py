@@ -140,6 +140,7 @@ def build_type_view(
     kernels,
     block_nodes: Iterable[str] = (),
     keep_io_types: bool = True,
+    initializer_inputs: Iterable[str] = (),
 ) -> TypeView:
     """Build vertices and edges for the main graph and all bodies."""
     block = [re.compile(p) for p in block_nodes]
@@ -153,6 +154,9 @@ def build_type_view(
     unknown_schema: dict[str, str] = {}
     tensor_dtype: dict[str, int | None] = {}
 
+    for name in initializer_inputs:
+        # IR < 4 style (keep_initializers_as_inputs): callers may feed it, so its type is fixed.
+        pinned[name] = "graph input that is also an initializer"
     for graph_id, g, _parent in iter_graphs(graph):
         scope = "graph" if graph_id == "" else f"body {graph_id}"
         if graph_id != "" or keep_io_types:

@@ -1,0 +1,148 @@
+"""Drop-in replacement for onnxconverter-common's ``float16.convert_float_to_float16``.
+
+Same signature and defaults as onnxconverter-common 1.16; the conversion is
+onnxmp's (TF's AMP coloring: allow/infer/deny/clear lists), for CUDA float16.
+Where the behaviour intentionally differs:
+
+* **No clamping.** onnxconverter-common clamps initializer values into
+  ``[min_positive_val, max_finite_val]`` (``1e-7``/``1e4`` by default), so a
+  BatchNorm variance of 9.8e7 silently becomes 1e4.  onnxmp never changes a
+  value: a node of the allow, infer or clear list fed by a float32 initializer
+  or Constant with a finite ``|value| > max_finite_val``, or with more than
+  half of its non-zero values below ``min_positive_val`` in magnitude, stays
+  float32 (painted deny, so its downstream stays float32 too).  onnxmp's own
+  range seed for fp16's real limits (above 65504; mostly flushed to zero or
+  subnormal) always applies as well, so a ``max_finite_val`` above 65504 does
+  not let larger values into fp16.
+* **Not everything goes fp16.** Only what TF's AMP lists allow: allow ops
+  (Conv, MatMul, Gemm, ...) and the infer/clear ops between them, where the
+  CUDA EP has an fp16 kernel.  A model with no allow op comes back unchanged.
+* **op_block_list** adds ops to the deny list (and takes them off the other
+  lists): a blocked op stays float32 *and* keeps the infer/clear ops it feeds
+  in float32, as TF's deny list does.  ``None`` means onnxmp's default lists,
+  not onnxconverter-common's ``DEFAULT_OP_BLOCK_LIST``: of that list, Range,
+  CumSum and RandomUniformLike are on onnxmp's deny list, the ai.onnx.ml ops
+  and RoiAlign/NonMaxSuppression are on no list (so stay float32), and TopK,
+  Resize, Upsample, Min and Max are clear (they follow their neighbours).
+  Ops match by type in any domain, as in onnxconverter-common.
+* **node_block_list** names nodes that stay float32 (exact names).  They do
+  not taint their neighbours.
+* **keep_io_types** defaults to False as in onnxconverter-common, but False
+  does not force every float graph input and output to fp16: each takes the
+  type its readers or producer get (fp16 where they all run in fp16, float32
+  otherwise).  Pass True for an interface identical to the original model.
+* **check_fp16_ready** is accepted and ignored: onnxmp's conversion is
+  idempotent (converting a converted model changes nothing, and fp16 tensors
+  are never touched), so there is no error to raise for an fp16 model.
+* **disable_shape_infer** is accepted and ignored: onnxmp needs tensor types,
+  and its shape inference already tolerates failures (vertices whose type stays
+  unknown are left float32).
+* Nodes and initializers that no graph output depends on are dropped when
+  the model changes; onnxconverter-common keeps them.
+* The result is a new ModelProto; the argument is never modified.  Besides a
+  ModelProto, a path or serialized bytes are accepted.  Errors are
+  :class:`onnxmp.OnnxMPError`.
+"""
+from __future__ import annotations
+
+import re
+from typing import Iterable
+
+import numpy as np
+import onnx
+import onnx_graphsurgeon as gs
+
+from onnxmp.convert import convert_once
+from onnxmp.graphs import iter_graphs
+from onnxmp.lists import list_of, op_key, resolve_lists
+from onnxmp.load import ModelLike, load
+from onnxmp.normalize import normalize
+
+# Same share as the built-in underflow seed (``convert``'s ``underflow_share``).
+_UNDERFLOW_SHARE = 0.5
+
+
+def convert_float_to_float16(
+    model: ModelLike,
+    min_positive_val: float = 1e-7,
+    max_finite_val: float = 1e4,
+    keep_io_types: bool = False,
+    disable_shape_infer: bool = False,
+    op_block_list: Iterable[str] | None = None,
+    node_block_list: Iterable[str] | None = None,
+    check_fp16_ready: bool = True,
+) -> onnx.ModelProto:
+    """Convert ``model`` to mixed float16 with onnxmp; see the module docstring for differences."""
+    original = load(model)
+    # convert_once normalizes again; node names are deterministic, so the
+    # names found here are the ones it will see.
+    graph = normalize(original).graph
+    lists = _deny_ops(graph, op_block_list)
+    block_nodes = [rf"\A{re.escape(name)}\Z" for name in node_block_list or ()]
+    forced = _out_of_range_readers(graph, lists, min_positive_val, max_finite_val)
+    result = convert_once(original, keep_io_types=bool(keep_io_types), lists=lists, block_nodes=block_nodes,
+                          forced_deny=forced)
+    return result.model
+
+
+def _deny_ops(graph: gs.Graph, op_block_list: Iterable[str] | None) -> dict[str, list[str]]:
+    blocked = set(op_block_list or ())
+    if not blocked:
+        return {}
+    ops = set(blocked)
+    # onnxconverter-common matches op_type in every domain; onnxmp's lists key
+    # other domains as "domain:OpType".
+    for _, g, _ in iter_graphs(graph):
+        ops.update(op_key(n.op, n.domain or "") for n in g.nodes if n.op in blocked)
+    ops = sorted(ops)
+    return {"deny_add": ops, "allow_remove": ops, "infer_remove": ops, "clear_remove": ops}
+
+
+def _out_of_range_readers(graph: gs.Graph, lists, min_positive_val: float, max_finite_val: float
+                          ) -> dict[str, str]:
+    """Node name -> cause, for list nodes reading a float32 constant outside the given range."""
+    resolved = resolve_lists("cuda", "float16", "default", lists)
+    causes: dict[str, str | None] = {}
+    forced: dict[str, str] = {}
+    for _, g, _ in iter_graphs(graph):
+        for node in g.nodes:
+            if list_of(op_key(node.op, node.domain or ""), resolved) not in ("allow", "infer", "clear"):
+                continue
+            for tensor in node.inputs:
+                values = _float32_constant(tensor)
+                if values is None:
+                    continue
+                if tensor.name not in causes:
+                    causes[tensor.name] = _range_cause(tensor.name, values, min_positive_val, max_finite_val)
+                if causes[tensor.name]:
+                    forced[node.name] = causes[tensor.name]
+                    break
+    return forced
+
+
+def _float32_constant(tensor: gs.Tensor) -> np.ndarray | None:
+    if isinstance(tensor, gs.Constant):
+        values = np.asarray(tensor.values)
+    elif isinstance(tensor, gs.Variable) and tensor.inputs and tensor.inputs[0].op == "Constant":
+        attrs = tensor.inputs[0].attrs
+        if isinstance(attrs.get("value"), gs.Constant):
+            values = np.asarray(attrs["value"].values)
+        elif "value_float" in attrs or "value_floats" in attrs:
+            values = np.asarray(attrs.get("value_float", attrs.get("value_floats")), dtype=np.float32)
+        else:
+            return None
+    else:
+        return None
+    return values if values.dtype == np.float32 else None
+
+
+def _range_cause(name: str, values: np.ndarray, min_positive_val: float, max_finite_val: float) -> str | None:
+    magnitudes = np.abs(values[np.isfinite(values)])
+    if magnitudes.size and magnitudes.max() > max_finite_val:
+        return f"initializer `{name}` max {magnitudes.max():.3g} > max_finite_val {max_finite_val:g}"
+    nonzero = magnitudes[magnitudes != 0]
+    tiny = float(np.mean(nonzero < min_positive_val)) if nonzero.size else 0.0
+    if tiny > _UNDERFLOW_SHARE:
+        return (f"initializer `{name}`: {tiny:.0%} of its non-zero values are below "
+                f"min_positive_val {min_positive_val:g}")
+    return None
