@@ -14,6 +14,7 @@ from typing import Iterable, Mapping
 
 import onnx
 import onnx_graphsurgeon as gs
+from onnx_graphsurgeon.logger import G_LOGGER
 
 from onnxmp.color import ColorOptions, ColorResult, color
 from onnxmp.errors import OnnxMPError
@@ -232,7 +233,8 @@ def export(graph: gs.Graph, original: onnx.ModelProto) -> onnx.ModelProto:
     the newer IR that onnx's helpers stamp by default.
     """
     graph.cleanup(remove_unused_graph_inputs=False, remove_unused_node_outputs=False, recurse_subgraphs=True)
-    model = gs.export_onnx(graph, do_type_check=False)
+    with G_LOGGER.suppress(G_LOGGER.ERROR):
+        model = gs.export_onnx(graph, do_type_check=False)
     _restore_initializer_inputs(model, original)
     model.ir_version = original.ir_version
     del model.opset_import[:]

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 
 import onnx
 import onnx_graphsurgeon as gs
+from onnx_graphsurgeon.logger import G_LOGGER
 
 from onnxmp.errors import OnnxMPError
 from onnxmp.external import skeleton, use_external_reader
@@ -65,7 +66,9 @@ def normalize(model: onnx.ModelProto) -> Normalized:
     """Import into onnx-graphsurgeon with unique names and topologically sorted graphs."""
     inferred, error = infer_types(model)
     try:
-        graph = gs.import_onnx(inferred)
+        # GS prints warnings straight to the terminal (e.g. for bfloat16); ours go through logging.
+        with G_LOGGER.suppress(G_LOGGER.ERROR):
+            graph = gs.import_onnx(inferred)
     except Exception as exc:
         raise OnnxMPError(
             f"onnx-graphsurgeon cannot import the model: {str(exc).splitlines()[0][:300]}",
