@@ -5,6 +5,7 @@
 """
 from __future__ import annotations
 
+import gc
 import logging
 import re
 import time
@@ -177,11 +178,26 @@ def convert_once(model: ModelLike, *, target: str = "cuda", precision: str = "fl
         original = load(model, lazy_external=True)
     _BAR.start(len(original.graph.node), stages=4)
     try:
-        return _convert_loaded(model, original, timings, target, precision, keep_io_types, level, lists,
-                               block_nodes, master_weights, calibration_magnitudes, calibration_threshold,
-                               underflow_share, forced_deny)
+        with _no_cyclic_gc():
+            return _convert_loaded(model, original, timings, target, precision, keep_io_types, level, lists,
+                                   block_nodes, master_weights, calibration_magnitudes, calibration_threshold,
+                                   underflow_share, forced_deny)
     finally:
         _BAR.close()
+
+
+@contextmanager
+def _no_cyclic_gc():
+    """GS builds hundreds of thousands of small objects; each of Python's full collections walks all
+    of them, which made conversion time grow ~1.4x faster than the node count.  Nothing here
+    relies on cycle collection while the pipeline runs."""
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was_enabled:
+            gc.enable()
 
 
 def _convert_loaded(model, original, timings, target, precision, keep_io_types, level, lists, block_nodes,

@@ -242,7 +242,8 @@ def _low_constant(tensor: gs.Constant, readers, master, twins, names, low_np, lo
     if tensor.name in master or tensor.name in graph_io:
         return cast(tensor, low_enum, low_np, low_sfx)
     if all(readers[tensor.name]):
-        if tensor.name not in stats.converted_initializers:
+        # Converted once: afterwards the tensor is low precision and callers no longer ask.
+        if onnx_dtype(tensor) == onnx.TensorProto.FLOAT:
             if isinstance(tensor._values, ExternalValues):
                 # Big models: convert at export, one tensor at a time (see onnxmp.external).
                 tensor._values = ConvertedValues(tensor._values.tensor, low_np, low_enum)
