@@ -13,18 +13,10 @@ from onnxmp.convert import ConversionResult, convert, explain  # noqa: E402
 from onnxmp.report import Report  # noqa: E402
 from onnxmp.save import save  # noqa: E402
 from onnxmp.load import load  # noqa: E402
+# Bound after their submodules load, so `onnxmp.emulate` / `onnxmp.validate` stay the functions
+# (onnxruntime itself is imported only when a model runs).
+from onnxmp.emulate import emulate  # noqa: E402
+from onnxmp.validate import validate  # noqa: E402
 
-__all__ = ["OnnxMPError", "ConversionResult", "Report", "convert", "explain", "load", "save", "__version__"]
-
-
-def __getattr__(name):
-    # emulate/validate pull in onnxruntime; import them only when asked for.
-    if name == "emulate":
-        from onnxmp.emulate import emulate
-
-        return emulate
-    if name == "validate":
-        from onnxmp.validate import validate
-
-        return validate
-    raise AttributeError(f"module 'onnxmp' has no attribute {name!r}")
+__all__ = ["OnnxMPError", "ConversionResult", "Report", "convert", "explain", "emulate", "validate", "load",
+           "save", "__version__"]

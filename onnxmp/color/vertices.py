@@ -46,7 +46,7 @@ class Vertex:
 
     @property
     def tensors(self) -> list[str]:
-        return [t for _, t in self.inputs] + [t for _, t in self.outputs]
+        return [t for _, t in self.inputs] + [t for _, t in self.outputs]  # small; callers don't loop on it
 
 
 @dataclass

@@ -1,0 +1,70 @@
+"""Smoke tests of the benchmark and GPU-check scripts: each runs as a subprocess on
+its smallest setting and must exit 0 with the JSON fields its readers rely on."""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+SCRIPTS = ROOT / "scripts"
+
+
+def run(cmd: list[str], timeout: float) -> subprocess.CompletedProcess:
+    env = dict(os.environ, PYTHON=sys.executable)  # gpu_check.sh --dry-run uses this interpreter
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout, env=env)
+    assert proc.returncode == 0, f"{cmd} exited {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    return proc
+
+
+def test_bench_convert_smallest(tmp_path):
+    out = tmp_path / "convert.json"
+    proc = run([sys.executable, str(SCRIPTS / "bench_convert.py"), "--sizes", "1k", "--repeat", "1",
+                "--json", str(out)], timeout=60)
+    assert "ours/occ" in proc.stdout
+    data = json.loads(out.read_text())
+    (row,) = data["rows"]
+    assert row["size"] == "1k" and 900 <= row["nodes"] <= 1100
+    for thing in ("ours", "occ", "floor"):
+        assert row[thing]["total"] > 0 and not row[thing]["timed_out"]
+    assert set(row["ours"]["stages"]) == {"load", "normalize", "color", "rewrite", "verify"}
+    assert row["ours_over_occ"]["value"] > 0
+    assert set(row["growth_per_4x"]) == {"ours", "occ", "floor"}
+    assert {"ours_over_occ_at_largest", "ours_growth_per_4x"} <= set(data["targets"])
+
+
+def test_bench_models_two_models(tmp_path):
+    out = tmp_path / "models.json"
+    run([sys.executable, str(SCRIPTS / "bench_models.py"), "--only", "mlp,cnn_bn", "--json", str(out)], timeout=60)
+    data = json.loads(out.read_text())
+    assert [m["name"] for m in data["models"]] == ["cnn_bn", "mlp"]
+    for model in data["models"]:
+        for tool in ("ours", "occ"):
+            entry = model[tool]
+            assert entry["error"] is None
+            assert entry["casts"] >= 0 and 0 <= entry["heavy_fp16_share"] <= 1 and entry["size_ratio"] > 0
+            assert entry["parity"]["passed"] and entry["parity"]["cosine"] > 0.999
+        assert model["parity_vs_occ"] in ("better", "equal", "worse")
+        assert model["casts_ok"] in (True, False)
+    assert "cast_violations" in data and "parity_worse" in data
+
+
+@pytest.mark.skipif(shutil.which("bash") is None, reason="needs bash")
+def test_gpu_check_dry_run(tmp_path):
+    out = tmp_path / "gpu.json"
+    proc = run(["bash", str(SCRIPTS / "gpu_check.sh"), "--dry-run", "--json", str(out)], timeout=60)
+    assert "PASSED" in proc.stdout
+    data = json.loads(out.read_text())
+    assert data["dry_run"] and data["passed"]
+    names = {p["model"] for p in data["parity"]}
+    assert {p.stem for p in (ROOT / "models").glob("*.onnx")} == names
+    assert len(data["latency"]) == 2
+    for row in data["latency"]:
+        assert "error" not in row, row
+        assert row["fp32_ms"] > 0 and row["ours_ms"] > 0 and row["occ_ms"] > 0
+        assert row["parity_ours"]["passed"]
