@@ -144,6 +144,8 @@ fi
 # cannot share a venv with onnxruntime-gpu, hence $TRAIN_VENV. Each script is
 # run if present, under TRAIN_TIMEOUT seconds, and skipped with a message if not.
 # ============================================================================
+DRY_DIR=$(mktemp -d)
+trap 'rm -rf "$DRY_DIR"' EXIT
 TRAIN_SCRIPTS=(
     "scripts/validate_training.py --device cuda --no-progress --plot $RESULTS/validate_training_cuda.png
      --json $RESULTS/validate_training_cuda.json"
@@ -159,8 +161,20 @@ for entry in "${TRAIN_SCRIPTS[@]}"; do
         continue
     fi
     if [ "$DRY_RUN" = 1 ]; then
-        echo "[dry-run] would run in $TRAIN_VENV: python $entry"
-        record "$name" "dry-run (not run)"
+        # Same script, tiny and on the CPU (emulated fp16), in the current environment.
+        echo "[dry-run] on a GPU this runs in $TRAIN_VENV: python $entry"
+        case "$name" in
+            validate_training.py) cpu_entry="$script --device cpu --quick --no-progress --plot $DRY_DIR/vt.png --json $DRY_DIR/vt.json" ;;
+            *) cpu_entry="$script --device cpu --sizes 64-32-10 --batch-size 16 --steps 3 --warmup 1" ;;
+        esac
+        start=$SECONDS
+        # shellcheck disable=SC2086  # the entry is a command line on purpose
+        if "$PY" $cpu_entry > "$DRY_DIR/$name.log" 2>&1; then
+            record "$name" "ok, dry run on CPU ($((SECONDS - start)) s)"
+        else
+            tail -20 "$DRY_DIR/$name.log"
+            record "$name" "FAILED dry run on CPU"
+        fi
         continue
     fi
     if [ -z "$train_ready" ]; then
