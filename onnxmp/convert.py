@@ -23,7 +23,7 @@ from onnxmp.graphs import iter_graphs
 from onnxmp.lists import PRECISIONS, TARGETS, ListOverrides, resolve_lists
 from onnxmp.load import ModelLike, load
 from onnxmp.normalize import normalize
-from onnxmp.report import Report, tensor_core_advice, vertex_rows
+from onnxmp.report import Report, group_rows, tensor_core_advice, vertex_rows
 from onnxmp.rewrite import rewrite
 from onnxmp.verify import verify
 
@@ -123,6 +123,7 @@ def _analyse(proto: onnx.ModelProto, options: ColorOptions, level: str, timings:
                     vertices=vertex_rows(colored.coloring), timings=timings,
                     node_count=sum(len(g.nodes) for _, g, _ in iter_graphs(normalized.graph)))
     report.advice = tensor_core_advice(normalized.graph, colored.coloring)
+    report.groups = group_rows(colored.coloring)
     if normalized.inference_error:
         report.calibration["shape_inference_error"] = normalized.inference_error
     return normalized, colored, report

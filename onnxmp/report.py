@@ -54,6 +54,7 @@ class Report:
     converted_initializers: list[str] = field(default_factory=list)
     twin_initializers: list[str] = field(default_factory=list)
     calibration: dict[str, Any] = field(default_factory=dict)
+    groups: list[dict[str, Any]] = field(default_factory=list)  # control-flow color groups (spec §5.7)
 
     # -- aggregates ---------------------------------------------------------------
     def color_counts(self) -> dict[str, int]:
@@ -127,6 +128,12 @@ class Report:
                 if len(seen) >= 20:
                     lines.append(f"  ... {len({d.node for d in denied}) - 20} more (see --report JSON)")
                     break
+        if self.groups:
+            lines.append("")
+            lines.append("control-flow groups:")
+            for g in self.groups:
+                verdict = self.precision if g["low"] else "keeps its type"
+                lines.append(f"  {g['name']}: {verdict}" + (f" ({g['why']})" if g["why"] else ""))
         if self.advice:
             lines.append("")
             lines.append("Tensor Core advice (dimensions should be multiples of 8, or powers of two below 256):")
@@ -166,6 +173,12 @@ def vertex_rows(state: Coloring) -> list[VertexRow]:
         rows.append(VertexRow(key, v.node, v.op, v.param, v.graph or "main", color, reason.rule, reason.cause,
                               v.tensors))
     return rows
+
+
+def group_rows(state: Coloring) -> list[dict[str, Any]]:
+    low = {g.name for g in state.low_groups}
+    return [{"name": g.name, "low": g.name in low, "why": state.group_notes.get(g.name, ""),
+             "members": [t for _, t in g.members]} for g in state.view.groups]
 
 
 def tensor_core_friendly(dim: int) -> bool:

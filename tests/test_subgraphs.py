@@ -144,3 +144,13 @@ def test_scan_state_doing_matmul_work_goes_fp16():
     rng = np.random.default_rng(0)
     _check_parity(model, result.model, {"x": rng.standard_normal((4, 8)).astype(np.float32),
                                         "seq": rng.standard_normal((3, 8)).astype(np.float32)})
+
+
+def test_report_lists_control_flow_groups_and_their_outcome():
+    report = onnxmp.convert(_if_model("MatMul", "Exp")).report
+    (group,) = report.groups
+    assert group["name"].startswith("If output") and not group["low"]
+    assert "is not computed by an allow vertex" in group["why"]
+    assert "control-flow groups" in report.summary()
+    low = onnxmp.convert(_if_model("MatMul", "MatMul")).report.groups
+    assert low[0]["low"] and low[0]["why"] == ""
