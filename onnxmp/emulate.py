@@ -45,6 +45,7 @@ import onnx.shape_inference
 from onnx import AttributeProto, TensorProto, helper, numpy_helper
 
 from onnxmp.errors import OnnxMPError
+from onnxmp.naming import FreshNames, proto_names
 from onnxmp.load import load
 
 log = logging.getLogger("onnxmp.emulate")
@@ -118,7 +119,7 @@ def emulate(model: onnx.ModelProto | str | os.PathLike, precision: str = "float1
         # per-node rewrite see the concrete types.
         result = onnx.inliner.inline_local_functions(result)
     types = _infer_types(result)
-    _Emulator(elem, types, _Namer(_all_names(result.graph))).main_graph(result.graph, keep_io_types)
+    _Emulator(elem, types, FreshNames(proto_names(result.graph))).main_graph(result.graph, keep_io_types)
     return result
 
 
@@ -228,35 +229,6 @@ def _infer_types(model: onnx.ModelProto) -> dict[str, onnx.TypeProto]:
     return types
 
 
-def _all_names(graph: onnx.GraphProto) -> set[str]:
-    names = {graph.name}
-    names.update(v.name for v in [*graph.input, *graph.output, *graph.value_info])
-    names.update(t.name for t in graph.initializer)
-    names.update(s.values.name for s in graph.sparse_initializer)
-    for node in graph.node:
-        names.add(node.name)
-        names.update(node.input)
-        names.update(node.output)
-        for sub in _subgraphs(node):
-            names |= _all_names(sub)
-    return names
-
-
-class _Namer:
-    """Deterministic names that collide with nothing in the model nor with each other."""
-
-    def __init__(self, used: set[str]):
-        self.used = used
-
-    def __call__(self, base: str) -> str:
-        name, k = base, 0
-        while name in self.used:
-            k += 1
-            name = f"{base}_{k}"
-        self.used.add(name)
-        return name
-
-
 # --- rewriting -----------------------------------------------------------------
 
 
@@ -293,7 +265,7 @@ def _read_by_non_casts(graph: onnx.GraphProto, outputs: bool = True) -> set[str]
         if not (node.op_type == "Cast" and node.domain in _DEFAULT_DOMAINS):
             readers.update(node.input)
         for sub in _subgraphs(node):
-            readers |= _all_names(sub)  # a superset of the outer names it reads: safe
+            readers |= proto_names(sub)  # a superset of the outer names it reads: safe
     return readers
 
 
@@ -318,7 +290,7 @@ def _rename(graph: onnx.GraphProto, mapping: dict[str, str], *, outputs: bool) -
 
 
 class _Emulator:
-    def __init__(self, elem: int, types: dict[str, onnx.TypeProto], namer: _Namer):
+    def __init__(self, elem: int, types: dict[str, onnx.TypeProto], namer: FreshNames):
         self.elem = elem
         self.tag = _TAG[elem]
         self.types = types

@@ -25,6 +25,7 @@ import onnx_graphsurgeon as gs
 from onnxmp.color.rules import Coloring
 from onnxmp.external import ConvertedValues, ExternalValues, constant_array
 from onnxmp.graphs import MAIN, iter_graphs, onnx_dtype
+from onnxmp.naming import FreshNames
 from onnxmp.passes import PassResult, require
 
 log = logging.getLogger("onnxmp.rewrite")
@@ -43,23 +44,15 @@ class RewriteStats:
     retargeted_nodes: list[str] = field(default_factory=list)
 
 
-class _Names:
-    """Deterministic names that never collide with any name in any graph."""
-
-    def __init__(self, graph: gs.Graph):
-        self.taken: set[str] = set()
-        for _, g, _ in iter_graphs(graph):
-            self.taken.update(n.name for n in g.nodes)
-            self.taken.update(t.name for t in g.inputs + g.outputs)
-            for n in g.nodes:
-                self.taken.update(t.name for t in n.inputs + n.outputs)
-
-    def fresh(self, base: str) -> str:
-        name, i = base, 1
-        while name in self.taken:
-            name, i = f"{base}_{i}", i + 1
-        self.taken.add(name)
-        return name
+def _gs_names(graph: gs.Graph) -> FreshNames:
+    """Fresh names that collide with no node or tensor name in any graph."""
+    taken: set[str] = set()
+    for _, g, _ in iter_graphs(graph):
+        taken.update(n.name for n in g.nodes)
+        taken.update(t.name for t in g.inputs + g.outputs)
+        for n in g.nodes:
+            taken.update(t.name for t in n.inputs + n.outputs)
+    return FreshNames(taken)
 
 
 def rewrite(graph: gs.Graph, state: Coloring, *, precision: str = "float16",
@@ -67,7 +60,7 @@ def rewrite(graph: gs.Graph, state: Coloring, *, precision: str = "float16",
     view = state.view
     low_np, low_enum, low_sfx = LOW_NUMPY[precision], LOW_ENUM[precision], SUFFIX[precision]
     master = set(master_weights)
-    names = _Names(graph)
+    names = _gs_names(graph)
     stats = RewriteStats()
     allow = set(state.allow_keys())
 
@@ -106,9 +99,9 @@ def rewrite(graph: gs.Graph, state: Coloring, *, precision: str = "float16",
         tensor = node.outputs[index]
         name = tensor.name
         if name in view.pinned and name not in body_members:
-            low = gs.Variable(names.fresh(f"{name}_onnxmp_{low_sfx}"), dtype=low_np, shape=tensor.shape)
+            low = gs.Variable(names(f"{name}_onnxmp_{low_sfx}"), dtype=low_np, shape=tensor.shape)
             node.outputs[index] = low
-            restore = gs.Node("Cast", names.fresh(f"{name}_onnxmp_cast_fp32"),
+            restore = gs.Node("Cast", names(f"{name}_onnxmp_cast_fp32"),
                               attrs={"to": int(onnx.TensorProto.FLOAT)}, inputs=[low], outputs=[tensor])
             new_nodes[graph_id].append(restore)
             stats.casts.append(restore.name)
@@ -162,8 +155,8 @@ def rewrite(graph: gs.Graph, state: Coloring, *, precision: str = "float16",
         def cast(src: gs.Tensor, to_enum: int, to_np, sfx: str) -> gs.Variable:
             key = (src.name, to_enum)
             if key not in shared_casts:
-                out = gs.Variable(names.fresh(f"{src.name}_onnxmp_{sfx}"), dtype=to_np, shape=src.shape)
-                node = gs.Node("Cast", names.fresh(f"{src.name}_onnxmp_cast_{sfx}"),
+                out = gs.Variable(names(f"{src.name}_onnxmp_{sfx}"), dtype=to_np, shape=src.shape)
+                node = gs.Node("Cast", names(f"{src.name}_onnxmp_cast_{sfx}"),
                                attrs={"to": int(to_enum)}, inputs=[src], outputs=[out])
                 new_nodes[graph_id].append(node)
                 stats.casts.append(node.name)
@@ -254,7 +247,7 @@ def _low_constant(tensor: gs.Constant, readers, master, twins, names, low_np, lo
         return tensor
     if tensor.name not in twins:
         # Read without caching: the fp32 original must stay a (possibly external) reference.
-        twins[tensor.name] = gs.Constant(names.fresh(f"{tensor.name}_onnxmp_{low_sfx}"),
+        twins[tensor.name] = gs.Constant(names(f"{tensor.name}_onnxmp_{low_sfx}"),
                                          constant_array(tensor).astype(low_np))
         stats.twin_initializers.append(tensor.name)
     return twins[tensor.name]

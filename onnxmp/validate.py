@@ -54,6 +54,7 @@ import onnx
 
 from onnxmp.emulate import as_model, emulate, low_precision_types
 from onnxmp.errors import OnnxMPError
+from onnxmp.naming import json_safe
 from onnxmp.inputs import Sample, check_inputs, generate_inputs, load_npz
 
 log = logging.getLogger("onnxmp.validate")
@@ -146,7 +147,7 @@ class ParityReport:
         data["passed"] = self.passed
         for out, src in zip(data["outputs"], self.outputs):
             out["passed"] = src.passed
-        return _json_safe(data)
+        return json_safe(data)
 
     def to_json(self, indent: int | None = 2) -> str:
         """JSON text; non-finite floats are written as the strings "inf", "-inf", "nan"."""
@@ -181,16 +182,6 @@ class ParityReport:
 
 def _fmt(value: float | None, spec: str) -> str:
     return "-" if value is None else format(value, spec)
-
-
-def _json_safe(value):
-    if isinstance(value, float) and not math.isfinite(value):
-        return "nan" if math.isnan(value) else ("inf" if value > 0 else "-inf")
-    if isinstance(value, dict):
-        return {k: _json_safe(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [_json_safe(v) for v in value]
-    return value
 
 
 def _is_float(array: np.ndarray) -> bool:

@@ -30,6 +30,7 @@ sys.path.insert(0, str(ROOT))
 
 import onnx  # noqa: E402
 
+from onnxmp.naming import json_safe
 import onnxmp  # noqa: E402
 # Imported by module path: onnxmp.validate may resolve to the submodule once imported.
 from onnxmp.validate import validate  # noqa: E402
@@ -222,16 +223,6 @@ def summarize(rows: list[dict]) -> dict:
             "parity_worse": [r["name"] for r in rows if r["parity_vs_occ"] in ("worse", "n/a")]}
 
 
-def _json_safe(value):
-    if isinstance(value, float) and not math.isfinite(value):
-        return str(value)
-    if isinstance(value, dict):
-        return {k: _json_safe(v) for k, v in value.items()}
-    if isinstance(value, list):
-        return [_json_safe(v) for v in value]
-    return value
-
-
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("paths", nargs="*", type=Path, help="more .onnx models to compare")
@@ -260,7 +251,7 @@ def main(argv: list[str] | None = None) -> int:
         for v in summary["cast_violations"]) or "none"))
     print(f"worse parity than occ: {', '.join(summary['parity_worse']) or 'none'}")
     if args.json:
-        args.json.write_text(json.dumps(_json_safe({"models": rows, **summary}), indent=2))
+        args.json.write_text(json.dumps(json_safe({"models": rows, **summary}), indent=2))
         print(f"wrote {args.json}")
     return 0
 

@@ -37,6 +37,7 @@ import numpy as np  # noqa: E402
 import onnx  # noqa: E402
 from onnx import TensorProto, helper, numpy_helper  # noqa: E402
 
+from onnxmp.naming import json_safe
 import onnxmp  # noqa: E402
 from models import zoo  # noqa: E402
 from onnxmp.emulate import emulate  # noqa: E402
@@ -301,16 +302,6 @@ def print_summary(result: dict) -> None:
     print(f"\n{'PASSED' if result['passed'] else 'FAILED'} ({result['seconds']:.0f} s)")
 
 
-def _json_safe(value):
-    if isinstance(value, float) and not math.isfinite(value):
-        return str(value)
-    if isinstance(value, dict):
-        return {k: _json_safe(v) for k, v in value.items()}
-    if isinstance(value, list):
-        return [_json_safe(v) for v in value]
-    return value
-
-
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--dry-run", action="store_true", help="CPU EP, emulated fp16, tiny models")
@@ -341,7 +332,7 @@ def main(argv: list[str] | None = None) -> int:
     result["seconds"] = time.perf_counter() - start
     print_summary(result)
     if args.json:
-        args.json.write_text(json.dumps(_json_safe(result), indent=2))
+        args.json.write_text(json.dumps(json_safe(result), indent=2))
         print(f"wrote {args.json}")
     if crashed:
         return 2

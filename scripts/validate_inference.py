@@ -42,6 +42,7 @@ sys.path.insert(0, str(ROOT))
 from tqdm import tqdm  # noqa: E402
 from tqdm.contrib.logging import logging_redirect_tqdm  # noqa: E402
 
+from onnxmp.naming import json_safe
 import onnxmp  # noqa: E402
 from onnxmp.inputs import generate_inputs, load_npz  # noqa: E402
 from onnxmp.plots import plot_errors, write_atomic  # noqa: E402
@@ -238,17 +239,6 @@ def markdown_report(rows: list[Row], args: argparse.Namespace, header, cells, se
     return "\n".join(parts) + "\n"
 
 
-def _json_safe(value):
-    # JSON has no inf/NaN; write them the way ParityReport.to_json does.
-    if isinstance(value, float) and not math.isfinite(value):
-        return "nan" if math.isnan(value) else ("inf" if value > 0 else "-inf")
-    if isinstance(value, dict):
-        return {k: _json_safe(v) for k, v in value.items()}
-    if isinstance(value, list):
-        return [_json_safe(v) for v in value]
-    return value
-
-
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
@@ -285,7 +275,7 @@ def main(argv: list[str] | None = None) -> int:
         write_atomic(report, markdown_report(rows, args, header, cells, seconds).encode())
         print(f"report: {report}")
         if args.json:
-            table_json = json.dumps(_json_safe([r.table_dict() for r in rows]), indent=2)
+            table_json = json.dumps(json_safe([r.table_dict() for r in rows]), indent=2)
             write_atomic(args.json, (table_json + "\n").encode())
     except onnxmp.OnnxMPError as exc:
         print(f"error: {exc.one_line()}", file=sys.stderr)

@@ -32,6 +32,7 @@ import onnx.version_converter
 from onnx import TensorProto, helper
 
 from onnxmp.errors import OnnxMPError
+from onnxmp.naming import FreshNames, proto_names
 from onnxmp.training import _ort
 
 log = logging.getLogger("onnxmp.training.artifacts")
@@ -168,7 +169,7 @@ def build_artifacts(
     forward = _supported_versions(load(model))
     _check_parameters(forward, requires_grad, frozen)
     loss_block, loss_name, label_name = _loss_block(loss, label_name)
-    used = _all_names(forward.graph)
+    used = proto_names(forward.graph)
     clashes = sorted(used & {*_RESERVED, label_name})
     if clashes:
         raise OnnxMPError(f"the model already uses the name(s) {', '.join(clashes)}",
@@ -277,7 +278,7 @@ def add_loss_scaling(training: onnx.ModelProto) -> None:
     unscaled gradients, which are computed after every gradient exists.
     """
     graph = training.graph
-    names = _Names(_all_names(graph))
+    names = FreshNames(proto_names(graph))
     accumulators = [n for n in graph.node if n.op_type == "InPlaceAccumulatorV2"]
     if not accumulators:
         raise OnnxMPError("the training graph has no gradient accumulators",
@@ -452,31 +453,6 @@ def _user_inputs(training: onnx.ModelProto, parameters: set[str]) -> list[tuple[
         dtype = helper.tensor_dtype_to_np_dtype(value.type.tensor_type.elem_type)
         result.append((value.name, str(dtype)))
     return result
-
-
-def _all_names(graph: onnx.GraphProto) -> set[str]:
-    names = {v.name for v in [*graph.input, *graph.output, *graph.value_info]}
-    names.update(t.name for t in graph.initializer)
-    for node in graph.node:
-        names.add(node.name)
-        names.update(node.input)
-        names.update(node.output)
-    return names
-
-
-class _Names:
-    """Names that collide with nothing already in the graph."""
-
-    def __init__(self, used: set[str]):
-        self.used = used
-
-    def __call__(self, base: str) -> str:
-        name, k = base, 0
-        while name in self.used:
-            k += 1
-            name = f"{base}_{k}"
-        self.used.add(name)
-        return name
 
 
 def _onnxmp_version() -> str:
