@@ -65,8 +65,9 @@ class Report:
         rank = {ALLOW: 2, "deny": 1}
         out: dict[str, str] = {}
         for v in self.vertices:
-            if rank.get(v.color, 0) >= rank.get(out.get(v.node), 0) or v.node not in out:
-                out[v.node] = v.color if rank.get(v.color, 0) >= rank.get(out.get(v.node), 0) else out[v.node]
+            current = out.get(v.node)
+            if current is None or rank.get(v.color, 0) > rank.get(current, 0):
+                out[v.node] = v.color
         return out
 
     def per_op(self) -> dict[str, dict[str, int]]:

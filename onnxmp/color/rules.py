@@ -176,15 +176,15 @@ def add_clear_and_infer_to_allow_if_between_allow(state: Coloring) -> PassResult
     _dfs(view, allow_roots, "out",
          enter=lambda k: k not in root_set and k not in downstream and passable(k),
          visit=lambda k, _p: downstream.add(k))
-    between: dict[str, str] = {}
+    between: set[str] = set()
 
     def visit(k: str, parent: str | None) -> None:
-        if parent is not None:
-            between[k] = parent
+        if parent is not None:  # the allow roots themselves are already ALLOW
+            between.add(k)
 
-    _dfs(view, allow_roots, "in", enter=lambda k: k in downstream and k not in between, visit=visit)
+    _dfs(view, allow_roots, "in", enter=lambda k: k in downstream, visit=visit)
     painted = 0
-    for k, via in between.items():
+    for k in sorted(between):
         v = view.vertices[k]
         painted += state.paint(k, ALLOW, "add_clear_and_infer_to_allow_if_between_allow",
                                f"{v.list} op {v.op} lies between allow ops")
@@ -217,11 +217,11 @@ def propagate_allow_through_clear(state: Coloring) -> PassResult:
     view = state.view
     roots = state.allow_keys()
     root_set = set(roots)
-    reached: dict[str, str] = {}
+    origin: dict[str, str] = {}  # reached clear vertex -> the allow vertex its walk started from
 
     def visit(k: str, parent: str | None) -> None:
         if parent is not None:
-            reached[k] = parent
+            origin[k] = origin.get(parent, parent)
 
     def enter(k: str) -> bool:
         v = view.vertices[k]
@@ -229,10 +229,10 @@ def propagate_allow_through_clear(state: Coloring) -> PassResult:
 
     _dfs(view, roots, "both", enter=enter, visit=visit)
     painted = 0
-    for k, parent in reached.items():
-        src = view.vertices[parent]
+    for k, root in origin.items():
+        src = view.vertices[root]
         painted += state.paint(k, ALLOW, "propagate_allow_through_clear",
-                               f"clear op next to allow {src.op} `{src.node}`")
+                               f"clear op connected to allow {src.op} `{src.node}`")
     return PassResult(painted > 0, {"painted": painted})
 
 
