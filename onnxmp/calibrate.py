@@ -23,13 +23,13 @@ from typing import Any, Iterable, Mapping, Sequence
 import numpy as np
 import onnx
 
+from onnxmp.color.seeds import DEFAULT_THRESHOLD, DEFAULT_UNDERFLOW_SHARE
 from onnxmp.errors import OnnxMPError
 from onnxmp.load import load
 
 log = logging.getLogger("onnxmp.calibrate")
 
 DEFAULT_TOLERANCE = 1e-2          # max |cand - ref| / max |ref| per output
-DEFAULT_THRESHOLD = 65504.0 / 4   # |x| above which an intermediate is denied outright
 MAX_CYCLES = 10
 MAX_DENY_PER_CYCLE = 8
 
@@ -138,7 +138,7 @@ class Cycle:
 
 def convert_with_calibration(model, *, calibration, tolerance: float = DEFAULT_TOLERANCE,
                              calibration_threshold: float = DEFAULT_THRESHOLD, max_cycles: int = MAX_CYCLES,
-                             underflow_share: float = 0.5, **convert_options):
+                             underflow_share: float = DEFAULT_UNDERFLOW_SHARE, **convert_options):
     """Convert with calibration seeds, then fall back node by node until outputs are within tolerance."""
     from onnxmp.convert import convert_once
     from onnxmp.emulate import emulate

@@ -52,14 +52,12 @@ import numpy as np
 import onnx
 import onnx_graphsurgeon as gs
 
+from onnxmp.color.seeds import DEFAULT_UNDERFLOW_SHARE
 from onnxmp.convert import convert_once
 from onnxmp.graphs import iter_graphs
 from onnxmp.lists import list_of, op_key, resolve_lists
 from onnxmp.load import ModelLike, load
 from onnxmp.normalize import normalize
-
-# Same share as the built-in underflow seed (``convert``'s ``underflow_share``).
-_UNDERFLOW_SHARE = 0.5
 
 
 def convert_float_to_float16(
@@ -142,7 +140,7 @@ def _range_cause(name: str, values: np.ndarray, min_positive_val: float, max_fin
         return f"initializer `{name}` max {magnitudes.max():.3g} > max_finite_val {max_finite_val:g}"
     nonzero = magnitudes[magnitudes != 0]
     tiny = float(np.mean(nonzero < min_positive_val)) if nonzero.size else 0.0
-    if tiny > _UNDERFLOW_SHARE:
+    if tiny > DEFAULT_UNDERFLOW_SHARE:  # the built-in underflow seed's share
         return (f"initializer `{name}`: {tiny:.0%} of its non-zero values are below "
                 f"min_positive_val {min_positive_val:g}")
     return None

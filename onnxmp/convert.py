@@ -18,6 +18,7 @@ import onnx_graphsurgeon as gs
 from onnx_graphsurgeon.logger import G_LOGGER
 
 from onnxmp.color import ColorOptions, ColorResult, color
+from onnxmp.color.seeds import DEFAULT_THRESHOLD, DEFAULT_UNDERFLOW_SHARE
 from onnxmp.errors import OnnxMPError
 from onnxmp.graphs import iter_graphs
 from onnxmp.lists import PRECISIONS, TARGETS, ListOverrides, resolve_lists
@@ -75,8 +76,8 @@ def _timed(timings: dict[str, float], stage: str):
 
 
 def _options(model: onnx.ModelProto, target, precision, level, lists, block_nodes, keep_io_types,
-             calibration_magnitudes=None, calibration_threshold=65504.0 / 4, underflow_share=0.5,
-             forced_deny=None) -> ColorOptions:
+             calibration_magnitudes=None, calibration_threshold=DEFAULT_THRESHOLD,
+             underflow_share=DEFAULT_UNDERFLOW_SHARE, forced_deny=None) -> ColorOptions:
     if target not in TARGETS:
         raise OnnxMPError(f"unknown target {target!r}", hint=f"choose one of: {', '.join(TARGETS)}")
     if precision not in PRECISIONS:
@@ -131,14 +132,23 @@ def _analyse(proto: onnx.ModelProto, options: ColorOptions, level: str, timings:
 
 def explain(model: ModelLike, *, target: str = "cuda", precision: str = "float16", keep_io_types: bool = True,
             level: str = "default", lists: Mapping[str, Iterable[str]] | ListOverrides | None = None,
-            block_nodes: Iterable[str] = (), calibration=None, **calibration_options) -> Report:
-    """Color ``model`` and return the report, without rewriting anything."""
+            block_nodes: Iterable[str] = (), calibration=None, calibration_threshold: float = DEFAULT_THRESHOLD,
+            underflow_share: float = DEFAULT_UNDERFLOW_SHARE) -> Report:
+    """Color ``model`` and return the report, without rewriting anything.
+
+    With ``calibration`` the magnitude seed is applied (the fallback loop needs a rewrite,
+    so it is :func:`convert`'s alone).
+    """
     timings: dict[str, float] = {}
     with _timed(timings, "load"):
-        proto = load(model)
-    magnitudes = _calibration_magnitudes(proto, calibration, calibration_options)
+        proto = load(model, lazy_external=True)
+    magnitudes = None
+    if calibration is not None:
+        from onnxmp.calibrate import observe_magnitudes
+
+        magnitudes = observe_magnitudes(model, calibration)
     options = _options(proto, target, precision, level, lists, block_nodes, keep_io_types,
-                       magnitudes, **_threshold(calibration_options))
+                       magnitudes, calibration_threshold, underflow_share)
     _, colored, report = _analyse(proto, options, level, timings)
     report.changed = bool(colored.coloring.allow_keys())
     if not report.changed:
@@ -148,30 +158,37 @@ def explain(model: ModelLike, *, target: str = "cuda", precision: str = "float16
 
 def convert(model: ModelLike, *, target: str = "cuda", precision: str = "float16", keep_io_types: bool = True,
             level: str = "default", lists: Mapping[str, Iterable[str]] | ListOverrides | None = None,
-            block_nodes: Iterable[str] = (), calibration=None, master_weights: Iterable[str] = (),
-            **calibration_options) -> ConversionResult:
+            block_nodes: Iterable[str] = (), calibration=None, tolerance: float | None = None,
+            calibration_threshold: float = DEFAULT_THRESHOLD, underflow_share: float = DEFAULT_UNDERFLOW_SHARE,
+            master_weights: Iterable[str] = ()) -> ConversionResult:
     """Convert ``model`` to mixed ``precision`` for ``target`` with TF's AMP algorithm.
 
     ``calibration`` (sample inputs: a dict of arrays, a list of them, or .npz paths)
-    enables the data-driven deny seed and the accuracy-guided fallback (see
-    :mod:`onnxmp.calibrate`).  ``master_weights`` names initializers that must stay
-    float32 and be Cast at each low-precision use (training).
+    enables the magnitude seed (``calibration_threshold``) and the accuracy-guided
+    fallback to ``tolerance`` (see :mod:`onnxmp.calibrate`).  ``underflow_share`` is the
+    share of an initializer's values that may flush or turn subnormal before its node
+    stays float32.  ``master_weights`` names initializers that must stay float32 and be
+    Cast at each low-precision use (training).
     """
     if calibration is not None:
-        from onnxmp.calibrate import convert_with_calibration
+        from onnxmp.calibrate import DEFAULT_TOLERANCE, convert_with_calibration
 
         return convert_with_calibration(
-            model, calibration=calibration, target=target, precision=precision, keep_io_types=keep_io_types,
-            level=level, lists=lists, block_nodes=block_nodes, master_weights=master_weights,
-            **calibration_options)
+            model, calibration=calibration, tolerance=DEFAULT_TOLERANCE if tolerance is None else tolerance,
+            calibration_threshold=calibration_threshold, underflow_share=underflow_share, target=target,
+            precision=precision, keep_io_types=keep_io_types, level=level, lists=lists, block_nodes=block_nodes,
+            master_weights=master_weights)
+    if tolerance is not None:
+        raise OnnxMPError("tolerance needs calibration samples", hint="pass calibration=inputs (or --calibrate a.npz)")
     return convert_once(model, target=target, precision=precision, keep_io_types=keep_io_types, level=level,
-                        lists=lists, block_nodes=block_nodes, master_weights=master_weights)
+                        lists=lists, block_nodes=block_nodes, master_weights=master_weights,
+                        underflow_share=underflow_share)
 
 
 def convert_once(model: ModelLike, *, target: str = "cuda", precision: str = "float16", keep_io_types: bool = True,
                  level: str = "default", lists=None, block_nodes: Iterable[str] = (),
                  master_weights: Iterable[str] = (), calibration_magnitudes: Mapping[str, float] | None = None,
-                 calibration_threshold: float = 65504.0 / 4, underflow_share: float = 0.5,
+                 calibration_threshold: float = DEFAULT_THRESHOLD, underflow_share: float = DEFAULT_UNDERFLOW_SHARE,
                  forced_deny: Mapping[str, str] | None = None) -> ConversionResult:
     """One pass of the pipeline, no calibration loop."""
     timings: dict[str, float] = {}
@@ -270,10 +287,8 @@ def _restore_initializer_inputs(model: onnx.ModelProto, original: onnx.ModelProt
     names = set(initializer_inputs(original))
     if not names:
         return
-    present = {i.name for i in model.graph.input}
-    ordered = [i if i.name in names and i.name not in present else
-               next(v for v in model.graph.input if v.name == i.name)
-               for i in original.graph.input if i.name in names or i.name in present]
+    exported = {i.name: i for i in model.graph.input}
+    ordered = [exported.get(i.name, i) for i in original.graph.input if i.name in names or i.name in exported]
     del model.graph.input[:]
     model.graph.input.extend(ordered)
 
@@ -285,15 +300,3 @@ def _unchanged_reason(report: Report) -> str:
         return "no allow-list op (Conv/MatMul/Gemm/...) with float32 tensors"
     causes = sorted({v.cause for v in heavy})
     return "no allow-list op can run in low precision: " + "; ".join(causes[:3])
-
-
-def _threshold(calibration_options: Mapping) -> dict:
-    return {k: calibration_options[k] for k in ("calibration_threshold", "underflow_share") if k in calibration_options}
-
-
-def _calibration_magnitudes(proto, calibration, calibration_options):
-    if calibration is None:
-        return None
-    from onnxmp.calibrate import observe_magnitudes
-
-    return observe_magnitudes(proto, calibration)

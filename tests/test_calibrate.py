@@ -169,3 +169,8 @@ def _error_of(model, converted, sample) -> float:
     ref = run_with_intermediates(model, [sample])[0]
     out = run_with_intermediates(emulate(converted, keep_io_types=False), [sample])[0]
     return max(relative_error(ref[o.name], out[o.name]) for o in model.graph.output)
+
+
+def test_tolerance_without_calibration_is_an_error():
+    with pytest.raises(onnxmp.OnnxMPError, match="tolerance needs calibration"):
+        onnxmp.convert(_chain(2), tolerance=1e-2)

@@ -15,7 +15,7 @@ from onnxmp.color.rules import (
     propagate_deny_forward_through_clear_and_infer, remove_allow_set_with_fp32,
 )
 from onnxmp.color.seeds import (
-    seed_deny_forced, seed_deny_from_calibration, seed_deny_from_initializer_range,
+    DEFAULT_THRESHOLD, DEFAULT_UNDERFLOW_SHARE, seed_deny_forced, seed_deny_from_calibration, seed_deny_from_initializer_range,
 )
 from onnxmp.color.vertices import TypeView, Vertex, build_type_view
 from onnxmp.kernels import KernelTable
@@ -37,9 +37,9 @@ class ColorOptions:
     precision: str = "float16"
     block_nodes: Iterable[str] = ()
     keep_io_types: bool = True
-    underflow_share: float = 0.5
+    underflow_share: float = DEFAULT_UNDERFLOW_SHARE
     calibration_magnitudes: Mapping[str, float] | None = None
-    calibration_threshold: float = 65504.0 / 4
+    calibration_threshold: float = DEFAULT_THRESHOLD
     forced_deny: Mapping[str, str] | None = None  # node name -> cause (accuracy fallback)
     kernels: KernelTable | None = None
     initializer_inputs: tuple[str, ...] = ()

@@ -18,6 +18,9 @@ from onnxmp.external import constant_array
 from onnxmp.graphs import iter_graphs
 from onnxmp.passes import PassResult
 
+DEFAULT_UNDERFLOW_SHARE = 0.5     # share of an initializer's values that may flush or turn subnormal
+DEFAULT_THRESHOLD = 65504.0 / 4   # calibration: |x| above which an intermediate's node is denied
+
 LOW_LIMITS = {
     "float16": (float(np.finfo(np.float16).max), np.float16),
     "bfloat16": (float(ml_dtypes.finfo(ml_dtypes.bfloat16).max), ml_dtypes.bfloat16),
@@ -74,7 +77,8 @@ def _constant_values(tensor: gs.Tensor) -> np.ndarray | None:
     return None
 
 
-def seed_deny_from_initializer_range(state: Coloring, graph: gs.Graph, *, underflow_share: float = 0.5
+def seed_deny_from_initializer_range(state: Coloring, graph: gs.Graph, *,
+                                     underflow_share: float = DEFAULT_UNDERFLOW_SHARE
                                      ) -> PassResult:
     """A list node fed by a float32 initializer or Constant whose finite |value| exceeds the
     low-precision maximum (65504 for fp16), or whose non-zero values mostly flush to zero or
