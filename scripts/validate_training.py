@@ -163,7 +163,8 @@ def main(argv=None) -> int:
                              "scale's dynamics show within a few minutes)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--quick", action="store_true", help="two epochs: a smoke test")
-    parser.add_argument("--plot", type=Path, default=Path("validate_training.png"))
+    parser.add_argument("--plot", type=Path, default=Path("reports/validate_training.png"),
+                        help="PNG of the loss and loss-scale curves (default: reports/validate_training.png)")
     parser.add_argument("--json", type=Path, help="write the figures here")
     parser.add_argument("--no-progress", action="store_true")
     args = parser.parse_args(argv)
@@ -195,6 +196,7 @@ def main(argv=None) -> int:
           "smallest subnormal; scale 1 flushes them, dynamic scaling recovers them")
 
     steps_per_epoch = -(-len(data[0]) // args.batch_size)
+    args.plot.parent.mkdir(parents=True, exist_ok=True)
     plot(args.plot, main_runs, underflow, steps_per_epoch)
     print(f"plot: {args.plot}")
     if args.json:
