@@ -213,37 +213,31 @@ def build_type_view(
                 _decide_processing(vertex, schema, node, node_list, blocked, provider, kernels,
                                    low_name, low_type_str)
                 vertices[vertex.key] = vertex
-            node_vertices[node.name] = list(groups)
             node_vertices[node.name] = [v.key for v in groups.values()]
 
+    # Dicts serve as ordered sets while edges are collected: a tensor read by every layer
+    # (an attention mask) would make list membership tests quadratic.
     producer_of: dict[str, str] = {}
-    consumers_of: dict[str, list[str]] = {}
+    consumer_sets: dict[str, dict[str, None]] = {}
     for v in vertices.values():
-        if not v.float32:
-            continue
-        for _, t in v.outputs:
-            producer_of[t] = v.key
+        if v.float32:
+            for _, t in v.outputs:
+                producer_of[t] = v.key
     for v in vertices.values():
-        if not v.float32:
-            continue
-        for _, t in v.inputs:
-            consumers_of.setdefault(t, [])
-            if v.key not in consumers_of[t]:
-                consumers_of[t].append(v.key)
-    fanin: dict[str, list[str]] = {k: [] for k in vertices}
-    fanout: dict[str, list[str]] = {k: [] for k in vertices}
-    for t, consumers in consumers_of.items():
+        if v.float32:
+            for _, t in v.inputs:
+                consumer_sets.setdefault(t, {})[v.key] = None
+    fanin_sets: dict[str, dict[str, None]] = {k: {} for k in vertices}
+    fanout_sets: dict[str, dict[str, None]] = {k: {} for k in vertices}
+    for t, consumers in consumer_sets.items():
         src = producer_of.get(t)
         if src is None:
             continue
         for dst in consumers:
             # Bodies are colored on their own: no edge crosses a graph boundary.
-            if vertices[src].graph != vertices[dst].graph:
-                continue
-            if dst not in fanout[src]:
-                fanout[src].append(dst)
-            if src not in fanin[dst]:
-                fanin[dst].append(src)
+            if vertices[src].graph == vertices[dst].graph:
+                fanout_sets[src][dst] = None
+                fanin_sets[dst][src] = None
     groups = [g for g in control_flow_groups(graph) if all(tensor_dtype.get(t, _float_of(graph, gid, t))
                                                            == onnx.TensorProto.FLOAT for gid, t in g.members)]
     for group in groups:
@@ -252,14 +246,15 @@ def build_type_view(
         # the boundary (a body Add between this iteration's MatMul and the next one's is
         # "between allow ops").  force_color_match settles the group afterwards.
         producers = [producer_of[t] for t in group.must_allow + group.must_not_deny if t in producer_of]
-        consumers = [c for _, t in group.members for c in consumers_of.get(t, [])
+        consumers = [c for _, t in group.members for c in consumer_sets.get(t, {})
                      if vertices[c].op_type not in ("If", "Loop", "Scan")]
         for src in producers:
             for dst in consumers:
-                if dst not in fanout[src]:
-                    fanout[src].append(dst)
-                if src not in fanin[dst]:
-                    fanin[dst].append(src)
+                fanout_sets[src][dst] = None
+                fanin_sets[dst][src] = None
+    consumers_of = {t: list(c) for t, c in consumer_sets.items()}
+    fanin = {k: list(v) for k, v in fanin_sets.items()}
+    fanout = {k: list(v) for k, v in fanout_sets.items()}
     return TypeView(vertices, fanin, fanout, node_vertices, producer_of, consumers_of, pinned,
                     graph_of_node, unknown_schema, groups)
 
