@@ -15,6 +15,14 @@ def parse(text: str, ir_version: int = 8) -> onnx.ModelProto:
     return model
 
 
+def named(text: str, ir_version: int = 8) -> onnx.ModelProto:
+    """Parse, then name every node after its first output so tests read naturally."""
+    model = parse(text, ir_version)
+    for node in model.graph.node:
+        node.name = node.output[0]
+    return model
+
+
 def header(opset: int = 17, extra: str = "") -> str:
     return f'<ir_version: 8, opset_import: ["" : {opset}{extra}]>'
 
@@ -62,5 +70,5 @@ def weight(name: str, shape, scale: float = 0.1, seed: int = 0) -> onnx.TensorPr
 
 FLOAT, FLOAT16, BFLOAT16 = onnx.TensorProto.FLOAT, onnx.TensorProto.FLOAT16, onnx.TensorProto.BFLOAT16
 
-__all__ = ["parse", "header", "node_colors", "vertex", "count_op", "tensor_types", "node_by_name", "weight",
+__all__ = ["parse", "named", "header", "node_colors", "vertex", "count_op", "tensor_types", "node_by_name", "weight",
            "FLOAT", "FLOAT16", "BFLOAT16", "onnxmp"]

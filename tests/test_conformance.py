@@ -10,7 +10,7 @@ import onnx
 import pytest
 
 import onnxmp
-from tests.graphs import FLOAT, FLOAT16, count_op, header, node_by_name, parse, tensor_types
+from tests.graphs import FLOAT, FLOAT16, count_op, header, named, node_by_name, parse, tensor_types
 
 ALLOW, DENY, FP32 = "allow", "deny", "fp32"
 
@@ -58,16 +58,8 @@ g (float[4,4] x) => (float[4,4] y) {
 }"""
 
 
-def _named(text: str) -> onnx.ModelProto:
-    """Name every node after its first output so tests read naturally."""
-    model = parse(text)
-    for node in model.graph.node:
-        node.name = node.output[0]
-    return model
-
-
 def test_simple_chain_only_matmul_and_its_relus_go_fp16():
-    result = convert(_named(SIMPLE_CHAIN))
+    result = convert(named(SIMPLE_CHAIN))
     colors = result.report.node_colors()
     assert {n for n, c in colors.items() if c == ALLOW} == {"r2", "m", "r3"}
     assert colors["e"] == DENY and colors["r1"] == DENY and colors["s"] == DENY  # deny propagated
@@ -78,7 +70,7 @@ def test_simple_chain_only_matmul_and_its_relus_go_fp16():
 
 def test_deny_propagation_stops_at_clear_op_not_upstream_of_infer():
     # r1 (clear) after Exp only feeds MatMul: it is not "upstream of deny-or-infer", so deny does not reach it.
-    model = _named(header() + """
+    model = named(header() + """
     g (float[4,4] x) => (float[4,4] y) {
         e = Exp(x)
         r1 = Relu(e)
@@ -89,7 +81,7 @@ def test_deny_propagation_stops_at_clear_op_not_upstream_of_infer():
 
 
 def test_deny_propagates_forward_through_infer():
-    model = _named(header() + """
+    model = named(header() + """
     g (float[4,4] x) => (float[4,4] y) {
         e = Exp(x)
         a = Add(e, x)
@@ -102,7 +94,7 @@ def test_deny_propagates_forward_through_infer():
 
 
 def test_treat_infer_as_deny_variant():
-    model = _named(header() + """
+    model = named(header() + """
     g (float[4,4] x) => (float[4,4] y) {
         m1 = MatMul(x, x)
         s = Sqrt(m1)
@@ -118,7 +110,7 @@ def test_treat_infer_as_deny_variant():
 
 
 def test_bidirectional_clear_chain_shares_one_input_cast():
-    model = _named(header() + """
+    model = named(header() + """
     g (float[4,4] x) => (float[4,4] m, float[8,4] c, float[4,4] r4) {
         r1 = Relu(x)
         r2 = Relu(x)
@@ -136,7 +128,7 @@ def test_bidirectional_clear_chain_shares_one_input_cast():
 
 
 def test_graph_outputs_keep_dtype_with_a_cast_before_each():
-    model = _named(header() + """
+    model = named(header() + """
     g (float[4,4] x, float[4,4] w) => (float[4,4] y, float[4,4] z) {
         y = MatMul(x, w)
         z = Relu(y)
@@ -150,7 +142,7 @@ def test_graph_outputs_keep_dtype_with_a_cast_before_each():
 
 
 def test_no_keep_io_types_retypes_graph_io():
-    model = _named(header() + """
+    model = named(header() + """
     g (float[4,4] x, float[4,4] w) => (float[4,4] y) {
         y = MatMul(x, w)
     }""")
@@ -166,11 +158,11 @@ def test_blocked_by_name_node_stays_fp32():
         a = MatMul(x, w)
         y = MatMul(a, w)
     }"""
-    blocked = convert(_named(text), block_nodes=["^y$"]).report
+    blocked = convert(named(text), block_nodes=["^y$"]).report
     colors = blocked.node_colors()
     assert colors["y"] == FP32 and colors["a"] == ALLOW
     assert "block pattern" in next(v.cause for v in blocked.vertices if v.node == "y")
-    assert convert(_named(text), block_nodes=["nomatch"]).report.node_colors()["y"] == ALLOW
+    assert convert(named(text), block_nodes=["nomatch"]).report.node_colors()["y"] == ALLOW
 
 
 def _bn_model(opset: int, var_value: float = 1.0) -> onnx.ModelProto:
@@ -214,7 +206,7 @@ def test_batchnorm_opset13_decides_as_one_vertex():
 
 
 def test_variadic_concat_and_sum_retype_every_input_together():
-    model = _named(header() + """
+    model = named(header() + """
     g (float[4,4] x, float[4,4] w) => (float[12,4] y) {
         a = MatMul(x, w)
         b = MatMul(w, x)
@@ -234,7 +226,7 @@ def test_variadic_concat_and_sum_retype_every_input_together():
 
 
 def test_variadic_sum_with_a_deny_input_stays_fp32():
-    model = _named(header() + """
+    model = named(header() + """
     g (float[4,4] x, float[4,4] w) => (float[4,4] y) {
         a = MatMul(x, w)
         e = Exp(x)
@@ -245,7 +237,7 @@ def test_variadic_sum_with_a_deny_input_stays_fp32():
 
 
 def test_existing_cast_bool_to_float_feeding_matmul_is_retargeted():
-    model = _named(header() + """
+    model = named(header() + """
     g (bool[4,4] b, float[4,4] w) => (float[4,4] y) {
         f = Cast <to = 1> (b)
         y = MatMul(f, w)
@@ -259,7 +251,7 @@ def test_existing_cast_bool_to_float_feeding_matmul_is_retargeted():
 
 
 def test_existing_cast_with_an_fp32_consumer_is_not_retargeted():
-    model = _named(header() + """
+    model = named(header() + """
     g (bool[4,4] b, float[4,4] w) => (float[4,4] y, float[4,4] z) {
         f = Cast <to = 1> (b)
         y = MatMul(f, w)
@@ -272,7 +264,7 @@ def test_existing_cast_with_an_fp32_consumer_is_not_retargeted():
 @pytest.mark.parametrize("op", ["Elu", "Erf", "Log", "LogSoftmax", "Reciprocal", "Sigmoid", "Softmax",
                                 "Softplus", "Sqrt", "Tanh"])
 def test_each_infer_op_between_two_matmuls_goes_fp16(op):
-    model = _named(header() + f"""
+    model = named(header() + f"""
     g (float[4,4] x, float[4,4] w) => (float[4,4] y) {{
         a = MatMul(x, w)
         i = {op}(a)
@@ -285,7 +277,7 @@ def test_each_infer_op_between_two_matmuls_goes_fp16(op):
 
 @pytest.mark.parametrize("op", ["Sigmoid", "Log"])
 def test_infer_op_after_allow_but_not_between_stays_fp32(op):
-    model = _named(header() + f"""
+    model = named(header() + f"""
     g (float[4,4] x, float[4,4] w) => (float[4,4] y) {{
         a = MatMul(x, w)
         y = {op}(a)

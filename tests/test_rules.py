@@ -10,14 +10,7 @@ from onnxmp.color import ColorOptions, color
 from onnxmp.color.rules import ALLOW, DENY, force_color_match, remove_allow_set_with_fp32
 from onnxmp.lists import resolve_lists
 from onnxmp.normalize import normalize
-from tests.graphs import FLOAT, FLOAT16, header, parse
-
-
-def named(text: str) -> onnx.ModelProto:
-    model = parse(text)
-    for node in model.graph.node:
-        node.name = node.output[0]
-    return model
+from tests.graphs import FLOAT, FLOAT16, header, named, parse
 
 
 def colors(model, **kw) -> dict[str, str]:
