@@ -126,7 +126,7 @@ def _analyse(proto: onnx.ModelProto, options: ColorOptions, level: str, timings:
     report.advice = tensor_core_advice(normalized.graph, colored.coloring)
     report.groups = group_rows(colored.coloring)
     if normalized.inference_error:
-        report.calibration["shape_inference_error"] = normalized.inference_error
+        report.shape_inference_error = normalized.inference_error
     return normalized, colored, report
 
 
@@ -160,26 +160,33 @@ def convert(model: ModelLike, *, target: str = "cuda", precision: str = "float16
             level: str = "default", lists: Mapping[str, Iterable[str]] | ListOverrides | None = None,
             block_nodes: Iterable[str] = (), calibration=None, tolerance: float | None = None,
             calibration_threshold: float = DEFAULT_THRESHOLD, underflow_share: float = DEFAULT_UNDERFLOW_SHARE,
-            master_weights: Iterable[str] = ()) -> ConversionResult:
+            master_weights: Iterable[str] = (), metric=None, holdout: int | None = None,
+            max_runs: int | None = None) -> ConversionResult:
     """Convert ``model`` to mixed ``precision`` for ``target`` with TF's AMP algorithm.
 
     ``calibration`` (sample inputs: a dict of arrays, a list of them, or .npz paths)
     enables the magnitude seed (``calibration_threshold``) and the accuracy-guided
-    fallback to ``tolerance`` (see :mod:`onnxmp.calibrate`).  ``underflow_share`` is the
+    search to ``tolerance`` under ``metric`` (see :mod:`onnxmp.calibrate` and
+    :mod:`onnxmp.metrics`), tuning on all but the last ``holdout`` samples and
+    giving up after ``max_runs`` emulated runs.  A missed tolerance is not an
+    exception: ``result.report.calibration.met`` is False and the model is the
+    best found.  ``underflow_share`` is the
     share of an initializer's values that may flush or turn subnormal before its node
     stays float32.  ``master_weights`` names initializers that must stay float32 and be
     Cast at each low-precision use (training).
     """
     if calibration is not None:
-        from onnxmp.calibrate import DEFAULT_TOLERANCE, convert_with_calibration
+        from onnxmp.calibrate import DEFAULT_TOLERANCE, MAX_RUNS, convert_with_calibration
 
         return convert_with_calibration(
             model, calibration=calibration, tolerance=DEFAULT_TOLERANCE if tolerance is None else tolerance,
+            metric=metric, holdout=holdout, max_runs=MAX_RUNS if max_runs is None else max_runs,
             calibration_threshold=calibration_threshold, underflow_share=underflow_share, target=target,
             precision=precision, keep_io_types=keep_io_types, level=level, lists=lists, block_nodes=block_nodes,
             master_weights=master_weights)
-    if tolerance is not None:
-        raise OnnxMPError("tolerance needs calibration samples", hint="pass calibration=inputs (or --calibrate a.npz)")
+    for name, value in (("tolerance", tolerance), ("metric", metric), ("holdout", holdout), ("max_runs", max_runs)):
+        if value is not None:
+            raise OnnxMPError(f"{name} needs calibration samples", hint="pass calibration=inputs (or --calibrate a.npz)")
     return convert_once(model, target=target, precision=precision, keep_io_types=keep_io_types, level=level,
                         lists=lists, block_nodes=block_nodes, master_weights=master_weights,
                         underflow_share=underflow_share)

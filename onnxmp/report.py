@@ -5,13 +5,16 @@ from __future__ import annotations
 import json
 from collections import Counter, defaultdict
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import onnx_graphsurgeon as gs
 
 from onnxmp.color.rules import ALLOW, Coloring
 from onnxmp.graphs import iter_graphs
+
+if TYPE_CHECKING:
+    from onnxmp.calibrate import CalibrationReport
 
 TENSOR_CORE_OPS = ("Conv", "ConvTranspose", "MatMul", "Gemm")
 
@@ -53,7 +56,8 @@ class Report:
     node_count: int = 0
     converted_initializers: list[str] = field(default_factory=list)
     twin_initializers: list[str] = field(default_factory=list)
-    calibration: dict[str, Any] = field(default_factory=dict)
+    calibration: CalibrationReport | None = None  # set by convert(..., calibration=...)
+    shape_inference_error: str | None = None
     groups: list[dict[str, Any]] = field(default_factory=list)  # control-flow color groups (spec §5.7)
 
     # -- aggregates ---------------------------------------------------------------
@@ -142,15 +146,9 @@ class Report:
                 lines.append(f"  {a.message}")
             if len(self.advice) > 20:
                 lines.append(f"  ... {len(self.advice) - 20} more")
-        cal = self.calibration
-        if cal.get("cycles"):
+        if self.calibration is not None:
             lines.append("")
-            lines.append(f"calibration: {cal['samples']} sample(s), {cal['cycles']} convert+run cycle(s), "
-                         f"{'within' if cal['passed'] else 'MISSES'} tolerance {cal['tolerance']:g}")
-            for seed in cal.get("seeded", [])[:10]:
-                lines.append(f"  seeded fp32: `{seed['tensor']}` reached {seed['observed_max']:.3g}")
-            for item in cal.get("fallback", []):
-                lines.append(f"  moved to fp32: {item['node']}: {item['cause']}")
+            lines.extend(self.calibration.summary_lines(self.precision))
         if self.timings:
             lines.append("")
             lines.append("time: " + ", ".join(f"{k} {v * 1000:.0f} ms" for k, v in self.timings.items()))
