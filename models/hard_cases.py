@@ -202,11 +202,22 @@ BUILDERS = {
 
 
 def samples(name: str, count: int = 4, batch: int = 2) -> list[dict[str, np.ndarray]]:
-    """``count`` deterministic samples (the last ones serve as held-out samples)."""
+    """``count`` deterministic samples (the last ones serve as held-out samples).
+
+    Also for the bundled models of :mod:`models.zoo`: their sample, then copies
+    with 10% noise on the float inputs (masks and integer inputs kept).
+    """
     rng = np.random.default_rng(sum(map(ord, name)))
     out = []
-    for _ in range(count):
-        if name == "underflow_log":
+    for i in range(count):
+        if name not in BUILDERS:
+            from models.zoo import inputs_for
+
+            base = inputs_for(name, batch)
+            out.append({k: v if i == 0 or v.dtype != np.float32 or k == "mask"
+                        else (v + 0.1 * np.abs(v).mean() * rng.standard_normal(v.shape)).astype(np.float32)
+                        for k, v in base.items()})
+        elif name == "underflow_log":
             # Quiet audio: a few sines at 1e-4 amplitude plus faint noise.
             t = np.arange(64)
             f = rng.uniform(2, 20, size=(batch, 1, 3))
