@@ -258,9 +258,12 @@ class CalibrationReport:
         if self.share_final is not None:
             before = f"{self.share_plain:.0%} -> " if self.share_plain is not None else ""
             lines.append(f"  {precision} share of Conv/MatMul/Gemm: {before}{self.share_final:.0%}")
-        lines.append(f"  search: {self.runs} emulated run(s) over {self.candidates} low-precision node(s), "
-                     f"{len(self.cycles)} cycle(s), {self.seconds:.1f} s"
-                     + (" (run budget exhausted)" if self.budget_exhausted else ""))
+        if self.cycles or self.budget_exhausted:
+            lines.append(f"  search: {self.runs} emulated run(s) over {self.candidates} low-precision node(s), "
+                         f"{len(self.cycles)} cycle(s), {self.seconds:.1f} s"
+                         + (" (run budget exhausted)" if self.budget_exhausted else ""))
+        else:
+            lines.append(f"  no search needed: {self.runs} emulated run(s), {self.seconds:.1f} s")
         lines += _capped([f"  seeded fp32: `{s.tensor}` reached {s.observed_max:.3g}" for s in self.seeded])
         lines += _capped([f"  moved to fp32: {m.describe()}" for m in self.moved])
         return lines
@@ -449,8 +452,7 @@ class _Calibration:
             return []
         oracle = Oracle(evaluate, max_runs=budget, on_run=bar)
         try:
-            if self.plan.errors(self.ref_tune, self.ref_tune) and max(
-                    self.plan.errors(self.ref_tune, self.ref_tune).values()) > tune_tol:
+            if max(self.plan.errors(self.ref_tune, self.ref_tune).values(), default=0.0) > tune_tol:
                 log.warning("the metric rejects the float32 model itself; no mix can pass")
                 return []
             order, _ = segment_ranking(board.nodes, oracle, lambda m: m in heavy)

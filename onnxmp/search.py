@@ -24,10 +24,11 @@ Two parts:
 candidate passes exactly when a set ``K`` of ``k`` culprits is denied (more
 float32 never hurts).  Each bisection returns a member of ``K``, so ``k``
 rounds run; each costs one check of ``D`` plus at most ``ceil(log2 N)``
-bisection runs, and the final pruning one run per member.  With the
-``ceil(log2 N)`` segment runs of the ranking and one run of plain conversion::
+bisection runs; then one check that ``D`` passes and one pruning run per
+member.  With the ``ceil(log2 N)`` segment runs of the ranking and two
+measurements of real models (plain conversion, and the confirmation)::
 
-    runs <= 1 + ceil(log2 N) + k * (ceil(log2 N) + 2) + 1     (the last 1: confirming the real model)
+    runs <= 3 + ceil(log2 N) + k * (ceil(log2 N) + 2)
          <= RUNS_C * k * log2(N)   with RUNS_C = 5, for N >= 4, k >= 1.
 
 Without the monotone assumption each round still adds one node and ``D``
@@ -40,6 +41,7 @@ import math
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 import onnx
@@ -237,7 +239,7 @@ class Oracle:
                 self.on_run(self.cache[key])
         return self.cache[key]
 
-    def best_passing(self, weight: Callable[[frozenset[str]], float]) -> Probe | None:
+    def best_passing(self, weight: Callable[[frozenset[str]], Any]) -> Probe | None:
         """The passing candidate that gives up the least (by ``weight``), then the lowest score."""
         passing = [p for p in self.cache.values() if p.passed]
         return min(passing, key=lambda p: (weight(p.fp32), p.score), default=None)

@@ -67,3 +67,20 @@ def test_correlated_rounding_needs_both_twins_not_just_the_locally_worst_one():
     moved = {m.node for m in result.report.calibration.moved}
     assert {"twin_a/Add", "twin_b/Add"} <= moved
     assert np.isfinite(result.report.calibration.final.worst)
+
+
+def test_bench_calibrate_smoke(tmp_path):
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    out = tmp_path / "cal.json"
+    proc = subprocess.run([sys.executable, str(root / "scripts" / "bench_calibrate.py"), "--models",
+                           "mlp,amplified_cancellation", "--json", str(out)], cwd=root, capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "plain err" in proc.stdout and "run bound" in proc.stdout
+    rows = {r["model"]: r for r in json.loads(out.read_text())["rows"]}
+    assert rows["amplified_cancellation"]["met"] and rows["amplified_cancellation"]["moved"] >= 1
