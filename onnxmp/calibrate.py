@@ -40,6 +40,7 @@ import onnx
 
 from onnxmp.color.seeds import DEFAULT_THRESHOLD, DEFAULT_UNDERFLOW_SHARE
 from onnxmp.errors import OnnxMPError
+from onnxmp.graphs import proto_nodes
 from onnxmp.load import load
 from onnxmp.metrics import MetricPlan, metric_plan, relative_error  # noqa: F401  (relative_error: public here)
 from onnxmp.report import TENSOR_CORE_OPS, Report
@@ -284,16 +285,7 @@ def _named(model: onnx.ModelProto) -> onnx.ModelProto:
     Same scheme as normalize (``<op>_<n>``; the first holder keeps its name), so a
     model normalize would leave alone is not touched.
     """
-    nodes = []
-
-    def walk(graph: onnx.GraphProto) -> None:
-        for node in graph.node:
-            nodes.append(node)
-            for attr in node.attribute:
-                for sub in ([attr.g] if attr.type == onnx.AttributeProto.GRAPH else attr.graphs):
-                    walk(sub)
-
-    walk(model.graph)
+    nodes = list(proto_nodes(model.graph))
     taken = {n.name for n in nodes if n.name}
     seen: set[str] = set()
     counter = 0
@@ -311,16 +303,7 @@ def _named(model: onnx.ModelProto) -> onnx.ModelProto:
 
 def _low_nodes(model: onnx.ModelProto, report: Report) -> dict[str, LowNode]:
     """Nodes with a low-precision vertex, and which of their tensors are low precision (from the report)."""
-    protos: dict[str, onnx.NodeProto] = {}
-
-    def walk(graph: onnx.GraphProto) -> None:
-        for node in graph.node:
-            protos[node.name] = node
-            for attr in node.attribute:
-                for sub in ([attr.g] if attr.type == onnx.AttributeProto.GRAPH else attr.graphs):
-                    walk(sub)
-
-    walk(model.graph)
+    protos = {node.name: node for node in proto_nodes(model.graph)}
     tensors: dict[str, set[str]] = {}
     ops: dict[str, str] = {}
     for v in report.vertices:

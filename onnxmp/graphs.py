@@ -82,3 +82,20 @@ def outer_references(body: gs.Graph) -> list[gs.Tensor]:
                     if tensor.name not in local:
                         seen.setdefault(tensor.name, tensor)
     return list(seen.values())
+
+
+def proto_subgraphs(node: onnx.NodeProto) -> Iterator[onnx.GraphProto]:
+    """The bodies of an If/Loop/Scan NodeProto (GRAPH and GRAPHS attributes)."""
+    for attr in node.attribute:
+        if attr.type == onnx.AttributeProto.GRAPH:
+            yield attr.g
+        elif attr.type == onnx.AttributeProto.GRAPHS:
+            yield from attr.graphs
+
+
+def proto_nodes(graph: onnx.GraphProto) -> Iterator[onnx.NodeProto]:
+    """Every NodeProto of ``graph`` and its bodies, each node before its bodies' nodes."""
+    for node in graph.node:
+        yield node
+        for sub in proto_subgraphs(node):
+            yield from proto_nodes(sub)

@@ -45,41 +45,43 @@ MODEL_LABEL = "<model>"  # the label of a whole-model callable's error
 Outputs = Mapping[str, np.ndarray]
 
 
-def relative_error(ref: np.ndarray, cand: np.ndarray) -> float:
-    """max |cand - ref| / max |ref|; inf when cand is non-finite where ref is finite."""
-    ref = np.asarray(ref, dtype=np.float64)
-    cand = np.asarray(cand, dtype=np.float64)
-    if ref.shape != cand.shape:
-        return math.inf
+def _finite_pairs(ref: np.ndarray, cand: np.ndarray) -> tuple[np.ndarray, np.ndarray] | None:
+    """The elements where ``ref`` is finite, flattened, as float64; None when shapes differ or
+    ``cand`` is non-finite where ``ref`` is finite (the candidate then fails outright)."""
+    ref = np.asarray(ref, dtype=np.float64).ravel() if np.shape(ref) == np.shape(cand) else None
+    if ref is None:
+        return None
+    cand = np.asarray(cand, dtype=np.float64).ravel()
     finite = np.isfinite(ref)
     if not np.isfinite(cand[finite]).all():
+        return None
+    return ref[finite], cand[finite]
+
+
+def relative_error(ref: np.ndarray, cand: np.ndarray) -> float:
+    """max |cand - ref| / max |ref|; inf when cand is non-finite where ref is finite."""
+    pairs = _finite_pairs(ref, cand)
+    if pairs is None:
         return math.inf
-    if not finite.any():
+    r, c = pairs
+    if not r.size:
         return 0.0
-    scale = max(float(np.abs(ref[finite]).max()), 1e-12)
-    return float(np.abs(cand[finite] - ref[finite]).max()) / scale
+    return float(np.abs(c - r).max()) / max(float(np.abs(r).max()), 1e-12)
 
 
 def _max_abs(ref: np.ndarray, cand: np.ndarray) -> float:
-    ref = np.asarray(ref, dtype=np.float64)
-    cand = np.asarray(cand, dtype=np.float64)
-    if ref.shape != cand.shape:
+    pairs = _finite_pairs(ref, cand)
+    if pairs is None:
         return math.inf
-    finite = np.isfinite(ref)
-    if not np.isfinite(cand[finite]).all():
-        return math.inf
-    return float(np.abs(cand[finite] - ref[finite]).max()) if finite.any() else 0.0
+    r, c = pairs
+    return float(np.abs(c - r).max()) if r.size else 0.0
 
 
 def _cosine_error(ref: np.ndarray, cand: np.ndarray) -> float:
-    ref = np.asarray(ref, dtype=np.float64).ravel()
-    cand = np.asarray(cand, dtype=np.float64).ravel()
-    if ref.shape != cand.shape:
+    pairs = _finite_pairs(ref, cand)
+    if pairs is None:
         return math.inf
-    finite = np.isfinite(ref)
-    if not np.isfinite(cand[finite]).all():
-        return math.inf
-    r, c = ref[finite], cand[finite]
+    r, c = pairs
     norms = float(np.linalg.norm(r)) * float(np.linalg.norm(c))
     if norms == 0:
         return 0.0 if np.array_equal(r, c) else 1.0

@@ -48,6 +48,7 @@ import onnx
 from onnx import TensorProto, helper
 
 from onnxmp.errors import OnnxMPError
+from onnxmp.graphs import proto_subgraphs
 from onnxmp.naming import FreshNames, proto_names
 
 log = logging.getLogger("onnxmp.search")
@@ -111,7 +112,7 @@ class Switchboard:
         for node in graph.node:
             if node.name in low:
                 self.nodes.append(node.name)
-            for sub in _subgraphs(node):
+            for sub in proto_subgraphs(node):
                 self._order_nodes(sub, low)
 
     def _switch_nodes(self, graph: onnx.GraphProto) -> list[onnx.NodeProto]:
@@ -134,7 +135,7 @@ class Switchboard:
         rounded: dict[str, str] = {}  # tensor -> its rounded copy in this graph
         out: list[onnx.NodeProto] = []
         for node in graph.node:
-            for sub in _subgraphs(node):
+            for sub in proto_subgraphs(node):
                 self._rewrite(sub, low)
             spec = low.get(node.name)
             if spec is None:
@@ -191,14 +192,6 @@ class Switchboard:
                                   hint="check the calibration inputs' shapes and dtypes") from None
             results.append(dict(zip(self.outputs, values)))
         return results
-
-
-def _subgraphs(node: onnx.NodeProto):
-    for attr in node.attribute:
-        if attr.type == onnx.AttributeProto.GRAPH:
-            yield attr.g
-        elif attr.type == onnx.AttributeProto.GRAPHS:
-            yield from attr.graphs
 
 
 # --- the search ------------------------------------------------------------------------
