@@ -45,7 +45,8 @@ from tqdm.contrib.logging import logging_redirect_tqdm  # noqa: E402
 from onnxmp.naming import json_safe
 import onnxmp  # noqa: E402
 from onnxmp.inputs import generate_inputs, load_npz  # noqa: E402
-from onnxmp.plots import plot_errors, write_atomic  # noqa: E402
+from onnxmp.files import write_bytes_atomic  # noqa: E402
+from onnxmp.plots import plot_errors  # noqa: E402
 from onnxmp.validate import PROVIDERS, validate  # noqa: E402
 
 log = logging.getLogger("validate_inference")
@@ -272,11 +273,11 @@ def main(argv: list[str] | None = None) -> int:
           + (f"; failed: {', '.join(failed)}" if failed else ""))
     try:
         report = args.out / "report.md"
-        write_atomic(report, markdown_report(rows, args, header, cells, seconds).encode())
+        write_bytes_atomic(report, markdown_report(rows, args, header, cells, seconds).encode())
         print(f"report: {report}")
         if args.json:
             table_json = json.dumps(json_safe([r.table_dict() for r in rows]), indent=2)
-            write_atomic(args.json, (table_json + "\n").encode())
+            write_bytes_atomic(args.json, (table_json + "\n").encode())
     except onnxmp.OnnxMPError as exc:
         print(f"error: {exc.one_line()}", file=sys.stderr)
         return 2

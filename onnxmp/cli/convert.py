@@ -4,12 +4,11 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import os
 import sys
-import tempfile
 from pathlib import Path
 
 from onnxmp.errors import OnnxMPError
+from onnxmp.files import write_text_atomic
 from onnxmp.lists import LEVELS, LIST_NAMES, PRECISIONS, TARGETS
 
 log = logging.getLogger("onnxmp.cli")
@@ -79,18 +78,6 @@ def _common_kwargs(args) -> dict:
                 lists=_overrides(args), block_nodes=args.block_node)
 
 
-def _write_text(path: str, text: str) -> None:
-    target = Path(path)
-    fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", dir=target.parent if str(target.parent) else ".")
-    try:
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
-        os.replace(tmp, target)
-    except OSError as exc:
-        Path(tmp).unlink(missing_ok=True)
-        raise OnnxMPError(f"cannot write {path}: {exc}", hint="check the folder exists and is writable") from None
-
-
 def _convert(args) -> int:
     import onnxmp
 
@@ -113,7 +100,7 @@ def _convert(args) -> int:
                                     "named above")
     onnxmp.save(result.model, args.output)
     if args.report:
-        _write_text(args.report, result.report.to_json())
+        write_text_atomic(args.report, result.report.to_json())
     sys.stdout.write(result.report.summary() + "\n")
     sys.stdout.write(f"wrote {args.output}\n")
     return 0

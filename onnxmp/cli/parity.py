@@ -67,7 +67,8 @@ def run_emulate(args: argparse.Namespace) -> int:
 
 
 def run_validate(args: argparse.Namespace) -> int:
-    from onnxmp.plots import plot_errors, write_atomic
+    from onnxmp.files import write_text_atomic
+    from onnxmp.plots import plot_errors
     from onnxmp.validate import validate
 
     overrides = {key: getattr(args, key) for key in ("cosine_min", "rel_err_max", "abs_err_max", "top1_min")
@@ -76,7 +77,7 @@ def run_validate(args: argparse.Namespace) -> int:
                       thresholds=overrides, dims=dict(args.dims), seed=args.seed)
     sys.stdout.write(report.summary() + "\n")
     if args.report:
-        write_atomic(args.report, (report.to_json() + "\n").encode())
+        write_text_atomic(args.report, report.to_json() + "\n")
     if args.plot:
         plot_errors(report, args.plot)
     if not report.passed:
