@@ -5,10 +5,9 @@ import argparse
 import json
 import logging
 import sys
-from pathlib import Path
 
-from onnxmp.errors import OnnxMPError
-from onnxmp.files import write_text_atomic
+from onnxmp.errors import OnnxMPError, UsageError
+from onnxmp.files import guard_outputs, write_text_atomic
 from onnxmp.lists import LEVELS, LIST_NAMES, PRECISIONS, TARGETS
 
 log = logging.getLogger("onnxmp.cli")
@@ -87,9 +86,8 @@ def _convert(args) -> int:
         if args.tolerance is not None:
             kwargs["tolerance"] = args.tolerance
     elif args.tolerance is not None:
-        raise OnnxMPError("--tolerance needs --calibrate", hint="pass sample inputs: --calibrate inputs.npz")
-    if Path(args.output).resolve() == Path(args.model).resolve():
-        raise OnnxMPError("the output path is the input path", hint="onnxmp never modifies its input; choose -o")
+        raise UsageError("--tolerance needs --calibrate", hint="pass sample inputs: --calibrate inputs.npz")
+    guard_outputs({"-o": args.output, "--report": args.report}, {"model": args.model, "--calibrate": args.calibrate})
     result = onnxmp.convert(args.model, **kwargs)
     calibration = result.report.calibration
     if args.calibrate and not calibration.get("passed", False):
@@ -98,7 +96,7 @@ def _convert(args) -> int:
             f"the converted model still misses the tolerance after {calibration.get('cycles')} calibration cycles; "
             "nothing written", hint="raise --tolerance, add --level treat_infer_as_deny, or --deny-add the ops "
                                     "named above")
-    onnxmp.save(result.model, args.output)
+    onnxmp.save(result.model, args.output, source=args.model)
     if args.report:
         write_text_atomic(args.report, result.report.to_json())
     sys.stdout.write(result.report.summary() + "\n")
