@@ -1,6 +1,7 @@
 """Plots of parity reports (matplotlib, imported only when plotting)."""
 from __future__ import annotations
 
+import importlib.util
 import io
 import logging
 import math
@@ -15,15 +16,18 @@ from onnxmp.validate import OutputParity, ParityReport
 log = logging.getLogger("onnxmp.plots")
 
 
+def require_matplotlib() -> None:
+    if importlib.util.find_spec("matplotlib") is None:
+        raise OnnxMPError("plotting needs matplotlib", "pip install matplotlib")
+
+
 def plot_errors(report: ParityReport, path: str | os.PathLike) -> None:
     """Write one PNG with a histogram of |ref - cand| per output (log x axis)."""
-    try:
-        # The object API with the Agg canvas, not pyplot: no global backend
-        # switch and no figure registry in the caller's process.
-        from matplotlib.backends.backend_agg import FigureCanvasAgg
-        from matplotlib.figure import Figure
-    except ImportError:
-        raise OnnxMPError("plotting needs matplotlib", "pip install matplotlib") from None
+    require_matplotlib()
+    # The object API with the Agg canvas, not pyplot: no global backend
+    # switch and no figure registry in the caller's process.
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
 
     outputs = report.outputs or []
     cols = min(2, max(1, len(outputs)))

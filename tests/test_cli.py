@@ -43,20 +43,20 @@ def one_error(err: str, command: str) -> str:
 
 
 @pytest.mark.parametrize("argv, clash", [
-    (["convert", "m.onnx", "-o", "out.onnx", "--report", "m.onnx"], "--report m.onnx is the model"),
+    (["convert", "m.onnx", "-o", "out.onnx", "--report", "m.onnx"], "--report m.onnx is the input model"),
     (["convert", "m.onnx", "-o", "out.onnx", "--report", "out.onnx"], "--report and -o both name"),
-    (["convert", "m.onnx", "-o", "m.onnx"], "-o m.onnx is the model"),
+    (["convert", "m.onnx", "-o", "m.onnx"], "-o m.onnx is the input model"),
     (["convert", "m.onnx", "-o", "out.onnx", "--calibrate", "s.npz", "--report", "s.npz"],
      "--report s.npz is the --calibrate"),
     (["convert", "m.onnx", "-o", "s.npz", "--calibrate", "s.npz"], "-o s.npz is the --calibrate"),
-    (["validate", "m.onnx", "b.onnx", "--plot", "m.onnx"], "--plot m.onnx is the REF"),
+    (["validate", "m.onnx", "b.onnx", "--plot", "m.onnx"], "--plot m.onnx is the reference model"),
     (["validate", "m.onnx", "b.onnx", "--inputs", "s.npz", "--plot", "s.npz"], "--plot s.npz is the --inputs"),
-    (["validate", "m.onnx", "b.onnx", "--report", "b.onnx"], "--report b.onnx is the CAND"),
+    (["validate", "m.onnx", "b.onnx", "--report", "b.onnx"], "--report b.onnx is the candidate model"),
     (["validate", "m.onnx", "b.onnx", "--report", "r.json", "--plot", "r.json"], "--plot and --report both"),
-    (["emulate", "m.onnx", "-o", "m.onnx"], "-o m.onnx is the IN"),
-    (["emulate", "m.onnx", "-o", "link.onnx"], "-o link.onnx is the IN"),
-    (["emulate", "m.onnx", "-o", "hard.onnx"], "-o hard.onnx is the IN"),
-    (["convert", "link.onnx", "-o", "m.onnx"], "-o m.onnx is the model link.onnx"),
+    (["emulate", "m.onnx", "-o", "m.onnx"], "-o m.onnx is the input model"),
+    (["emulate", "m.onnx", "-o", "link.onnx"], "-o link.onnx is the input model"),
+    (["emulate", "m.onnx", "-o", "hard.onnx"], "-o hard.onnx is the input model"),
+    (["convert", "link.onnx", "-o", "m.onnx"], "-o m.onnx is the input model link.onnx"),
 ])
 def test_an_output_on_an_input_is_refused_and_nothing_is_touched(work, capsys, argv, clash):
     (work / "link.onnx").symlink_to(work / "m.onnx")
@@ -178,3 +178,13 @@ def test_bad_input_files_are_one_line_errors(work, capsys):
     assert "not a readable ONNX model" in one_error(capsys.readouterr().err, "emulate")
     assert main(["validate", "m.onnx", "b.onnx", "--inputs", "missing.npz"]) == EXIT_ERROR
     assert "not found" in one_error(capsys.readouterr().err, "validate")
+
+
+def test_validate_without_matplotlib_fails_before_the_comparison(work, monkeypatch, capsys):
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "matplotlib" else real(name, *a))
+    assert main(["validate", "m.onnx", "b.onnx", "--plot", "p.png"]) == EXIT_ERROR
+    out, err = capsys.readouterr()
+    assert "plotting needs matplotlib" in one_error(err, "validate") and out == ""

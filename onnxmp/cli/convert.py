@@ -87,7 +87,7 @@ def _convert(args) -> int:
             kwargs["tolerance"] = args.tolerance
     elif args.tolerance is not None:
         raise UsageError("--tolerance needs --calibrate", hint="pass sample inputs: --calibrate inputs.npz")
-    guard_outputs({"-o": args.output, "--report": args.report}, {"model": args.model, "--calibrate": args.calibrate})
+    guard_outputs({"-o": args.output, "--report": args.report}, {"input model": args.model, "--calibrate": args.calibrate})
     result = onnxmp.convert(args.model, **kwargs)
     calibration = result.report.calibration
     if args.calibrate and not calibration.get("passed", False):

@@ -60,7 +60,7 @@ def run_emulate(args: argparse.Namespace) -> int:
     from onnxmp.files import guard_outputs
     from onnxmp.save import save
 
-    guard_outputs({"-o": args.output}, {"IN": args.model})
+    guard_outputs({"-o": args.output}, {"input model": args.model})
     model = as_model(args.model)
     for precision in emulated_precisions(model, args.precision, str(args.model)):
         model = emulate(model, precision, keep_io_types=not args.float_io)
@@ -70,12 +70,14 @@ def run_emulate(args: argparse.Namespace) -> int:
 
 def run_validate(args: argparse.Namespace) -> int:
     from onnxmp.files import guard_outputs, write_text_atomic
-    from onnxmp.plots import plot_errors
+    from onnxmp.plots import plot_errors, require_matplotlib
     from onnxmp.report import head
     from onnxmp.validate import validate
 
     guard_outputs({"--report": args.report, "--plot": args.plot},
-                  {"REF": args.reference, "CAND": args.candidate, "--inputs": args.inputs})
+                  {"reference model": args.reference, "candidate model": args.candidate, "--inputs": args.inputs})
+    if args.plot:
+        require_matplotlib()  # before the comparison, not after it
     overrides = {key: getattr(args, key) for key in ("cosine_min", "rel_err_max", "abs_err_max", "top1_min")
                  if getattr(args, key) is not None}
     report = validate(args.reference, args.candidate, args.inputs, provider=args.provider,
