@@ -43,7 +43,7 @@ from onnxmp.errors import OnnxMPError
 from onnxmp.graphs import proto_nodes
 from onnxmp.load import load
 from onnxmp.metrics import MetricPlan, metric_plan, relative_error  # noqa: F401  (relative_error: public here)
-from onnxmp.report import TENSOR_CORE_OPS, Report
+from onnxmp.report import TENSOR_CORE_OPS, Report, head
 from onnxmp.search import (
     BudgetExhausted, LowNode, Oracle, RunBar, Switchboard, find_fp32_set, run_bound, segment_ranking,
 )
@@ -271,9 +271,8 @@ class CalibrationReport:
 
 
 def _capped(lines: list[str]) -> list[str]:
-    if len(lines) <= SUMMARY_ROWS:
-        return lines
-    return lines[:SUMMARY_ROWS] + [f"  … {len(lines) - SUMMARY_ROWS} more (see --report JSON)"]
+    shown, rest = head(lines, SUMMARY_ROWS)
+    return [*shown, f"  {rest} (see --report JSON)"] if rest else list(shown)
 
 
 # --- the loop ---------------------------------------------------------------------------

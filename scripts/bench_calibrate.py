@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import platform
 import sys
@@ -32,7 +31,9 @@ from models import hard_cases  # noqa: E402
 from models.zoo import COMMITTED, build  # noqa: E402
 from onnxmp.calibrate import run_with_intermediates  # noqa: E402
 from onnxmp.emulate import emulate  # noqa: E402
+from onnxmp.files import guard_outputs, write_text_atomic  # noqa: E402
 from onnxmp.metrics import relative_error  # noqa: E402
+from onnxmp.naming import json_safe  # noqa: E402
 from onnxmp.search import RUNS_C, run_bound  # noqa: E402
 
 TRANSFORMER = "transformer_cancellation"
@@ -76,6 +77,7 @@ def main() -> int:
     parser.add_argument("--samples", type=int, default=4, help="samples per model; the last one is held out")
     parser.add_argument("--json", metavar="FILE")
     args = parser.parse_args()
+    guard_outputs({"--json": args.json})
     rows = []
     header = (f"{'model':<26}{'nodes':>6}{'plain err':>11}{'calib err':>11}{'met':>5}{'fp16 share':>13}"
               f"{'moved':>6}{'runs':>6}{'bound':>7}{'s':>7}")
@@ -98,9 +100,7 @@ def main() -> int:
         print(f"{transformer['nodes']}-node transformer: calibrated in {transformer['seconds']:.1f} s "
               f"({verdict} the {TARGET_SECONDS:.0f} s target), {transformer['runs']} emulated runs")
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"tolerance": args.tolerance, "rows": rows}, f, indent=2,
-                      default=lambda x: None if isinstance(x, float) and not math.isfinite(x) else str(x))
+        write_text_atomic(args.json, json.dumps(json_safe({"tolerance": args.tolerance, "rows": rows}), indent=2))
     failed = [r["model"] for r in rows if not r["met"] or (r["share"] is not None and r["share"] < 0.8)]
     if failed:
         print(f"missed (tolerance or 80% fp16 share): {', '.join(failed)}")
