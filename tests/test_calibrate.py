@@ -325,3 +325,26 @@ def test_cli_calibration_flags_need_calibrate(tmp_path, capsys):
     for flags in (["--metric", "argmax"], ["--holdout", "1"], ["--max-runs", "3"]):
         assert main(["convert", str(path), "-o", str(tmp_path / "o.onnx"), *flags]) == 2  # usage error
         assert "needs --calibrate" in capsys.readouterr().err
+
+
+def test_a_held_out_miss_tightens_the_tuning_target_without_tuning_on_the_held_out_sample():
+    # Large tuning inputs hide the cancellation's absolute error (~0.5); the small held-out input does not.
+    samples = _samples(3, seed=4, scale=300.0) + _samples(1, seed=5, scale=1.0)
+    result = onnxmp.convert(_chain(10, cancel=2000.0), calibration=samples, tolerance=1e-2)
+    cal = result.report.calibration
+    assert cal.plain.tune_error <= 1e-2 < cal.plain.holdout_error
+    assert cal.met and cal.final.holdout_error <= 1e-2
+    assert cal.cycles[0].tuning_tolerance < 1e-2
+    assert {m.node for m in cal.moved} <= {"add_c", "sub_c"}
+    assert result.report.tensor_core_share() == 1.0
+
+
+def test_when_the_search_finds_nothing_the_all_fp32_fallback_still_lands(monkeypatch):
+    import onnxmp.calibrate as calibrate
+
+    monkeypatch.setattr(calibrate, "find_fp32_set", lambda order, oracle, fixed=(): [])
+    result = onnxmp.convert(_chain(10, cancel=2000.0), calibration=_samples(3), tolerance=1e-2)
+    cal = result.report.calibration
+    assert cal.met and cal.final.worst <= 1e-2
+    assert cal.moved and all(m.reason == "all-float32 fallback" for m in cal.moved)
+    assert "all-float32 fallback" in result.report.summary()
