@@ -407,8 +407,9 @@ class _Calibration:
                 current_m = self.measure(current)
                 best, best_m = self._better(best, best_m, current, current_m)
                 rep.cycles.append(CycleRecord(cycle, len(forced), current_m, best_m.worst, tune_tol))
-                log.info("calibration cycle %d: %d node(s) back in fp32, error %.3g (held-out %s), tolerance %g",
-                         cycle, len(forced), current_m.tune_error, current_m.holdout_error, self.tolerance)
+                held = "" if current_m.holdout_error is None else f", held-out {current_m.holdout_error:.3g}"
+                log.info("calibration cycle %d: %d node(s) back in fp32, error %.3g%s, tolerance %g",
+                         cycle, len(forced), current_m.tune_error, held, self.tolerance)
             if not best_m.meets(self.tolerance) and not rep.budget_exhausted:
                 best, best_m = self.fallback_all_fp32(best, best_m, forced, moved)
         finally:
