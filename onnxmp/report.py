@@ -12,6 +12,7 @@ import onnx_graphsurgeon as gs
 
 from onnxmp.color.rules import ALLOW, Coloring
 from onnxmp.graphs import iter_graphs
+from onnxmp.naming import json_safe
 
 if TYPE_CHECKING:
     from onnxmp.calibrate import CalibrationReport
@@ -108,7 +109,7 @@ class Report:
         return data
 
     def to_json(self, indent: int | None = 2) -> str:
-        return json.dumps(self.to_dict(), indent=indent, default=_json_default)
+        return json.dumps(json_safe(self.to_dict()), indent=indent, default=_json_default)
 
     def summary(self) -> str:
         lines = [f"onnxmp: target={self.target} precision={self.precision} level={self.level} "

@@ -348,3 +348,22 @@ def test_when_the_search_finds_nothing_the_all_fp32_fallback_still_lands(monkeyp
     assert cal.met and cal.final.worst <= 1e-2
     assert cal.moved and all(m.reason == "all-float32 fallback" for m in cal.moved)
     assert "all-float32 fallback" in result.report.summary()
+
+
+def test_overflow_the_seed_misses_is_found_by_the_search_and_the_json_stays_strict():
+    import json
+
+    model = _chain(10, hot_block=3, gain=2000.0)
+    rng = np.random.default_rng(1)
+    rng.standard_normal((4, 16))
+    sample = {"x": (rng.standard_normal((4, 16)) * 60).astype(np.float32)}  # overflows m3 (see the first test)
+    result = onnxmp.convert(model, calibration=sample, tolerance=1e-2, calibration_threshold=1e30)  # no seeds
+    cal = result.report.calibration
+    assert cal.plain.tune_error == math.inf and cal.seeded == []
+    assert cal.met and "mm3" in {m.node for m in cal.moved}
+
+    def no_constants(name):
+        raise AssertionError(f"non-standard JSON constant {name}")
+
+    data = json.loads(result.report.to_json(), parse_constant=no_constants)
+    assert data["calibration"]["plain"]["tune"]["y"] == "inf"
