@@ -198,15 +198,24 @@ class MovedNode:
 
     node: str
     op: str
-    reason: str  # "measurement" (the search), or "all-float32 fallback"
+    reason: str  # one of REASONS
     error_with: float | None  # tuning error with this node low and the rest of the set in fp32
     error_without: float | None  # tuning error with the whole set in fp32
 
     def describe(self) -> str:
-        if self.error_with is None:
-            return f"{self.node} ({self.op}): {self.reason}"
-        return (f"{self.node} ({self.op}): {self.reason}: low precision here gives error {self.error_with:.3g}, "
-                f"float32 {self.error_without:.3g}")
+        if self.error_with is not None:
+            return (f"{self.node} ({self.op}): measured: error {self.error_with:.3g} with this node in low "
+                    f"precision, {self.error_without:.3g} in fp32")
+        after = "" if self.error_without is None else f" (error {self.error_without:.3g} with the set in fp32)"
+        return f"{self.node} ({self.op}): {REASONS[self.reason]}{after}"
+
+
+REASONS = {
+    "measurement": "bisection over the sensitivity ranking: needed for the tolerance",
+    "ranking prefix": "in the smallest passing prefix of the sensitivity ranking (error spread over many nodes)",
+    "budget exhausted": "in the best passing candidate seen before the run budget ran out",
+    "all-float32 fallback": "the search could not land; every remaining node went back to fp32",
+}
 
 
 @dataclass
@@ -402,7 +411,7 @@ class _Calibration:
                     forced[item.node] = (f"accuracy fallback: measured on calibration data, the output error is "
                                          f"{item.error_with:.3g} with this node in {self.precision} and "
                                          f"{item.error_without:.3g} without" if item.error_with is not None
-                                         else f"accuracy fallback: {item.reason}")
+                                         else f"accuracy fallback: {REASONS[item.reason]}")
                 current = self.convert(forced)
                 current_m = self.measure(current)
                 best, best_m = self._better(best, best_m, current, current_m)
@@ -443,14 +452,16 @@ class _Calibration:
             order, _ = segment_ranking(board.nodes, oracle, lambda m: m in heavy)
             culprits = find_fp32_set(order, oracle)
             found = [MovedNode(c.node, low[c.node].op, "measurement", c.score_with * tune_tol,
-                               c.score_without * tune_tol) for c in culprits]
+                               c.score_without * tune_tol) if c.score_with is not None else
+                     MovedNode(c.node, low[c.node].op, "ranking prefix", None, c.score_without * tune_tol)
+                     for c in culprits]
         except BudgetExhausted:
             self.report.budget_exhausted = True
             # The cheapest passing candidate seen (a bisection prefix always passes).
             probe = oracle.best_passing(lambda fp32: (len(fp32 & heavy), len(fp32)))
             found = [] if probe is None else [
-                MovedNode(name, low[name].op, "measurement (run budget exhausted: best passing candidate seen)",
-                          None, None) for name in board.nodes if name in probe.fp32]
+                MovedNode(name, low[name].op, "budget exhausted", None, probe.score * tune_tol)
+                for name in board.nodes if name in probe.fp32]
         finally:
             self.runs += oracle.runs
         return found

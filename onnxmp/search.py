@@ -31,8 +31,10 @@ measurements of real models (plain conversion, and the confirmation)::
     runs <= 3 + ceil(log2 N) + k * (ceil(log2 N) + 2)
          <= RUNS_C * k * log2(N)   with RUNS_C = 5, for N >= 4, k >= 1.
 
-Without the monotone assumption each round still adds one node and ``D``
-grows to at most ``N``, so the search ends; ``max_runs`` caps it.
+When the error is spread over many nodes (more than ``ceil(log2 N) + 1`` rounds),
+the search returns the culprits found plus the smallest passing prefix of the
+ranking rather than bisecting node by node, so a cycle costs at most about
+``(ceil(log2 N) + 2) ** 2`` runs whatever k is.  ``max_runs`` caps the total.
 """
 from __future__ import annotations
 
@@ -241,7 +243,7 @@ class Oracle:
 @dataclass
 class Culprit:
     node: str
-    score_with: float  # score with this node low, the rest of the set in fp32
+    score_with: float | None  # score with this node low, the rest of the set in fp32 (None: not measured alone)
     score_without: float  # score with the whole set in fp32
 
 
@@ -272,18 +274,30 @@ def segment_ranking(nodes: Sequence[str], oracle: Oracle, heavy: Callable[[str],
     return order, scores
 
 
-def find_fp32_set(order: Sequence[str], oracle: Oracle, fixed: Iterable[str] = ()) -> list[Culprit]:
+def find_fp32_set(order: Sequence[str], oracle: Oracle, fixed: Iterable[str] = (),
+                  max_rounds: int | None = None) -> list[Culprit]:
     """A small set of ``order``'s nodes whose return to float32 makes the candidate pass.
 
-    ``fixed`` nodes are in float32 throughout.  Raises :class:`BudgetExhausted`
+    ``fixed`` nodes are in float32 throughout.  After ``max_rounds`` rounds
+    (default ``ceil(log2 N) + 1``) without passing, the error is spread over many
+    nodes rather than held by a few culprits; bisecting node by node would cost
+    ``log2 N`` runs per node, so the search returns the culprits found plus the
+    smallest passing prefix of the ranking (the bisection invariant) instead,
+    keeping the runs at ``O(log2(N) ** 2)``.  Raises :class:`BudgetExhausted`
     from the oracle; callers then fall back on ``oracle.best_passing``.
     """
     base = frozenset(fixed)
+    if max_rounds is None:
+        max_rounds = math.ceil(math.log2(max(len(order), 2))) + 1
     chosen: list[str] = []
+    prefix: list[str] = []
     hi = len(order)
     while not oracle(base | frozenset(chosen)).passed:
         if hi == 0:
             break  # nothing left to give (only when more float32 can hurt: not monotone)
+        if len(chosen) >= max_rounds:
+            prefix = list(order[:hi])  # with ``chosen`` it passes: the bisection's invariant
+            break
         lo = 0
         denied = base | frozenset(chosen)
         while hi - lo > 1:
@@ -297,6 +311,7 @@ def find_fp32_set(order: Sequence[str], oracle: Oracle, fixed: Iterable[str] = (
     # One-minimal: later finds (ranked higher) may make earlier ones redundant.
     result: list[Culprit] = []
     keep = list(chosen)
+    base |= frozenset(prefix)
     for name in list(chosen):
         rest = base | frozenset(m for m in keep if m != name)
         trial = oracle(rest)
@@ -304,6 +319,9 @@ def find_fp32_set(order: Sequence[str], oracle: Oracle, fixed: Iterable[str] = (
             keep.remove(name)
         else:
             result.append(Culprit(name, trial.score, oracle(rest | {name}).score))
+    if prefix:
+        passing = oracle(base | frozenset(keep)).score
+        result += [Culprit(name, None, passing) for name in prefix]
     return result
 
 
