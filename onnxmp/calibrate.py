@@ -396,10 +396,12 @@ class _Calibration:
                 if best_m.meets(self.tolerance) or rep.budget_exhausted:
                     break
                 if current_m.tune_error <= tune_tol and current_m.holdout_error is not None:
-                    # Tuned but the held-out samples miss: demand half the tuning error reached instead of
-                    # peeking at them.  (Scaling by the held-out miss would overshoot to all-fp32 when the
-                    # held-out inputs are simply harder.)
-                    tune_tol = min(tune_tol, current_m.tune_error) / 2
+                    # Tuned but the held-out samples miss: demand less of the tuning error reached, never
+                    # searching on the held-out samples.  The cut follows the miss, within [10%, 50%]: a
+                    # near miss needs a small margin, and scaling by a large miss would overshoot to
+                    # all-fp32 when the held-out inputs are simply harder.
+                    cut = min(0.9, max(0.5, self.tolerance / current_m.holdout_error))
+                    tune_tol = min(tune_tol, current_m.tune_error) * cut
                 low = _low_nodes(self.original, current.report)
                 if cycle == 1:
                     rep.candidates = len(low)
