@@ -29,7 +29,6 @@ caller decides (the CLI writes the model and exits 3).
 from __future__ import annotations
 
 import logging
-import math
 import os
 import time
 from collections.abc import Mapping, Sequence

@@ -24,7 +24,6 @@ import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-import numpy as np  # noqa: E402
 
 import onnxmp  # noqa: E402
 from models import hard_cases  # noqa: E402
