@@ -9,8 +9,10 @@ Two parts:
   where ``round`` is a ``Cast(to=FLOAT16) -> Cast(to=FLOAT)`` pair (as in
   :mod:`onnxmp.emulate`) and ``low`` is a bool vector fed with the sample.  A
   candidate ("these nodes back to float32") is then one ``session.run`` per
-  sample, with no convert, verify or session build in between; with every switch
-  off the model is the float32 model exactly.
+  sample, with no convert, verify or session build in between.  With every
+  switch on it reproduces the emulated real conversion (bit for bit on the
+  bundled models; kernels fed through ``Where`` may sum in another order, so a
+  value can round one ulp apart), and with every switch off it is the float32 model.
 
 * :func:`find_fp32_set` finds a small set of nodes to keep in float32 so that
   the candidate passes, by bisection over a ranking (Zeller's delta debugging,
