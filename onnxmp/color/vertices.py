@@ -15,7 +15,7 @@ from typing import Iterable, Mapping, Sequence
 import onnx
 import onnx_graphsurgeon as gs
 
-from onnxmp.graphs import iter_graphs, onnx_dtype, opset_of, outer_references
+from onnxmp.graphs import is_tensor, iter_graphs, onnx_dtype, opset_of, outer_references
 from onnxmp.lists import list_of, op_key
 
 # Ops that define their float output from an attribute; spec §5.8 may retarget them.
@@ -191,8 +191,7 @@ def build_type_view(
                             domain=domain, opset=opset, param=param, graph=graph_id)
                     (vertex.inputs if side == "in" else vertex.outputs).append((index, tensor.name))
                     # Sequences/optionals of float are not float32 tensors: they never change type.
-                    is_tensor = getattr(tensor, "type", "tensor_type") == "tensor_type"
-                    tensor_dtype[tensor.name] = onnx_dtype(tensor) if is_tensor else NOT_A_TENSOR
+                    tensor_dtype[tensor.name] = onnx_dtype(tensor) if is_tensor(tensor) else NOT_A_TENSOR
             blocked = next((p.pattern for p in block if p.search(node.name)), None)
             node_list = list_of(key, lists)
             for vertex in groups.values():
@@ -294,8 +293,10 @@ def _loop_or_scan_groups(graph_id: str, node: gs.Node) -> list[ColorGroup]:
         n_state = len(node.inputs) - 2
         first_in, first_body_in, first_body_out = 2, 2, 1
     else:
-        n_state = len(node.inputs) - int(node.attrs.get("num_scan_inputs", 0))
-        first_in, first_body_in, first_body_out = 0, 0, 0
+        # Scan-8 reads a leading sequence_lens (possibly "") that its body does not see; Scan-9+ has none.
+        first_in = max(0, len(node.inputs) - len(body.inputs))
+        n_state = len(node.inputs) - first_in - int(node.attrs.get("num_scan_inputs", 0))
+        first_body_in, first_body_out = 0, 0
     groups = []
     for i in range(n_state):
         outer_in = node.inputs[first_in + i]
