@@ -293,5 +293,10 @@ def test_cli_bad_inputs_exit_1_with_one_line_and_hint(tmp_path, capsys):
     assert not (tmp_path / "x.onnx").exists()
     assert cli(["convert", str(MODELS / "mlp.onnx"), "-o", str(tmp_path / "x.onnx"), "--allow-add", "Exp"]) == 1
     assert "both the allow and the deny list" in capsys.readouterr().err
+    for flag, op, hint in (("--allow-add", "Foo", "hint:"), ("--deny-add", "matmul", "'MatMul'")):
+        assert cli(["convert", str(MODELS / "mlp.onnx"), "-o", str(tmp_path / "x.onnx"), flag, op]) != 0
+        err = capsys.readouterr().err
+        assert f"unknown op '{op}'" in err and hint in err and "Traceback" not in err
+        assert not (tmp_path / "x.onnx").exists()
     assert cli(["convert", str(MODELS / "mlp.onnx"), "-o", str(tmp_path / "nodir" / "x.onnx")]) == 1
     assert "does not exist" in capsys.readouterr().err
