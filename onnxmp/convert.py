@@ -20,7 +20,7 @@ from onnx_graphsurgeon.logger import G_LOGGER
 from onnxmp.color import ColorOptions, ColorResult, color
 from onnxmp.color.seeds import DEFAULT_THRESHOLD, DEFAULT_UNDERFLOW_SHARE
 from onnxmp.errors import OnnxMPError
-from onnxmp.graphs import is_tensor, iter_graphs
+from onnxmp.graphs import is_tensor, iter_graphs, iter_proto_graphs
 from onnxmp.lists import PRECISIONS, TARGETS, ListOverrides, resolve_lists
 from onnxmp.load import ModelLike, load
 from onnxmp.normalize import normalize
@@ -253,11 +253,8 @@ def _convert_loaded(model, original, timings, target, precision, keep_io_types, 
 
 
 def _all_nodes(graph: onnx.GraphProto):
-    for node in graph.node:
-        yield node
-        for attr in node.attribute:
-            for sub in ([attr.g] if attr.type == onnx.AttributeProto.GRAPH else attr.graphs):
-                yield from _all_nodes(sub)
+    for g in iter_proto_graphs(graph):
+        yield from g.node
 
 
 def export(graph: gs.Graph, original: onnx.ModelProto) -> onnx.ModelProto:
@@ -302,13 +299,10 @@ def _non_tensor_types_hidden(graph: gs.Graph):
 
 
 def _value_infos(graph: onnx.GraphProto):
-    yield from graph.input
-    yield from graph.output
-    yield from graph.value_info
-    for node in graph.node:
-        for attr in node.attribute:
-            for sub in ([attr.g] if attr.type == onnx.AttributeProto.GRAPH else attr.graphs):
-                yield from _value_infos(sub)
+    for g in iter_proto_graphs(graph):
+        yield from g.input
+        yield from g.output
+        yield from g.value_info
 
 
 def _non_tensor_types(graph: onnx.GraphProto) -> dict[str, onnx.TypeProto]:

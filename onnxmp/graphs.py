@@ -24,6 +24,15 @@ def iter_graphs(graph: gs.Graph, graph_id: str = MAIN, parent: gs.Node | None = 
                 yield from iter_graphs(value, f"{node.name}/{attr}", node)
 
 
+def iter_proto_graphs(graph: onnx.GraphProto) -> Iterator[onnx.GraphProto]:
+    """``graph`` and every subgraph in it (node attributes of type GRAPH or GRAPHS), depth first."""
+    yield graph
+    for node in graph.node:
+        for attr in node.attribute:
+            for sub in ([attr.g] if attr.type == onnx.AttributeProto.GRAPH else attr.graphs):
+                yield from iter_proto_graphs(sub)
+
+
 def is_tensor(tensor: gs.Tensor) -> bool:
     """False for sequence, optional, map and sparse values: GS keeps their kind in ``type``."""
     return getattr(tensor, "type", "tensor_type") == "tensor_type"

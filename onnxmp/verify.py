@@ -12,6 +12,7 @@ import onnx
 
 from onnxmp.errors import OnnxMPError
 from onnxmp.external import check_skeleton, has_external_data, skeleton
+from onnxmp.graphs import iter_proto_graphs
 
 SKELETON_ABOVE = 1 << 30  # bytes; well under protobuf's 2 GB serialization limit
 
@@ -64,7 +65,7 @@ def with_function_defaults(model: onnx.ModelProto) -> onnx.ModelProto | None:
         return None
     copy = skeleton(model)
     changed = False
-    for graph in _graphs(copy.graph):
+    for graph in iter_proto_graphs(copy.graph):
         for node in graph.node:
             if node.domain not in ("", "ai.onnx"):
                 continue
@@ -83,14 +84,6 @@ def with_function_defaults(model: onnx.ModelProto) -> onnx.ModelProto | None:
                     node.attribute.append(default)
                     changed = True
     return copy if changed else None
-
-
-def _graphs(graph: onnx.GraphProto):
-    yield graph
-    for node in graph.node:
-        for attr in node.attribute:
-            for sub in ([attr.g] if attr.type == onnx.AttributeProto.GRAPH else attr.graphs):
-                yield from _graphs(sub)
 
 
 def _first_line(exc: Exception) -> str:

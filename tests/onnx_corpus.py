@@ -38,6 +38,7 @@ import onnx
 
 import onnxmp
 from onnxmp.errors import OnnxMPError
+from onnxmp.graphs import iter_proto_graphs
 from onnxmp.verify import io_signature, verify
 
 LEVELS = ("default", "unsafe_force_all")
@@ -78,17 +79,11 @@ def _leaf_elem(tp: onnx.TypeProto) -> int | None:
 
 
 def _graph_has_float(graph: onnx.GraphProto) -> bool:
-    for value in list(graph.input) + list(graph.output):
-        if _leaf_elem(value.type) == onnx.TensorProto.FLOAT:
+    for g in iter_proto_graphs(graph):
+        if any(_leaf_elem(v.type) == onnx.TensorProto.FLOAT for v in list(g.input) + list(g.output)):
             return True
-    if any(t.data_type == onnx.TensorProto.FLOAT for t in graph.initializer):
-        return True
-    for node in graph.node:
-        for attr in node.attribute:
-            if attr.type == onnx.AttributeProto.GRAPH and _graph_has_float(attr.g):
-                return True
-            if attr.type == onnx.AttributeProto.GRAPHS and any(_graph_has_float(g) for g in attr.graphs):
-                return True
+        if any(t.data_type == onnx.TensorProto.FLOAT for t in g.initializer):
+            return True
     return False
 
 
