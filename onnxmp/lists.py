@@ -152,12 +152,18 @@ def _known_ops() -> tuple[frozenset[str], dict[str, str]]:
     return frozenset(plain), qualified
 
 
-def checked_op(op: str, where: str) -> str:
-    """``op`` as the lists key it (``OpType`` or ``domain:OpType``); OnnxMPError naming ``where``
-    when it is no ai.onnx op, with the closest names as the hint."""
+def _split(op: str) -> tuple[str, str]:
+    """``domain:OpType`` or ``domain.OpType`` -> (domain, OpType); a bare name has domain ""."""
     domain, sep, op_type = op.rpartition(":")
     if not sep and "." in op:
         domain, _, op_type = op.rpartition(".")
+    return domain, op_type
+
+
+def checked_op(op: str, where: str) -> str:
+    """``op`` as a lists key (``OpType`` or ``domain:OpType``); OnnxMPError naming ``where``
+    when it is no ai.onnx op, with the closest names as the hint."""
+    domain, op_type = _split(op)
     if domain not in ("", "ai.onnx"):
         return f"{domain}:{op_type}"  # a custom domain: nothing to check against
     if is_onnx_op(op_type):
@@ -178,7 +184,7 @@ def is_known_op_type(op_type: str) -> bool:
 def unknown_op(op: str, where: str) -> OnnxMPError:
     """The error for an op name that names nothing, with the closest known names as the hint."""
     plain, qualified = _known_ops()
-    op_type = op.rpartition(":")[2]
+    op_type = _split(op)[1]
     by_lower = {name.lower(): name for name in plain}
     key = op_type.lower()
     if key in by_lower:
