@@ -20,7 +20,7 @@ from onnx_graphsurgeon.logger import G_LOGGER
 from onnxmp.color import ColorOptions, ColorResult, color
 from onnxmp.color.seeds import DEFAULT_THRESHOLD, DEFAULT_UNDERFLOW_SHARE
 from onnxmp.errors import OnnxMPError
-from onnxmp.graphs import iter_graphs
+from onnxmp.graphs import is_tensor, iter_graphs, iter_proto_graphs
 from onnxmp.lists import PRECISIONS, TARGETS, ListOverrides, resolve_lists
 from onnxmp.load import ModelLike, load
 from onnxmp.normalize import normalize
@@ -260,11 +260,8 @@ def _convert_loaded(model, original, timings, target, precision, keep_io_types, 
 
 
 def _all_nodes(graph: onnx.GraphProto):
-    for node in graph.node:
-        yield node
-        for attr in node.attribute:
-            for sub in ([attr.g] if attr.type == onnx.AttributeProto.GRAPH else attr.graphs):
-                yield from _all_nodes(sub)
+    for g in iter_proto_graphs(graph):
+        yield from g.node
 
 
 def export(graph: gs.Graph, original: onnx.ModelProto) -> onnx.ModelProto:
@@ -274,8 +271,9 @@ def export(graph: gs.Graph, original: onnx.ModelProto) -> onnx.ModelProto:
     the newer IR that onnx's helpers stamp by default.
     """
     graph.cleanup(remove_unused_graph_inputs=False, remove_unused_node_outputs=False, recurse_subgraphs=True)
-    with G_LOGGER.suppress(G_LOGGER.ERROR):
+    with G_LOGGER.suppress(G_LOGGER.ERROR), _non_tensor_types_hidden(graph):
         model = gs.export_onnx(graph, do_type_check=False)
+    _restore_non_tensor_types(model.graph, _non_tensor_types(original.graph))
     _restore_initializer_inputs(model, original)
     model.ir_version = original.ir_version
     del model.opset_import[:]
@@ -287,6 +285,55 @@ def export(graph: gs.Graph, original: onnx.ModelProto) -> onnx.ModelProto:
     if original.functions and not model.functions:
         model.functions.extend(original.functions)
     return model
+
+
+@contextmanager
+def _non_tensor_types_hidden(graph: gs.Graph):
+    """GS writes a sequence without its element shape and cannot write an optional or a map at all
+    (its dtype is a whole TypeProto); such values never change type, so they are exported untyped
+    and their original types put back by :func:`_restore_non_tensor_types`."""
+    hidden = []
+    for _, g, _ in iter_graphs(graph):
+        for tensor in g.tensors().values():
+            if not is_tensor(tensor) and tensor.dtype is not None:
+                hidden.append((tensor, tensor.dtype))
+                tensor.dtype = None
+    try:
+        yield
+    finally:
+        for tensor, dtype in hidden:
+            tensor.dtype = dtype
+
+
+def _value_infos(graph: onnx.GraphProto):
+    for g in iter_proto_graphs(graph):
+        yield from g.input
+        yield from g.output
+        yield from g.value_info
+
+
+def _non_tensor_types(graph: onnx.GraphProto) -> dict[str, onnx.TypeProto]:
+    """Sequence, optional and map types by value name, over all scopes.  A name that two sibling
+    scopes use with different types is left out: which one a value had is then unknown."""
+    types: dict[str, onnx.TypeProto] = {}
+    ambiguous: set[str] = set()
+    for value in _value_infos(graph):
+        which = value.type.WhichOneof("value")
+        if which in (None, "tensor_type"):
+            continue
+        known = types.setdefault(value.name, value.type)
+        if known != value.type:
+            ambiguous.add(value.name)
+    for name in ambiguous:
+        del types[name]
+    return types
+
+
+def _restore_non_tensor_types(graph: onnx.GraphProto, types: dict[str, onnx.TypeProto]) -> None:
+    for value in _value_infos(graph):
+        original = types.get(value.name)
+        if original is not None:
+            value.type.CopyFrom(original)
 
 
 def _restore_initializer_inputs(model: onnx.ModelProto, original: onnx.ModelProto) -> None:
