@@ -28,9 +28,25 @@ def iter_proto_graphs(graph: onnx.GraphProto) -> Iterator[onnx.GraphProto]:
     """``graph`` and every subgraph in it (node attributes of type GRAPH or GRAPHS), depth first."""
     yield graph
     for node in graph.node:
-        for attr in node.attribute:
-            for sub in ([attr.g] if attr.type == onnx.AttributeProto.GRAPH else attr.graphs):
-                yield from iter_proto_graphs(sub)
+        for sub in proto_subgraphs(node):
+            yield from iter_proto_graphs(sub)
+
+
+def proto_subgraphs(node: onnx.NodeProto) -> Iterator[onnx.GraphProto]:
+    """The bodies of an If/Loop/Scan NodeProto (GRAPH and GRAPHS attributes)."""
+    for attr in node.attribute:
+        if attr.type == onnx.AttributeProto.GRAPH:
+            yield attr.g
+        elif attr.type == onnx.AttributeProto.GRAPHS:
+            yield from attr.graphs
+
+
+def proto_nodes(graph: onnx.GraphProto) -> Iterator[onnx.NodeProto]:
+    """Every NodeProto of ``graph`` and its bodies, each node before its bodies' nodes."""
+    for node in graph.node:
+        yield node
+        for sub in proto_subgraphs(node):
+            yield from proto_nodes(sub)
 
 
 def is_tensor(tensor: gs.Tensor) -> bool:
@@ -100,19 +116,3 @@ def outer_references(body: gs.Graph) -> list[gs.Tensor]:
                         seen.setdefault(tensor.name, tensor)
     return list(seen.values())
 
-
-def proto_subgraphs(node: onnx.NodeProto) -> Iterator[onnx.GraphProto]:
-    """The bodies of an If/Loop/Scan NodeProto (GRAPH and GRAPHS attributes)."""
-    for attr in node.attribute:
-        if attr.type == onnx.AttributeProto.GRAPH:
-            yield attr.g
-        elif attr.type == onnx.AttributeProto.GRAPHS:
-            yield from attr.graphs
-
-
-def proto_nodes(graph: onnx.GraphProto) -> Iterator[onnx.NodeProto]:
-    """Every NodeProto of ``graph`` and its bodies, each node before its bodies' nodes."""
-    for node in graph.node:
-        yield node
-        for sub in proto_subgraphs(node):
-            yield from proto_nodes(sub)
