@@ -22,18 +22,21 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterable, Sequence
 
+import numpy as np
 import onnx
 import onnx.version_converter
-from onnx import TensorProto, helper
+from onnx import TensorProto, helper, numpy_helper
 
 from onnxmp.errors import OnnxMPError
 from onnxmp.naming import FreshNames, proto_names
 from onnxmp.training import _ort
+from onnxmp.training.prepare import describe, deterministic_gather_grads, prepare_for_gradient
 
 log = logging.getLogger("onnxmp.training.artifacts")
 
@@ -175,10 +178,13 @@ def build_artifacts(
         raise OnnxMPError(f"the model already uses the name(s) {', '.join(clashes)}",
                           "rename them, or pass another label_name")
 
-    train_forward = _training_forward(forward, precision, target, [*requires_grad, *frozen])
+    prepared, preparations = prepare_for_gradient(forward, requires_grad)
+    train_forward = _training_forward(prepared, precision, target, [*requires_grad, *frozen])
     training, evaluation, parameters = _gradient_graph(train_forward, loss_block, label_name,
                                                        requires_grad, frozen)
     add_loss_scaling(training)
+    if target == "cpu":
+        deterministic_gather_grads(training)
     _make_eval_outputs(evaluation, train_forward)
     opset = _default_opset(forward)
     optimizer_model = build_optimizer_model(optimizer, opset=opset)
@@ -206,6 +212,7 @@ def build_artifacts(
         "grad_weight_input": GRAD_WEIGHT,
         "requires_grad": requires_grad,
         "frozen": frozen,
+        "prepared_for_gradient": describe(preparations),
         "files": dict(FILES),
     }
     out = Path(out_dir)
@@ -265,10 +272,39 @@ def _gradient_graph(forward: onnx.ModelProto, loss_block, label_name: str, requi
     except OnnxMPError:
         raise
     except Exception as exc:  # ORT and onnx raise assorted types; the message is what matters
-        raise OnnxMPError(f"onnxruntime could not build the gradient graph: {str(exc).strip()[:500]}",
-                          "check that every op between the loss and the parameters is differentiable "
-                          "in onnxruntime-training 1.19") from None
+        raise _gradient_error(exc) from None
     return training, evaluation, parameters
+
+
+def _gradient_error(exc: BaseException) -> OnnxMPError:
+    """ORT's gradient-builder failures, in words that point at the cause."""
+    text = str(exc).strip()
+    missing = re.search(r"The gradient builder has not been registered: (\S+) for node (\S*)", text)
+    if missing:
+        op, node = missing.groups()
+        return OnnxMPError(f"onnxruntime-training 1.19 has no gradient for {op} (node {node!r})",
+                           f"freeze the parameters that feed it, or re-export the model with {op} "
+                           "written in differentiable ops")
+    if "OutputDefs().size()" in text:
+        return OnnxMPError("onnxruntime's gradient builder needs an optional output that a node of the model "
+                           "does not produce", "please report this model to onnxmp: its preparation pass "
+                           "should have added the output")
+    if "couldn't find the consumer node" in text:
+        return OnnxMPError("a trainable parameter does not reach the loss through differentiable ops",
+                           "leave parameters the loss does not use out of requires_grad")
+    reason = text.splitlines()[-1] if text else type(exc).__name__
+    return OnnxMPError(f"onnxruntime could not build the gradient graph: {_ort_reason(text)}",
+                       "run with -v -v to see onnxruntime's log") if reason else OnnxMPError(text)
+
+
+def _ort_reason(text: str) -> str:
+    """The reason in an ORT error, without the C++ source location and signature in front of it."""
+    for marker in (" was false. ", "] "):
+        if marker in text:
+            text = text.split(marker, 1)[1] if marker == " was false. " else text.rsplit(marker, 1)[1]
+            break
+    first = text.strip().splitlines()[0] if text.strip() else text
+    return first[:800]
 
 
 def add_loss_scaling(training: onnx.ModelProto) -> None:
@@ -334,25 +370,87 @@ def _make_eval_outputs(evaluation: onnx.ModelProto, forward: onnx.ModelProto) ->
     graph.output.extend([helper.make_tensor_value_info(LOSS, TensorProto.FLOAT, []), *forward.graph.output])
 
 
-def build_optimizer_model(kind: str, *, opset: int, clip_global_norm: float | None = None) -> onnx.ModelProto:
-    """The optimizer graph; with ``clip_global_norm`` its gradients pass ORT's
-    ``InplaceClipGradNorm`` first (scale by ``c / (norm + 1e-6)`` when the
-    global L2 norm exceeds ``c``, as torch's ``clip_grad_norm_``)."""
+def build_optimizer_model(kind: str, *, opset: int, clip_global_norm: float | None = None,
+                          parameters: int | None = None) -> onnx.ModelProto:
+    """The optimizer graph; with ``clip_global_norm`` the unscaled gradients are first
+    scaled by ``min(1, c / (norm + 1e-6))``, ``norm`` their global L2 norm (as torch's
+    ``clip_grad_norm_``).
+
+    The norm is computed in the graph in a fixed order (one ReduceSumSquare per
+    gradient, summed in parameter order), not by ORT's CPU ``InplaceClipGradNorm``,
+    whose threads add partial sums in whatever order they finish: identical runs
+    would drift apart.  ``parameters`` (how many gradients the sequence holds) is
+    required with clipping.
+    """
     _check_choice("optimizer", kind, OPTIMIZERS)
     ob = _ort.onnxblock()
-    clip = None
+    block = ob.optim.AdamW() if kind == "adamw" else ob.optim.SGD()
+    # onnxblock only reads the element type of the first trainable parameter.
+    params = ([helper.make_tensor("parameter", TensorProto.FLOAT, [1], [0.0])], [])
+    with _ort.native_stderr_to_log(log), ob.empty_base(opset_version=opset):
+        block(params)
+        model = block.to_model_proto()
     if clip_global_norm is not None:
         if not clip_global_norm > 0:
             raise OnnxMPError(f"clip_global_norm must be positive, got {clip_global_norm}")
-        clip = ob.optim.ClipGradNorm(float(clip_global_norm))
-    block = ob.optim.AdamW(clip_grad=clip) if kind == "adamw" else ob.optim.SGD(clip_grad=clip)
-    # onnxblock only reads the element type of the first trainable parameter.
-    parameters = ([helper.make_tensor("parameter", TensorProto.FLOAT, [1], [0.0])], [])
-    with _ort.native_stderr_to_log(log), ob.empty_base(opset_version=opset):
-        block(parameters)
-        model = block.to_model_proto()
+        if not parameters:
+            raise OnnxMPError("clipping needs the number of trainable parameters")
+        _add_global_norm_clip(model, float(clip_global_norm), parameters)
     _cap_ir_version(model)
     return model
+
+
+def _add_global_norm_clip(model: onnx.ModelProto, max_norm: float, count: int) -> None:
+    graph = model.graph
+    names = FreshNames(proto_names(graph))
+    step = next(n for n in graph.node if n.op_type in ("AdamWOptimizer", "SGDOptimizerV2"))
+    position = list(step.input).index("gradients")
+    nodes, grads, sums = [], [], []
+
+    def constant(value, dtype) -> str:
+        out = names("onnxmp/clip/const")
+        nodes.append(helper.make_node("Constant", [], [out], name=names("onnxmp/clip/Constant"),
+                                      value=numpy_helper.from_array(np.array(value, dtype), out)))
+        return out
+
+    for i in range(count):
+        grad, total = names(f"onnxmp/clip/grad_{i}"), names(f"onnxmp/clip/sumsq_{i}")
+        nodes.append(helper.make_node("SequenceAt", ["gradients", constant(i, np.int64)], [grad],
+                                      name=names(f"onnxmp/clip/SequenceAt_{i}")))
+        squares = names(f"onnxmp/clip/sumsq_{i}_kept")
+        nodes.append(helper.make_node("ReduceSumSquare", [grad], [squares], keepdims=1,
+                                      name=names(f"onnxmp/clip/ReduceSumSquare_{i}")))
+        nodes.append(helper.make_node("Reshape", [squares, constant([1], np.int64)], [total],
+                                      name=names(f"onnxmp/clip/Reshape_{i}")))
+        grads.append(grad)
+        sums.append(total)
+    # ORT does not document the order of the gradient sequence (it is not the manifest's);
+    # summing the per-parameter squares sorted by value makes the sum independent of it.
+    flat, ordered, order, sum_sq, norm, denominator, ratio, factor, clipped = (
+        names(f"onnxmp/clip/{n}") for n in ("squares", "sorted", "order", "sum_sq", "norm", "denominator",
+                                            "ratio", "factor", "gradients"))
+    k, eps, c, one = (constant([count], np.int64), constant(1e-6, np.float32), constant(max_norm, np.float32),
+                      constant(1.0, np.float32))
+    nodes += [
+        helper.make_node("Concat", sums, [flat], axis=0, name=names("onnxmp/clip/Concat")),
+        helper.make_node("TopK", [flat, k], [ordered, order], axis=0, largest=1, sorted=1,
+                         name=names("onnxmp/clip/TopK")),
+        helper.make_node("ReduceSum", [ordered], [sum_sq], keepdims=0, name=names("onnxmp/clip/ReduceSum")),
+        helper.make_node("Sqrt", [sum_sq], [norm], name=names("onnxmp/clip/Sqrt")),
+        helper.make_node("Add", [norm, eps], [denominator], name=names("onnxmp/clip/Add")),
+        helper.make_node("Div", [c, denominator], [ratio], name=names("onnxmp/clip/Div")),
+        helper.make_node("Min", [ratio, one], [factor], name=names("onnxmp/clip/Min")),
+    ]
+    scaled = []
+    for grad in grads:
+        out = names(f"{grad}.clipped")
+        nodes.append(helper.make_node("Mul", [grad, factor], [out], name=names("onnxmp/clip/Mul")))
+        scaled.append(out)
+    nodes.append(helper.make_node("SequenceConstruct", scaled, [clipped], name=names("onnxmp/clip/SequenceConstruct")))
+    step.input[position] = clipped
+    rest = list(graph.node)
+    graph.ClearField("node")
+    graph.node.extend([*nodes, *rest])
 
 
 # --- conversion ----------------------------------------------------------------------

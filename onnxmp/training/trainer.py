@@ -125,7 +125,8 @@ class Trainer:
         try:
             self._state = api.CheckpointState.load_checkpoint(str(self.artifacts.checkpoint))
             self._module = api.Module(str(self.artifacts.training_model), self._state,
-                                      str(self.artifacts.eval_model), device=self.device)
+                                      str(self.artifacts.eval_model), device=self.device,
+                                      session_options=_session_options())
             self._optimizer = self._make_optimizer(api)
         except OnnxMPError:
             raise
@@ -157,7 +158,8 @@ class Trainer:
             with _ort.native_stderr_to_log(log):
                 return api.Optimizer(str(self.artifacts.optimizer_model), self._module)
         model = build_optimizer_model(self.artifacts.manifest["optimizer"], opset=self.artifacts.manifest["opset"],
-                                      clip_global_norm=self.clip_global_norm)
+                                      clip_global_norm=self.clip_global_norm,
+                                      parameters=len(self.artifacts.manifest["requires_grad"]))
         # ORT reads the optimizer model once, at construction.
         with tempfile.TemporaryDirectory(prefix="onnxmp-optimizer-") as folder:
             path = Path(folder) / "optimizer_model.onnx"
@@ -426,6 +428,17 @@ def _check_device(device: str, artifacts: Artifacts) -> str:
                           "which the ORT CPU EP cannot run",
                           "build the artifacts with target='cpu' (emulated) to train on the CPU")
     return device
+
+
+def _session_options():
+    import os as _os
+    import onnxruntime
+
+    options = onnxruntime.SessionOptions()
+    options.use_deterministic_compute = True
+    if _os.environ.get("ONNXMP_THREADS"):
+        options.intra_op_num_threads = int(_os.environ["ONNXMP_THREADS"])
+    return options
 
 
 def _first_line(exc: BaseException) -> str:
