@@ -36,6 +36,7 @@ from onnx import TensorProto, helper, numpy_helper
 from onnxmp.errors import OnnxMPError
 from onnxmp.naming import FreshNames, proto_names
 from onnxmp.training import _ort
+from onnxmp.training.labels import output_shape
 from onnxmp.training.prepare import describe, deterministic_gather_grads, prepare_for_gradient
 
 log = logging.getLogger("onnxmp.training.artifacts")
@@ -161,8 +162,9 @@ def build_artifacts(
     _check_choice("precision", precision, PRECISIONS)
     _check_choice("target", target, TARGETS)
     _check_choice("optimizer", optimizer, OPTIMIZERS)
-    requires_grad = list(dict.fromkeys(requires_grad))
-    frozen = list(dict.fromkeys(frozen))
+    # A lone string is one name, not a sequence of one-letter names.
+    requires_grad = list(dict.fromkeys([requires_grad] if isinstance(requires_grad, str) else requires_grad))
+    frozen = list(dict.fromkeys([frozen] if isinstance(frozen, str) else frozen))
     if not requires_grad:
         raise OnnxMPError("requires_grad is empty", "name the initializers to train")
     both = sorted(set(requires_grad) & set(frozen))
@@ -206,6 +208,7 @@ def build_artifacts(
         "model_inputs": [name for name, _ in inputs if name != label_name],
         "label_input": label_name,
         "forward_outputs": [v.name for v in forward.graph.output],
+        "output_shape": output_shape(forward),
         "training_outputs": [v.name for v in training.graph.output if not v.name.endswith(".accumulation.out")],
         "eval_outputs": [v.name for v in evaluation.graph.output],
         "loss_scale_input": LOSS_SCALE,

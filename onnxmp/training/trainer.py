@@ -33,14 +33,17 @@ from onnxmp.training import _ort
 from onnxmp.training.artifacts import (
     ALL_FINITE,
     GRAD_WEIGHT,
+    LOSSES,
     LOSS,
     LOSS_SCALE,
     MANIFEST,
     Artifacts,
+    _ort_reason,
     atomic_path,
     build_optimizer_model,
     write_json,
 )
+from onnxmp.training.labels import check_labels
 from onnxmp.training.scaler import DynamicLossScaler
 
 log = logging.getLogger("onnxmp.training")
@@ -320,6 +323,9 @@ class Trainer:
             "grad_accum_steps": self.grad_accum_steps, "clip_global_norm": self.clip_global_norm,
             # ORT 1.19 restores moments and step count from the checkpoint, but not the learning rate.
             "learning_rate": self.learning_rate,
+            # A schedule is a Python function, which a checkpoint cannot hold: record that
+            # there was one, so resume() can refuse to continue silently without it.
+            "lr_schedule": self.lr_schedule is not None,
         })
         manifest = self.artifacts.manifest
         (path / MANIFEST).unlink(missing_ok=True)
@@ -341,7 +347,8 @@ class Trainer:
         """Continue from a folder written by :meth:`save`, bit for bit.
 
         Saved settings (``grad_accum_steps``, ``clip_global_norm``, the scaler,
-        the learning rate) apply unless given in ``overrides``.
+        the learning rate) apply unless given in ``overrides``.  A run saved with
+        an ``lr_schedule`` must be given it again: a function cannot be saved.
         """
         artifacts = Artifacts.load(path)
         properties = _ort.api().CheckpointState.load_checkpoint(str(artifacts.checkpoint)).properties
@@ -349,6 +356,10 @@ class Trainer:
             raise OnnxMPError(f"{path} holds artifacts but no saved training state",
                               "resume from a folder written by Trainer.save (or `onnxmp train --out`)")
         saved = json.loads(properties[_TRAINER_PROPERTY])
+        if saved.get("lr_schedule") and lr_schedule is None:
+            raise OnnxMPError(f"{path} was trained with an lr_schedule, which a checkpoint cannot hold",
+                              "pass the same lr_schedule to Trainer.resume (it is called with the update count, "
+                              "so the schedule continues where it stopped)")
         scaler = DynamicLossScaler.from_state_dict(json.loads(properties[_SCALER_PROPERTY]))
         settings = {"scaler": scaler, "grad_accum_steps": saved["grad_accum_steps"],
                     "clip_global_norm": saved["clip_global_norm"], "lr": saved["learning_rate"], **overrides}
@@ -389,13 +400,24 @@ class Trainer:
         names = self.artifacts.inputs
         if len(arrays) != len(names):
             raise OnnxMPError(f"a batch needs {len(names)} arrays ({', '.join(names)}), got {len(arrays)}")
-        return {name: np.ascontiguousarray(array, dtype=self._dtypes[name]) for name, array in zip(names, arrays)}
+        manifest = self.artifacts.manifest
+        label = manifest["label_input"]
+        checked = {}
+        for name, array in zip(names, arrays):
+            if name == label and isinstance(manifest.get("loss"), str) and manifest["loss"] in LOSSES:
+                rows = len(arrays[0]) if len(arrays) > 1 else len(array)
+                array = check_labels(manifest["loss"], array, rows=rows, shape=manifest.get("output_shape", []))
+            elif np.asarray(array).dtype.kind not in "biuf":
+                raise OnnxMPError(f"input {name} has dtype {np.asarray(array).dtype}; the model wants "
+                                  f"{self._dtypes[name]}")
+            checked[name] = np.ascontiguousarray(array, dtype=self._dtypes[name])
+        return checked
 
     def _run(self, input_names: list[str], feeds: Mapping[str, np.ndarray]) -> tuple:
         try:
             outputs = self._module(*[feeds[name] for name in input_names])
         except RuntimeError as exc:  # ORT's InvalidArgument/Fail: wrong shapes or dtypes in the batch
-            raise OnnxMPError(f"onnxruntime rejected the batch: {_first_line(exc)}",
+            raise OnnxMPError(f"onnxruntime rejected the batch: {_ort_reason(str(exc))}",
                               f"inputs are {', '.join(self.artifacts.inputs)} "
                               f"with dtypes {self.artifacts.manifest['input_dtypes']}") from None
         return outputs if isinstance(outputs, tuple) else (outputs,)

@@ -1,0 +1,131 @@
+"""Preparing exported forward graphs for onnxruntime-training 1.19's gradient builder."""
+import numpy as np
+import onnx
+import onnxruntime as ort
+import pytest
+from onnx import numpy_helper
+
+from onnxmp.errors import OnnxMPError
+from onnxmp.training import build_artifacts
+from onnxmp.training.artifacts import _gradient_error
+from onnxmp.training.prepare import prepare_for_gradient
+
+
+def _model(body: str, *, opset: int = 17, out: str = "[2,4]", extra: str = "") -> onnx.ModelProto:
+    text = f"""<ir_version: 8, opset_import: ["" : {opset}]>
+g (float[2,4] x{extra}) => (float{out} y) {{
+  h = MatMul(x, W)
+  {body}
+}}"""
+    model = onnx.parser.parse_model(text)
+    rng = np.random.default_rng(0)
+    model.graph.initializer.append(numpy_helper.from_array(rng.normal(size=(4, 4)).astype(np.float32), "W"))
+    model.graph.initializer.append(numpy_helper.from_array(rng.normal(size=(4, 4)).astype(np.float32), "V"))
+    return model
+
+
+def _run(model, x):
+    session = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+    return session.run(None, {"x": x})[0]
+
+
+ONES = "{" + ",".join(["1"] * 4) + "}"
+ZEROS = "{" + ",".join(["0"] * 4) + "}"
+REWRITTEN = {
+    "LayerNormalization": (f"g1 = Constant<value=float[4] {ONES}>()\n b1 = Constant<value=float[4] {ZEROS}>()\n"
+                           " y = LayerNormalization<axis=-1>(h, g1, b1)", 17),
+    "Dropout": ("r = Constant<value=float {0.1}>()\n y = Dropout(h, r)", 17),
+    "Transpose": ("t = Transpose(h)\n y = Transpose(t)", 17),
+    "Gelu": ("y = Gelu(h)", 20),
+    "Gelu_tanh": ('y = Gelu<approximate="tanh">(h)', 20),
+    "Elu": ("y = Elu<alpha=0.7>(h)", 17),
+    "Selu": ("y = Selu(h)", 17),
+    "Celu": ("y = Celu<alpha=2.0>(h)", 17),
+    "Softplus": ("y = Softplus(h)", 17),
+    "Softsign": ("y = Softsign(h)", 17),
+    "Mish": ("y = Mish(h)", 18),
+    "HardSigmoid": ("y = HardSigmoid(h)", 17),
+    "HardSwish": ("y = HardSwish(h)", 17),
+    "PRelu": ("s = MatMul(x, V)\n y = PRelu(h, s)", 17),
+    "Sum": ("s = MatMul(x, V)\n y = Sum(h, s, x)", 17),
+    "Mean": ("s = MatMul(x, V)\n y = Mean(h, s, x)", 17),
+}
+
+
+@pytest.mark.parametrize("case", sorted(REWRITTEN))
+def test_rewrites_keep_the_forward_values(case):
+    body, opset = REWRITTEN[case]
+    model = _model(body, opset=opset)
+    prepared, done = prepare_for_gradient(model, ["W"])
+    assert [p.op_type for p in done] == [case.split("_")[0]] * len(done) and done
+    x = np.random.default_rng(1).normal(size=(2, 4)).astype(np.float32) * 3
+    np.testing.assert_allclose(_run(prepared, x), _run(model, x), rtol=1e-5, atol=1e-6)
+    assert len(model.graph.node) == body.count("\n") + 2  # the original is untouched
+
+
+@pytest.mark.parametrize("case", ["LayerNormalization", "Dropout", "Transpose", "Elu", "Softplus", "Mean"])
+def test_ort_builds_the_gradient_only_after_preparation(case, tmp_path, monkeypatch):
+    body, opset = REWRITTEN[case]
+    model = _model(body, opset=opset)
+    build_artifacts(model, requires_grad=["W", "V"] if "MatMul(x, V)" in body else ["W"], loss="mse",
+                    precision="float32", out_dir=tmp_path / "ok")
+    # The same model without preparation is what ORT refused.
+    import onnxmp.training.artifacts as artifacts
+
+    monkeypatch.setattr(artifacts, "prepare_for_gradient", lambda m, r: (m, []))
+    with pytest.raises(OnnxMPError):
+        build_artifacts(model, requires_grad=["W", "V"] if "MatMul(x, V)" in body else ["W"], loss="mse",
+                        precision="float32", out_dir=tmp_path / "raw")
+
+
+def test_nothing_to_prepare_leaves_the_graph_alone():
+    model = _model("y = Relu(h)")
+    prepared, done = prepare_for_gradient(model, ["W"])
+    assert done == [] and prepared.graph == model.graph
+
+
+def test_op_without_gradient_is_named_with_its_node(tmp_path):
+    model = _model("y = ReduceMax<axes=[-1]>(h)", out="[2,1]")
+    model.graph.node[1].name = "head/ReduceMax"
+    with pytest.raises(OnnxMPError) as info:
+        build_artifacts(model, requires_grad=["W"], loss="mse", precision="float32", out_dir=tmp_path)
+    assert "ReduceMax" in str(info.value) and "head/ReduceMax" in str(info.value)
+    assert "check that every op" not in str(info.value)
+    assert "W" in info.value.hint and "freeze" in info.value.hint
+
+
+def test_op_without_gradient_before_frozen_parameters_only_is_fine(tmp_path):
+    # ReduceMax reads only x and the frozen V: it is not on W's path to the loss.
+    model = _model("m = ReduceMax<axes=[-1]>(x)\n v = MatMul(x, V)\n s = Mul(v, m)\n y = Add(h, s)")
+    build_artifacts(model, requires_grad=["W"], frozen=["V"], loss="mse", precision="float32", out_dir=tmp_path)
+
+
+def test_parameter_the_loss_does_not_use_is_named(tmp_path):
+    model = _model("y = Relu(h)")
+    with pytest.raises(OnnxMPError, match="does not depend on.*'?V"):
+        build_artifacts(model, requires_grad=["W", "V"], loss="mse", precision="float32", out_dir=tmp_path)
+
+
+def test_parameter_reaching_the_loss_only_through_integers_is_named(tmp_path):
+    model = _model("s = Shape(V)\n f = Cast<to=1>(s)\n y = Mul(h, f)", out="[2,4]")
+    with pytest.raises(OnnxMPError, match="'V'.*integer"):
+        build_artifacts(model, requires_grad=["W", "V"], loss="mse", precision="float32", out_dir=tmp_path)
+
+
+def test_a_string_requires_grad_is_one_name(tmp_path):
+    model = _model("y = MatMul(h, V)")
+    artifacts = build_artifacts(model, requires_grad="W", frozen="V", loss="mse", precision="float32",
+                                out_dir=tmp_path)
+    assert artifacts.manifest["requires_grad"] == ["W"] and artifacts.manifest["frozen"] == ["V"]
+
+
+def test_ort_builder_errors_are_translated():
+    missing = RuntimeError("/src/gradient_builder_registry.cc:29 GetGradientForOp(...) gradient_builder != nullptr "
+                           "was false. The gradient builder has not been registered: Einsum for node einsum_3")
+    error = _gradient_error(missing)
+    assert "Einsum" in str(error) and "einsum_3" in str(error) and "differentiable ops" in error.hint
+    output = _gradient_error(RuntimeError("gradient_builder_base.h:123 ArgDef O(size_t, bool) const "
+                                          "i < node_->OutputDefs().size() was false."))
+    assert "optional output" in str(output)
+    consumer = _gradient_error(RuntimeError("couldn't find the consumer node"))
+    assert "requires_grad" in consumer.hint
