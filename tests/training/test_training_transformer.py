@@ -123,3 +123,48 @@ def test_resume_refuses_to_drop_an_lr_schedule(artifacts, task, tmp_path):
         Trainer.resume(tmp_path / "state")
     resumed = Trainer.resume(tmp_path / "state", lr_schedule=lambda step: 1e-3 / (1 + step))
     assert resumed.optimizer_steps == 1
+
+
+def test_deterministic_embedding_gradient_equals_ort_gather_grad(classifier, task, tmp_path, monkeypatch):
+    import onnxmp.training.artifacts as module
+
+    def one_sgd_step(folder):
+        trainer = Trainer(folder, lr=1.0)
+        before = trainer.parameters()
+        trainer.train_step(*task[0])
+        return {k: v - before[k] for k, v in trainer.parameters().items()}
+
+    ours = build_artifacts(classifier, requires_grad=trainable(classifier), precision="float32",
+                           optimizer="sgd", out_dir=tmp_path / "ours")
+    assert "GatherGrad" not in {n.op_type for n in onnx.load(ours.training_model).graph.node}
+    monkeypatch.setattr(module, "deterministic_gather_grads", lambda model: 0)
+    theirs = build_artifacts(classifier, requires_grad=trainable(classifier), precision="float32",
+                             optimizer="sgd", out_dir=tmp_path / "theirs")
+    assert "GatherGrad" in {n.op_type for n in onnx.load(theirs.training_model).graph.node}
+    a, b = one_sgd_step(ours), one_sgd_step(theirs)
+    for name in ("embeddings.word_embeddings.weight", "embeddings.position_embeddings.weight"):
+        assert np.abs(a[name]).max() > 0
+        np.testing.assert_allclose(a[name], b[name], rtol=1e-5, atol=1e-7)
+
+
+def test_clipping_scales_by_the_global_norm(tmp_path, model, batches):
+    # SGD with lr 1: an update is minus the (clipped) gradient.
+    from onnxmp.training.models import trainable as names
+
+    folder = build_artifacts(model, requires_grad=names(model), precision="float32", optimizer="sgd",
+                             out_dir=tmp_path)
+
+    def update(clip):
+        trainer = Trainer(folder, lr=1.0, clip_global_norm=clip)
+        before = trainer.parameters()
+        trainer.train_step(*batches[0])
+        return {k: before[k] - v for k, v in trainer.parameters().items()}
+
+    grads = update(None)
+    norm = np.sqrt(sum(float(np.sum(g.astype(np.float64) ** 2)) for g in grads.values()))
+    clipped = update(norm / 4)
+    for name, g in grads.items():
+        np.testing.assert_allclose(clipped[name], g * (norm / 4) / (norm + 1e-6), rtol=1e-4, atol=1e-7)
+    unclipped = update(norm * 4)
+    for name, g in grads.items():
+        np.testing.assert_array_equal(unclipped[name], g)
