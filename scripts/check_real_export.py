@@ -41,14 +41,23 @@ def train_one(folder: Path, precision: str, args) -> dict:
         return {"precision": precision, "build_s": build_s,
                 "prepared": artifacts.manifest["prepared_for_gradient"]}
     train, evaluation = np.load(folder / "train.npz"), np.load(folder / "eval.npz")
-    columns = [k for k in names]
-    trainer = Trainer(artifacts, lr=args.lr)
+    columns = list(names)
+    scaler = None
+    if args.initial_scale and precision == "float16":
+        from onnxmp.training import DynamicLossScaler
+
+        # Start far too high, so the first steps overflow and are skipped: what follows must stay finite.
+        scaler = DynamicLossScaler(args.initial_scale, max_scale=max(args.initial_scale, 2.0**24))
+    trainer = Trainer(artifacts, lr=args.lr, scaler=scaler)
     rows = len(train["labels"])
     losses, skipped = [], 0
     start = time.perf_counter()
+    nan_after_skip = 0
     for i in range(0, rows - args.batch_size + 1, args.batch_size):
-        r = trainer.train_step(*[train[k][i:i + args.batch_size] for k in columns], train["labels"][i:i + args.batch_size])
+        r = trainer.train_step(*[train[k][i:i + args.batch_size] for k in columns],
+                               train["labels"][i:i + args.batch_size])
         losses.append(r.loss)
+        nan_after_skip += bool(skipped) and not math.isfinite(r.loss)
         skipped += r.skipped
     train_s = time.perf_counter() - start
     batches = [tuple(evaluation[k][i:i + 64] for k in [*columns, "labels"]) for i in range(0, len(evaluation["labels"]), 64)]
@@ -56,7 +65,7 @@ def train_one(folder: Path, precision: str, args) -> dict:
     weights_finite = all(np.isfinite(v).all() for v in trainer.parameters().values())
     return {"precision": precision, "build_s": build_s, "train_s": train_s, "steps": len(losses),
             "first_loss": losses[0], "last_loss": losses[-1], "nan_losses": sum(not math.isfinite(x) for x in losses),
-            "skipped": skipped, "final_scale": trainer.scaler.scale, "eval_loss": result["loss"],
+            "skipped": skipped, "nan_after_a_skip": nan_after_skip, "final_scale": trainer.scaler.scale, "eval_loss": result["loss"],
             "eval_accuracy": result["accuracy"], "weights_finite": weights_finite,
             "losses": losses, "prepared": artifacts.manifest["prepared_for_gradient"]}
 
@@ -69,6 +78,8 @@ def main(argv=None) -> int:
     ap.add_argument("--batch-size", type=int, default=16)
     ap.add_argument("--lr", type=float, default=2e-4)
     ap.add_argument("--work", default=None)
+    ap.add_argument("--initial-scale", type=float, default=None,
+                    help="float16 run: initial loss scale (2**40 forces skipped steps at the start)")
     ap.add_argument("--json", type=Path)
     args = ap.parse_args(argv)
     if args.precision:
@@ -79,7 +90,8 @@ def main(argv=None) -> int:
     precisions = ("float32", "float16", "bfloat16") if args.build_only else ("float32", "float16")
     for precision in precisions:
         cmd = [sys.executable, __file__, str(args.folder), "--precision", precision, "--batch-size",
-               str(args.batch_size), "--lr", str(args.lr)] + (["--build-only"] if args.build_only else [])
+               str(args.batch_size), "--lr", str(args.lr)] + (["--build-only"] if args.build_only else []) + (
+                   ["--initial-scale", str(args.initial_scale)] if args.initial_scale else [])
         proc = subprocess.run(cmd, capture_output=True, text=True)
         if proc.returncode:
             results.append({"precision": precision, "exit_code": proc.returncode, "error": proc.stderr[-2000:]})

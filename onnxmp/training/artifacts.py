@@ -282,7 +282,7 @@ def _gradient_graph(forward: onnx.ModelProto, loss_block, label_name: str, requi
 def _gradient_error(exc: BaseException) -> OnnxMPError:
     """ORT's gradient-builder failures, in words that point at the cause."""
     text = str(exc).strip()
-    missing = re.search(r"The gradient builder has not been registered: (\S+) for node (\S*)", text)
+    missing = re.search(r"The gradient builder has not been registered: (\S+) for node ?(\S*)", text)
     if missing:
         op, node = missing.groups()
         return OnnxMPError(f"onnxruntime-training 1.19 has no gradient for {op} (node {node!r})",

@@ -129,3 +129,23 @@ def test_ort_builder_errors_are_translated():
     assert "optional output" in str(output)
     consumer = _gradient_error(RuntimeError("couldn't find the consumer node"))
     assert "requires_grad" in consumer.hint
+
+
+def test_tanh_gelu_gets_the_tanh_gradient(tmp_path):
+    # ORT maps any Gelu to its Erf-form GeluGrad; the decomposition differentiates the tanh form.
+    from onnxmp.training import Trainer
+
+    model = _model('y = Gelu<approximate="tanh">(h)', opset=20)
+    artifacts = build_artifacts(model, requires_grad=["W"], loss="mse", optimizer="sgd", precision="float32",
+                                out_dir=tmp_path)
+    trainer = Trainer(artifacts, lr=1.0)
+    w = trainer.parameters()["W"].astype(np.float64)
+    x = np.random.default_rng(1).normal(size=(2, 4)).astype(np.float32) * 2
+    trainer.train_step(x, np.zeros((2, 4), np.float32))
+    h = x.astype(np.float64) @ w
+    k = np.sqrt(2 / np.pi)
+    t = np.tanh(k * (h + 0.044715 * h**3))
+    y = 0.5 * h * (1 + t)
+    dy_dh = 0.5 * (1 + t) + 0.5 * h * (1 - t**2) * k * (1 + 3 * 0.044715 * h**2)
+    expected = x.T.astype(np.float64) @ (2 * y / y.size * dy_dh)
+    np.testing.assert_allclose(w - trainer.parameters()["W"], expected, rtol=1e-4, atol=1e-6)
