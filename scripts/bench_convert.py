@@ -46,6 +46,8 @@ sys.path.insert(0, str(ROOT))
 import onnx  # noqa: E402
 
 import onnxmp  # noqa: E402
+from onnxmp.errors import OnnxMPError  # noqa: E402
+from onnxmp.files import guard_outputs, write_text_atomic  # noqa: E402
 from models import zoo  # noqa: E402
 
 STAGES = ("load", "normalize", "color", "rewrite", "verify")
@@ -293,11 +295,15 @@ def main(argv: list[str] | None = None) -> int:
     sizes = [s.strip() for s in args.sizes.split(",") if s.strip()]
     if not sizes or args.repeat < 1:
         ap.error("need at least one size and --repeat >= 1")
+    try:
+        guard_outputs({"--json": args.json})
+    except OnnxMPError as exc:
+        ap.error(exc.one_line())
     result = bench(sizes, args.repeat, args.timeout, args.profile)
     print_table(result)
     print_profiles(result)
     if args.json:
-        args.json.write_text(json.dumps(result, indent=2))
+        write_text_atomic(args.json, json.dumps(result, indent=2))
         print(f"wrote {args.json}")
     return 0
 
