@@ -50,6 +50,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from models import zoo  # noqa: E402
+from onnxmp.files import atomic_write, guard_outputs, write_text_atomic  # noqa: E402
 from onnxmp.training import DynamicLossScaler, Trainer, build_artifacts  # noqa: E402
 from onnxmp.training.models import mlp, trainable  # noqa: E402
 
@@ -160,10 +161,7 @@ def plot(path, main, underflow, transformer, steps_per_epoch, transformer_steps_
                 xlabel="step", ylabel="loss", yscale="log")
     axes[3].legend()
     fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.NamedTemporaryFile(dir=path.parent, prefix=f".{path.name}.", suffix=".png", delete=False) as tmp:
-        fig.savefig(tmp.name, dpi=100)
-    Path(tmp.name).replace(path)
+    atomic_write(path, lambda tmp: fig.savefig(tmp, dpi=100, format="png"))
     plt.close(fig)
 
 
@@ -191,6 +189,9 @@ def main(argv=None) -> int:
         args.epochs = 2 if args.quick else 30
     if args.transformer_epochs is None:
         args.transformer_epochs = 1 if args.quick else 4
+    if args.plot.parent == Path("reports"):
+        args.plot.parent.mkdir(exist_ok=True)  # the default location
+    guard_outputs({"--plot": args.plot, "--json": args.json})
 
     x_train, x_test, y_train, y_test = load_data(args.seed)
     data = ((x_train, y_train), (x_test, y_test))
@@ -226,7 +227,6 @@ def main(argv=None) -> int:
           "smallest subnormal; scale 1 flushes them, dynamic scaling recovers them")
 
     steps_per_epoch = -(-len(x_train) // args.batch_size)
-    args.plot.parent.mkdir(parents=True, exist_ok=True)
     plot(args.plot, main_runs, underflow, transformer, steps_per_epoch, -(-TRANSFORMER_ROWS[0] // args.batch_size))
     print(f"plot: {args.plot}")
     if args.json:
@@ -252,11 +252,7 @@ def main(argv=None) -> int:
             "epochs": args.epochs,
             "plot": str(args.plot),
         }
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        with tempfile.NamedTemporaryFile("w", dir=args.json.parent, prefix=f".{args.json.name}.",
-                                         delete=False) as tmp:
-            json.dump(figures, tmp, indent=2)
-        Path(tmp.name).replace(args.json)
+        write_text_atomic(args.json, json.dumps(figures, indent=2) + "\n")
         print(f"json: {args.json}")
     return 0
 

@@ -7,6 +7,11 @@ Layout of ``--out DIR``:
 * ``history.json``: per-epoch summaries of this run;
 * ``model.onnx`` (float32) and, for mixed precision, ``model.<precision>.onnx``
   (converted for CUDA): the trained model for inference.
+
+The data is checked (keys, rows, dtypes, labels against the loss) before
+anything is written; ``DIR`` is built as a temporary folder beside it and
+renamed into place when the run succeeds, so a failed run leaves nothing (and
+an earlier ``DIR`` stays as it was).
 """
 from __future__ import annotations
 
@@ -62,6 +67,7 @@ def register(sub) -> None:
 def _train(args) -> int:
     from onnxmp.files import atomic_directory, guard_outputs
     from onnxmp.training import Trainer, build_artifacts
+    from onnxmp.training.artifacts import check_replaceable
 
     if args.epochs < 1 or args.batch_size < 1:
         raise OnnxMPError("--epochs and --batch-size must be positive")
@@ -73,6 +79,7 @@ def _train(args) -> int:
     if resume is not None and not str(resume.resolve()).startswith(str(out.resolve())):
         inputs["--resume"] = resume
     guard_outputs({"--out": out}, inputs, folders=["--out"])
+    check_replaceable(out, marker="history.json", what="`onnxmp train` output folder")
 
     if resume is not None:
         trainer = Trainer.resume(resume, device=args.device)

@@ -23,7 +23,6 @@ import json
 import logging
 import os
 import re
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterable, Sequence
@@ -227,23 +226,30 @@ def build_artifacts(
 
 def write_artifacts(out: Path, manifest: dict, *, training, evaluation, optimizer_model, forward,
                     parameters) -> None:
-    """Write every file, each atomically; the manifest goes last and is removed first,
-    so a folder with a manifest is always complete."""
+    """Write every file into a temporary folder beside ``out``, renamed into place once complete:
+    a folder with a manifest is always whole, and a failure leaves nothing behind."""
+    from onnxmp.files import atomic_directory, guard_outputs, write_text_atomic
     from onnxmp.save import save
 
-    try:
-        out.mkdir(parents=True, exist_ok=True)
-    except OSError as exc:
-        raise OnnxMPError(f"cannot create {out}: {exc.strerror or exc}") from None
-    (out / MANIFEST).unlink(missing_ok=True)
+    check_replaceable(out)
+    guard_outputs({"out_dir": out}, folders=["out_dir"])
     files = manifest["files"]
-    save(training, out / files["training_model"])
-    save(evaluation, out / files["eval_model"])
-    save(optimizer_model, out / files["optimizer_model"])
-    save(forward, out / files["forward_model"])
-    with atomic_path(out / files["checkpoint"]) as tmp:
-        _ort.onnxblock().save_checkpoint(parameters, tmp)
-    write_json(out / MANIFEST, manifest)
+    with atomic_directory(out) as folder:
+        save(training, folder / files["training_model"])
+        save(evaluation, folder / files["eval_model"])
+        save(optimizer_model, folder / files["optimizer_model"])
+        save(forward, folder / files["forward_model"])
+        _ort.onnxblock().save_checkpoint(parameters, str(folder / files["checkpoint"]))
+        write_text_atomic(folder / MANIFEST, json.dumps(manifest, indent=2) + "\n")
+
+
+def check_replaceable(folder: Path, *, marker: str = MANIFEST, what: str = "training folder") -> None:
+    """A folder written whole may only replace nothing, an empty folder or one onnxmp wrote
+    (``marker`` inside): never a folder of the user's other files."""
+    folder = Path(folder)
+    if folder.is_dir() and any(folder.iterdir()) and not (folder / marker).exists():
+        raise OnnxMPError(f"{folder} exists and is not an onnxmp {what}; writing it would replace the folder",
+                          "choose a new or empty folder")
 
 
 # --- graph building ------------------------------------------------------------------
@@ -567,28 +573,3 @@ def _ort_version() -> str:
     import onnxruntime
 
     return onnxruntime.__version__
-
-
-class atomic_path:
-    """``with atomic_path(p) as tmp:`` write a file at ``tmp``; it replaces ``p`` on success."""
-
-    def __init__(self, path: Path):
-        self.path = Path(path)
-
-    def __enter__(self) -> str:
-        fd, self.tmp = tempfile.mkstemp(prefix=f".{self.path.name}.", suffix=".tmp", dir=self.path.parent)
-        os.close(fd)
-        return self.tmp
-
-    def __exit__(self, exc_type, exc, tb) -> None:
-        try:
-            if exc_type is None:
-                os.replace(self.tmp, self.path)
-        finally:
-            if os.path.exists(self.tmp):
-                os.unlink(self.tmp)
-
-
-def write_json(path: Path, data: Any) -> None:
-    with atomic_path(path) as tmp:
-        Path(tmp).write_text(json.dumps(data, indent=2) + "\n")

@@ -39,9 +39,8 @@ from onnxmp.training.artifacts import (
     MANIFEST,
     Artifacts,
     _ort_reason,
-    atomic_path,
     build_optimizer_model,
-    write_json,
+    check_replaceable,
 )
 from onnxmp.training.labels import check_labels
 from onnxmp.training.scaler import DynamicLossScaler
@@ -310,11 +309,11 @@ class Trainer:
             raise OnnxMPError("cannot save in the middle of an accumulated batch",
                               f"save after a multiple of grad_accum_steps={self.grad_accum_steps} steps, "
                               "or call flush() first")
+        from onnxmp.files import atomic_directory, atomic_write, guard_outputs, write_text_atomic
+
         path = Path(path)
-        try:
-            path.mkdir(parents=True, exist_ok=True)
-        except OSError as exc:
-            raise OnnxMPError(f"cannot create {path}: {exc.strerror or exc}") from None
+        check_replaceable(path)
+        guard_outputs({"state folder": path}, folders=["state folder"])
         properties = self._state.properties
         properties[_SCALER_PROPERTY] = json.dumps(self.scaler.state_dict())
         properties[_TRAINER_PROPERTY] = json.dumps({
@@ -328,16 +327,15 @@ class Trainer:
             "lr_schedule": self.lr_schedule is not None,
         })
         manifest = self.artifacts.manifest
-        (path / MANIFEST).unlink(missing_ok=True)
-        for kind, name in manifest["files"].items():
-            source, target = self.artifacts.path(kind), path / name
-            if kind == "checkpoint" or (target.exists() and source.samefile(target)):
-                continue
-            with atomic_path(target) as tmp:
-                shutil.copyfile(source, tmp)
-        with atomic_path(path / manifest["files"]["checkpoint"]) as tmp:
-            _ort.api().CheckpointState.save_checkpoint(self._state, tmp, include_optimizer_state=True)
-        write_json(path / MANIFEST, manifest)
+        # Built beside ``path`` and renamed into place whole; resuming and saving into the same
+        # folder works, as its files are copied before it is replaced.
+        with atomic_directory(path) as folder:
+            for kind, name in manifest["files"].items():
+                if kind != "checkpoint":
+                    atomic_write(folder / name, lambda tmp, source=self.artifacts.path(kind): shutil.copyfile(source, tmp))
+            _ort.api().CheckpointState.save_checkpoint(self._state, str(folder / manifest["files"]["checkpoint"]),
+                                                       include_optimizer_state=True)
+            write_text_atomic(folder / MANIFEST, json.dumps(manifest, indent=2) + "\n")
         log.info("saved trainer state (%d updates, epoch %d) to %s", self.optimizer_steps, self.epoch, path)
         return path
 
