@@ -255,6 +255,22 @@ def _additive_mask(g: _Graph, mask: str) -> str:
     return g.op("Mul", [inv, g.const(MASK_FILL, np.float32, scope)], scope)
 
 
+def _split_heads(g: _Graph, x: str, q: str, k: str, v: str, a: str, seq: int, heads: int, dh: int):
+    """[N,S,H] -> per-head q [N,h,S,d], k^T [N,h,d,S], v [N,h,S,d]; also returns [N] for merging back.
+
+    Dynamic batch via Shape/Gather/Unsqueeze/Concat, as exporters trace it; the
+    int64 side-graph is something a precision pass must leave alone.
+    """
+    shp = g.op("Shape", [x], a)
+    n = g.op("Gather", [shp, g.const(0, np.int64, a)], a, axis=0)
+    n1 = g.op("Unsqueeze", [n, g.const([0], np.int64, a)], a)
+    split_shape = g.op("Concat", [n1, g.const([seq, heads, dh], np.int64, a)], a, axis=0)
+    q = g.op("Transpose", [g.op("Reshape", [q, split_shape], a)], a, perm=[0, 2, 1, 3])
+    k = g.op("Transpose", [g.op("Reshape", [k, split_shape], a)], a, perm=[0, 2, 3, 1])
+    v = g.op("Transpose", [g.op("Reshape", [v, split_shape], a)], a, perm=[0, 2, 1, 3])
+    return q, k, v, n1
+
+
 def _transformer_layer(
     g: _Graph, x: str, mask_add: str, scope: str, hidden: int, seq: int, heads: int, out_gain: float
 ) -> str:
@@ -268,16 +284,7 @@ def _transformer_layer(
     k = _linear(g, h, hidden, hidden, f"{a}/k")
     v = _linear(g, h, hidden, hidden, f"{a}/v")
 
-    # Dynamic batch via Shape/Gather/Unsqueeze/Concat, as exporters trace it; the
-    # int64 side-graph is something a precision pass must leave alone.
-    shp = g.op("Shape", [h], a)
-    n = g.op("Gather", [shp, g.const(0, np.int64, a)], a, axis=0)
-    n1 = g.op("Unsqueeze", [n, g.const([0], np.int64, a)], a)
-    split_shape = g.op("Concat", [n1, g.const([seq, heads, dh], np.int64, a)], a, axis=0)
-
-    q = g.op("Transpose", [g.op("Reshape", [q, split_shape], a)], a, perm=[0, 2, 1, 3])
-    k = g.op("Transpose", [g.op("Reshape", [k, split_shape], a)], a, perm=[0, 2, 3, 1])
-    v = g.op("Transpose", [g.op("Reshape", [v, split_shape], a)], a, perm=[0, 2, 1, 3])
+    q, k, v, n1 = _split_heads(g, h, q, k, v, a, seq, heads, dh)
 
     scores = g.op("MatMul", [q, k], a)
     scores = g.op("Div", [scores, g.const(math.sqrt(dh), np.float32, a)], a)
@@ -371,13 +378,7 @@ def _bert_layer(g: _Graph, x: str, mask_add: str, scope: str) -> str:
     q = _torch_linear(g, x, hidden, hidden, f"{a}/query")
     k = _torch_linear(g, x, hidden, hidden, f"{a}/key")
     v = _torch_linear(g, x, hidden, hidden, f"{a}/value")
-    shp = g.op("Shape", [x], a)
-    n = g.op("Gather", [shp, g.const(0, np.int64, a)], a, axis=0)
-    n1 = g.op("Unsqueeze", [n, g.const([0], np.int64, a)], a)
-    split_shape = g.op("Concat", [n1, g.const([seq, heads, dh], np.int64, a)], a, axis=0)
-    q = g.op("Transpose", [g.op("Reshape", [q, split_shape], a)], a, perm=[0, 2, 1, 3])
-    k = g.op("Transpose", [g.op("Reshape", [k, split_shape], a)], a, perm=[0, 2, 3, 1])
-    v = g.op("Transpose", [g.op("Reshape", [v, split_shape], a)], a, perm=[0, 2, 1, 3])
+    q, k, v, n1 = _split_heads(g, x, q, k, v, a, seq, heads, dh)
     scores = g.op("Div", [g.op("MatMul", [q, k], a), g.const(math.sqrt(dh), np.float32, a)], a)
     probs = g.op("Softmax", [g.op("Add", [scores, mask_add], a)], a, axis=-1)
     ctx = g.op("Transpose", [g.op("MatMul", [probs, v], a)], a, perm=[0, 2, 1, 3])

@@ -81,6 +81,8 @@ def main(argv=None) -> int:
     ap.add_argument("--initial-scale", type=float, default=None,
                     help="float16 run: initial loss scale (2**40 forces skipped steps at the start)")
     ap.add_argument("--json", type=Path)
+    ap.add_argument("--same-process", action="store_true",
+                    help="train float32 then float16 in this process (the order the issue saw NaN in)")
     args = ap.parse_args(argv)
     if args.precision:
         args.work = args.work or tempfile.mkdtemp(prefix="onnxmp-real-")
@@ -89,6 +91,11 @@ def main(argv=None) -> int:
     results = []
     precisions = ("float32", "float16", "bfloat16") if args.build_only else ("float32", "float16")
     for precision in precisions:
+        if args.same_process:
+            args.work = args.work or tempfile.mkdtemp(prefix="onnxmp-real-")
+            results.append(train_one(args.folder, precision, args))
+            print({k: v for k, v in results[-1].items() if k not in ("losses", "prepared")}, flush=True)
+            continue
         cmd = [sys.executable, __file__, str(args.folder), "--precision", precision, "--batch-size",
                str(args.batch_size), "--lr", str(args.lr)] + (["--build-only"] if args.build_only else []) + (
                    ["--initial-scale", str(args.initial_scale)] if args.initial_scale else [])
