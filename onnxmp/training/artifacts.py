@@ -36,7 +36,7 @@ from onnxmp.errors import OnnxMPError
 from onnxmp.naming import FreshNames, proto_names
 from onnxmp.training import _ort
 from onnxmp.training.labels import output_shape
-from onnxmp.training.prepare import describe, deterministic_gather_grads, prepare_for_gradient
+from onnxmp.training.prepare import describe, deterministic_gather_grads, prepare_for_gradient, promote_constants
 
 log = logging.getLogger("onnxmp.training.artifacts")
 
@@ -171,7 +171,8 @@ def build_artifacts(
         raise OnnxMPError(f"parameters both trainable and frozen: {', '.join(both)}")
 
     forward = _supported_versions(load(model))
-    _check_parameters(forward, requires_grad, frozen)
+    trainable_forward, _ = promote_constants(forward, [*requires_grad, *frozen])
+    _check_parameters(trainable_forward, requires_grad, frozen)
     loss_block, loss_name, label_name = _loss_block(loss, label_name)
     used = proto_names(forward.graph)
     clashes = sorted(used & {*_RESERVED, label_name})
@@ -179,7 +180,7 @@ def build_artifacts(
         raise OnnxMPError(f"the model already uses the name(s) {', '.join(clashes)}",
                           "rename them, or pass another label_name")
 
-    prepared, preparations = prepare_for_gradient(forward, requires_grad)
+    prepared, preparations = prepare_for_gradient(trainable_forward, requires_grad)
     train_forward = _training_forward(prepared, precision, target, [*requires_grad, *frozen])
     training, evaluation, parameters = _gradient_graph(train_forward, loss_block, label_name,
                                                        requires_grad, frozen)

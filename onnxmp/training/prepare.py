@@ -99,6 +99,34 @@ def prepare_for_gradient(model: onnx.ModelProto, requires_grad: Iterable[str]) -
     return result, done
 
 
+def promote_constants(model: onnx.ModelProto, names: Iterable[str]) -> tuple[onnx.ModelProto, list[str]]:
+    """A copy of ``model`` in which the ``Constant`` nodes producing ``names`` are initializers.
+
+    Some exporters write weights as Constant nodes; ORT trains initializers only.
+    The forward model keeps its Constant nodes, and :meth:`Trainer.export_inference`
+    writes the trained values back into them.  Returns the copy and the names promoted.
+    """
+    wanted = set(names)
+    initializers = {t.name for t in model.graph.initializer}
+    constants = {n.output[0]: n for n in model.graph.node
+                 if n.op_type == "Constant" and n.domain in ("", "ai.onnx") and n.output[0] in wanted
+                 and n.output[0] not in initializers and _attr(n, "value", None) is not None}
+    if not constants:
+        return model, []
+    result = onnx.ModelProto()
+    result.CopyFrom(model)
+    kept = [n for n in result.graph.node if not (n.op_type == "Constant" and n.output[0] in constants)]
+    result.graph.ClearField("node")
+    result.graph.node.extend(kept)
+    for name, node in constants.items():
+        tensor = onnx.TensorProto()
+        tensor.CopyFrom(_attr(node, "value", None))
+        tensor.name = name
+        result.graph.initializer.append(tensor)
+    log.info("training %d Constant-node weight(s) as initializers", len(constants))
+    return result, sorted(constants)
+
+
 # --- rewrites --------------------------------------------------------------------------
 
 

@@ -382,6 +382,12 @@ class Trainer:
                 dtype = onnx.helper.tensor_dtype_to_np_dtype(init.data_type)
                 model.graph.initializer[i].CopyFrom(numpy_helper.from_array(trained[init.name].astype(dtype),
                                                                             init.name))
+        for node in model.graph.node:  # weights the exporter wrote as Constant nodes
+            if node.op_type == "Constant" and node.output[0] in trained:
+                for attr in node.attribute:
+                    if attr.name == "value":
+                        dtype = onnx.helper.tensor_dtype_to_np_dtype(attr.t.data_type)
+                        attr.t.CopyFrom(numpy_helper.from_array(trained[node.output[0]].astype(dtype), attr.t.name))
         if precision != "float32":
             import onnxmp
 

@@ -149,3 +149,22 @@ def test_tanh_gelu_gets_the_tanh_gradient(tmp_path):
     dy_dh = 0.5 * (1 + t) + 0.5 * h * (1 - t**2) * k * (1 + 3 * 0.044715 * h**2)
     expected = x.T.astype(np.float64) @ (2 * y / y.size * dy_dh)
     np.testing.assert_allclose(w - trainer.parameters()["W"], expected, rtol=1e-4, atol=1e-6)
+
+
+def test_constant_node_weights_train_and_export(tmp_path):
+    from onnxmp.training import Trainer
+
+    model = onnx.parser.parse_model("""<ir_version: 8, opset_import: ["" : 17]>
+g (float[N,4] x) => (float[N,4] y) {
+  W = Constant<value=float[4,4] {1,0,0,0, 0,1,0,0, 0,0,1,0, 0,0,0,1}>()
+  y = MatMul(x, W)
+}""")
+    artifacts = build_artifacts(model, requires_grad=["W"], loss="mse", precision="float32", out_dir=tmp_path / "a")
+    assert onnx.load(artifacts.path("forward_model")).graph == model.graph  # still a Constant node
+    trainer = Trainer(artifacts, lr=0.1)
+    x = np.random.default_rng(0).normal(size=(8, 4)).astype(np.float32)
+    trainer.train_step(x, 2 * x)
+    exported = onnx.load(trainer.export_inference(tmp_path / "m.onnx", precision="float32"))
+    weight = numpy_helper.to_array(exported.graph.node[0].attribute[0].t)
+    np.testing.assert_array_equal(weight, trainer.parameters()["W"])
+    assert not np.array_equal(weight, np.eye(4, dtype=np.float32))
