@@ -396,7 +396,7 @@ def _bert_layer(g: _Graph, x: str, mask_add: str, scope: str) -> str:
     return _torch_layer_norm(g, g.op("Add", [h, x], f), hidden, f"{f}/LayerNorm")
 
 
-def transformer_classifier() -> onnx.ModelProto:
+def transformer_classifier(mask_fill: str = "mul") -> onnx.ModelProto:
     """BERT-style encoder classifier: input_ids, attention_mask [N,12] int64 -> logits[N,2].
 
     Built the way ``torch.onnx.export(..., opset_version=17, dynamo=False)``
@@ -405,6 +405,8 @@ def transformer_classifier() -> onnx.ModelProto:
     ``(1 - mask) * finfo(float32).min`` added to the scores (-inf in float16),
     Erf GELU, and a tanh pooler over the first token before the classifier.
     Two layers, hidden 32, 4 heads; the task is :func:`classifier_task`.
+    ``mask_fill="where"`` builds the mask as transformers 4.4x+ does instead:
+    ``Where(bool(1 - mask), finfo.min, 1 - mask)`` (not committed).
     """
     g = _Graph(np.random.default_rng(2024))
     hidden = TC_HIDDEN
@@ -422,8 +424,12 @@ def transformer_classifier() -> onnx.ModelProto:
     mask = g.op("Unsqueeze", [g.op("Unsqueeze", ["attention_mask", g.const([1], np.int64, m)], m),
                               g.const([2], np.int64, m)], m)
     mask = g.op("Cast", [mask], m, to=TensorProto.FLOAT)
-    mask_add = g.op("Mul", [g.op("Sub", [g.const(1.0, np.float32, m), mask], m),
-                            g.const(FLOAT32_MIN, np.float32, m)], m)
+    inverted = g.op("Sub", [g.const(1.0, np.float32, m), mask], m)
+    if mask_fill == "where":
+        mask_add = g.op("Where", [g.op("Cast", [inverted], m, to=TensorProto.BOOL),
+                                  g.const(FLOAT32_MIN, np.float32, m), inverted], m)
+    else:
+        mask_add = g.op("Mul", [inverted, g.const(FLOAT32_MIN, np.float32, m)], m)
 
     for i in range(TC_LAYERS):
         x = _bert_layer(g, x, mask_add, f"encoder/layer.{i}")

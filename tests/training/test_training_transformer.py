@@ -104,15 +104,26 @@ def test_fp16_first_step_in_a_fresh_process(artifacts, task, tmp_path):
     assert np.isfinite(float(loss)) and finite == "True"
 
 
-def test_the_mask_fill_stays_float32_in_the_fp16_training_graph(artifacts):
-    model = onnx.load(artifacts["float16"].training_model)
+@pytest.mark.parametrize("fill", ["mul", "where"])
+def test_the_mask_fill_stays_float32_in_the_fp16_training_graph(artifacts, fill, tmp_path, task):
+    # (1 - mask) * finfo.min or Where(..., finfo.min, ...): -inf in float16, and 0 * -inf is NaN.
+    folder = artifacts["float16"] if fill == "mul" else build_artifacts(
+        zoo.transformer_classifier(mask_fill=fill), requires_grad=trainable(zoo.transformer_classifier(fill)),
+        precision="float16", target="cpu", out_dir=tmp_path / fill)
+    model = onnx.load(folder.training_model)
     producers = {o: n for n in model.graph.node for o in n.output}
     softmax = [n for n in model.graph.node if n.op_type == "Softmax"]
-    assert softmax
+    assert len(softmax) == zoo.TC_LAYERS
     for node in softmax:
-        # No float16 rounding (an emulation Cast pair) between the -3.4e38 fill and the Softmax.
-        source = producers[node.input[0]]
-        assert source.op_type == "Add", source.op_type
+        # No float16 rounding (an emulation Cast pair) between the fill and the Softmax.
+        add = producers[node.input[0]]
+        assert add.op_type == "Add"
+        mask = producers[add.input[1]]
+        assert mask.op_type == {"mul": "Mul", "where": "Where"}[fill], mask.op_type
+    trainer = Trainer(folder, lr=1e-3)
+    for batch in task[:3]:
+        result = trainer.train_step(*batch)
+        assert result.all_finite and np.isfinite(result.loss)
 
 
 def test_resume_refuses_to_drop_an_lr_schedule(artifacts, task, tmp_path):
