@@ -60,12 +60,14 @@ def train_one(folder: Path, precision: str, args) -> dict:
         nan_after_skip += bool(skipped) and not math.isfinite(r.loss)
         skipped += r.skipped
     train_s = time.perf_counter() - start
-    batches = [tuple(evaluation[k][i:i + 64] for k in [*columns, "labels"]) for i in range(0, len(evaluation["labels"]), 64)]
+    batches = [tuple(evaluation[k][i:i + 64] for k in [*columns, "labels"])
+               for i in range(0, len(evaluation["labels"]), 64)]
     result = trainer.evaluate(batches, ["accuracy"])
     weights_finite = all(np.isfinite(v).all() for v in trainer.parameters().values())
     return {"precision": precision, "build_s": build_s, "train_s": train_s, "steps": len(losses),
-            "first_loss": losses[0], "last_loss": losses[-1], "nan_losses": sum(not math.isfinite(x) for x in losses),
-            "skipped": skipped, "nan_after_a_skip": nan_after_skip, "final_scale": trainer.scaler.scale, "eval_loss": result["loss"],
+            "first_loss": losses[0], "last_loss": losses[-1],
+            "nan_losses": sum(not math.isfinite(x) for x in losses), "skipped": skipped,
+            "nan_after_a_skip": nan_after_skip, "final_scale": trainer.scaler.scale, "eval_loss": result["loss"],
             "eval_accuracy": result["accuracy"], "weights_finite": weights_finite,
             "losses": losses, "prepared": artifacts.manifest["prepared_for_gradient"]}
 

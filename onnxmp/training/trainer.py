@@ -332,7 +332,8 @@ class Trainer:
         with atomic_directory(path) as folder:
             for kind, name in manifest["files"].items():
                 if kind != "checkpoint":
-                    atomic_write(folder / name, lambda tmp, source=self.artifacts.path(kind): shutil.copyfile(source, tmp))
+                    source = self.artifacts.path(kind)
+                    atomic_write(folder / name, lambda tmp, source=source: shutil.copyfile(source, tmp))
             _ort.api().CheckpointState.save_checkpoint(self._state, str(folder / manifest["files"]["checkpoint"]),
                                                        include_optimizer_state=True)
             write_text_atomic(folder / MANIFEST, json.dumps(manifest, indent=2) + "\n")

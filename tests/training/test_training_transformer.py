@@ -1,7 +1,6 @@
 """The bundled BERT-style classifier (models.zoo.transformer_classifier) trains in fp32 and fp16,
 reproducibly, and a non-finite step never reaches its weights."""
 import hashlib
-import json
 import subprocess
 import sys
 
