@@ -3,7 +3,9 @@
 
     python scripts/check_real_export.py DIR [--build-only] [--epochs 1] [--batch-size 16] [--lr 2e-4]
 
-Builds training artifacts with every float initializer trainable for float32,
+Builds training artifacts with every float initializer trainable (but those
+:func:`onnxmp.training.prepare.without_gradient` names: constants some exporters
+store as initializers) for float32,
 float16 and bfloat16 (CPU target), then trains float32 and float16 (dynamic
 loss scaling) for the same steps on the same batches and prints loss, skipped
 steps, NaN count and eval accuracy side by side.  Each training run happens in
@@ -34,11 +36,16 @@ def train_one(folder: Path, precision: str, args) -> dict:
     model = onnx.load(folder / "minilm_cls.onnx")
     names = [v.name for v in model.graph.input]
     start = time.perf_counter()
-    artifacts = build_artifacts(model, requires_grad=trainable(model), precision=precision, target="cpu",
+    from onnxmp.training.prepare import without_gradient
+
+    # Constants an exporter stored as initializers (dynamo: a clamp minimum) cannot have a gradient.
+    constant = without_gradient(model, trainable(model))
+    artifacts = build_artifacts(model, requires_grad=[n for n in trainable(model) if n not in constant],
+                                frozen=list(constant), precision=precision, target="cpu",
                                 out_dir=Path(args.work) / precision)
     build_s = time.perf_counter() - start
     if args.build_only:
-        return {"precision": precision, "build_s": build_s,
+        return {"precision": precision, "build_s": build_s, "frozen": constant,
                 "prepared": artifacts.manifest["prepared_for_gradient"]}
     train, evaluation = np.load(folder / "train.npz"), np.load(folder / "eval.npz")
     columns = list(names)
@@ -69,7 +76,7 @@ def train_one(folder: Path, precision: str, args) -> dict:
             "nan_losses": sum(not math.isfinite(x) for x in losses), "skipped": skipped,
             "nan_after_a_skip": nan_after_skip, "final_scale": trainer.scaler.scale, "eval_loss": result["loss"],
             "eval_accuracy": result["accuracy"], "weights_finite": weights_finite,
-            "losses": losses, "prepared": artifacts.manifest["prepared_for_gradient"]}
+            "frozen": constant, "losses": losses, "prepared": artifacts.manifest["prepared_for_gradient"]}
 
 
 def main(argv=None) -> int:

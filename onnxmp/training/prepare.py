@@ -50,6 +50,11 @@ NO_GRADIENT = frozenset({
     "Mod", "Det",
 })
 
+# Float input slots ORT 1.19 computes no gradient for (each confirmed: a parameter read only
+# there makes ORT fail with "failed to find NodeArg by name: <param>_grad").
+NOT_DIFFERENTIATED = {"Clip": {1: "min", 2: "max"}, "Pow": {1: "exponent"}, "Pad": {2: "constant_value"},
+                      "Dropout": {1: "ratio"}, "Resize": {1: "roi", 2: "scales"}}
+
 _FLOATS = {TensorProto.FLOAT, TensorProto.FLOAT16, TensorProto.BFLOAT16, TensorProto.DOUBLE}
 
 
@@ -317,66 +322,24 @@ def _check_differentiable(model: onnx.ModelProto, requires_grad: list[str],
                           types: dict[str, onnx.TypeProto]) -> None:
     """Every trainable parameter must reach the loss (the first output) through float
     tensors, and no op on those paths may lack a gradient."""
-    graph = model.graph
-    consumers: dict[str, list[onnx.NodeProto]] = defaultdict(list)
-    producers: dict[str, onnx.NodeProto] = {}
-    for node in graph.node:
-        for name in node.input:
-            consumers[name].append(node)
-        for name in node.output:
-            producers[name] = node
-
-    def is_float(name: str) -> bool:
-        tp = types.get(name)
-        if tp is None or not tp.HasField("tensor_type"):
-            return True  # unknown: let ORT decide
-        return tp.tensor_type.elem_type in _FLOATS
-
-    # Backward from the loss's input: every tensor the first output depends on.
-    target = graph.output[0].name
-    needed: set[str] = set()
-    queue = deque([target])
-    while queue:
-        name = queue.popleft()
-        if name in needed:
-            continue
-        needed.add(name)
-        node = producers.get(name)
-        if node is not None:
-            queue.extend(i for i in node.input if i)
-
-    unused = [p for p in requires_grad if p not in needed]
+    paths = _GradientPaths(model, types)
+    unused = [p for p in requires_grad if p not in paths.needed]
     if unused:
-        raise OnnxMPError(f"the model's output {target!r} does not depend on trainable parameter(s) "
+        raise OnnxMPError(f"the model's output {paths.target!r} does not depend on trainable parameter(s) "
                           f"{', '.join(unused[:10])}", "leave them out of requires_grad (or pass them as frozen)")
-
-    # Forward from each parameter through float tensors the loss needs.
-    reached_by: dict[str, set[str]] = defaultdict(set)  # node name -> parameters reaching it
     blocked: dict[str, onnx.NodeProto] = {}
+    reached_by: dict[str, set[str]] = defaultdict(set)  # node -> parameters reaching it
     for param in requires_grad:
-        seen = {param}
-        queue = deque([param])
-        reaches = False
-        while queue:
-            name = queue.popleft()
-            if name == target:
-                reaches = True
-            for node in consumers.get(name, ()):
-                outs = [o for o in node.output if o and o in needed and is_float(o)]
-                if not outs:
-                    continue
-                key = node.name or node.output[0]
-                if node.op_type in NO_GRADIENT and node.domain in ("", "ai.onnx"):
-                    blocked[key] = node
-                reached_by[key].add(param)
-                for o in outs:
-                    if o not in seen:
-                        seen.add(o)
-                        queue.append(o)
+        reaches, nodes, stopped = paths.walk(param)
+        for key, node in nodes.items():
+            reached_by[key].add(param)
+            if node.op_type in NO_GRADIENT and node.domain in ("", "ai.onnx"):
+                blocked[key] = node
         if not reaches:
-            raise OnnxMPError(f"trainable parameter {param!r} reaches the output {target!r} only through "
-                              "integer or boolean tensors, so it has no gradient",
-                              "leave it out of requires_grad (or pass it as frozen)")
+            detail = f" (it feeds only {stopped})" if stopped else ""
+            raise OnnxMPError(f"trainable parameter {param!r} reaches the output {paths.target!r} only through "
+                              f"integer or boolean tensors or inputs onnxruntime does not differentiate{detail}, "
+                              "so it has no gradient", "leave it out of requires_grad (or pass it as frozen)")
     if blocked:
         first = next(iter(blocked.values()))
         key = first.name or first.output[0]
@@ -387,6 +350,84 @@ def _check_differentiable(model: onnx.ModelProto, requires_grad: list[str],
             f"between trainable parameters and the loss" + (f"; also: {', '.join(ops)}" if len(ops) > 1 else ""),
             f"freeze the parameters that feed it ({', '.join(params[:5])}{', ...' if len(params) > 5 else ''}), "
             f"or re-export the model with {first.op_type} written in differentiable ops")
+
+
+def without_gradient(model: onnx.ModelProto, names: Iterable[str]) -> dict[str, str]:
+    """Of the initializers ``names``, those the loss cannot differentiate, with the reason.
+
+    For callers that train "every weight" (``onnxmp train``): exporters such as
+    torch's dynamo exporter store constants (a clamp's minimum, a mask fill) as
+    initializers, and ORT computes no gradient for them.
+    """
+    from onnxmp.emulate import _infer_types
+
+    model, _ = prepare_for_gradient(model, [])
+    paths = _GradientPaths(model, _infer_types(model))
+    result = {}
+    for name in names:
+        if name not in paths.needed:
+            result[name] = f"the output {paths.target!r} does not use it"
+            continue
+        reaches, _, stopped = paths.walk(name)
+        if not reaches:
+            result[name] = f"it feeds only {stopped or 'integer or boolean tensors'}"
+    return result
+
+
+class _GradientPaths:
+    """The float paths from tensors to the loss (the model's first output)."""
+
+    def __init__(self, model: onnx.ModelProto, types: dict[str, onnx.TypeProto]):
+        graph = model.graph
+        self.types = types
+        self.consumers: dict[str, list[onnx.NodeProto]] = defaultdict(list)
+        producers: dict[str, onnx.NodeProto] = {}
+        for node in graph.node:
+            for name in dict.fromkeys(node.input):
+                self.consumers[name].append(node)
+            for name in node.output:
+                producers[name] = node
+        self.target = graph.output[0].name
+        # Backward from the loss's input: every tensor the first output depends on.
+        self.needed: set[str] = set()
+        queue = deque([self.target])
+        while queue:
+            name = queue.popleft()
+            if name in self.needed:
+                continue
+            self.needed.add(name)
+            node = producers.get(name)
+            if node is not None:
+                queue.extend(i for i in node.input if i)
+
+    def _is_float(self, name: str) -> bool:
+        tp = self.types.get(name)
+        if tp is None or not tp.HasField("tensor_type"):
+            return True  # unknown: let ORT decide
+        return tp.tensor_type.elem_type in _FLOATS
+
+    def walk(self, source: str) -> tuple[bool, dict[str, onnx.NodeProto], str]:
+        """Whether ``source`` reaches the loss through differentiated float inputs; the nodes on
+        the way; and the first input slot ORT does not differentiate that stopped the walk."""
+        seen, queue, nodes, stopped, reaches = {source}, deque([source]), {}, "", False
+        while queue:
+            name = queue.popleft()
+            reaches |= name == self.target
+            for node in self.consumers.get(name, ()):
+                skip = NOT_DIFFERENTIATED.get(node.op_type, {}) if node.domain in ("", "ai.onnx") else {}
+                slots = [i for i, n in enumerate(node.input) if n == name]
+                if all(i in skip for i in slots):
+                    stopped = stopped or f"{node.op_type} {skip[slots[0]]} (node {node.name!r})"
+                    continue
+                outs = [o for o in node.output if o and o in self.needed and self._is_float(o)]
+                if not outs:
+                    continue
+                nodes[node.name or node.output[0]] = node
+                for o in outs:
+                    if o not in seen:
+                        seen.add(o)
+                        queue.append(o)
+        return reaches, nodes, stopped
 
 
 def describe(preparations: list[Preparation]) -> list[dict[str, str | int]]:

@@ -123,3 +123,17 @@ def test_train_the_bundled_transformer_classifier(tmp_path, capsys):
     session = ort.InferenceSession(str(out / "model.onnx"), providers=["CPUExecutionProvider"])
     feeds = zoo.inputs_for("transformer_classifier", 3)
     assert session.run(None, feeds)[0].shape == (3, 2)
+
+
+def test_constants_stored_as_initializers_are_not_trained(files, capsys):
+    model = onnx.parser.parse_model("""<ir_version: 8, opset_import: ["" : 17]>
+g (float[N,8] x) => (float[N,4] y) {
+  h = MatMul(x, W)
+  y = Clip(h, lo)
+}""")
+    model.graph.initializer.extend([onnx.numpy_helper.from_array(np.eye(8, 4, dtype=np.float32), "W"),
+                                    onnx.numpy_helper.from_array(np.array(-5.0, np.float32), "lo")])
+    onnx.save(model, files / "model.onnx")
+    assert main(_args(files, files / "out", 1, "--precision", "float32")) == 0
+    manifest = json.loads((files / "out" / "state" / "manifest.json").read_text())
+    assert manifest["requires_grad"] == ["W"] and manifest["frozen"] == ["lo"]

@@ -168,3 +168,20 @@ g (float[N,4] x) => (float[N,4] y) {
     weight = numpy_helper.to_array(exported.graph.node[0].attribute[0].t)
     np.testing.assert_array_equal(weight, trainer.parameters()["W"])
     assert not np.array_equal(weight, np.eye(4, dtype=np.float32))
+
+
+@pytest.mark.parametrize("body,slot", [
+    ("y = Clip(h, P)", "Clip min"),
+    ("a = Abs(h)\n y = Pow(a, P)", "Pow exponent"),
+    ("y, m = Dropout(h, P)", "Dropout ratio"),
+])
+def test_parameter_read_only_where_ort_does_not_differentiate(body, slot, tmp_path):
+    # torch's dynamo exporter stores constants such as a clamp's minimum as initializers.
+    from onnxmp.training.prepare import without_gradient
+
+    model = _model(body)
+    model.graph.initializer.append(numpy_helper.from_array(np.array(0.1, np.float32), "P"))
+    with pytest.raises(OnnxMPError, match=f"'P'.*{slot}"):
+        build_artifacts(model, requires_grad=["W", "P"], loss="mse", precision="float32", out_dir=tmp_path / "a")
+    assert list(without_gradient(model, ["W", "P"])) == ["P"]
+    build_artifacts(model, requires_grad=["W"], frozen=["P"], loss="mse", precision="float32", out_dir=tmp_path / "b")
