@@ -449,7 +449,8 @@ def deterministic_gather_grads(training: onnx.ModelProto) -> int:
     changes from run to run and the embedding gradient differs in its last
     bits: identical runs drift apart.  ScatterElements adds in index order.
     Needs opset 16 (``reduction``); a training graph at opset 14 or 15 is
-    moved to 16, which changed no op those versions use in an incompatible way.
+    moved to 16, which changed no op of those versions incompatibly except
+    RoiAlign's default mode (a graph with RoiAlign stays as it is).
     Returns how many nodes were replaced.
     """
     graph = training.graph
@@ -457,9 +458,11 @@ def deterministic_gather_grads(training: onnx.ModelProto) -> int:
     if not grads:
         return 0
     default = next((o for o in training.opset_import if o.domain in ("", "ai.onnx")), None)
-    if default is None or default.version < 14:
-        log.warning("embedding gradients stay nondeterministic: the model's opset %s is below 14",
-                    default.version if default else "?")
+    if default is None or default.version < 14 or (
+            default.version < _SCATTER_REDUCTION_OPSET and any(n.op_type == "RoiAlign" for n in graph.node)):
+        # RoiAlign-16 changed its default coordinate mode, so such a graph keeps its opset.
+        log.warning("embedding gradients stay nondeterministic: the model's opset %s cannot move to %d",
+                    default.version if default else "?", _SCATTER_REDUCTION_OPSET)
         return 0
     default.version = max(default.version, _SCATTER_REDUCTION_OPSET)
     names = FreshNames(proto_names(graph))

@@ -185,3 +185,31 @@ def test_parameter_read_only_where_ort_does_not_differentiate(body, slot, tmp_pa
         build_artifacts(model, requires_grad=["W", "P"], loss="mse", precision="float32", out_dir=tmp_path / "a")
     assert list(without_gradient(model, ["W", "P"])) == ["P"]
     build_artifacts(model, requires_grad=["W"], frozen=["P"], loss="mse", precision="float32", out_dir=tmp_path / "b")
+
+
+@pytest.mark.parametrize("opset,expected", [(14, 16), (17, 17)])
+def test_embedding_gradient_is_a_scatter_add_at_any_opset(opset, expected, tmp_path):
+    from onnxmp.training import Trainer
+
+    model = onnx.parser.parse_model(f"""<ir_version: 8, opset_import: ["" : {opset}]>
+g (int64[N,3] ids) => (float[N,3,4] y) {{
+  e = Gather(E, ids)
+  y = MatMul(e, W)
+}}""")
+    rng = np.random.default_rng(0)
+    model.graph.initializer.extend([numpy_helper.from_array(rng.normal(size=(5, 4)).astype(np.float32), "E"),
+                                    numpy_helper.from_array(rng.normal(size=(4, 4)).astype(np.float32), "W")])
+    artifacts = build_artifacts(model, requires_grad=["E", "W"], loss="mse", optimizer="sgd", precision="float32",
+                                out_dir=tmp_path)
+    training = onnx.load(artifacts.training_model)
+    assert "GatherGrad" not in {n.op_type for n in training.graph.node}
+    assert [o.version for o in training.opset_import if o.domain == ""] == [expected]
+    trainer = Trainer(artifacts, lr=1.0)
+    ids = np.array([[0, 2, 2], [4, 0, 2]])
+    target = np.zeros((2, 3, 4), np.float32)
+    e, w = trainer.parameters()["E"].astype(np.float64), trainer.parameters()["W"].astype(np.float64)
+    trainer.train_step(ids, target)
+    dy = 2 * (e[ids] @ w) / target.size
+    expected_grad = np.zeros_like(e)
+    np.add.at(expected_grad, ids.ravel(), (dy @ w.T).reshape(-1, 4))
+    np.testing.assert_allclose(e - trainer.parameters()["E"], expected_grad, rtol=1e-5, atol=1e-7)
