@@ -299,6 +299,15 @@ def _gradient_error(exc: BaseException) -> OnnxMPError:
         return OnnxMPError("onnxruntime's gradient builder needs an optional output that a node of the model "
                            "does not produce", "please report this model to onnxmp: its preparation pass "
                            "should have added the output")
+    no_grad = re.search(r"failed to find NodeArg by name: (\S+)_grad\b", text)
+    if no_grad:
+        return OnnxMPError(f"onnxruntime computed no gradient for trainable parameter {no_grad.group(1)!r}: the "
+                           "loss reads it only through inputs onnxruntime does not differentiate",
+                           "leave it out of requires_grad (or pass it as frozen)")
+    if "unordered_map::at" in text:
+        return OnnxMPError("onnxruntime's gradient builder missed an attribute of a node between the parameters "
+                           "and the loss (an exporter left out an optional attribute)",
+                           "please report this model to onnxmp; run with -v -v to see onnxruntime's log")
     if "couldn't find the consumer node" in text:
         return OnnxMPError("a trainable parameter does not reach the loss through differentiable ops",
                            "leave parameters the loss does not use out of requires_grad")

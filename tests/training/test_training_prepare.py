@@ -129,6 +129,9 @@ def test_ort_builder_errors_are_translated():
     assert "optional output" in str(output)
     consumer = _gradient_error(RuntimeError("couldn't find the consumer node"))
     assert "requires_grad" in consumer.hint
+    arg = _gradient_error(RuntimeError("graph_augmenter.cc:23 AddToExistingNodeArgs add graph outputs - "
+                                       "failed to find NodeArg by name: val_343_grad"))
+    assert "'val_343'" in str(arg) and "frozen" in arg.hint
 
 
 def test_tanh_gelu_gets_the_tanh_gradient(tmp_path):
