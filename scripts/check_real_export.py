@@ -40,6 +40,9 @@ def train_one(folder: Path, precision: str, args) -> dict:
 
     # Constants an exporter stored as initializers (dynamo: a clamp minimum) cannot have a gradient.
     constant = without_gradient(model, trainable(model))
+    if args.freeze_scalars:  # torch's dynamo exporter stores scalar constants as initializers
+        constant.update({t.name: "a scalar constant" for t in model.graph.initializer
+                         if t.name in trainable(model) and not t.dims})
     artifacts = build_artifacts(model, requires_grad=[n for n in trainable(model) if n not in constant],
                                 frozen=list(constant), precision=precision, target="cpu",
                                 out_dir=Path(args.work) / precision)
@@ -90,6 +93,7 @@ def main(argv=None) -> int:
     ap.add_argument("--initial-scale", type=float, default=None,
                     help="float16 run: initial loss scale (2**40 forces skipped steps at the start)")
     ap.add_argument("--json", type=Path)
+    ap.add_argument("--freeze-scalars", action="store_true", help="do not train 0-d float initializers")
     ap.add_argument("--same-process", action="store_true",
                     help="train float32 then float16 in this process (the order the issue saw NaN in)")
     args = ap.parse_args(argv)
@@ -107,7 +111,8 @@ def main(argv=None) -> int:
             continue
         cmd = [sys.executable, __file__, str(args.folder), "--precision", precision, "--batch-size",
                str(args.batch_size), "--lr", str(args.lr)] + (["--build-only"] if args.build_only else []) + (
-                   ["--initial-scale", str(args.initial_scale)] if args.initial_scale else [])
+                   ["--initial-scale", str(args.initial_scale)] if args.initial_scale else []) + (
+                   ["--freeze-scalars"] if args.freeze_scalars else [])
         proc = subprocess.run(cmd, capture_output=True, text=True)
         if proc.returncode:
             results.append({"precision": precision, "exit_code": proc.returncode, "error": proc.stderr[-2000:]})
