@@ -458,13 +458,12 @@ def _check_device(device: str, artifacts: Artifacts) -> str:
 
 
 def _session_options():
-    import os as _os
     import onnxruntime
 
     options = onnxruntime.SessionOptions()
+    # Deterministic kernels where ORT has a choice (CUDA); on the CPU the nondeterministic
+    # gradient kernels (GatherGrad, InplaceClipGradNorm) are kept out of the graphs instead.
     options.use_deterministic_compute = True
-    if _os.environ.get("ONNXMP_THREADS"):
-        options.intra_op_num_threads = int(_os.environ["ONNXMP_THREADS"])
     return options
 
 
