@@ -20,7 +20,7 @@ from onnx_graphsurgeon.logger import G_LOGGER
 from onnxmp.color import ColorOptions, ColorResult, color
 from onnxmp.color.seeds import DEFAULT_THRESHOLD, DEFAULT_UNDERFLOW_SHARE
 from onnxmp.errors import OnnxMPError
-from onnxmp.graphs import iter_graphs
+from onnxmp.graphs import is_tensor, iter_graphs, iter_proto_graphs
 from onnxmp.lists import PRECISIONS, TARGETS, ListOverrides, resolve_lists
 from onnxmp.load import ModelLike, load
 from onnxmp.normalize import normalize
@@ -126,7 +126,7 @@ def _analyse(proto: onnx.ModelProto, options: ColorOptions, level: str, timings:
     report.advice = tensor_core_advice(normalized.graph, colored.coloring)
     report.groups = group_rows(colored.coloring)
     if normalized.inference_error:
-        report.calibration["shape_inference_error"] = normalized.inference_error
+        report.shape_inference_error = normalized.inference_error
     return normalized, colored, report
 
 
@@ -160,26 +160,33 @@ def convert(model: ModelLike, *, target: str = "cuda", precision: str = "float16
             level: str = "default", lists: Mapping[str, Iterable[str]] | ListOverrides | None = None,
             block_nodes: Iterable[str] = (), calibration=None, tolerance: float | None = None,
             calibration_threshold: float = DEFAULT_THRESHOLD, underflow_share: float = DEFAULT_UNDERFLOW_SHARE,
-            master_weights: Iterable[str] = ()) -> ConversionResult:
+            master_weights: Iterable[str] = (), metric=None, holdout: int | None = None,
+            max_runs: int | None = None) -> ConversionResult:
     """Convert ``model`` to mixed ``precision`` for ``target`` with TF's AMP algorithm.
 
     ``calibration`` (sample inputs: a dict of arrays, a list of them, or .npz paths)
     enables the magnitude seed (``calibration_threshold``) and the accuracy-guided
-    fallback to ``tolerance`` (see :mod:`onnxmp.calibrate`).  ``underflow_share`` is the
+    search to ``tolerance`` under ``metric`` (see :mod:`onnxmp.calibrate` and
+    :mod:`onnxmp.metrics`), tuning on all but the last ``holdout`` samples and
+    giving up after ``max_runs`` emulated runs.  A missed tolerance is not an
+    exception: ``result.report.calibration.met`` is False and the model is the
+    best found.  ``underflow_share`` is the
     share of an initializer's values that may flush or turn subnormal before its node
     stays float32.  ``master_weights`` names initializers that must stay float32 and be
     Cast at each low-precision use (training).
     """
     if calibration is not None:
-        from onnxmp.calibrate import DEFAULT_TOLERANCE, convert_with_calibration
+        from onnxmp.calibrate import DEFAULT_TOLERANCE, MAX_RUNS, convert_with_calibration
 
         return convert_with_calibration(
             model, calibration=calibration, tolerance=DEFAULT_TOLERANCE if tolerance is None else tolerance,
+            metric=metric, holdout=holdout, max_runs=MAX_RUNS if max_runs is None else max_runs,
             calibration_threshold=calibration_threshold, underflow_share=underflow_share, target=target,
             precision=precision, keep_io_types=keep_io_types, level=level, lists=lists, block_nodes=block_nodes,
             master_weights=master_weights)
-    if tolerance is not None:
-        raise OnnxMPError("tolerance needs calibration samples", hint="pass calibration=inputs (or --calibrate a.npz)")
+    for name, value in (("tolerance", tolerance), ("metric", metric), ("holdout", holdout), ("max_runs", max_runs)):
+        if value is not None:
+            raise OnnxMPError(f"{name} needs calibration samples", hint="pass calibration=inputs (or --calibrate a.npz)")
     return convert_once(model, target=target, precision=precision, keep_io_types=keep_io_types, level=level,
                         lists=lists, block_nodes=block_nodes, master_weights=master_weights,
                         underflow_share=underflow_share)
@@ -253,11 +260,8 @@ def _convert_loaded(model, original, timings, target, precision, keep_io_types, 
 
 
 def _all_nodes(graph: onnx.GraphProto):
-    for node in graph.node:
-        yield node
-        for attr in node.attribute:
-            for sub in ([attr.g] if attr.type == onnx.AttributeProto.GRAPH else attr.graphs):
-                yield from _all_nodes(sub)
+    for g in iter_proto_graphs(graph):
+        yield from g.node
 
 
 def export(graph: gs.Graph, original: onnx.ModelProto) -> onnx.ModelProto:
@@ -267,8 +271,9 @@ def export(graph: gs.Graph, original: onnx.ModelProto) -> onnx.ModelProto:
     the newer IR that onnx's helpers stamp by default.
     """
     graph.cleanup(remove_unused_graph_inputs=False, remove_unused_node_outputs=False, recurse_subgraphs=True)
-    with G_LOGGER.suppress(G_LOGGER.ERROR):
+    with G_LOGGER.suppress(G_LOGGER.ERROR), _non_tensor_types_hidden(graph):
         model = gs.export_onnx(graph, do_type_check=False)
+    _restore_non_tensor_types(model.graph, _non_tensor_types(original.graph))
     _restore_initializer_inputs(model, original)
     model.ir_version = original.ir_version
     del model.opset_import[:]
@@ -280,6 +285,55 @@ def export(graph: gs.Graph, original: onnx.ModelProto) -> onnx.ModelProto:
     if original.functions and not model.functions:
         model.functions.extend(original.functions)
     return model
+
+
+@contextmanager
+def _non_tensor_types_hidden(graph: gs.Graph):
+    """GS writes a sequence without its element shape and cannot write an optional or a map at all
+    (its dtype is a whole TypeProto); such values never change type, so they are exported untyped
+    and their original types put back by :func:`_restore_non_tensor_types`."""
+    hidden = []
+    for _, g, _ in iter_graphs(graph):
+        for tensor in g.tensors().values():
+            if not is_tensor(tensor) and tensor.dtype is not None:
+                hidden.append((tensor, tensor.dtype))
+                tensor.dtype = None
+    try:
+        yield
+    finally:
+        for tensor, dtype in hidden:
+            tensor.dtype = dtype
+
+
+def _value_infos(graph: onnx.GraphProto):
+    for g in iter_proto_graphs(graph):
+        yield from g.input
+        yield from g.output
+        yield from g.value_info
+
+
+def _non_tensor_types(graph: onnx.GraphProto) -> dict[str, onnx.TypeProto]:
+    """Sequence, optional and map types by value name, over all scopes.  A name that two sibling
+    scopes use with different types is left out: which one a value had is then unknown."""
+    types: dict[str, onnx.TypeProto] = {}
+    ambiguous: set[str] = set()
+    for value in _value_infos(graph):
+        which = value.type.WhichOneof("value")
+        if which in (None, "tensor_type"):
+            continue
+        known = types.setdefault(value.name, value.type)
+        if known != value.type:
+            ambiguous.add(value.name)
+    for name in ambiguous:
+        del types[name]
+    return types
+
+
+def _restore_non_tensor_types(graph: onnx.GraphProto, types: dict[str, onnx.TypeProto]) -> None:
+    for value in _value_infos(graph):
+        original = types.get(value.name)
+        if original is not None:
+            value.type.CopyFrom(original)
 
 
 def _restore_initializer_inputs(model: onnx.ModelProto, original: onnx.ModelProto) -> None:

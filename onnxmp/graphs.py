@@ -24,8 +24,41 @@ def iter_graphs(graph: gs.Graph, graph_id: str = MAIN, parent: gs.Node | None = 
                 yield from iter_graphs(value, f"{node.name}/{attr}", node)
 
 
+def iter_proto_graphs(graph: onnx.GraphProto) -> Iterator[onnx.GraphProto]:
+    """``graph`` and every subgraph in it (node attributes of type GRAPH or GRAPHS), depth first."""
+    yield graph
+    for node in graph.node:
+        for sub in proto_subgraphs(node):
+            yield from iter_proto_graphs(sub)
+
+
+def proto_subgraphs(node: onnx.NodeProto) -> Iterator[onnx.GraphProto]:
+    """The bodies of an If/Loop/Scan NodeProto (GRAPH and GRAPHS attributes)."""
+    for attr in node.attribute:
+        if attr.type == onnx.AttributeProto.GRAPH:
+            yield attr.g
+        elif attr.type == onnx.AttributeProto.GRAPHS:
+            yield from attr.graphs
+
+
+def proto_nodes(graph: onnx.GraphProto) -> Iterator[onnx.NodeProto]:
+    """Every NodeProto of ``graph`` and its bodies, each node before its bodies' nodes."""
+    for node in graph.node:
+        yield node
+        for sub in proto_subgraphs(node):
+            yield from proto_nodes(sub)
+
+
+def is_tensor(tensor: gs.Tensor) -> bool:
+    """False for sequence, optional, map and sparse values: GS keeps their kind in ``type``."""
+    return getattr(tensor, "type", "tensor_type") == "tensor_type"
+
+
 def onnx_dtype(tensor: gs.Tensor) -> int | None:
-    """The tensor's ONNX element type, or None when unknown."""
+    """The tensor's ONNX element type; None when unknown or when the value is not a plain tensor
+    (GS gives a sequence its element's dtype and an optional a whole TypeProto)."""
+    if not is_tensor(tensor):
+        return None
     if isinstance(tensor, gs.Constant):
         dtype = tensor.export_dtype if getattr(tensor, "export_dtype", None) is not None else tensor.dtype
     else:
@@ -82,3 +115,4 @@ def outer_references(body: gs.Graph) -> list[gs.Tensor]:
                     if tensor.name not in local:
                         seen.setdefault(tensor.name, tensor)
     return list(seen.values())
+

@@ -46,20 +46,26 @@ def infer_types(model: onnx.ModelProto) -> tuple[onnx.ModelProto, str | None]:
     return model, None
 
 
-def _copy_value_info(src: onnx.GraphProto, dst: onnx.GraphProto) -> None:
-    """Inference keeps the graph's structure, so graphs and subgraphs pair up one to one."""
+def _copy_value_info(src: onnx.GraphProto, dst: onnx.GraphProto, main: bool = True) -> None:
+    """Inference keeps the graph's structure, so graphs and subgraphs pair up one to one.
+
+    The main graph's declared input and output types are the model's interface and are kept
+    as declared (inference may refine an output's shape, e.g. a sequence's element shape, and
+    the converted model would then declare a different type); body I/O takes the inferred types.
+    """
     del dst.value_info[:]
     dst.value_info.extend(src.value_info)
     for field in ("input", "output"):
         for a, b in zip(getattr(src, field), getattr(dst, field)):
-            b.type.CopyFrom(a.type)
+            if not (main and b.type.WhichOneof("value")):
+                b.type.CopyFrom(a.type)
     for n_src, n_dst in zip(src.node, dst.node):
         for a_src, a_dst in zip(n_src.attribute, n_dst.attribute):
             if a_src.type == onnx.AttributeProto.GRAPH:
-                _copy_value_info(a_src.g, a_dst.g)
+                _copy_value_info(a_src.g, a_dst.g, main=False)
             elif a_src.type == onnx.AttributeProto.GRAPHS:
                 for g_src, g_dst in zip(a_src.graphs, a_dst.graphs):
-                    _copy_value_info(g_src, g_dst)
+                    _copy_value_info(g_src, g_dst, main=False)
 
 
 def normalize(model: onnx.ModelProto) -> Normalized:
@@ -75,12 +81,27 @@ def normalize(model: onnx.ModelProto) -> Normalized:
             hint="run onnx.checker.check_model on it; the model may be malformed",
         ) from None
     use_external_reader(graph)
+    _keep_skipped_attributes(inferred.graph, graph)
     renamed = make_node_names_unique(graph)
     sorted_changed = toposort_all(graph)
     _check_unique_names(graph)
     return Normalized(graph, PassResult(bool(renamed) or sorted_changed,
                                         {"renamed_nodes": len(renamed), "resorted": sorted_changed}),
                       error, renamed)
+
+
+def _keep_skipped_attributes(proto: onnx.GraphProto, graph: gs.Graph) -> None:
+    """GS skips attributes of the types it does not model (TYPE_PROTO as in Optional's ``type``,
+    SPARSE_TENSOR as in Constant's ``sparse_value``, TENSORS, GRAPHS...), and the exported node
+    would lack them.  Keep their proto values: GS hands them to onnx.helper.make_attribute on
+    export, which writes them back.  GS imports nodes in proto order, so the two lists pair up."""
+    for p_node, g_node in zip(proto.node, graph.nodes):
+        for attr in p_node.attribute:
+            value = g_node.attrs.get(attr.name)
+            if attr.name not in g_node.attrs and not attr.ref_attr_name:
+                g_node.attrs[attr.name] = onnx.helper.get_attribute_value(attr)
+            elif attr.type == onnx.AttributeProto.GRAPH and isinstance(value, gs.Graph):
+                _keep_skipped_attributes(attr.g, value)
 
 
 def make_node_names_unique(graph: gs.Graph) -> list[tuple[str, str]]:

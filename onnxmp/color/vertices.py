@@ -8,6 +8,7 @@ float32 tensor that links them inside the same graph.
 from __future__ import annotations
 
 import functools
+import logging
 import re
 from dataclasses import dataclass, field
 from typing import Iterable, Mapping, Sequence
@@ -15,8 +16,10 @@ from typing import Iterable, Mapping, Sequence
 import onnx
 import onnx_graphsurgeon as gs
 
-from onnxmp.graphs import iter_graphs, onnx_dtype, opset_of, outer_references
+from onnxmp.graphs import is_tensor, iter_graphs, onnx_dtype, opset_of, outer_references
 from onnxmp.lists import list_of, op_key
+
+log = logging.getLogger("onnxmp.color")
 
 # Ops that define their float output from an attribute; spec §5.8 may retarget them.
 RETARGETABLE = ("Cast", "Constant", "ConstantOfShape")
@@ -153,6 +156,7 @@ def build_type_view(
     pinned: dict[str, str] = {}
     unknown_schema: dict[str, str] = {}
     tensor_dtype: dict[str, int | None] = {}
+    block_hits: set[str] = set()
 
     for name in initializer_inputs:
         # IR < 4 style (keep_initializers_as_inputs): callers may feed it, so its type is fixed.
@@ -191,9 +195,10 @@ def build_type_view(
                             domain=domain, opset=opset, param=param, graph=graph_id)
                     (vertex.inputs if side == "in" else vertex.outputs).append((index, tensor.name))
                     # Sequences/optionals of float are not float32 tensors: they never change type.
-                    is_tensor = getattr(tensor, "type", "tensor_type") == "tensor_type"
-                    tensor_dtype[tensor.name] = onnx_dtype(tensor) if is_tensor else NOT_A_TENSOR
-            blocked = next((p.pattern for p in block if p.search(node.name)), None)
+                    tensor_dtype[tensor.name] = onnx_dtype(tensor) if is_tensor(tensor) else NOT_A_TENSOR
+            hits = [p.pattern for p in block if p.search(node.name)]
+            block_hits.update(hits)
+            blocked = hits[0] if hits else None
             node_list = list_of(key, lists)
             for vertex in groups.values():
                 dtypes = [tensor_dtype[t] for t in vertex.tensors]
@@ -215,6 +220,9 @@ def build_type_view(
                 vertices[vertex.key] = vertex
             node_vertices[node.name] = [v.key for v in groups.values()]
 
+    for pattern in block:
+        if pattern.pattern not in block_hits:
+            log.warning("block pattern %r matches no node name; nothing is blocked by it", pattern.pattern)
     # Dicts serve as ordered sets while edges are collected: a tensor read by every layer
     # (an attention mask) would make list membership tests quadratic.
     producer_of: dict[str, str] = {}
@@ -294,8 +302,10 @@ def _loop_or_scan_groups(graph_id: str, node: gs.Node) -> list[ColorGroup]:
         n_state = len(node.inputs) - 2
         first_in, first_body_in, first_body_out = 2, 2, 1
     else:
-        n_state = len(node.inputs) - int(node.attrs.get("num_scan_inputs", 0))
-        first_in, first_body_in, first_body_out = 0, 0, 0
+        # Scan-8 reads a leading sequence_lens (possibly "") that its body does not see; Scan-9+ has none.
+        first_in = max(0, len(node.inputs) - len(body.inputs))
+        n_state = len(node.inputs) - first_in - int(node.attrs.get("num_scan_inputs", 0))
+        first_body_in, first_body_out = 0, 0
     groups = []
     for i in range(n_state):
         outer_in = node.inputs[first_in + i]
