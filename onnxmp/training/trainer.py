@@ -33,6 +33,7 @@ from onnxmp.errors import OnnxMPError
 from onnxmp.training import _ort
 from onnxmp.training.artifacts import (
     ALL_FINITE,
+    GRAD_SHAPE,
     GRAD_WEIGHT,
     LOSSES,
     LOSS,
@@ -436,6 +437,12 @@ class Trainer:
         if node is None:
             return OnnxMPError(f"onnxruntime rejected the batch: {_ort_reason(text)}", inputs)
         op_type, name = node.groups()
+        if name.startswith(GRAD_SHAPE):
+            param = name[len(GRAD_SHAPE):]
+            return OnnxMPError(f"onnxruntime computed a gradient of the wrong shape for parameter {param!r}: "
+                               f"{_ort_reason(text)}",
+                               f"one of its gradient builders did not sum it back over a broadcast; train without "
+                               f"it (frozen=[{param!r}]) and report the model")
         where = f"{op_type} node {name!r}" if name else f"a {op_type} node onnxruntime added"
         return OnnxMPError(f"onnxruntime failed in {where} of the {graph} graph: {_ort_reason(text)}",
                            f"if the batch is right ({inputs}), the artifacts are at fault: rebuild them "

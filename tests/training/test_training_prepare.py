@@ -273,13 +273,14 @@ def _gradients(artifacts, model, feeds) -> dict[str, np.ndarray]:
     training.graph.ClearField("output")
     training.graph.output.extend(helper.make_empty_tensor_value_info(g) for g in param_of)
     weights = {t.name: t for t in model.graph.initializer}
-    inputs = [i for i in training.graph.input if i.name not in weights and "accumulation" not in i.name
-              and i.name != "lazy_reset_grad"]
+    inputs = [i for i in training.graph.input if i.name not in weights and i.name != "lazy_reset_grad"]
     training.graph.ClearField("input")
     training.graph.input.extend(inputs)
     training.graph.initializer.extend(weights[p] for p in param_of.values())
     session = ort.InferenceSession(training.SerializeToString(), providers=["CPUExecutionProvider"])
     scalars = {"loss_scale": np.array(1.0, np.float32), "grad_weight": np.array(1.0, np.float32)}
+    scalars.update({n.input[0]: np.zeros(tuple(weights[p].dims), np.float32)
+                    for n, p in zip(accumulate, param_of.values())})
     run = {i.name: {**feeds, **scalars}[i.name] for i in session.get_inputs()}
     return {param_of[g]: value for g, value in zip(param_of, session.run(None, run))}
 
@@ -311,3 +312,17 @@ def test_gradient_of_a_broadcast_where_branch_has_the_parameter_shape(precision,
         numeric = (loss(1e-2) - loss(-1e-2)) / 2e-2
         assert abs(numeric) > 1e-3
         np.testing.assert_allclose(grads["zero"], numeric, rtol=1e-2)
+
+
+def test_a_gradient_of_the_wrong_shape_fails_cleanly(tmp_path, monkeypatch):
+    # Without the Where preparation ORT hands the 0-d parameters a [N, 1, 3] gradient: the
+    # training graph must refuse it, never let InPlaceAccumulatorV2 write it past the buffer.
+    import onnxmp.training.artifacts as artifacts
+    from onnxmp.training import Trainer
+
+    monkeypatch.setattr(artifacts, "prepare_for_gradient", lambda m, r: (m, []))
+    built = build_artifacts(_masked_attention(), requires_grad=["W", "V", "zero", "fill"], precision="float32",
+                            out_dir=tmp_path)
+    with pytest.raises(OnnxMPError, match="wrong shape for parameter '(zero|fill)'") as info:
+        Trainer(built).train_step(MASK_FEEDS["x"], MASK_FEEDS["mask"], np.array([0, 1, 1]))
+    assert "frozen=" in info.value.hint
