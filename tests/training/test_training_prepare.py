@@ -326,3 +326,33 @@ def test_a_gradient_of_the_wrong_shape_fails_cleanly(tmp_path, monkeypatch):
     with pytest.raises(OnnxMPError, match="wrong shape for parameter '(zero|fill)'") as info:
         Trainer(built).train_step(MASK_FEEDS["x"], MASK_FEEDS["mask"], np.array([0, 1, 1]))
     assert "frozen=" in info.value.hint
+
+
+def test_dynamo_style_scalar_initializers_all_train_in_float16(tmp_path):
+    # The bundled classifier as torch's dynamo exporter writes it: every float constant (the
+    # attention scale, GELU's sqrt(2), 1 and 0.5, the mask's 1 and float32.min
+    # fill) an initializer, and all of them trainable.
+    from models import zoo
+    from onnxmp.training import Trainer
+    from onnxmp.training.models import trainable
+    from onnxmp.training.prepare import promote_constants, without_gradient
+
+    base = zoo.transformer_classifier(mask_fill="where")
+    floats = [n.output[0] for n in base.graph.node
+              if n.op_type == "Constant" and n.attribute[0].t.data_type == onnx.TensorProto.FLOAT]
+    model, promoted = promote_constants(base, floats)
+    scalars = [t.name for t in model.graph.initializer if t.name in promoted and not t.dims]
+    assert len(scalars) >= 5
+    names = trainable(model)
+    frozen = list(without_gradient(model, names))
+    requires = [n for n in names if n not in frozen]
+    assert set(scalars) - set(frozen)  # 0-d parameters really are trained
+    artifacts = build_artifacts(model, requires_grad=requires, frozen=frozen, precision="float16",
+                                out_dir=tmp_path / "a")
+    data = zoo.classifier_task(8, seed=0)
+    feeds = {k: data[k] for k in ("input_ids", "attention_mask", "labels")}
+    grads = _gradients(artifacts, model, feeds)
+    shapes = {t.name: tuple(t.dims) for t in model.graph.initializer}
+    assert {p: g.shape for p, g in grads.items()} == {p: shapes[p] for p in requires}
+    step = Trainer(artifacts).train_step(*feeds.values())
+    assert np.isfinite(step.loss)
