@@ -241,8 +241,8 @@ def _rank_added_error(result, reference, candidate, tolerance, forced) -> list[d
     def mark_downstream(culprit: str) -> None:
         stack = list(view.node_vertices.get(culprit, []))
         while stack:
-            for nxt in view.fanout.get(stack.pop(), []):
-                owner = view.vertices[nxt].node
+            for nxt in view.fanout[view.vertices[stack.pop()].id]:
+                owner = view.by_id[nxt].node
                 if owner not in downstream:
                     downstream.add(owner)
                     stack.extend(view.node_vertices.get(owner, []))
@@ -261,7 +261,7 @@ def _rank_added_error(result, reference, candidate, tolerance, forced) -> list[d
             producer = view.producer_of.get(tensor)
             if producer is None:
                 continue
-            src = view.vertices[producer]
+            src = view.by_id[producer]
             if src.node in allow_nodes and src.node not in forced:
                 mark_downstream(src.node)
                 chosen.setdefault(src.node, {

@@ -14,13 +14,12 @@ from dataclasses import dataclass, field
 from typing import Iterable, Mapping
 
 import onnx
-import onnx_graphsurgeon as gs
-from onnx_graphsurgeon.logger import G_LOGGER
 
 from onnxmp.color import ColorOptions, ColorResult, color
 from onnxmp.color.seeds import DEFAULT_THRESHOLD, DEFAULT_UNDERFLOW_SHARE
+from onnxmp.emit import emit, initializer_inputs
 from onnxmp.errors import OnnxMPError
-from onnxmp.graphs import iter_graphs
+from onnxmp.graphs import all_nodes
 from onnxmp.lists import PRECISIONS, TARGETS, ListOverrides, resolve_lists
 from onnxmp.load import ModelLike, load
 from onnxmp.normalize import normalize
@@ -108,12 +107,6 @@ def _options(model: onnx.ModelProto, target, precision, level, lists, block_node
                         forced_deny=forced_deny)
 
 
-def initializer_inputs(model: onnx.ModelProto) -> tuple[str, ...]:
-    """Graph inputs that are also initializers (exports with keep_initializers_as_inputs)."""
-    inits = {t.name for t in model.graph.initializer}
-    return tuple(i.name for i in model.graph.input if i.name in inits)
-
-
 def _analyse(proto: onnx.ModelProto, options: ColorOptions, level: str, timings: dict[str, float]):
     options.initializer_inputs = initializer_inputs(proto)
     with _timed(timings, "normalize"):
@@ -122,7 +115,7 @@ def _analyse(proto: onnx.ModelProto, options: ColorOptions, level: str, timings:
         colored = color(normalized.graph, options)
     report = Report(target=options.target, precision=options.precision, level=level,
                     vertices=vertex_rows(colored.coloring), timings=timings,
-                    node_count=sum(len(g.nodes) for _, g, _ in iter_graphs(normalized.graph)))
+                    node_count=normalized.graph.node_count())
     report.advice = tensor_core_advice(normalized.graph, colored.coloring)
     report.groups = group_rows(colored.coloring)
     if normalized.inference_error:
@@ -206,8 +199,8 @@ def convert_once(model: ModelLike, *, target: str = "cuda", precision: str = "fl
 
 @contextmanager
 def _no_cyclic_gc():
-    """GS builds hundreds of thousands of small objects; each of Python's full collections walks all
-    of them, which made conversion time grow ~1.4x faster than the node count.  Nothing here
+    """The analysis builds hundreds of thousands of small objects; each of Python's full collections
+    walks all of them, which makes conversion time grow faster than the node count.  Nothing here
     relies on cycle collection while the pipeline runs."""
     was_enabled = gc.isenabled()
     gc.disable()
@@ -231,9 +224,9 @@ def _convert_loaded(model, original, timings, target, precision, keep_io_types, 
         return ConversionResult(load(model, lazy_external=True), report, colored)
     with _timed(timings, "rewrite"):
         try:
-            result, stats = rewrite(normalized.graph, colored.coloring, precision=precision,
-                                    master_weights=master_weights, keep_io_types=keep_io_types)
-            converted = export(normalized.graph, original)
+            result, stats, edits = rewrite(normalized.graph, colored.coloring, precision=precision,
+                                           master_weights=master_weights, keep_io_types=keep_io_types)
+            converted = emit(normalized.graph, edits, original)
         except OnnxMPError:
             raise
         except Exception as exc:  # keep deep stack traces away from users
@@ -243,54 +236,13 @@ def _convert_loaded(model, original, timings, target, precision, keep_io_types, 
     with _timed(timings, "verify"):
         verify(converted, original=original, keep_io_types=keep_io_types)
     report.changed = result.modified
-    # GS cleanup drops restore Casts nobody ended up reading; count what is really there.
-    present = {n.name for n in _all_nodes(converted.graph)}
+    # The emitter drops restore Casts nobody ended up reading; count what is really there.
+    present = {n.name for n in all_nodes(converted.graph)}
     report.cast_nodes = [name for name in stats.casts if name in present]
     report.casts_inserted = len(report.cast_nodes)
     report.converted_initializers = stats.converted_initializers
     report.twin_initializers = stats.twin_initializers
     return ConversionResult(converted, report, colored)
-
-
-def _all_nodes(graph: onnx.GraphProto):
-    for node in graph.node:
-        yield node
-        for attr in node.attribute:
-            for sub in ([attr.g] if attr.type == onnx.AttributeProto.GRAPH else attr.graphs):
-                yield from _all_nodes(sub)
-
-
-def export(graph: gs.Graph, original: onnx.ModelProto) -> onnx.ModelProto:
-    """GS export, keeping what GS does not carry: IR version and model metadata.
-
-    The IR version matters: onnxruntime 1.19 (the last training build) rejects
-    the newer IR that onnx's helpers stamp by default.
-    """
-    graph.cleanup(remove_unused_graph_inputs=False, remove_unused_node_outputs=False, recurse_subgraphs=True)
-    with G_LOGGER.suppress(G_LOGGER.ERROR):
-        model = gs.export_onnx(graph, do_type_check=False)
-    _restore_initializer_inputs(model, original)
-    model.ir_version = original.ir_version
-    del model.opset_import[:]
-    model.opset_import.extend(original.opset_import)
-    for field_name in ("producer_name", "producer_version", "domain", "model_version", "doc_string"):
-        setattr(model, field_name, getattr(original, field_name))
-    del model.metadata_props[:]
-    model.metadata_props.extend(original.metadata_props)
-    if original.functions and not model.functions:
-        model.functions.extend(original.functions)
-    return model
-
-
-def _restore_initializer_inputs(model: onnx.ModelProto, original: onnx.ModelProto) -> None:
-    """GS drops initializers from the graph inputs on import; put them back where they were."""
-    names = set(initializer_inputs(original))
-    if not names:
-        return
-    exported = {i.name: i for i in model.graph.input}
-    ordered = [exported.get(i.name, i) for i in original.graph.input if i.name in names or i.name in exported]
-    del model.graph.input[:]
-    model.graph.input.extend(ordered)
 
 
 def _unchanged_reason(report: Report) -> str:

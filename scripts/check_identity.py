@@ -87,15 +87,18 @@ def capture_test_models(folder: Path) -> list[dict]:
             record = pickle.load(f)
         model_file = path.with_suffix(".onnx")
         model_file.write_bytes(record["model"])
-        cases.append({"name": f"test:{record['test']}#{i}", "file": str(model_file), "kwargs": record["kwargs"],
-                      "pickled": True})
+        kind = "explain" if record.get("explain") else "convert"
+        cases.append({"name": f"test:{record['test']}#{i} ({kind})", "file": str(model_file),
+                      "kwargs": record["kwargs"], "explain": record.get("explain", False)})
     return cases
 
 
 _PLUGIN = '''
-import itertools, os, pickle
+import itertools, os, pickle, sys
 import onnx
-import onnxmp.convert as convert_module
+import onnxmp.convert  # noqa: F401  (the package re-exports `convert`, shadowing the module attribute)
+
+convert_module = sys.modules["onnxmp.convert"]
 
 _counter = itertools.count()
 _current = {"test": "?"}
@@ -106,22 +109,38 @@ def pytest_runtest_setup(item):
     _current["test"] = item.nodeid
 
 
-def _recording(model, **kwargs):
+def _record(model, kwargs, explain=False):
     try:
         proto = convert_module.load(model, lazy_external=True)
         if proto.ByteSize() < (64 << 20) and not any(
                 t.data_location == onnx.TensorProto.EXTERNAL for t in proto.graph.initializer):
             path = os.path.join(os.environ["ONNXMP_IDENTITY_CAPTURE"], f"{next(_counter):06d}.pkl")
             with open(path, "wb") as f:
-                pickle.dump({"test": _current["test"], "model": proto.SerializeToString(),
+                pickle.dump({"test": _current["test"], "model": proto.SerializeToString(), "explain": explain,
                              "kwargs": {k: (list(v) if isinstance(v, (tuple, set, frozenset)) else v)
                                         for k, v in kwargs.items()}}, f)
     except Exception:
         pass
+
+
+def _recording(model, **kwargs):
+    _record(model, kwargs)
     return _original(model, **kwargs)
 
 
+_original_explain = convert_module.explain
+
+
+def _recording_explain(model, **kwargs):
+    if not isinstance(kwargs.get("calibration"), (str, bytes)):
+        _record(model, kwargs, explain=True)
+    return _original_explain(model, **kwargs)
+
+
+import onnxmp
+
 convert_module.convert_once = _recording
+convert_module.explain = onnxmp.explain = _recording_explain
 '''
 
 
@@ -132,7 +151,7 @@ logging.disable(logging.CRITICAL)
 warnings.simplefilter("ignore")
 import onnx
 import onnxmp
-from onnxmp.convert import convert_once
+from onnxmp.convert import convert_once, explain
 assert onnxmp.__file__.startswith(sys.argv[1]), onnxmp.__file__
 with open(sys.argv[2], "rb") as f:
     cases = pickle.load(f)
@@ -140,6 +159,12 @@ out = {}
 for case in cases:
     model = onnx.load(case["file"])
     try:
+        if case.get("explain"):
+            report = explain(model, **case["kwargs"]).to_dict()
+            report.pop("timings", None)
+            out[case["name"]] = {"report": hashlib.sha256(
+                json.dumps(report, sort_keys=True, default=str).encode()).hexdigest()}
+            continue
         result = convert_once(model, **case["kwargs"])
     except Exception as exc:
         out[case["name"]] = {"error": f"{type(exc).__name__}: {str(exc)[:200]}"}

@@ -6,7 +6,6 @@ from dataclasses import dataclass, field
 from typing import Iterable, Mapping
 
 import onnx
-import onnx_graphsurgeon as gs
 
 from onnxmp.color.rules import (
     ALLOW, DENY, FP32, Coloring, Reason,
@@ -18,6 +17,7 @@ from onnxmp.color.seeds import (
     DEFAULT_THRESHOLD, DEFAULT_UNDERFLOW_SHARE, seed_deny_forced, seed_deny_from_calibration, seed_deny_from_initializer_range,
 )
 from onnxmp.color.vertices import TypeView, Vertex, build_type_view
+from onnxmp.graphs import ModelGraph
 from onnxmp.kernels import KernelTable
 from onnxmp.passes import PassResult
 
@@ -51,7 +51,7 @@ class ColorResult:
     passes: list[tuple[str, PassResult]] = field(default_factory=list)
 
 
-def color(graph: gs.Graph, options: ColorOptions) -> ColorResult:
+def color(graph: ModelGraph, options: ColorOptions) -> ColorResult:
     kernels = options.kernels or KernelTable.default()
     view = build_type_view(graph, options.lists, low_type=LOW_TYPES[options.precision],
                            provider=PROVIDERS[options.target], kernels=kernels,
