@@ -21,6 +21,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 
 from models import zoo  # noqa: E402
+from onnxmp.files import atomic_write, write_bytes_atomic  # noqa: E402
 
 MAX_BYTES = 2 * 1024 * 1024
 
@@ -37,6 +38,11 @@ def count_nodes(graph: onnx.GraphProto) -> int:
     return n
 
 
+def _savez(path: Path, arrays: dict) -> None:
+    with open(path, "wb") as f:  # a file object: np.savez would append .npz to a temporary's name
+        np.savez(f, **arrays)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", type=Path, default=HERE, help="output directory (default: models/)")
@@ -49,9 +55,9 @@ def main(argv: list[str] | None = None) -> int:
         data = model.SerializeToString()
         if len(data) >= MAX_BYTES:
             raise SystemExit(f"{name}: {len(data)} bytes, over the {MAX_BYTES} byte limit")
-        (args.out / f"{name}.onnx").write_bytes(data)
+        write_bytes_atomic(args.out / f"{name}.onnx", data)
         feeds = zoo.inputs_for(name)
-        np.savez(args.out / f"{name}.inputs.npz", **feeds)
+        atomic_write(args.out / f"{name}.inputs.npz", lambda tmp: _savez(tmp, feeds))
         shapes = ", ".join(f"{k}{list(v.shape)}" for k, v in feeds.items())
         print(f"{name:<20}{len(model.graph.node):>7}{count_nodes(model.graph):>8}{len(data):>10}  {shapes}")
     return 0

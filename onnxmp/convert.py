@@ -23,7 +23,7 @@ from onnxmp.graphs import all_nodes
 from onnxmp.lists import PRECISIONS, TARGETS, ListOverrides, resolve_lists
 from onnxmp.load import ModelLike, load
 from onnxmp.normalize import normalize
-from onnxmp.report import Report, group_rows, tensor_core_advice, vertex_rows
+from onnxmp.report import Report, group_rows, head, tensor_core_advice, vertex_rows
 from onnxmp.rewrite import rewrite
 from onnxmp.verify import verify
 
@@ -250,5 +250,5 @@ def _unchanged_reason(report: Report) -> str:
                                                       "GRU", "RNN")]
     if not heavy:
         return "no allow-list op (Conv/MatMul/Gemm/...) with float32 tensors"
-    causes = sorted({v.cause for v in heavy})
-    return "no allow-list op can run in low precision: " + "; ".join(causes[:3])
+    shown, rest = head(sorted({v.cause for v in heavy}), 3)
+    return "no allow-list op can run in low precision: " + "; ".join([*shown, rest] if rest else shown)

@@ -100,6 +100,29 @@ def low_precision_types(model: onnx.ModelProto | str | os.PathLike) -> list[str]
     return [name for name, elem in PRECISIONS.items() if _uses(model, elem)]
 
 
+def emulated_precisions(model: onnx.ModelProto | str | os.PathLike, requested: str | None = None,
+                        name: str = "the model") -> list[str]:
+    """The low-precision types to emulate in ``model``: those it holds, or ``requested`` if it holds that.
+
+    A ``requested`` type the model does not hold is an error (emulating it would
+    silently leave the real low-precision tensors in place); a model holding
+    neither type, or both, gets a warning.
+    """
+    found = low_precision_types(model)
+    if requested is not None:
+        precision_type(requested)
+        if requested not in found:
+            held = " and ".join(found) + " tensors" if found else "no float16 or bfloat16 tensors"
+            raise OnnxMPError(f"{requested} was asked for, but {name} holds {held}",
+                              hint="omit --precision: the model's own precision is detected")
+        return [requested]
+    if not found:
+        log.warning("%s holds no float16 or bfloat16 tensors; writing it unchanged", name)
+    elif len(found) > 1:
+        log.warning("%s holds both float16 and bfloat16 tensors; emulating both", name)
+    return found
+
+
 def emulate(model: onnx.ModelProto | str | os.PathLike, precision: str = "float16", *,
             keep_io_types: bool = True) -> onnx.ModelProto:
     """Return a copy of ``model`` whose ``precision`` tensors are float32 holding rounded values.

@@ -18,3 +18,15 @@ class OnnxMPError(Exception):
     def one_line(self) -> str:
         text = self.message.splitlines()[0] if self.message else "error"
         return text + (f" (hint: {self.hint})" if self.hint else "")
+
+
+class UsageError(OnnxMPError):
+    """A wrong command line (unknown flag or choice, missing argument, flags that need each other).
+
+    The CLI exits with status 2 for it, 1 for any other error.  ``prog`` names the
+    (sub)command whose arguments were wrong, when argparse found it.
+    """
+
+    def __init__(self, message: str, hint: str | None = None, prog: str | None = None):
+        super().__init__(message, hint)
+        self.prog = prog or "onnxmp"

@@ -60,6 +60,20 @@ def load_npz(paths: str | os.PathLike | Iterable[str | os.PathLike]) -> list[Sam
     return samples
 
 
+def drop_extra_inputs(model: onnx.ModelProto | str | os.PathLike, samples: list[Sample]) -> list[Sample]:
+    """``samples`` without the arrays that are no graph input (the labels ``y`` of a training file, say).
+
+    One info line names what is dropped; a missing input stays an error for
+    :func:`check_inputs`.
+    """
+    wanted = {v.name for v in model_inputs(as_model(model))}
+    extra = sorted({name for sample in samples for name in sample} - wanted)
+    if not extra:
+        return samples
+    log.info("ignoring input array(s) that are not model inputs: %s", ", ".join(extra))
+    return [{name: array for name, array in sample.items() if name in wanted} for sample in samples]
+
+
 def _np_dtype(value: onnx.ValueInfoProto) -> np.dtype:
     if value.type.WhichOneof("value") != "tensor_type":
         raise OnnxMPError(f"graph input {value.name!r} is not a tensor ({value.type.WhichOneof('value')})",

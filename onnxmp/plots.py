@@ -1,29 +1,33 @@
 """Plots of parity reports (matplotlib, imported only when plotting)."""
 from __future__ import annotations
 
+import importlib.util
 import io
 import logging
 import math
 import os
-import tempfile
 
 import numpy as np
 
 from onnxmp.errors import OnnxMPError
+from onnxmp.files import write_bytes_atomic
 from onnxmp.validate import OutputParity, ParityReport
 
 log = logging.getLogger("onnxmp.plots")
 
 
+def require_matplotlib() -> None:
+    if importlib.util.find_spec("matplotlib") is None:
+        raise OnnxMPError("plotting needs matplotlib", "pip install matplotlib")
+
+
 def plot_errors(report: ParityReport, path: str | os.PathLike) -> None:
     """Write one PNG with a histogram of |ref - cand| per output (log x axis)."""
-    try:
-        # The object API with the Agg canvas, not pyplot: no global backend
-        # switch and no figure registry in the caller's process.
-        from matplotlib.backends.backend_agg import FigureCanvasAgg
-        from matplotlib.figure import Figure
-    except ImportError:
-        raise OnnxMPError("plotting needs matplotlib", "pip install matplotlib") from None
+    require_matplotlib()
+    # The object API with the Agg canvas, not pyplot: no global backend
+    # switch and no figure registry in the caller's process.
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
 
     outputs = report.outputs or []
     cols = min(2, max(1, len(outputs)))
@@ -39,7 +43,7 @@ def plot_errors(report: ParityReport, path: str | os.PathLike) -> None:
 
     buffer = io.BytesIO()
     fig.savefig(buffer, format="png", dpi=100)
-    write_atomic(path, buffer.getvalue())
+    write_bytes_atomic(path, buffer.getvalue())
     log.info("wrote error histograms to %s", path)
 
 
@@ -83,20 +87,3 @@ def _plot_output(ax, output: OutputParity) -> None:
         notes.append("no nonzero finite errors")
     if notes:
         ax.text(0.98, 0.95, "\n".join(notes), ha="right", va="top", transform=ax.transAxes, fontsize=8)
-
-
-def write_atomic(path: str | os.PathLike, data: bytes) -> None:
-    """Write ``data`` to ``path`` via a temporary file, so readers never see half a file."""
-    path = os.fspath(path)
-    folder = os.path.dirname(os.path.abspath(path))
-    try:
-        fd, tmp = tempfile.mkstemp(dir=folder, prefix=".tmp-" + os.path.basename(path))
-    except OSError as exc:
-        raise OnnxMPError(f"cannot write {path}: {exc.strerror}") from None
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-        os.replace(tmp, path)
-    except BaseException:
-        os.unlink(tmp)
-        raise

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from collections import Counter, defaultdict
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import Any, Sequence, TypeVar
 
 import numpy as np
 import onnx
@@ -14,6 +14,14 @@ from onnxmp.color.rules import ALLOW, Coloring
 from onnxmp.graphs import ModelGraph
 
 TENSOR_CORE_OPS = ("Conv", "ConvTranspose", "MatMul", "Gemm")
+
+T = TypeVar("T")
+
+
+def head(items: Sequence[T], limit: int) -> tuple[Sequence[T], str]:
+    """The first ``limit`` items, and the note a summary ends the list with ("… N more"; "" if none is cut)."""
+    hidden = len(items) - limit
+    return items[:limit], (f"… {hidden} more" if hidden > 0 else "")
 
 
 @dataclass
@@ -120,15 +128,13 @@ class Report:
         if denied:
             lines.append("")
             lines.append("kept in fp32 (deny):")
-            seen = set()
+            first = {}  # one line per node, the first reason it was denied
             for v in denied:
-                if v.node in seen:
-                    continue
-                seen.add(v.node)
-                lines.append(f"  {v.node} ({v.op}): {v.cause}")
-                if len(seen) >= 20:
-                    lines.append(f"  ... {len({d.node for d in denied}) - 20} more (see --report JSON)")
-                    break
+                first.setdefault(v.node, v)
+            shown, rest = head(list(first.values()), 20)
+            lines.extend(f"  {v.node} ({v.op}): {v.cause}" for v in shown)
+            if rest:
+                lines.append(f"  {rest} (see --report JSON)")
         if self.groups:
             lines.append("")
             lines.append("control-flow groups:")
@@ -138,10 +144,10 @@ class Report:
         if self.advice:
             lines.append("")
             lines.append("Tensor Core advice (dimensions should be multiples of 8, or powers of two below 256):")
-            for a in self.advice[:20]:
-                lines.append(f"  {a.message}")
-            if len(self.advice) > 20:
-                lines.append(f"  ... {len(self.advice) - 20} more")
+            shown, rest = head(self.advice, 20)
+            lines.extend(f"  {a.message}" for a in shown)
+            if rest:
+                lines.append(f"  {rest}")
         cal = self.calibration
         if cal.get("cycles"):
             lines.append("")

@@ -1,16 +1,15 @@
-"""Stage 6: save.  Atomic: a temporary file in the target folder, then a rename,
-so a crash or full disk never leaves a half-written model behind."""
+"""Stage 6: save, through :mod:`onnxmp.files`: the destination is checked first and written
+atomically, so a crash or full disk never leaves a half-written model behind."""
 from __future__ import annotations
 
 import logging
 import os
-import tempfile
 from pathlib import Path
 
 import onnx
 
-from onnxmp.errors import OnnxMPError
 from onnxmp.external import has_external_data, write_with_external_data
+from onnxmp.files import atomic_write, guard_outputs
 
 log = logging.getLogger("onnxmp.save")
 
@@ -18,48 +17,29 @@ log = logging.getLogger("onnxmp.save")
 EXTERNAL_DATA_THRESHOLD = 1 << 30
 
 
-def _publish(tmp: Path, final: Path) -> None:
-    # mkstemp creates 0600 files; a saved model gets the usual permissions.
-    umask = os.umask(0)
-    os.umask(umask)
-    os.chmod(tmp, 0o666 & ~umask)
-    os.replace(tmp, final)
+def save(model: onnx.ModelProto, path: str | os.PathLike, *, external_data: bool | None = None,
+         source: str | os.PathLike | None = None) -> Path:
+    """Write ``model`` to ``path``; large models put initializers in ``<name>.data`` beside it.
 
-
-def save(model: onnx.ModelProto, path: str | os.PathLike, *, external_data: bool | None = None) -> Path:
-    """Write ``model`` to ``path``; large models put initializers in ``<name>.data`` beside it."""
+    The destination is checked before anything is written (see
+    :func:`onnxmp.files.guard_outputs`); ``source``, the file the model was
+    read from, is refused as the destination, through symlinks and hard links.
+    """
     path = Path(path)
-    folder = path.parent if str(path.parent) else Path(".")
-    if not folder.is_dir():
-        raise OnnxMPError(f"output folder {folder} does not exist", hint="create it first or choose another -o")
     if external_data is None:
         external_data = has_external_data(model) or model.ByteSize() > EXTERNAL_DATA_THRESHOLD
-    data_name = f"{path.name}.data"
-    try:
-        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=folder)
-        os.close(fd)
-        fd, tmp_data_name = tempfile.mkstemp(prefix=f".{data_name}.", suffix=".tmp", dir=folder)
-        os.close(fd)
-    except OSError as exc:
-        raise OnnxMPError(f"cannot write into {folder}: {exc.strerror or exc}",
-                          hint="check the folder's permissions or choose another -o") from None
-    tmp_data = Path(tmp_data_name)
-    try:
-        if external_data:
-            # Data goes to a temporary file first and is renamed with the model, tensor by
-            # tensor, so neither the weights nor the serialized proto are ever whole in memory.
-            write_with_external_data(model, Path(tmp), tmp_data, data_name)
-            _publish(tmp_data, folder / data_name)
-        else:
-            onnx.save_model(model, tmp)
-        _publish(Path(tmp), path)
-    except OSError as exc:
-        raise OnnxMPError(f"cannot write {path}: {exc.strerror or exc}", hint="check free space and permissions") \
-            from None
-    finally:
-        for leftover in (Path(tmp), tmp_data):
-            if leftover.exists():
-                leftover.unlink()
+    data_path = path.with_name(f"{path.name}.data") if external_data else None
+    guard_outputs({"output": path, "external data": data_path},
+                  {"source model": source})
+    if external_data:
+        # Tensor by tensor into a temporary data file, so neither the weights nor the serialized
+        # proto are ever whole in memory; the data is renamed into place first, then the model
+        # that records its final name.
+        def write_model(tmp: Path) -> None:
+            atomic_write(data_path, lambda tmp_data: write_with_external_data(model, tmp, tmp_data, data_path.name))
+
+        atomic_write(path, write_model)
+    else:
+        atomic_write(path, lambda tmp: onnx.save_model(model, tmp))
     log.info("saved %s%s", path, " (+ external data)" if external_data else "")
     return path
-

@@ -55,7 +55,7 @@ import onnx
 from onnxmp.emulate import as_model, emulate, low_precision_types
 from onnxmp.errors import OnnxMPError
 from onnxmp.naming import json_safe
-from onnxmp.inputs import Sample, check_inputs, generate_inputs, load_npz
+from onnxmp.inputs import Sample, check_inputs, drop_extra_inputs, generate_inputs, load_npz
 
 log = logging.getLogger("onnxmp.validate")
 
@@ -389,7 +389,7 @@ def validate(reference: onnx.ModelProto | str | os.PathLike, candidate: onnx.Mod
     if missing:
         raise OnnxMPError(f"the candidate has no output named {', '.join(map(repr, missing))}",
                           "outputs are compared by name; the candidate must keep the reference's names")
-    samples = _samples(ref_model, inputs, dims, seed)
+    samples = drop_extra_inputs(ref_model, _samples(ref_model, inputs, dims, seed))
 
     ref_model, _ = _emulated(ref_model)  # a reference with fp16 in it still runs on the CPU
     emulated: list[str] = []

@@ -32,6 +32,8 @@ import onnx  # noqa: E402
 
 from onnxmp.naming import json_safe
 import onnxmp  # noqa: E402
+from onnxmp.errors import OnnxMPError  # noqa: E402
+from onnxmp.files import guard_outputs, write_text_atomic  # noqa: E402
 # Imported by module path: onnxmp.validate may resolve to the submodule once imported.
 from onnxmp.validate import validate  # noqa: E402
 
@@ -239,6 +241,10 @@ def main(argv: list[str] | None = None) -> int:
     paths = zoo + [p.resolve() for p in args.paths]
     if not paths:
         ap.error("no models to compare")
+    try:
+        guard_outputs({"--json": args.json}, {"model": paths})
+    except OnnxMPError as exc:
+        ap.error(exc.one_line())
     rows = []
     for path in paths:
         print(f"  {path.name} ...", file=sys.stderr, flush=True)
@@ -251,7 +257,7 @@ def main(argv: list[str] | None = None) -> int:
         for v in summary["cast_violations"]) or "none"))
     print(f"worse parity than occ: {', '.join(summary['parity_worse']) or 'none'}")
     if args.json:
-        args.json.write_text(json.dumps(json_safe({"models": rows, **summary}), indent=2))
+        write_text_atomic(args.json, json.dumps(json_safe({"models": rows, **summary}), indent=2))
         print(f"wrote {args.json}")
     return 0
 

@@ -194,12 +194,16 @@ def convert_all(root: Path, cases: list[dict], folder: Path, tag: str) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
+    sys.path.insert(0, str(ROOT))
+    from onnxmp.files import guard_outputs, write_text_atomic
+
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--base", default="main", help="git revision to compare against (default: %(default)s)")
     ap.add_argument("--with-tests", action="store_true", help="also convert every model the test suite converts")
     ap.add_argument("--save", type=Path, help="write both hash tables as JSON here")
     ap.add_argument("--keep", type=Path, help="build the cases in this (new) folder and keep it")
     args = ap.parse_args(argv)
+    guard_outputs({"--save": args.save})
     with tempfile.TemporaryDirectory(prefix="onnxmp-identity-") as tmp:
         folder = args.keep or Path(tmp)
         folder.mkdir(parents=True, exist_ok=True)
@@ -214,7 +218,7 @@ def main(argv: list[str] | None = None) -> int:
             subprocess.run(["git", "worktree", "remove", "--force", str(base_tree)], cwd=ROOT, check=False)
         ours = convert_all(ROOT, cases, folder, "ours")
     if args.save:
-        args.save.write_text(json.dumps({"base": args.base, "base_hashes": base, "ours": ours}, indent=1))
+        write_text_atomic(args.save, json.dumps({"base": args.base, "base_hashes": base, "ours": ours}, indent=1))
     model_diff = [n for n in base if base[n].get("model") != ours.get(n, {}).get("model")
                   or base[n].get("error") != ours.get(n, {}).get("error")]
     report_diff = [n for n in base if n not in model_diff and base[n].get("report") != ours[n].get("report")]

@@ -23,6 +23,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import onnxmp  # noqa: E402
+from onnxmp.errors import OnnxMPError  # noqa: E402
+from onnxmp.files import guard_outputs, write_text_atomic  # noqa: E402
 from tests.strategies import random_graph  # noqa: E402
 from tests.test_fuzz import check_idempotent, check_valid, error_ratios  # noqa: E402
 
@@ -71,6 +73,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", type=Path, help="write the summary and failing graphs here")
     args = parser.parse_args(argv)
+    try:
+        guard_outputs({"--json": args.json})
+    except OnnxMPError as exc:
+        parser.error(exc.one_line())
 
     rng = random.Random(args.seed)
     stats: dict = {"examples": []}
@@ -103,7 +109,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{precision}: {s['conversions']} conversions ({s['changed']} changed the model); "
               f"failures: {failures}; max error / bound: {s['max_error_over_bound']}")
     if args.json:
-        args.json.write_text(json.dumps({"summary": summary, "failing_graphs": stats["examples"]}, indent=2))
+        write_text_atomic(args.json, json.dumps({"summary": summary, "failing_graphs": stats["examples"]}, indent=2))
     failed = sum(sum(summary[p]["failures"].values()) for p in ("float16", "bfloat16"))
     return 1 if failed else 0
 

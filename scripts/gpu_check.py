@@ -39,6 +39,8 @@ from onnx import TensorProto, helper, numpy_helper  # noqa: E402
 
 from onnxmp.naming import json_safe
 import onnxmp  # noqa: E402
+from onnxmp.errors import OnnxMPError  # noqa: E402
+from onnxmp.files import guard_outputs, write_text_atomic  # noqa: E402
 from models import zoo  # noqa: E402
 from onnxmp.emulate import emulate  # noqa: E402
 from onnxmp.validate import validate  # noqa: E402
@@ -310,6 +312,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--skip-latency", action="store_true")
     ap.add_argument("--json", type=Path, help="write the results here")
     args = ap.parse_args(argv)
+    try:
+        guard_outputs({"--json": args.json})
+    except OnnxMPError as exc:
+        ap.error(exc.one_line())
     provider = "cpu" if args.dry_run else "cuda"
     iters = args.iters or (3 if args.dry_run else 50)
     warmup = args.warmup if args.warmup is not None else (1 if args.dry_run else 10)
@@ -332,7 +338,7 @@ def main(argv: list[str] | None = None) -> int:
     result["seconds"] = time.perf_counter() - start
     print_summary(result)
     if args.json:
-        args.json.write_text(json.dumps(json_safe(result), indent=2))
+        write_text_atomic(args.json, json.dumps(json_safe(result), indent=2))
         print(f"wrote {args.json}")
     if crashed:
         return 2

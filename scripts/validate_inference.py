@@ -45,7 +45,9 @@ from tqdm.contrib.logging import logging_redirect_tqdm  # noqa: E402
 from onnxmp.naming import json_safe
 import onnxmp  # noqa: E402
 from onnxmp.inputs import generate_inputs, load_npz  # noqa: E402
-from onnxmp.plots import plot_errors, write_atomic  # noqa: E402
+from onnxmp.files import guard_outputs, write_bytes_atomic  # noqa: E402
+from onnxmp.plots import plot_errors  # noqa: E402
+from onnxmp.report import head  # noqa: E402
 from onnxmp.validate import PROVIDERS, validate  # noqa: E402
 
 log = logging.getLogger("validate_inference")
@@ -77,8 +79,8 @@ class Row:
         if self.error:
             return self.error
         if self.failures:
-            more = f" (+{len(self.failures) - 1} more)" if len(self.failures) > 1 else ""
-            return self.failures[0] + more
+            (first,), rest = head(self.failures, 1)
+            return first + (f" ({rest})" if rest else "")
         return ""
 
     def table_dict(self) -> dict:
@@ -255,6 +257,11 @@ def main(argv: list[str] | None = None) -> int:
                   "(install onnxruntime-gpu, or use --provider cpu)", file=sys.stderr)
             return 2
     args.out.mkdir(parents=True, exist_ok=True)
+    try:
+        guard_outputs({"--json": args.json, "report": args.out / "report.md"}, {"model": paths})
+    except onnxmp.OnnxMPError as exc:
+        print(f"error: {exc.one_line()}", file=sys.stderr)
+        return 2
 
     start = time.perf_counter()
     rows = []
@@ -272,11 +279,11 @@ def main(argv: list[str] | None = None) -> int:
           + (f"; failed: {', '.join(failed)}" if failed else ""))
     try:
         report = args.out / "report.md"
-        write_atomic(report, markdown_report(rows, args, header, cells, seconds).encode())
+        write_bytes_atomic(report, markdown_report(rows, args, header, cells, seconds).encode())
         print(f"report: {report}")
         if args.json:
             table_json = json.dumps(json_safe([r.table_dict() for r in rows]), indent=2)
-            write_atomic(args.json, (table_json + "\n").encode())
+            write_bytes_atomic(args.json, (table_json + "\n").encode())
     except onnxmp.OnnxMPError as exc:
         print(f"error: {exc.one_line()}", file=sys.stderr)
         return 2

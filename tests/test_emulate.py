@@ -1,6 +1,7 @@
 """Tests for onnxmp.emulate: fp16/bf16 numerics on the ORT CPU EP."""
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 
 import ml_dtypes
@@ -419,3 +420,58 @@ def test_cli_emulate_missing_file(tmp_path, capsys):
     assert main(["emulate", str(tmp_path / "nope.onnx"), "-o", str(tmp_path / "out.onnx")]) == 1
     assert "not found" in capsys.readouterr().err
     assert not (tmp_path / "out.onnx").exists()
+
+
+def test_cli_emulate_detects_bfloat16(tmp_path, capsys):
+    """A bf16 model used to be emulated as float16: a warning, exit 0, and an unusable model."""
+    src, dst = tmp_path / "x.bf16.onnx", tmp_path / "out.onnx"
+    onnx.save(bf16_model(), src)
+    assert main(["emulate", str(src), "-o", str(dst)]) == 0
+    emulated = onnx.load(dst)
+    assert low_precision_left(emulated, TP.BFLOAT16) == [] and low_precision_types(emulated) == ["bfloat16"]
+    x = np.array([1.2345, 100.7, -0.333, 2.0], np.float32)
+    run_ort(emulated, {"x": x})  # runs on the CPU EP: no bf16 kernel needed
+    assert "warning" not in capsys.readouterr().err.lower()
+
+
+def test_cli_emulate_precision_that_the_model_does_not_hold_is_an_error(tmp_path, capsys):
+    src, dst = tmp_path / "x.bf16.onnx", tmp_path / "out.onnx"
+    onnx.save(bf16_model(), src)
+    assert main(["emulate", str(src), "-o", str(dst), "--precision", "float16"]) == 1
+    err = capsys.readouterr().err.splitlines()
+    assert err[0] == f"onnxmp emulate: error: float16 was asked for, but {src} holds bfloat16 tensors"
+    assert err[1] == "  hint: omit --precision: the model's own precision is detected"
+    assert not dst.exists()
+
+
+@pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning")  # the overflow is the point
+def test_cli_emulate_model_with_both_types_emulates_both(tmp_path, caplog):
+    nodes = [helper.make_node("Cast", ["x"], ["h"], to=TP.FLOAT16),
+             helper.make_node("Mul", ["h", "h"], ["h2"]),
+             helper.make_node("Cast", ["h2"], ["b"], to=TP.BFLOAT16),
+             helper.make_node("Mul", ["b", "b"], ["b2"]),
+             helper.make_node("Cast", ["b2"], ["y"], to=TP.FLOAT)]
+    model = make_model(nodes, [helper.make_tensor_value_info("x", TP.FLOAT, [3])],
+                       [helper.make_tensor_value_info("y", TP.FLOAT, [3])])
+    src, dst = tmp_path / "mixed.onnx", tmp_path / "out.onnx"
+    onnx.save(model, src)
+    assert main(["emulate", str(src), "-o", str(dst)]) == 0
+    assert "holds both float16 and bfloat16 tensors; emulating both" in caplog.text
+    emulated = onnx.load(dst)
+    assert low_precision_left(emulated, TP.FLOAT16) == [] and low_precision_left(emulated, TP.BFLOAT16) == []
+    x = np.array([1.001, 300.0, -2.5], np.float32)
+
+    def bf(a):
+        return np.asarray(a, np.float32).astype(ml_dtypes.bfloat16).astype(np.float32)
+
+    h2 = (x.astype(np.float16) ** 2).astype(np.float32)  # 300**2 overflows fp16
+    np.testing.assert_array_equal(run_ort(emulated, {"x": x})[0], bf(bf(h2) ** 2))
+
+
+def test_cli_emulate_float32_model_warns_and_copies(tmp_path, caplog):
+    src, dst = tmp_path / "m.onnx", tmp_path / "out.onnx"
+    shutil.copy(MODELS / "mlp.onnx", src)
+    assert main(["emulate", str(src), "-o", str(dst)]) == 0
+    assert "holds no float16 or bfloat16 tensors; writing it unchanged" in caplog.text
+    assert low_precision_types(onnx.load(dst)) == []
+    assert main(["emulate", str(src), "-o", str(dst), "--precision", "float16"]) == 1

@@ -229,8 +229,10 @@ def test_user_errors():
         validate(reference, reference, batch(), thresholds={"cos_min": 0.9})
     with pytest.raises(OnnxMPError, match="unknown provider"):
         validate(reference, reference, batch(), provider="tpu")
-    with pytest.raises(OnnxMPError, match="'y'"):
-        validate(reference, reference, {"x": batch()["x"], "y": batch()["x"]})
+    with pytest.raises(OnnxMPError, match="no value for model input"):
+        validate(reference, reference, {"y": batch()["x"]})
+    # Arrays that are no model input (a training file's labels) are ignored, with an info line.
+    assert validate(reference, reference, {"x": batch()["x"], "y": batch()["x"]}).passed
 
 
 @pytest.mark.skipif("CUDAExecutionProvider" in ort.get_available_providers(), reason="CUDA EP present")
@@ -327,7 +329,26 @@ def test_cli_validate_int_input_needs_npz(tmp_path, capsys):
 
 def test_cli_validate_bad_dims_syntax(mlp_files, capsys):
     _, ref, cand = mlp_files
-    with pytest.raises(SystemExit) as exit_info:
-        main(["validate", str(ref), str(cand), "--dims", "N:3"])
-    assert exit_info.value.code == 2
-    assert "NAME=SIZE" in capsys.readouterr().err
+    assert main(["validate", str(ref), str(cand), "--dims", "N:3"]) == 2
+    err = capsys.readouterr().err.splitlines()
+    assert err[0].startswith("onnxmp validate: error: argument --dims:") and "NAME=SIZE" in err[0]
+    assert err[1:] == ["  hint: see `onnxmp validate --help`"]
+
+
+def test_cli_validate_ignores_extra_npz_keys_and_names_them(mlp_files, capsys, caplog):
+    """A training file holds the labels too; they used to be rejected as 'not inputs of the model'."""
+    folder, ref, cand = mlp_files
+    np.savez(folder / "train.npz", **batch(4, seed=3), y=np.arange(4), mask=np.ones(4))
+    caplog.set_level("INFO", logger="onnxmp.inputs")
+    assert main(["validate", str(ref), str(cand), "--inputs", str(folder / "train.npz")]) == 0, \
+        capsys.readouterr().err
+    notes = [r.getMessage() for r in caplog.records if "ignoring" in r.getMessage()]
+    assert notes == ["ignoring input array(s) that are not model inputs: mask, y"]
+
+
+def test_cli_validate_missing_npz_key_is_still_an_error(mlp_files, capsys):
+    folder, ref, cand = mlp_files
+    np.savez(folder / "labels.npz", y=np.arange(4))
+    assert main(["validate", str(ref), str(cand), "--inputs", str(folder / "labels.npz")]) == 1
+    err = capsys.readouterr().err
+    assert "no value for model input(s) 'x'" in err and "Traceback" not in err

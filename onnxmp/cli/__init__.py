@@ -2,27 +2,67 @@
 
 Conventions follow Polygraphy and onnxconverter-common: subcommands, ``-o``
 for the output path, ``-v``/``-q`` to raise or lower log verbosity (stdlib
-``logging``), exit status 0 on success and 1 with a one-line error plus a hint
-on bad input.  Each subcommand family lives in its own module with a
+``logging``).  Each subcommand family lives in its own module with a
 ``register(subparsers)`` function, so features stay beside their CLI.
+
+One error contract for every command: a failure prints
+``onnxmp <cmd>: error: <one line>`` and at most one ``  hint: ...`` line,
+never a traceback (``-v`` adds it), and exits with :data:`EXIT_USAGE` for a
+wrong command line, :data:`EXIT_ERROR` for anything else, and
+:data:`EXIT_TOLERANCE` when calibration missed its tolerance but still wrote
+the best model it found.
 """
 from __future__ import annotations
 
 import argparse
+import difflib
 import importlib
 import logging
+import re
 import sys
+import traceback
 
-from onnxmp.errors import OnnxMPError
+from onnxmp.errors import OnnxMPError, UsageError
 
 # Modules that contribute subcommands; each has ``register(subparsers)``.
 _COMMAND_MODULES = ("onnxmp.cli.convert", "onnxmp.cli.parity", "onnxmp.cli.train")
 
+EXIT_OK = 0
+EXIT_ERROR = 1
+EXIT_USAGE = 2
+EXIT_TOLERANCE = 3
+
 log = logging.getLogger("onnxmp")
+
+_INVALID_CHOICE = re.compile(r"invalid choice: '(?P<value>[^']*)' \(choose from (?P<choices>.*)\)$")
+
+
+class ArgumentParser(argparse.ArgumentParser):
+    """argparse that raises :class:`UsageError` instead of printing its usage block and exiting.
+
+    Used for the subcommand parsers too, so ``main`` reports every usage
+    error in the one format.
+    """
+
+    def error(self, message: str):
+        hint = f"see `{self.prog} --help`"
+        choice = _INVALID_CHOICE.search(message)
+        if choice:
+            # Python < 3.12.8 quotes the choices, newer ones do not.
+            choices = [c.strip().strip("'") for c in choice["choices"].split(",")]
+            close = difflib.get_close_matches(choice["value"], choices, n=1, cutoff=0.5)
+            hint = (f"did you mean {close[0]}? " if close else "") + f"choose from: {', '.join(choices)}"
+            if message.startswith("argument COMMAND:"):
+                message = f"unknown command {choice['value']!r}"
+                hint = f"did you mean {close[0]}?" if close else f"commands: {', '.join(choices)}"
+            else:
+                message = message[:choice.start()] + f"invalid choice {choice['value']!r}"
+        raise UsageError(message, hint=hint, prog=self.prog)
 
 
 def add_verbosity_flags(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("-v", "--verbose", action="count", default=0, help="more log output (repeatable)")
+    parser.add_argument("-v", "--verbose", action="count", default=0,
+                        help="more log output (repeatable); shows the traceback of an error")
     parser.add_argument("-q", "--quiet", action="count", default=0, help="less log output (repeatable)")
 
 
@@ -32,12 +72,12 @@ def _configure_logging(verbose: int, quiet: int) -> None:
                         format="[%(levelname)s] %(name)s: %(message)s", stream=sys.stderr)
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="onnxmp", description="Automatic mixed precision for ONNX models.")
+def build_parser() -> ArgumentParser:
+    parser = ArgumentParser(prog="onnxmp", description="Automatic mixed precision for ONNX models.")
     from onnxmp import __version__
 
     parser.add_argument("--version", action="version", version=f"onnxmp {__version__}")
-    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=ArgumentParser)
     sub.required = True
     for name in _COMMAND_MODULES:
         try:
@@ -50,23 +90,51 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _error(prog: str, message: str, hint: str | None = None) -> None:
+    lines = str(message).strip().splitlines() or ["error"]
+    sys.stderr.write(f"{prog}: error: {lines[0]}\n")
+    if hint:
+        sys.stderr.write(f"  hint: {hint.splitlines()[0]}\n")
+
+
+def _os_error_line(exc: OSError) -> str:
+    text = exc.strerror or str(exc) or type(exc).__name__
+    return f"{text}: {exc.filename}" if exc.filename else text
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    try:
+        args, unknown = parser.parse_known_args(argv)
+        if unknown:  # reported by the top-level parser otherwise, away from the command they were given to
+            raise UsageError(f"unrecognized arguments: {' '.join(unknown)}",
+                             hint=f"see `onnxmp {args.command} --help`", prog=f"onnxmp {args.command}")
+    except UsageError as exc:
+        _error(exc.prog, exc.message, exc.hint)
+        return EXIT_USAGE
     _configure_logging(getattr(args, "verbose", 0), getattr(args, "quiet", 0))
+    prog = f"onnxmp {args.command}"
+    verbose = getattr(args, "verbose", 0) > 0
     try:
         return int(args.func(args) or 0)
-    except OnnxMPError as exc:
-        sys.stderr.write(f"onnxmp {args.command}: error: {exc.message.splitlines()[0]}\n")
-        if exc.hint:
-            sys.stderr.write(f"  hint: {exc.hint}\n")
-        return 1
     except BrokenPipeError:  # `onnxmp lists | head` is normal use, not an error
         sys.stderr.close()
-        return 0
+        return EXIT_OK
     except KeyboardInterrupt:
-        sys.stderr.write("onnxmp: interrupted\n")
+        sys.stderr.write(f"{prog}: interrupted\n")
         return 130
+    except Exception as exc:  # the boundary: a user sees one line, -v the traceback
+        if verbose:
+            traceback.print_exc()
+        if isinstance(exc, OnnxMPError):
+            _error(prog, exc.message, exc.hint)
+            return EXIT_USAGE if isinstance(exc, UsageError) else EXIT_ERROR
+        if isinstance(exc, OSError):
+            _error(prog, _os_error_line(exc), "check the path and its permissions")
+        else:
+            _error(prog, f"{type(exc).__name__}: {exc}",
+                   None if verbose else "run again with -v for the traceback, and please report it")
+        return EXIT_ERROR
 
 
 if __name__ == "__main__":  # pragma: no cover

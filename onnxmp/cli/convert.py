@@ -4,12 +4,10 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import os
 import sys
-import tempfile
-from pathlib import Path
 
-from onnxmp.errors import OnnxMPError
+from onnxmp.errors import OnnxMPError, UsageError
+from onnxmp.files import guard_outputs, write_text_atomic
 from onnxmp.lists import LEVELS, LIST_NAMES, PRECISIONS, TARGETS
 
 log = logging.getLogger("onnxmp.cli")
@@ -79,18 +77,6 @@ def _common_kwargs(args) -> dict:
                 lists=_overrides(args), block_nodes=args.block_node)
 
 
-def _write_text(path: str, text: str) -> None:
-    target = Path(path)
-    fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", dir=target.parent if str(target.parent) else ".")
-    try:
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
-        os.replace(tmp, target)
-    except OSError as exc:
-        Path(tmp).unlink(missing_ok=True)
-        raise OnnxMPError(f"cannot write {path}: {exc}", hint="check the folder exists and is writable") from None
-
-
 def _convert(args) -> int:
     import onnxmp
 
@@ -100,9 +86,8 @@ def _convert(args) -> int:
         if args.tolerance is not None:
             kwargs["tolerance"] = args.tolerance
     elif args.tolerance is not None:
-        raise OnnxMPError("--tolerance needs --calibrate", hint="pass sample inputs: --calibrate inputs.npz")
-    if Path(args.output).resolve() == Path(args.model).resolve():
-        raise OnnxMPError("the output path is the input path", hint="onnxmp never modifies its input; choose -o")
+        raise UsageError("--tolerance needs --calibrate", hint="pass sample inputs: --calibrate inputs.npz")
+    guard_outputs({"-o": args.output, "--report": args.report}, {"input model": args.model, "--calibrate": args.calibrate})
     result = onnxmp.convert(args.model, **kwargs)
     calibration = result.report.calibration
     if args.calibrate and not calibration.get("passed", False):
@@ -111,9 +96,9 @@ def _convert(args) -> int:
             f"the converted model still misses the tolerance after {calibration.get('cycles')} calibration cycles; "
             "nothing written", hint="raise --tolerance, add --level treat_infer_as_deny, or --deny-add the ops "
                                     "named above")
-    onnxmp.save(result.model, args.output)
+    onnxmp.save(result.model, args.output, source=args.model)
     if args.report:
-        _write_text(args.report, result.report.to_json())
+        write_text_atomic(args.report, result.report.to_json())
     sys.stdout.write(result.report.summary() + "\n")
     sys.stdout.write(f"wrote {args.output}\n")
     return 0

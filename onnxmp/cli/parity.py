@@ -17,8 +17,8 @@ def register(subparsers) -> None:
                     "(Cast to the low type and back after each producer).")
     p.add_argument("model", metavar="IN", help="input .onnx model")
     p.add_argument("-o", "--output", required=True, metavar="OUT", help="emulated .onnx model to write")
-    p.add_argument("--precision", choices=("float16", "bfloat16"), default="float16",
-                   help="low-precision type to emulate (default: float16)")
+    p.add_argument("--precision", choices=("float16", "bfloat16"), default=None,
+                   help="low-precision type to emulate (default: the one the model holds)")
     p.add_argument("--float-io", action="store_true",
                    help="make low-precision graph inputs/outputs float32 (default: keep their dtypes)")
     add_verbosity_flags(p)
@@ -56,32 +56,39 @@ def _dim(text: str) -> tuple[str, int]:
 
 
 def run_emulate(args: argparse.Namespace) -> int:
-    from onnxmp.emulate import as_model, emulate, low_precision_types
+    from onnxmp.emulate import as_model, emulate, emulated_precisions
+    from onnxmp.files import guard_outputs
     from onnxmp.save import save
 
+    guard_outputs({"-o": args.output}, {"input model": args.model})
     model = as_model(args.model)
-    if args.precision not in low_precision_types(model):
-        log.warning("%s has no %s tensors; writing it unchanged", args.model, args.precision)
-    save(emulate(model, args.precision, keep_io_types=not args.float_io), args.output)
+    for precision in emulated_precisions(model, args.precision, str(args.model)):
+        model = emulate(model, precision, keep_io_types=not args.float_io)
+    save(model, args.output, source=args.model)
     return 0
 
 
 def run_validate(args: argparse.Namespace) -> int:
-    from onnxmp.plots import plot_errors, write_atomic
+    from onnxmp.files import guard_outputs, write_text_atomic
+    from onnxmp.plots import plot_errors, require_matplotlib
+    from onnxmp.report import head
     from onnxmp.validate import validate
 
+    guard_outputs({"--report": args.report, "--plot": args.plot},
+                  {"reference model": args.reference, "candidate model": args.candidate, "--inputs": args.inputs})
+    if args.plot:
+        require_matplotlib()  # before the comparison, not after it
     overrides = {key: getattr(args, key) for key in ("cosine_min", "rel_err_max", "abs_err_max", "top1_min")
                  if getattr(args, key) is not None}
     report = validate(args.reference, args.candidate, args.inputs, provider=args.provider,
                       thresholds=overrides, dims=dict(args.dims), seed=args.seed)
     sys.stdout.write(report.summary() + "\n")
     if args.report:
-        write_atomic(args.report, (report.to_json() + "\n").encode())
+        write_text_atomic(args.report, report.to_json() + "\n")
     if args.plot:
         plot_errors(report, args.plot)
     if not report.passed:
-        failures = report.failures()
-        more = f" (+{len(failures) - 1} more)" if len(failures) > 1 else ""
-        sys.stderr.write(f"onnxmp validate: parity failed: {failures[0]}{more}\n")
+        (first,), rest = head(report.failures(), 1)
+        sys.stderr.write(f"onnxmp validate: error: parity failed: {first}" + (f" ({rest})" if rest else "") + "\n")
         return 1
     return 0

@@ -1,0 +1,205 @@
+"""Output safety: the one output-path guard and the one atomic writer.
+
+A user's file is sacred.  Every command and API that writes calls
+:func:`guard_outputs` before any work, so a destination that would overwrite an
+input (or another output of the same run), or that lies in a missing or
+read-only folder, fails at once with one clear line instead of after minutes of
+work.  Every write then goes through :func:`atomic_write` (or
+:func:`atomic_directory` for a folder): the data fills a temporary file beside
+the destination and is renamed into place, so readers see the old file or the
+new one, never half of one, and an error leaves nothing behind.  Files get the
+mode the user's umask gives (0644 under umask 022), not ``mkstemp``'s 0600.
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import tempfile
+import threading
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from pathlib import Path
+from typing import Union
+
+from onnxmp.errors import OnnxMPError
+
+PathLike = Union[str, os.PathLike]
+# An input may be one path or several (``--calibrate a.npz b.npz``).
+Inputs = Mapping[str, Union[PathLike, Iterable[PathLike], None]]
+
+_UMASK_LOCK = threading.Lock()
+
+
+def umask() -> int:
+    """The process umask, read without a window where another thread could create a 0o000-masked file.
+
+    Linux reports it in /proc; elsewhere the set-and-restore dance runs under a lock.
+    """
+    try:
+        with open("/proc/self/status", encoding="ascii") as status:
+            for line in status:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except (OSError, ValueError):
+        pass
+    with _UMASK_LOCK:
+        mask = os.umask(0o022)
+        os.umask(mask)
+    return mask
+
+
+def file_mode() -> int:
+    """The mode a new file gets from the umask (0644 under 022)."""
+    return 0o666 & ~umask()
+
+
+def _folder(path: Path) -> Path:
+    return path.parent if str(path.parent) else Path(".")
+
+
+def _paths(value) -> list[Path]:
+    if value is None:
+        return []
+    if isinstance(value, (str, os.PathLike)):
+        return [Path(value)]
+    return [Path(v) for v in value if v is not None]
+
+
+def _same(a: Path, b: Path) -> bool:
+    if os.path.realpath(a) == os.path.realpath(b):
+        return True
+    try:  # hard links, bind mounts, case-insensitive file systems
+        return os.path.samefile(a, b)
+    except OSError:
+        return False
+
+
+def _inside(inner: Path, folder: Path) -> bool:
+    """``inner`` lies under ``folder`` (an output folder that is replaced would take it along)."""
+    real_inner, real_folder = os.path.realpath(inner), os.path.realpath(folder)
+    return real_inner.startswith(real_folder.rstrip(os.sep) + os.sep)
+
+
+def guard_outputs(outputs: Mapping[str, PathLike | None], inputs: Inputs = {},  # noqa: B006 (read only)
+                  *, folders: Iterable[str] = ()) -> None:
+    """Refuse, before any work, destinations that are unsafe to write.
+
+    ``outputs`` and ``inputs`` map a human label (``"-o"``, ``"--report"``,
+    ``"model"``) to a path; ``None`` entries are skipped and an input may be a
+    list of paths.  Raises :class:`OnnxMPError` when an output resolves
+    (symlinks followed, hard links recognised) to an input or to another
+    output, would take an input with it (an output folder holding one), or
+    its folder is missing or not writable.  An existing folder is refused as a
+    destination unless its label is in ``folders`` (outputs written with
+    :func:`atomic_directory`, which replaces a folder whole).
+    """
+    folders = set(folders)
+    given_inputs = [(label, path) for label, value in inputs.items() for path in _paths(value)]
+    seen: list[tuple[str, Path]] = []
+    for label, value in outputs.items():
+        if value is None:
+            continue
+        path = Path(value)
+        for in_label, in_path in given_inputs:
+            if _same(path, in_path):
+                raise OnnxMPError(f"{label} {path} is the {in_label} {in_path}; onnxmp never writes over its input",
+                                  hint=f"choose another {label} path")
+            if _inside(in_path, path):
+                raise OnnxMPError(f"{label} {path} holds the {in_label} {in_path}; writing it would remove the input",
+                                  hint=f"choose another {label} path")
+        for out_label, out_path in seen:
+            if _same(path, out_path):
+                raise OnnxMPError(f"{label} and {out_label} both name {path}; one would overwrite the other",
+                                  hint="give each output its own path")
+        seen.append((label, path))
+        if label in folders:
+            if path.exists() and not path.is_dir():
+                raise OnnxMPError(f"{label} {path} exists and is not a folder", hint=f"choose another {label}")
+        elif path.is_dir():
+            raise OnnxMPError(f"{label} {path} is an existing folder", hint=f"give {label} a file name")
+        folder = _folder(path)
+        if not folder.is_dir():
+            raise OnnxMPError(f"the folder of {label} {path} does not exist: {folder}",
+                              hint=f"create it first (mkdir -p {folder}) or choose another {label}")
+        if not os.access(folder, os.W_OK | os.X_OK):
+            raise OnnxMPError(f"cannot write {label} {path}: folder {folder} is not writable",
+                              hint=f"check the folder's permissions or choose another {label}")
+
+
+def _temp_name_error(path: Path, exc: OSError) -> OnnxMPError:
+    return OnnxMPError(f"cannot write {path}: {exc.strerror or exc}",
+                       hint="check that the folder exists, is writable and has free space")
+
+
+def atomic_write(path: PathLike, write: Callable[[Path], None]) -> Path:
+    """Fill a temporary file beside ``path`` with ``write(tmp_path)``, then rename it into place.
+
+    The file gets the umask's mode.  On any error the temporary file is removed
+    and ``path`` is left as it was; an OSError becomes an :class:`OnnxMPError`.
+    """
+    path = Path(path)
+    try:
+        fd, name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=_folder(path))
+        os.close(fd)
+    except OSError as exc:
+        raise _temp_name_error(path, exc) from None
+    tmp = Path(name)
+    try:
+        write(tmp)
+        os.chmod(tmp, file_mode())
+        os.replace(tmp, path)
+    except OSError as exc:
+        raise _temp_name_error(path, exc) from None
+    finally:
+        tmp.unlink(missing_ok=True)
+    return path
+
+
+def write_text_atomic(path: PathLike, text: str, encoding: str = "utf-8") -> Path:
+    return atomic_write(path, lambda tmp: tmp.write_text(text, encoding=encoding))
+
+
+def write_bytes_atomic(path: PathLike, data: bytes) -> Path:
+    return atomic_write(path, lambda tmp: tmp.write_bytes(data))
+
+
+@contextlib.contextmanager
+def atomic_directory(path: PathLike) -> Iterator[Path]:
+    """Yield a temporary folder beside ``path``; on success it replaces ``path``, on error it is removed.
+
+    An existing ``path`` folder is replaced whole, only once the new one is
+    complete, so a failed run never leaves a partial output folder and a
+    rerun never mixes old and new files.
+    """
+    path = Path(path)
+    folder = _folder(path)
+    try:
+        tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.", suffix=".tmp", dir=folder))
+        os.chmod(tmp, 0o777 & ~umask())
+    except OSError as exc:
+        raise _temp_name_error(path, exc) from None
+    try:
+        yield tmp
+        try:
+            _replace_folder(tmp, path)
+        except OSError as exc:
+            raise _temp_name_error(path, exc) from None
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _replace_folder(new: Path, path: Path) -> None:
+    if not (path.is_dir() and not path.is_symlink()):
+        os.replace(new, path)
+        return
+    # rename() cannot replace a non-empty folder: move the old one aside first, and back on failure.
+    aside = Path(tempfile.mkdtemp(prefix=f".{path.name}.old.", dir=_folder(path)))
+    os.replace(path, aside / path.name)
+    try:
+        os.replace(new, path)
+    except OSError:
+        os.replace(aside / path.name, path)
+        os.rmdir(aside)
+        raise
+    shutil.rmtree(aside, ignore_errors=True)

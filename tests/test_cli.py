@@ -1,0 +1,190 @@
+"""The CLI's one error contract and its output guards (every command that writes)."""
+from __future__ import annotations
+
+import os
+import shutil
+import stat
+from pathlib import Path
+
+import pytest
+
+import onnxmp
+from onnxmp.cli import EXIT_ERROR, EXIT_USAGE, main
+
+MODELS = Path(__file__).resolve().parent.parent / "models"
+
+
+@pytest.fixture
+def work(tmp_path, monkeypatch):
+    """A folder holding a float32 model and its sample inputs, as the user's cwd."""
+    shutil.copy(MODELS / "mlp.onnx", tmp_path / "m.onnx")
+    shutil.copy(MODELS / "mlp.inputs.npz", tmp_path / "s.npz")
+    shutil.copy(MODELS / "mlp.onnx", tmp_path / "b.onnx")
+    monkeypatch.chdir(tmp_path)
+    return tmp_path
+
+
+def snapshot(folder: Path) -> dict[str, bytes]:
+    return {p.name: p.read_bytes() for p in sorted(folder.iterdir()) if p.is_file() and not p.is_symlink()}
+
+
+def one_error(err: str, command: str) -> str:
+    """The error line, after checking the contract: one `error:` line, at most one hint, no traceback."""
+    lines = [line for line in err.splitlines() if not line.startswith("[")]  # log lines
+    assert "Traceback" not in err
+    assert 1 <= len(lines) <= 2, err
+    assert lines[0].startswith(f"onnxmp {command}: error: " if command else "onnxmp: error: "), err
+    if len(lines) == 2:
+        assert lines[1].startswith("  hint: "), err
+    return lines[0]
+
+
+# --- outputs never land on inputs, and are refused before any work -----------------------
+
+
+@pytest.mark.parametrize("argv, clash", [
+    (["convert", "m.onnx", "-o", "out.onnx", "--report", "m.onnx"], "--report m.onnx is the input model"),
+    (["convert", "m.onnx", "-o", "out.onnx", "--report", "out.onnx"], "--report and -o both name"),
+    (["convert", "m.onnx", "-o", "m.onnx"], "-o m.onnx is the input model"),
+    (["convert", "m.onnx", "-o", "out.onnx", "--calibrate", "s.npz", "--report", "s.npz"],
+     "--report s.npz is the --calibrate"),
+    (["convert", "m.onnx", "-o", "s.npz", "--calibrate", "s.npz"], "-o s.npz is the --calibrate"),
+    (["validate", "m.onnx", "b.onnx", "--plot", "m.onnx"], "--plot m.onnx is the reference model"),
+    (["validate", "m.onnx", "b.onnx", "--inputs", "s.npz", "--plot", "s.npz"], "--plot s.npz is the --inputs"),
+    (["validate", "m.onnx", "b.onnx", "--report", "b.onnx"], "--report b.onnx is the candidate model"),
+    (["validate", "m.onnx", "b.onnx", "--report", "r.json", "--plot", "r.json"], "--plot and --report both"),
+    (["emulate", "m.onnx", "-o", "m.onnx"], "-o m.onnx is the input model"),
+    (["emulate", "m.onnx", "-o", "link.onnx"], "-o link.onnx is the input model"),
+    (["emulate", "m.onnx", "-o", "hard.onnx"], "-o hard.onnx is the input model"),
+    (["convert", "link.onnx", "-o", "m.onnx"], "-o m.onnx is the input model link.onnx"),
+])
+def test_an_output_on_an_input_is_refused_and_nothing_is_touched(work, capsys, argv, clash):
+    (work / "link.onnx").symlink_to(work / "m.onnx")
+    os.link(work / "m.onnx", work / "hard.onnx")
+    before = snapshot(work)
+    assert main(argv) == EXIT_ERROR
+    out, err = capsys.readouterr()
+    assert clash in one_error(err, argv[0])
+    assert out == ""  # refused before any work: no summary
+    assert snapshot(work) == before and (work / "link.onnx").is_symlink()
+
+
+@pytest.mark.parametrize("argv, flag", [
+    (["convert", "m.onnx", "-o", "out.onnx", "--report", "nodir/r.json"], "--report"),
+    (["convert", "m.onnx", "-o", "nodir/out.onnx"], "-o"),
+    (["validate", "m.onnx", "b.onnx", "--plot", "nodir/p.png"], "--plot"),
+    (["validate", "m.onnx", "b.onnx", "--report", "nodir/r.json"], "--report"),
+    (["emulate", "m.onnx", "-o", "nodir/e.onnx"], "-o"),
+])
+def test_a_missing_output_folder_fails_before_the_work(work, capsys, argv, flag):
+    before = snapshot(work)
+    assert main(argv) == EXIT_ERROR
+    out, err = capsys.readouterr()
+    assert f"the folder of {flag} nodir/" in one_error(err, argv[0]) and "does not exist" in err
+    assert "mkdir -p nodir" in err
+    assert out == "" and snapshot(work) == before  # no model written, no PASSED printed
+
+
+def test_convert_does_not_run_when_an_output_is_refused(work, monkeypatch, capsys):
+    def boom(*args, **kwargs):
+        raise AssertionError("convert ran")
+
+    monkeypatch.setattr(onnxmp, "convert", boom)
+    assert main(["convert", "m.onnx", "-o", "out.onnx", "--report", "nodir/r.json"]) == EXIT_ERROR
+
+
+def test_outputs_get_the_umask_mode(work, capsys):
+    old = os.umask(0o022)
+    try:
+        assert main(["convert", "m.onnx", "-o", "out.onnx", "--report", "r.json"]) == 0
+        assert main(["validate", "m.onnx", "out.onnx", "--inputs", "s.npz", "--report", "v.json",
+                     "--plot", "p.png"]) == 0
+        assert main(["emulate", "out.onnx", "-o", "e.onnx"]) == 0
+    finally:
+        os.umask(old)
+    for name in ("out.onnx", "r.json", "v.json", "p.png", "e.onnx"):
+        assert stat.S_IMODE(os.stat(work / name).st_mode) == 0o644, name
+    assert not [p.name for p in work.iterdir() if p.name.startswith(".")]  # no temporaries left
+
+
+# --- usage errors: exit 2, one line, one hint ----------------------------------------------
+
+
+@pytest.mark.parametrize("argv, message, hint", [
+    (["conver", "m.onnx"], "unknown command 'conver'", "did you mean convert?"),
+    (["frobnicate"], "unknown command 'frobnicate'", "commands: convert, explain, lists"),
+    ([], "the following arguments are required: COMMAND", "see `onnxmp --help`"),
+    (["convert", "m.onnx", "-o", "x.onnx", "--precision", "fp16"], "argument --precision: invalid choice 'fp16'",
+     "did you mean float16? choose from: float16, bfloat16"),
+    (["convert", "m.onnx", "-o", "x.onnx", "--target", "tensorrt"], "argument --target: invalid choice 'tensorrt'",
+     "choose from: cuda, cpu"),
+    (["convert", "m.onnx"], "the following arguments are required: -o/--output", "see `onnxmp convert --help`"),
+    (["emulate", "m.onnx", "-o", "x.onnx", "--precision", "fp8"], "argument --precision: invalid choice 'fp8'",
+     "choose from: float16, bfloat16"),
+    (["validate", "m.onnx", "b.onnx", "--seed", "x"], "argument --seed: invalid int value: 'x'",
+     "see `onnxmp validate --help`"),
+    (["convert", "m.onnx", "-o", "x.onnx", "--tolerance", "0.1"], "--tolerance needs --calibrate",
+     "pass sample inputs"),
+    (["lists", "--nope"], "unrecognized arguments: --nope", "see `onnxmp lists --help`"),
+])
+def test_usage_errors_exit_2_with_one_line_and_a_hint(work, capsys, argv, message, hint):
+    assert main(argv) == EXIT_USAGE
+    out, err = capsys.readouterr()
+    command = argv[0] if argv and argv[0] in ("convert", "emulate", "validate", "lists") else ""
+    line = one_error(err, command)
+    assert message in line and err.splitlines()[1].startswith(f"  hint: {hint}"), err
+    assert out == "" and not (work / "x.onnx").exists()
+
+
+def test_help_and_version_still_exit_0(capsys):
+    for argv in (["--version"], ["convert", "--help"]):
+        with pytest.raises(SystemExit) as info:
+            main(argv)
+        assert info.value.code == 0
+    capsys.readouterr()
+
+
+# --- no traceback for anything, unless -v ---------------------------------------------------
+
+
+def test_an_unexpected_error_is_one_line_and_v_shows_the_traceback(work, monkeypatch, capsys):
+    def broken(*args, **kwargs):
+        raise KeyError("boom")
+
+    monkeypatch.setattr(onnxmp, "convert", broken)
+    assert main(["convert", "m.onnx", "-o", "out.onnx"]) == EXIT_ERROR
+    err = capsys.readouterr().err
+    assert "KeyError: 'boom'" in one_error(err, "convert") and "-v" in err
+    assert main(["convert", "m.onnx", "-o", "out.onnx", "-v"]) == EXIT_ERROR
+    err = capsys.readouterr().err
+    assert "Traceback" in err and err.rstrip().splitlines()[-1] == "onnxmp convert: error: KeyError: 'boom'"
+
+
+def test_an_os_error_is_one_line(work, monkeypatch, capsys):
+    def unreadable(*args, **kwargs):
+        raise PermissionError(13, "Permission denied", "m.onnx")
+
+    monkeypatch.setattr(onnxmp, "convert", unreadable)
+    assert main(["convert", "m.onnx", "-o", "out.onnx"]) == EXIT_ERROR
+    assert "Permission denied: m.onnx" in one_error(capsys.readouterr().err, "convert")
+
+
+def test_bad_input_files_are_one_line_errors(work, capsys):
+    (work / "bad.npz").write_bytes(b"not a zip")
+    (work / "bad.onnx").write_bytes((work / "m.onnx").read_bytes()[:100])
+    assert main(["validate", "m.onnx", "b.onnx", "--inputs", "bad.npz"]) == EXIT_ERROR
+    assert "cannot read inputs from bad.npz" in one_error(capsys.readouterr().err, "validate")
+    assert main(["emulate", "bad.onnx", "-o", "e.onnx"]) == EXIT_ERROR
+    assert "not a readable ONNX model" in one_error(capsys.readouterr().err, "emulate")
+    assert main(["validate", "m.onnx", "b.onnx", "--inputs", "missing.npz"]) == EXIT_ERROR
+    assert "not found" in one_error(capsys.readouterr().err, "validate")
+
+
+def test_validate_without_matplotlib_fails_before_the_comparison(work, monkeypatch, capsys):
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "matplotlib" else real(name, *a))
+    assert main(["validate", "m.onnx", "b.onnx", "--plot", "p.png"]) == EXIT_ERROR
+    out, err = capsys.readouterr()
+    assert "plotting needs matplotlib" in one_error(err, "validate") and out == ""

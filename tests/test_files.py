@@ -1,0 +1,219 @@
+"""Tests for onnxmp.files: the output-path guard and the atomic writers."""
+from __future__ import annotations
+
+import os
+import stat
+from contextlib import contextmanager
+
+import pytest
+
+from onnxmp.errors import OnnxMPError
+from onnxmp.files import (atomic_directory, atomic_write, file_mode, guard_outputs, umask, write_bytes_atomic,
+                          write_text_atomic)
+
+
+@contextmanager
+def process_umask(mask: int):
+    old = os.umask(mask)
+    try:
+        yield
+    finally:
+        os.umask(old)
+
+
+def mode(path) -> int:
+    return stat.S_IMODE(os.stat(path).st_mode)
+
+
+def leftovers(folder) -> list[str]:
+    return sorted(p.name for p in folder.iterdir() if p.name.startswith("."))
+
+
+def test_umask_is_read_without_changing_it():
+    with process_umask(0o027):
+        assert umask() == 0o027
+        assert file_mode() == 0o640
+        assert os.umask(0o027) == 0o027
+
+
+@pytest.mark.parametrize("mask, expected", [(0o022, 0o644), (0o077, 0o600), (0o002, 0o664)])
+def test_written_files_get_the_umask_mode_not_mkstemps_0600(tmp_path, mask, expected):
+    with process_umask(mask):
+        write_text_atomic(tmp_path / "r.json", "{}")
+        write_bytes_atomic(tmp_path / "p.png", b"\x89PNG")
+    assert mode(tmp_path / "r.json") == expected and mode(tmp_path / "p.png") == expected
+    assert (tmp_path / "r.json").read_text() == "{}"
+
+
+def test_failed_write_leaves_the_old_file_and_no_temporary(tmp_path):
+    target = tmp_path / "out.json"
+    target.write_text("old")
+
+    def fail(tmp):
+        tmp.write_text("half")
+        raise ValueError("boom")
+
+    with pytest.raises(ValueError, match="boom"):
+        atomic_write(target, fail)
+    assert target.read_text() == "old" and leftovers(tmp_path) == []
+
+
+def test_os_error_while_writing_is_one_line(tmp_path):
+    def fail(tmp):
+        raise OSError(28, "No space left on device")
+
+    with pytest.raises(OnnxMPError, match="cannot write .*No space left"):
+        atomic_write(tmp_path / "x.bin", fail)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_atomic_write_replaces_a_symlink_not_its_target(tmp_path):
+    other = tmp_path / "other.txt"
+    other.write_text("keep")
+    link = tmp_path / "link.txt"
+    link.symlink_to(other)
+    write_text_atomic(link, "new")
+    assert other.read_text() == "keep" and link.read_text() == "new" and not link.is_symlink()
+
+
+# --- guard -------------------------------------------------------------------------
+
+
+@pytest.fixture
+def model(tmp_path):
+    path = tmp_path / "m.onnx"
+    path.write_bytes(b"model")
+    return path
+
+
+def test_guard_accepts_fresh_and_existing_outputs(tmp_path, model):
+    (tmp_path / "old.json").write_text("x")
+    guard_outputs({"-o": tmp_path / "out.onnx", "--report": tmp_path / "old.json", "--plot": None},
+                  {"model": model, "--inputs": None})
+
+
+@pytest.mark.parametrize("how", ["same", "relative", "symlink", "hardlink"])
+def test_guard_refuses_an_input_however_it_is_named(tmp_path, model, monkeypatch, how):
+    if how == "same":
+        out = model
+    elif how == "relative":
+        monkeypatch.chdir(tmp_path)
+        (tmp_path / "sub").mkdir()
+        out = "sub/../m.onnx"
+    elif how == "symlink":
+        out = tmp_path / "link.onnx"
+        out.symlink_to(model)
+    else:
+        out = tmp_path / "hard.onnx"
+        os.link(model, out)
+    with pytest.raises(OnnxMPError, match="is the model") as info:
+        guard_outputs({"-o": out}, {"model": model})
+    assert "choose another -o" in info.value.hint
+    assert model.read_bytes() == b"model"
+
+
+def test_guard_refuses_one_of_several_inputs(tmp_path, model):
+    npz = [tmp_path / "a.npz", tmp_path / "b.npz"]
+    for p in npz:
+        p.write_bytes(b"npz")
+    with pytest.raises(OnnxMPError, match=r"--report .*b\.npz is the --calibrate"):
+        guard_outputs({"--report": npz[1]}, {"model": model, "--calibrate": npz})
+
+
+def test_guard_refuses_two_outputs_on_one_path(tmp_path, model):
+    out = tmp_path / "out.onnx"
+    with pytest.raises(OnnxMPError, match="--report and -o both name"):
+        guard_outputs({"-o": out, "--report": tmp_path / "." / "out.onnx"}, {"model": model})
+
+
+def test_guard_refuses_a_missing_folder(tmp_path):
+    with pytest.raises(OnnxMPError, match="folder of --report .* does not exist") as info:
+        guard_outputs({"--report": tmp_path / "nodir" / "r.json"})
+    assert "mkdir -p" in info.value.hint
+
+
+@pytest.mark.skipif(hasattr(os, "geteuid") and os.geteuid() == 0, reason="root writes anywhere")
+def test_guard_refuses_a_read_only_folder(tmp_path):
+    folder = tmp_path / "ro"
+    folder.mkdir()
+    folder.chmod(0o555)
+    try:
+        with pytest.raises(OnnxMPError, match="not writable"):
+            guard_outputs({"--plot": folder / "p.png"})
+    finally:
+        folder.chmod(0o755)
+
+
+def test_guard_refuses_an_existing_folder_as_a_file_output(tmp_path):
+    (tmp_path / "dir.onnx").mkdir()
+    with pytest.raises(OnnxMPError, match="is an existing folder"):
+        guard_outputs({"-o": tmp_path / "dir.onnx"})
+
+
+def test_output_folders_may_exist_but_not_hold_an_input(tmp_path, model):
+    out = tmp_path / "run"
+    out.mkdir()
+    guard_outputs({"--out": out}, {"model": model}, folders=["--out"])
+    with pytest.raises(OnnxMPError, match="holds the model"):
+        guard_outputs({"--out": tmp_path}, {"model": model}, folders=["--out"])
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(OnnxMPError, match="not a folder"):
+        guard_outputs({"--out": tmp_path / "file"}, folders=["--out"])
+
+
+# --- folders ------------------------------------------------------------------------
+
+
+def test_atomic_directory_appears_whole_and_replaces_the_old_one(tmp_path):
+    target = tmp_path / "artifacts"
+    target.mkdir()
+    (target / "stale.bin").write_text("old")
+    with process_umask(0o022), atomic_directory(target) as tmp:
+        assert not (tmp / "stale.bin").exists() and tmp.parent == tmp_path
+        (tmp / "model.onnx").write_text("new")
+    assert sorted(p.name for p in target.iterdir()) == ["model.onnx"]
+    assert mode(target) == 0o755 and leftovers(tmp_path) == []
+
+
+def test_atomic_directory_leaves_nothing_on_error(tmp_path):
+    target = tmp_path / "artifacts"
+    with pytest.raises(RuntimeError):
+        with atomic_directory(target) as tmp:
+            (tmp / "half.onnx").write_text("x")
+            raise RuntimeError("label key missing")
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_atomic_directory_keeps_the_old_folder_on_error(tmp_path):
+    target = tmp_path / "artifacts"
+    target.mkdir()
+    (target / "keep.bin").write_text("old")
+    with pytest.raises(RuntimeError):
+        with atomic_directory(target):
+            raise RuntimeError("boom")
+    assert (target / "keep.bin").read_text() == "old" and leftovers(tmp_path) == []
+
+
+# --- save goes through the same guard and writer -------------------------------------
+
+
+def test_save_refuses_its_source_and_writes_the_umask_mode(tmp_path):
+    import onnx
+    from onnx import TensorProto, helper
+
+    import onnxmp
+
+    graph = helper.make_graph([helper.make_node("Relu", ["x"], ["y"])], "g",
+                              [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2])])
+    src = tmp_path / "m.onnx"
+    onnx.save(helper.make_model(graph), src)
+    before = src.read_bytes()
+    link = tmp_path / "link.onnx"
+    link.symlink_to(src)
+    with pytest.raises(OnnxMPError, match="is the source model"):
+        onnxmp.save(onnx.load(src), link, source=src)
+    assert src.read_bytes() == before and link.is_symlink()
+    with process_umask(0o022):
+        onnxmp.save(onnx.load(src), tmp_path / "out.onnx", source=src)
+    assert mode(tmp_path / "out.onnx") == 0o644 and leftovers(tmp_path) == []
