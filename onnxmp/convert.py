@@ -19,7 +19,7 @@ from onnxmp.color import ColorOptions, ColorResult, color
 from onnxmp.color.seeds import DEFAULT_THRESHOLD, DEFAULT_UNDERFLOW_SHARE
 from onnxmp.emit import emit, initializer_inputs
 from onnxmp.errors import OnnxMPError
-from onnxmp.graphs import all_nodes
+from onnxmp.graphs import proto_nodes
 from onnxmp.lists import PRECISIONS, TARGETS, ListOverrides, resolve_lists
 from onnxmp.load import ModelLike, load
 from onnxmp.normalize import normalize
@@ -119,7 +119,7 @@ def _analyse(proto: onnx.ModelProto, options: ColorOptions, level: str, timings:
     report.advice = tensor_core_advice(normalized.graph, colored.coloring)
     report.groups = group_rows(colored.coloring)
     if normalized.inference_error:
-        report.calibration["shape_inference_error"] = normalized.inference_error
+        report.shape_inference_error = normalized.inference_error
     return normalized, colored, report
 
 
@@ -153,26 +153,33 @@ def convert(model: ModelLike, *, target: str = "cuda", precision: str = "float16
             level: str = "default", lists: Mapping[str, Iterable[str]] | ListOverrides | None = None,
             block_nodes: Iterable[str] = (), calibration=None, tolerance: float | None = None,
             calibration_threshold: float = DEFAULT_THRESHOLD, underflow_share: float = DEFAULT_UNDERFLOW_SHARE,
-            master_weights: Iterable[str] = ()) -> ConversionResult:
+            master_weights: Iterable[str] = (), metric=None, holdout: int | None = None,
+            max_runs: int | None = None) -> ConversionResult:
     """Convert ``model`` to mixed ``precision`` for ``target`` with TF's AMP algorithm.
 
     ``calibration`` (sample inputs: a dict of arrays, a list of them, or .npz paths)
     enables the magnitude seed (``calibration_threshold``) and the accuracy-guided
-    fallback to ``tolerance`` (see :mod:`onnxmp.calibrate`).  ``underflow_share`` is the
+    search to ``tolerance`` under ``metric`` (see :mod:`onnxmp.calibrate` and
+    :mod:`onnxmp.metrics`), tuning on all but the last ``holdout`` samples and
+    giving up after ``max_runs`` emulated runs.  A missed tolerance is not an
+    exception: ``result.report.calibration.met`` is False and the model is the
+    best found.  ``underflow_share`` is the
     share of an initializer's values that may flush or turn subnormal before its node
     stays float32.  ``master_weights`` names initializers that must stay float32 and be
     Cast at each low-precision use (training).
     """
     if calibration is not None:
-        from onnxmp.calibrate import DEFAULT_TOLERANCE, convert_with_calibration
+        from onnxmp.calibrate import DEFAULT_TOLERANCE, MAX_RUNS, convert_with_calibration
 
         return convert_with_calibration(
             model, calibration=calibration, tolerance=DEFAULT_TOLERANCE if tolerance is None else tolerance,
+            metric=metric, holdout=holdout, max_runs=MAX_RUNS if max_runs is None else max_runs,
             calibration_threshold=calibration_threshold, underflow_share=underflow_share, target=target,
             precision=precision, keep_io_types=keep_io_types, level=level, lists=lists, block_nodes=block_nodes,
             master_weights=master_weights)
-    if tolerance is not None:
-        raise OnnxMPError("tolerance needs calibration samples", hint="pass calibration=inputs (or --calibrate a.npz)")
+    for name, value in (("tolerance", tolerance), ("metric", metric), ("holdout", holdout), ("max_runs", max_runs)):
+        if value is not None:
+            raise OnnxMPError(f"{name} needs calibration samples", hint="pass calibration=inputs (or --calibrate a.npz)")
     return convert_once(model, target=target, precision=precision, keep_io_types=keep_io_types, level=level,
                         lists=lists, block_nodes=block_nodes, master_weights=master_weights,
                         underflow_share=underflow_share)
@@ -237,7 +244,7 @@ def _convert_loaded(model, original, timings, target, precision, keep_io_types, 
         verify(converted, original=original, keep_io_types=keep_io_types)
     report.changed = result.modified
     # The emitter drops restore Casts nobody ended up reading; count what is really there.
-    present = {n.name for n in all_nodes(converted.graph)}
+    present = {n.name for n in proto_nodes(converted.graph)}
     report.cast_nodes = [name for name in stats.casts if name in present]
     report.casts_inserted = len(report.cast_nodes)
     report.converted_initializers = stats.converted_initializers

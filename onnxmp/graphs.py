@@ -43,26 +43,31 @@ def iter_graphs(graph: onnx.GraphProto, graph_id: str = MAIN, parent: onnx.NodeP
                     yield from iter_graphs(attr.g, f"{node.name}/{attr.name}", node)
 
 
-def subgraph_attrs(node: onnx.NodeProto) -> list[onnx.AttributeProto]:
-    return [a for a in node.attribute if a.type == GRAPH]
+def proto_subgraphs(node: onnx.NodeProto) -> Iterator[onnx.GraphProto]:
+    """The bodies of an If/Loop/Scan NodeProto (GRAPH and GRAPHS attributes)."""
+    if not may_hold_graphs(node):
+        return
+    for attr in node.attribute:
+        if attr.type == GRAPH:
+            yield attr.g
+        elif attr.type == GRAPHS:
+            yield from attr.graphs
 
 
-def all_nodes(graph: onnx.GraphProto) -> Iterator[onnx.NodeProto]:
-    for _, g, _ in iter_graphs(graph):
-        yield from g.node
+def proto_nodes(graph: onnx.GraphProto) -> Iterator[onnx.NodeProto]:
+    """Every NodeProto of ``graph`` and its bodies, each node before its bodies' nodes."""
+    for node in graph.node:
+        yield node
+        for sub in proto_subgraphs(node):
+            yield from proto_nodes(sub)
 
 
 def iter_all_graphs(graph: onnx.GraphProto) -> Iterator[onnx.GraphProto]:
     """Every graph including GRAPHS-typed attributes (for whole-model tensor walks)."""
     yield graph
     for node in graph.node:
-        if may_hold_graphs(node):
-            for attr in node.attribute:
-                if attr.type == GRAPH:
-                    yield from iter_all_graphs(attr.g)
-                elif attr.type == GRAPHS:
-                    for g in attr.graphs:
-                        yield from iter_all_graphs(g)
+        for sub in proto_subgraphs(node):
+            yield from iter_all_graphs(sub)
 
 
 _UNPARSED = object()

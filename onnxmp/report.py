@@ -5,13 +5,17 @@ from __future__ import annotations
 import json
 from collections import Counter, defaultdict
 from dataclasses import asdict, dataclass, field
-from typing import Any, Sequence, TypeVar
+from typing import TYPE_CHECKING, Any, Sequence, TypeVar
 
 import numpy as np
 import onnx
 
 from onnxmp.color.rules import ALLOW, Coloring
 from onnxmp.graphs import ModelGraph
+from onnxmp.naming import json_safe
+
+if TYPE_CHECKING:
+    from onnxmp.calibrate import CalibrationReport
 
 TENSOR_CORE_OPS = ("Conv", "ConvTranspose", "MatMul", "Gemm")
 
@@ -61,7 +65,8 @@ class Report:
     node_count: int = 0
     converted_initializers: list[str] = field(default_factory=list)
     twin_initializers: list[str] = field(default_factory=list)
-    calibration: dict[str, Any] = field(default_factory=dict)
+    calibration: CalibrationReport | None = None  # set by convert(..., calibration=...)
+    shape_inference_error: str | None = None
     groups: list[dict[str, Any]] = field(default_factory=list)  # control-flow color groups (spec §5.7)
 
     # -- aggregates ---------------------------------------------------------------
@@ -104,7 +109,7 @@ class Report:
         return data
 
     def to_json(self, indent: int | None = 2) -> str:
-        return json.dumps(self.to_dict(), indent=indent, default=_json_default)
+        return json.dumps(json_safe(self.to_dict()), indent=indent, default=_json_default)
 
     def summary(self) -> str:
         lines = [f"onnxmp: target={self.target} precision={self.precision} level={self.level} "
@@ -148,15 +153,9 @@ class Report:
             lines.extend(f"  {a.message}" for a in shown)
             if rest:
                 lines.append(f"  {rest}")
-        cal = self.calibration
-        if cal.get("cycles"):
+        if self.calibration is not None:
             lines.append("")
-            lines.append(f"calibration: {cal['samples']} sample(s), {cal['cycles']} convert+run cycle(s), "
-                         f"{'within' if cal['passed'] else 'MISSES'} tolerance {cal['tolerance']:g}")
-            for seed in cal.get("seeded", [])[:10]:
-                lines.append(f"  seeded fp32: `{seed['tensor']}` reached {seed['observed_max']:.3g}")
-            for item in cal.get("fallback", []):
-                lines.append(f"  moved to fp32: {item['node']}: {item['cause']}")
+            lines.extend(self.calibration.summary_lines(self.precision))
         if self.timings:
             lines.append("")
             lines.append("time: " + ", ".join(f"{k} {v * 1000:.0f} ms" for k, v in self.timings.items()))

@@ -73,18 +73,10 @@ class Edits:
     low_enum: int = LOW_ENUM["float16"]
 
 
-def _fresh_names(graph: ModelGraph) -> FreshNames:
-    """Fresh names that collide with no node name nor any name a node or graph reads or writes."""
-    taken: set[str] = set()
-    for scope in graph.scopes:
-        g = scope.graph
-        inits = {t.name for t in g.initializer}
-        taken.update(t.name for t in g.input if t.name not in inits)
-        taken.update(t.name for t in g.output)
-        for n in g.node:
-            taken.add(n.name)
-            taken.update(n.input)
-            taken.update(n.output)
+def _fresh_names(graph: ModelGraph, node_names) -> FreshNames:
+    """Fresh names that collide with no node name nor any tensor name any graph mentions."""
+    taken = set(graph.tensors)
+    taken.update(node_names)
     return FreshNames(taken)
 
 
@@ -112,7 +104,7 @@ class _Rewriter:
         self.view = view = state.view
         self.low_np, self.low_enum, self.low_sfx = LOW_NUMPY[precision], LOW_ENUM[precision], SUFFIX[precision]
         self.master = master
-        self.names = _fresh_names(graph)
+        self.names = _fresh_names(graph, view.graph_of_node)
         self.stats = RewriteStats()
         self.edits = Edits(low_np=self.low_np, low_enum=self.low_enum, raw_constants=set(state.read_constants))
         self.allow = set(state.allow_ids())
@@ -266,12 +258,18 @@ class _Rewriter:
         for scope in self.graph.scopes:
             graph_id, g = scope.gid, scope.graph
             shared: dict[tuple[str, int], str] = {}
+            edited, low_input, low_alias = self.edits.inputs, self.low_input, self.low_alias
             for node in g.node:
-                current = self.edits.inputs.get(node.name) or node.input
-                for i, name in enumerate(current):
+                node_name = node.name
+                for i, name in enumerate(edited.get(node_name) or node.input):
                     if not name:
                         continue
-                    new = self._input_for(graph_id, shared, name, (node.name, i) in self.low_input)
+                    wants_low = (node_name, i) in low_input
+                    alias = low_alias.get(name)
+                    if wants_low and alias is not None and not self.is_constant(name):
+                        new = alias  # the common case inside a low-precision region
+                    else:
+                        new = self._input_for(graph_id, shared, name, wants_low)
                     if new != name:
                         self._inputs(node)[i] = new
             if graph_id != MAIN:

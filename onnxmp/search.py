@@ -1,0 +1,344 @@
+"""The search behind calibration: which low-precision nodes must go back to float32.
+
+Two parts:
+
+* :class:`Switchboard` builds ONE emulated float32 model in which every
+  low-precision node's rounding can be switched on or off at run time.  For
+  each node ``n`` that runs in low precision after plain conversion, each of its
+  low-precision inputs and outputs ``t`` becomes ``Where(low[n], round(t), t)``
+  where ``round`` is a ``Cast(to=FLOAT16) -> Cast(to=FLOAT)`` pair (as in
+  :mod:`onnxmp.emulate`) and ``low`` is a bool vector fed with the sample.  A
+  candidate ("these nodes back to float32") is then one ``session.run`` per
+  sample, with no convert, verify or session build in between.  With every
+  switch on it reproduces the emulated real conversion (bit for bit on the
+  bundled models; kernels fed through ``Where`` may sum in another order, so a
+  value can round one ulp apart), and with every switch off it is the float32 model.
+
+* :func:`find_fp32_set` finds a small set of nodes to keep in float32 so that
+  the candidate passes, by bisection over a ranking (Zeller's delta debugging,
+  specialised to prefixes).  Invariant: ``D ∪ order[:hi]`` passes (all of
+  ``order`` denied is float32, which passes).  While ``D`` alone fails, binary
+  search the smallest ``hi`` with ``D ∪ order[:hi]`` passing; ``order[hi - 1]``
+  is then necessary given the rest, so it joins ``D`` and ``hi`` shrinks by one.
+  A last pass drops members that later finds made redundant.
+
+**Bound.**  Let ``N`` be the number of candidate nodes and suppose the
+candidate passes exactly when a set ``K`` of ``k`` culprits is denied (more
+float32 never hurts).  Each bisection returns a member of ``K``, so ``k``
+rounds run; each costs one check of ``D`` plus at most ``ceil(log2 N)``
+bisection runs; then one check that ``D`` passes and one pruning run per
+member.  With the ``ceil(log2 N)`` segment runs of the ranking and two
+measurements of real models (plain conversion, and the confirmation)::
+
+    runs <= 3 + ceil(log2 N) + k * (ceil(log2 N) + 2)
+         <= RUNS_C * k * log2(N)   with RUNS_C = 5, for N >= 4, k >= 1.
+
+When the error is spread over many nodes (more than ``ceil(log2 N) + 1`` rounds),
+the search returns the culprits found plus the smallest passing prefix of the
+ranking rather than bisecting node by node, so a cycle costs at most about
+``(ceil(log2 N) + 2) ** 2`` runs whatever k is.  ``max_runs`` caps the total.
+"""
+from __future__ import annotations
+
+import logging
+import math
+import time
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import onnx
+from onnx import TensorProto, helper
+
+from onnxmp.errors import OnnxMPError
+from onnxmp.graphs import proto_subgraphs
+from onnxmp.naming import FreshNames, proto_names
+
+log = logging.getLogger("onnxmp.search")
+
+RUNS_C = 5
+SWITCH_INPUT = "onnxmp_low_switches"
+_LOW = {"float16": TensorProto.FLOAT16, "bfloat16": TensorProto.BFLOAT16}
+
+
+def run_bound(candidates: int, culprits: int) -> float:
+    """The documented worst case ``RUNS_C * k * log2(N)`` (see the module docstring)."""
+    return RUNS_C * max(culprits, 1) * math.log2(max(candidates, 4))
+
+
+@dataclass(frozen=True)
+class LowNode:
+    """A node running in low precision: which of its inputs and outputs are low-precision tensors."""
+
+    name: str
+    op: str
+    inputs: frozenset[str]
+    outputs: frozenset[str]
+
+
+class Switchboard:
+    """One ORT session over the model with every low node's rounding switchable per run."""
+
+    def __init__(self, model: onnx.ModelProto, low: Mapping[str, LowNode], precision: str = "float16"):
+        import onnxruntime as ort
+
+        self.low_type = _LOW[precision]
+        self.nodes: list[str] = []  # switch index -> node name, topological (bodies at their parent)
+        proto = onnx.ModelProto()
+        proto.CopyFrom(model)
+        self._names = FreshNames(proto_names(proto.graph))
+        self._switch: dict[str, str] = {}
+        self._order_nodes(proto.graph, low)
+        head = self._switch_nodes(proto.graph)
+        self._rewrite(proto.graph, low)
+        nodes = [*head, *proto.graph.node]
+        proto.graph.ClearField("node")
+        proto.graph.node.extend(nodes)
+        proto.graph.input.append(helper.make_tensor_value_info(SWITCH_INPUT, TensorProto.BOOL, [len(self.nodes)]))
+        self.outputs = [o.name for o in proto.graph.output]
+        options = ort.SessionOptions()
+        options.log_severity_level = 3
+        # ORT's memory-reuse planner is superlinear in the number of values: it took 5 s of a
+        # 4,500-node switchboard's 5.5 s start-up.  Runs are short; allocation is cheap by comparison.
+        options.enable_mem_reuse = False
+        options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+        try:
+            self.session = ort.InferenceSession(proto.SerializeToString(), options,
+                                                providers=["CPUExecutionProvider"])
+        except Exception as exc:  # onnxruntime's exceptions share no public base class
+            raise OnnxMPError(f"onnxruntime cannot load the calibration model: {str(exc).splitlines()[0][:300]}",
+                              hint="check that the float32 model runs on onnxruntime CPU") from None
+        self._index = {name: i for i, name in enumerate(self.nodes)}
+
+    # -- building ---------------------------------------------------------------------
+    def _order_nodes(self, graph: onnx.GraphProto, low: Mapping[str, LowNode]) -> None:
+        for node in graph.node:
+            if node.name in low:
+                self.nodes.append(node.name)
+            for sub in proto_subgraphs(node):
+                self._order_nodes(sub, low)
+
+    def _switch_nodes(self, graph: onnx.GraphProto) -> list[onnx.NodeProto]:
+        """A scalar bool per low node, gathered from the switch vector (bodies read it from outer scope)."""
+        made = []
+        for i, name in enumerate(self.nodes):
+            index = self._names(f"{name}__onnxmp_switch_index")
+            graph.initializer.append(helper.make_tensor(index, TensorProto.INT64, [], [i]))
+            switch = self._names(f"{name}__onnxmp_switch")
+            made.append(helper.make_node("Gather", [SWITCH_INPUT, index], [switch], name=switch))
+            self._switch[name] = switch
+        return made
+
+    def _round(self, src: str, dst: str) -> list[onnx.NodeProto]:
+        low = self._names(f"{dst}__low")
+        return [helper.make_node("Cast", [src], [low], name=low, to=self.low_type),
+                helper.make_node("Cast", [low], [dst], name=dst, to=TensorProto.FLOAT)]
+
+    def _rewrite(self, graph: onnx.GraphProto, low: Mapping[str, LowNode]) -> None:
+        rounded: dict[str, str] = {}  # tensor -> its rounded copy in this graph
+        out: list[onnx.NodeProto] = []
+        for node in graph.node:
+            for sub in proto_subgraphs(node):
+                self._rewrite(sub, low)
+            spec = low.get(node.name)
+            if spec is None:
+                out.append(node)
+                continue
+            switch = self._switch[node.name]
+            gated: dict[str, str] = {}
+            for k, tensor in enumerate(node.input):
+                if not tensor or tensor not in spec.inputs:
+                    continue
+                if tensor not in gated:
+                    if tensor not in rounded:
+                        rounded[tensor] = self._names(f"{tensor}__rounded")
+                        out.extend(self._round(tensor, rounded[tensor]))
+                    gated[tensor] = self._names(f"{tensor}__{node.name}__in")
+                    out.append(helper.make_node("Where", [switch, rounded[tensor], tensor], [gated[tensor]],
+                                                name=gated[tensor]))
+                node.input[k] = gated[tensor]
+            tail: list[onnx.NodeProto] = []
+            for k, tensor in enumerate(node.output):
+                if not tensor or tensor not in spec.outputs:
+                    continue
+                raw = self._names(f"{tensor}__raw")
+                node.output[k] = raw
+                tail.extend(self._round(raw, self._names(f"{tensor}__raw_rounded")))
+                tail.append(helper.make_node("Where", [switch, tail[-1].output[0], raw], [tensor],
+                                             name=self._names(f"{tensor}__gate")))
+            out.append(node)
+            out.extend(tail)
+        graph.ClearField("node")
+        graph.node.extend(out)
+
+    # -- running ----------------------------------------------------------------------
+    def mask(self, fp32: Iterable[str]) -> np.ndarray:
+        """The switch vector with every node low except ``fp32``."""
+        switches = np.ones(len(self.nodes), dtype=bool)
+        for name in fp32:
+            i = self._index.get(name)
+            if i is not None:
+                switches[i] = False
+        return switches
+
+    def run(self, fp32: Iterable[str], samples: Sequence[Mapping[str, np.ndarray]]) -> list[dict[str, np.ndarray]]:
+        switches = self.mask(fp32)
+        feeds_allowed = {i.name for i in self.session.get_inputs()}
+        results = []
+        for sample in samples:
+            feeds = {k: v for k, v in sample.items() if k in feeds_allowed}
+            feeds[SWITCH_INPUT] = switches
+            try:
+                values = self.session.run(self.outputs, feeds)
+            except Exception as exc:  # onnxruntime's exceptions share no public base class
+                raise OnnxMPError(f"calibration run failed: {str(exc).splitlines()[0][:300]}",
+                                  hint="check the calibration inputs' shapes and dtypes") from None
+            results.append(dict(zip(self.outputs, values)))
+        return results
+
+
+# --- the search ------------------------------------------------------------------------
+
+
+class BudgetExhausted(Exception):
+    """Raised by :class:`Oracle` when ``max_runs`` candidates have been run."""
+
+
+@dataclass
+class Probe:
+    fp32: frozenset[str]
+    score: float  # worst error / tolerance; <= 1 passes
+
+    @property
+    def passed(self) -> bool:
+        return self.score <= 1.0
+
+
+@dataclass
+class Oracle:
+    """Scores candidates (sets of nodes back in fp32), caching repeats and counting runs."""
+
+    evaluate: Callable[[frozenset[str]], float]
+    max_runs: int
+    runs: int = 0
+    on_run: Callable[[Probe], None] | None = None
+    cache: dict[frozenset[str], Probe] = field(default_factory=dict)
+
+    def __call__(self, fp32: Iterable[str]) -> Probe:
+        key = frozenset(fp32)
+        if key not in self.cache:
+            if self.runs >= self.max_runs:
+                raise BudgetExhausted
+            self.runs += 1
+            self.cache[key] = Probe(key, self.evaluate(key))
+            if self.on_run is not None:
+                self.on_run(self.cache[key])
+        return self.cache[key]
+
+    def best_passing(self, weight: Callable[[frozenset[str]], Any]) -> Probe | None:
+        """The passing candidate that gives up the least (by ``weight``), then the lowest score."""
+        passing = [p for p in self.cache.values() if p.passed]
+        return min(passing, key=lambda p: (weight(p.fp32), p.score), default=None)
+
+
+@dataclass
+class Culprit:
+    node: str
+    score_with: float | None  # score with this node low, the rest of the set in fp32 (None: not measured alone)
+    score_without: float  # score with the whole set in fp32
+
+
+def segment_ranking(nodes: Sequence[str], oracle: Oracle, heavy: Callable[[str], bool]) -> tuple[list[str],
+                                                                                                 list[float]]:
+    """Rank nodes by the OUTPUT error of their topological segment run alone in low precision.
+
+    ``ceil(log2 N)`` segments, each measured with every other node in float32, so
+    error created in one place and amplified downstream (or underflow ahead of a
+    float32 Log) is charged to the segment that creates it, whatever its local
+    error looks like.  Within a segment, nodes that are not Conv/MatMul/Gemm come
+    first so the search prefers giving up cheap ops.
+    """
+    n = len(nodes)
+    count = min(n, max(1, math.ceil(math.log2(n)))) if n > 1 else 1
+    bounds = [round(i * n / count) for i in range(count + 1)]
+    segments = [list(nodes[bounds[i]:bounds[i + 1]]) for i in range(count)]
+    everything = frozenset(nodes)
+    scores = []
+    for seg in segments:
+        if count == 1:
+            scores.append(math.inf)
+            break
+        scores.append(oracle(everything - frozenset(seg)).score)
+    position = {name: i for i, name in enumerate(nodes)}
+    ranked = sorted(range(count), key=lambda i: (-scores[i], i))
+    order = [name for i in ranked for name in sorted(segments[i], key=lambda m: (heavy(m), position[m]))]
+    return order, scores
+
+
+def find_fp32_set(order: Sequence[str], oracle: Oracle, fixed: Iterable[str] = (),
+                  max_rounds: int | None = None) -> list[Culprit]:
+    """A small set of ``order``'s nodes whose return to float32 makes the candidate pass.
+
+    ``fixed`` nodes are in float32 throughout.  After ``max_rounds`` rounds
+    (default ``ceil(log2 N) + 1``) without passing, the error is spread over many
+    nodes rather than held by a few culprits; bisecting node by node would cost
+    ``log2 N`` runs per node, so the search returns the culprits found plus the
+    smallest passing prefix of the ranking (the bisection invariant) instead,
+    keeping the runs at ``O(log2(N) ** 2)``.  Raises :class:`BudgetExhausted`
+    from the oracle; callers then fall back on ``oracle.best_passing``.
+    """
+    base = frozenset(fixed)
+    if max_rounds is None:
+        max_rounds = math.ceil(math.log2(max(len(order), 2))) + 1
+    chosen: list[str] = []
+    prefix: list[str] = []
+    hi = len(order)
+    while not oracle(base | frozenset(chosen)).passed:
+        if hi == 0:
+            break  # nothing left to give (only when more float32 can hurt: not monotone)
+        if len(chosen) >= max_rounds:
+            prefix = list(order[:hi])  # with ``chosen`` it passes: the bisection's invariant
+            break
+        lo = 0
+        denied = base | frozenset(chosen)
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            if oracle(denied | frozenset(order[:mid])).passed:
+                hi = mid
+            else:
+                lo = mid
+        chosen.append(order[hi - 1])
+        hi -= 1
+    # One-minimal: later finds (ranked higher) may make earlier ones redundant.
+    result: list[Culprit] = []
+    keep = list(chosen)
+    base |= frozenset(prefix)
+    for name in list(chosen):
+        rest = base | frozenset(m for m in keep if m != name)
+        trial = oracle(rest)
+        if trial.passed:
+            keep.remove(name)
+        else:
+            result.append(Culprit(name, trial.score, oracle(rest | {name}).score))
+    if prefix:
+        passing = oracle(base | frozenset(keep)).score
+        result += [Culprit(name, None, passing) for name in prefix]
+    return result
+
+
+class RunBar:
+    """tqdm over search runs, on a terminal only."""
+
+    def __init__(self, desc: str):
+        from tqdm import tqdm
+
+        self.bar = tqdm(desc=desc, unit="run", disable=None, leave=False)
+        self.start = time.perf_counter()
+
+    def __call__(self, probe: Probe) -> None:
+        self.bar.set_postfix_str(f"fp32 {len(probe.fp32)}, err/tol {probe.score:.3g}")
+        self.bar.update(1)
+
+    def close(self) -> None:
+        self.bar.close()
