@@ -101,19 +101,19 @@ def _options(model: onnx.ModelProto, target, precision, level, lists, block_node
             raise OnnxMPError(f"bad --block-node pattern {pattern!r}: {exc}", hint="use a Python regular expression") \
                 from None
     return ColorOptions(lists=resolve_lists(target, precision, level, lists), target=target, precision=precision,
-                        block_nodes=block, keep_io_types=keep_io_types,
+                        level=level, block_nodes=block, keep_io_types=keep_io_types,
                         calibration_magnitudes=calibration_magnitudes,
                         calibration_threshold=calibration_threshold, underflow_share=underflow_share,
                         forced_deny=forced_deny)
 
 
-def _analyse(proto: onnx.ModelProto, options: ColorOptions, level: str, timings: dict[str, float]):
+def _analyse(proto: onnx.ModelProto, options: ColorOptions, timings: dict[str, float]):
     options.initializer_inputs = initializer_inputs(proto)
     with _timed(timings, "normalize"):
         normalized = normalize(proto)
     with _timed(timings, "color"):
         colored = color(normalized.graph, options)
-    report = Report(target=options.target, precision=options.precision, level=level,
+    report = Report(target=options.target, precision=options.precision, level=options.level,
                     vertices=vertex_rows(colored.coloring), timings=timings,
                     node_count=normalized.graph.node_count())
     report.advice = tensor_core_advice(normalized.graph, colored.coloring)
@@ -142,7 +142,7 @@ def explain(model: ModelLike, *, target: str = "cuda", precision: str = "float16
         magnitudes = observe_magnitudes(model, calibration)
     options = _options(proto, target, precision, level, lists, block_nodes, keep_io_types,
                        magnitudes, calibration_threshold, underflow_share)
-    _, colored, report = _analyse(proto, options, level, timings)
+    _, colored, report = _analyse(proto, options, timings)
     report.changed = bool(colored.coloring.allow_keys())
     if not report.changed:
         report.unchanged_reason = _unchanged_reason(report)
@@ -196,10 +196,10 @@ def convert_once(model: ModelLike, *, target: str = "cuda", precision: str = "fl
         original = load(model, lazy_external=True)
     _BAR.start(len(original.graph.node), stages=4)
     try:
+        options = _options(original, target, precision, level, lists, block_nodes, keep_io_types,
+                           calibration_magnitudes, calibration_threshold, underflow_share, forced_deny)
         with _no_cyclic_gc():
-            return _convert_loaded(model, original, timings, target, precision, keep_io_types, level, lists,
-                                   block_nodes, master_weights, calibration_magnitudes, calibration_threshold,
-                                   underflow_share, forced_deny)
+            return _convert_loaded(model, original, timings, options, tuple(master_weights))
     finally:
         _BAR.close()
 
@@ -218,12 +218,9 @@ def _no_cyclic_gc():
             gc.enable()
 
 
-def _convert_loaded(model, original, timings, target, precision, keep_io_types, level, lists, block_nodes,
-                    master_weights, calibration_magnitudes, calibration_threshold, underflow_share,
-                    forced_deny) -> ConversionResult:
-    options = _options(original, target, precision, level, lists, block_nodes, keep_io_types,
-                       calibration_magnitudes, calibration_threshold, underflow_share, forced_deny)
-    normalized, colored, report = _analyse(original, options, level, timings)
+def _convert_loaded(model: ModelLike, original: onnx.ModelProto, timings: dict[str, float], options: ColorOptions,
+                    master_weights: tuple[str, ...]) -> ConversionResult:
+    normalized, colored, report = _analyse(original, options, timings)
     if not colored.coloring.allow_keys():
         report.unchanged_reason = _unchanged_reason(report)
         log.info("model unchanged: %s", report.unchanged_reason)
@@ -231,8 +228,8 @@ def _convert_loaded(model, original, timings, target, precision, keep_io_types, 
         return ConversionResult(load(model, lazy_external=True), report, colored)
     with _timed(timings, "rewrite"):
         try:
-            result, stats, edits = rewrite(normalized.graph, colored.coloring, precision=precision,
-                                           master_weights=master_weights, keep_io_types=keep_io_types)
+            result, stats, edits = rewrite(normalized.graph, colored.coloring, precision=options.precision,
+                                           master_weights=master_weights, keep_io_types=options.keep_io_types)
             converted = emit(normalized.graph, edits, original)
         except OnnxMPError:
             raise
@@ -241,7 +238,7 @@ def _convert_loaded(model, original, timings, target, precision, keep_io_types, 
                               hint="please report this model; --block-node or --deny-add can route around "
                                    "the failing node meanwhile") from exc
     with _timed(timings, "verify"):
-        verify(converted, original=original, keep_io_types=keep_io_types)
+        verify(converted, original=original, keep_io_types=options.keep_io_types)
     report.changed = result.modified
     # The emitter drops restore Casts nobody ended up reading; count what is really there.
     present = {n.name for n in proto_nodes(converted.graph)}

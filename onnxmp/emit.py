@@ -221,7 +221,7 @@ class _Emitter:
         new = info is not None
         if not new:
             info = self.tensors.get(name)
-            if info is None or info.decl is None:
+            if info is None or (info.decl is None and name not in edits.dtypes):
                 return None
         decl = info.decl
         if decl is not None and not info.merged and _canonical(decl):

@@ -65,7 +65,7 @@ def _attribute_tensors(graph) -> Iterator[onnx.TensorProto]:
 
 
 def has_external_data(model: onnx.ModelProto) -> bool:
-    return any(uses_external_data(t) for t in all_tensors(model))
+    return any(t.data_location == onnx.TensorProto.EXTERNAL for t in all_tensors(model))
 
 
 def info(tensor: onnx.TensorProto) -> dict[str, str]:

@@ -42,6 +42,19 @@ class VertexRow:
 
 
 @dataclass
+class GroupRow:
+    """A control-flow color group (spec §5.7) and whether it went low precision."""
+
+    name: str
+    low: bool
+    why: str
+    members: list[str]
+
+    def __getitem__(self, key: str):  # older callers read these rows as dicts
+        return getattr(self, key)
+
+
+@dataclass
 class Advice:
     node: str
     op: str
@@ -67,7 +80,7 @@ class Report:
     twin_initializers: list[str] = field(default_factory=list)
     calibration: CalibrationReport | None = None  # set by convert(..., calibration=...)
     shape_inference_error: str | None = None
-    groups: list[dict[str, Any]] = field(default_factory=list)  # control-flow color groups (spec §5.7)
+    groups: list[GroupRow] = field(default_factory=list)  # control-flow color groups (spec §5.7)
 
     # -- aggregates ---------------------------------------------------------------
     def color_counts(self) -> dict[str, int]:
@@ -144,8 +157,8 @@ class Report:
             lines.append("")
             lines.append("control-flow groups:")
             for g in self.groups:
-                verdict = self.precision if g["low"] else "keeps its type"
-                lines.append(f"  {g['name']}: {verdict}" + (f" ({g['why']})" if g["why"] else ""))
+                verdict = self.precision if g.low else "keeps its type"
+                lines.append(f"  {g.name}: {verdict}" + (f" ({g.why})" if g.why else ""))
         if self.advice:
             lines.append("")
             lines.append("Tensor Core advice (dimensions should be multiples of 8, or powers of two below 256):")
@@ -181,10 +194,10 @@ def vertex_rows(state: Coloring) -> list[VertexRow]:
     return rows
 
 
-def group_rows(state: Coloring) -> list[dict[str, Any]]:
+def group_rows(state: Coloring) -> list[GroupRow]:
     low = {g.name for g in state.low_groups}
-    return [{"name": g.name, "low": g.name in low, "why": state.group_notes.get(g.name, ""),
-             "members": [t for _, t in g.members]} for g in state.view.groups]
+    return [GroupRow(g.name, g.name in low, state.group_notes.get(g.name, ""), [t for _, t in g.members])
+            for g in state.view.groups]
 
 
 def tensor_core_friendly(dim: int) -> bool:

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Iterable, Mapping
 
 import onnx
@@ -35,6 +35,7 @@ class ColorOptions:
     lists: Mapping[str, frozenset[str]]
     target: str = "cuda"
     precision: str = "float16"
+    level: str = "default"
     block_nodes: Iterable[str] = ()
     keep_io_types: bool = True
     underflow_share: float = DEFAULT_UNDERFLOW_SHARE
@@ -48,7 +49,6 @@ class ColorOptions:
 @dataclass
 class ColorResult:
     coloring: Coloring
-    passes: list[tuple[str, PassResult]] = field(default_factory=list)
 
 
 def color(graph: ModelGraph, options: ColorOptions) -> ColorResult:
@@ -62,7 +62,6 @@ def color(graph: ModelGraph, options: ColorOptions) -> ColorResult:
 
     def run(name: str, fn, *args, **kwargs) -> PassResult:
         outcome = fn(state, *args, **kwargs)
-        result.passes.append((name, outcome))
         log.debug("%s: %s", name, outcome.details)
         return outcome
 
