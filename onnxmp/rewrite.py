@@ -331,6 +331,8 @@ def place_after_producers(nodes: list, casts: list[NewCast], outputs_of) -> list
     read another inserted Cast (a restored output cast again), so placement follows
     chains; this keeps the sorted order ``normalize`` established without a full sort.
     """
+    if not casts:
+        return nodes
     after: dict[str, list[NewCast]] = {}
     produced_here = {t for n in nodes for t in outputs_of(n)}
     head: list[NewCast] = []

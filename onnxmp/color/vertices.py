@@ -234,13 +234,15 @@ def build_type_view(
             blocked = next((p.pattern for p in block if p.search(node_name)), None) if block else None
             keys = []
             for vertex in groups.values():
-                dtypes = [tensor_dtype[t] for _, t in vertex.inputs] + [tensor_dtype[t] for _, t in vertex.outputs]
+                dtypes = [tensor_dtype[t] for _, t in vertex.inputs]
+                dtypes += [tensor_dtype[t] for _, t in vertex.outputs]
                 if None in dtypes:
                     dtypes = [d for d in dtypes if d is not None]
-                vertex.type_known = bool(dtypes)
-                vertex.float32 = bool(dtypes) and all(d == FLOAT for d in dtypes)
-                if NOT_A_TENSOR in dtypes:
-                    vertex.why_not = "a sequence or optional value, not a tensor"
+                if dtypes:
+                    vertex.type_known = True
+                    vertex.float32 = dtypes.count(FLOAT) == len(dtypes)
+                    if NOT_A_TENSOR in dtypes:
+                        vertex.why_not = "a sequence or optional value, not a tensor"
                 if op.schema is None and not vertex.float32:
                     # An op without schema: its float tensors only form the vertex (spec §1).
                     floats = [t for t in vertex.tensors if tensor_dtype[t] == FLOAT]
