@@ -27,6 +27,10 @@ Where the behaviour intentionally differs:
   Ops match by type in any domain, as in onnxconverter-common.
 * **node_block_list** names nodes that stay float32 (exact names).  They do
   not taint their neighbours.
+* Typos are reported, not ignored: an ``op_block_list`` entry that is neither an
+  op type in the model nor one onnx or onnxruntime knows (in any domain) is an
+  :class:`onnxmp.OnnxMPError` with the closest names as a hint; a
+  ``node_block_list`` name that no node has is a logged warning.
 * **keep_io_types** defaults to False as in onnxconverter-common, but False
   does not force every float graph input and output to fp16: each takes the
   type its readers or producer get (fp16 where they all run in fp16, float32
@@ -45,6 +49,7 @@ Where the behaviour intentionally differs:
 """
 from __future__ import annotations
 
+import logging
 import re
 from typing import Iterable
 
@@ -54,9 +59,11 @@ import onnx
 from onnxmp.color.seeds import DEFAULT_UNDERFLOW_SHARE, constant_values
 from onnxmp.convert import convert_once
 from onnxmp.graphs import ModelGraph
-from onnxmp.lists import list_of, op_key, resolve_lists
+from onnxmp.lists import is_known_op_type, is_onnx_op, list_of, op_key, resolve_lists, unknown_op
 from onnxmp.load import ModelLike, load
 from onnxmp.normalize import normalize
+
+log = logging.getLogger("onnxmp.compat")
 
 
 def convert_float_to_float16(
@@ -75,20 +82,34 @@ def convert_float_to_float16(
     # names found here are the ones it will see.
     graph = normalize(load(original)).graph  # normalize edits its argument; `original` is converted below
     lists = _deny_ops(graph, op_block_list)
-    block_nodes = [rf"\A{re.escape(name)}\Z" for name in node_block_list or ()]
+    block_nodes = [rf"\A{re.escape(name)}\Z" for name in _existing_nodes(graph, node_block_list)]
     forced = _out_of_range_readers(graph, lists, min_positive_val, max_finite_val)
     result = convert_once(original, keep_io_types=bool(keep_io_types), lists=lists, block_nodes=block_nodes,
                           forced_deny=forced)
     return result.model
 
 
+def _existing_nodes(graph: ModelGraph, names: Iterable[str] | None) -> list[str]:
+    names = list(names or ())
+    present = {n.name for scope in graph.scopes for n in scope.graph.node}
+    for name in names:
+        if name not in present:
+            log.warning("node_block_list: no node is named %r; nothing is blocked by it", name)
+    return [name for name in names if name in present]
+
+
 def _deny_ops(graph: ModelGraph, op_block_list: Iterable[str] | None) -> dict[str, list[str]]:
     blocked = set(op_block_list or ())
     if not blocked:
         return {}
-    ops = set(blocked)
+    in_model = {n.op_type for scope in graph.scopes for n in scope.graph.node}
+    for op in sorted(blocked):
+        # onnxconverter-common's own DEFAULT_OP_BLOCK_LIST names ai.onnx.ml ops: known, so fine.
+        if op not in in_model and not is_known_op_type(op):
+            raise unknown_op(op, "op_block_list")
     # onnxconverter-common matches op_type in every domain; onnxmp's lists key
     # other domains as "domain:OpType".
+    ops = {op for op in blocked if is_onnx_op(op)}
     for scope in graph.scopes:
         ops.update(op_key(n.op_type, n.domain or "") for n in scope.graph.node if n.op_type in blocked)
     ops = sorted(ops)

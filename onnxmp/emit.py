@@ -6,8 +6,9 @@ onnx-graphsurgeon import and export (``gs.import_onnx`` -> edit -> ``cleanup`` -
 per-node cost of that round trip made conversion slower than onnxconverter-common.
 So this module keeps GS's export conventions:
 
-* nodes lose their doc strings, attributes of kinds GS does not import are dropped,
+* nodes lose their doc strings, attributes of kinds GS does not model move to the end,
   and subgraphs are written the same way, recursively;
+* sequences, optionals and maps are written untyped by GS; their declared types are put back;
 * nodes nothing reads towards a graph output are dropped (GS ``cleanup``);
 * initializers and value_info follow GS's tensor order (graph inputs, then each
   node's inputs and outputs, then graph outputs); a body lists the outer
@@ -25,7 +26,7 @@ import onnx
 from onnx.external_data_helper import uses_external_data
 
 from onnxmp.external import converted_external, tensor_array
-from onnxmp.graphs import GRAPH, TENSOR_KIND, ModelGraph, TensorInfo, may_hold_graphs
+from onnxmp.graphs import GRAPH, TENSOR_KIND, ModelGraph, TensorInfo, iter_proto_graphs, may_hold_graphs
 from onnxmp.rewrite import Edits, NewCast
 
 A = onnx.AttributeProto
@@ -40,6 +41,7 @@ def emit(graph: ModelGraph, edits: Edits, original: onnx.ModelProto) -> onnx.Mod
     emitter = _Emitter(graph, edits)
     main, _ = emitter.graph(0)
     model.graph.CopyFrom(main)
+    _restore_non_tensor_types(model.graph, _non_tensor_types(original.graph))
     model.opset_import.extend(original.opset_import)
     if original.functions:
         model.functions.extend(_functions_through_gs(original))
@@ -87,10 +89,14 @@ class _Emitter:
         return info is not None and info.init is not None
 
     def dtype(self, name: str):
+        """GS's dtype at export; sequences, optionals and maps are exported untyped (see
+        :func:`_restore_non_tensor_types`)."""
         if name in self.edits.dtypes:
             return self.edits.dtypes[name]
         info = self.info(name)
-        return None if info is None else info.dtype
+        if info is None or (info.init is None and info.kind != TENSOR_KIND):
+            return None
+        return info.dtype
 
     def value_info(self, name: str) -> onnx.ValueInfoProto:
         """GS's export_value_info_proto."""
@@ -100,16 +106,7 @@ class _Emitter:
             vi = onnx.ValueInfoProto()
             vi.name = name
             return vi
-        if self.is_constant(name) or info.kind == TENSOR_KIND:
-            return _tensor_value_info(name, dtype, info.shape)
-        if info.kind == "sequence_type":
-            return onnx.helper.make_tensor_sequence_value_info(name, dtype, info.shape)
-        if info.kind == "sparse_tensor_type":
-            return onnx.helper.make_sparse_tensor_value_info(name, dtype, info.shape)
-        # Optional, map and opaque values: GS cannot write them back; keep the declaration.
-        vi = onnx.ValueInfoProto()
-        vi.CopyFrom(info.decl)
-        return vi
+        return _tensor_value_info(name, dtype, info.shape)
 
     def _convert_small(self, names: list[str]) -> None:
         """Convert small raw float32 initializers in one numpy call (thousands of biases and
@@ -287,10 +284,17 @@ class _Emitter:
             node.name = item.name
         if item.HasField("domain"):
             node.domain = item.domain
+        skipped = []
         for attr in item.attribute:
             exported = self.attribute(attr, bodies.get(name, {}))
             if exported is not None:
                 node.attribute.append(exported)
+            elif not attr.ref_attr_name:
+                skipped.append(attr)
+        for attr in skipped:
+            # Kinds GS does not model (TYPE_PROTO, SPARSE_TENSOR, TENSORS, GRAPHS...) were handed
+            # back to it as Python values, so they come last, remade by make_attribute.
+            node.attribute.append(onnx.helper.make_attribute(attr.name, onnx.helper.get_attribute_value(attr)))
         if name in edits.retargeted:
             _retarget(node, edits.low_enum, edits.low_np)
         elif name in edits.raw_constants:
@@ -407,6 +411,40 @@ def _retarget(node: onnx.NodeProto, low_enum: int, low_np) -> None:
         attr = node.attribute.add()
         attr.name, attr.type = "value", A.TENSOR
         attr.t.CopyFrom(tensor)
+
+
+def _value_infos(graph: onnx.GraphProto):
+    for g in iter_proto_graphs(graph):
+        yield from g.input
+        yield from g.output
+        yield from g.value_info
+
+
+def _non_tensor_types(graph: onnx.GraphProto) -> dict[str, onnx.TypeProto]:
+    """Sequence, optional and map types by value name, over all scopes.  A name that two sibling
+    scopes use with different types is left out: which one a value had is then unknown."""
+    types: dict[str, onnx.TypeProto] = {}
+    ambiguous: set[str] = set()
+    for value in _value_infos(graph):
+        which = value.type.WhichOneof("value")
+        if which in (None, "tensor_type"):
+            continue
+        known = types.setdefault(value.name, value.type)
+        if known != value.type:
+            ambiguous.add(value.name)
+    for name in ambiguous:
+        del types[name]
+    return types
+
+
+def _restore_non_tensor_types(graph: onnx.GraphProto, types: dict[str, onnx.TypeProto]) -> None:
+    """Values that are not plain tensors never change type: they get their declared types back."""
+    if not types:
+        return
+    for value in _value_infos(graph):
+        original = types.get(value.name)
+        if original is not None:
+            value.type.CopyFrom(original)
 
 
 def _functions_through_gs(original: onnx.ModelProto) -> list[onnx.FunctionProto]:

@@ -62,12 +62,12 @@ def proto_nodes(graph: onnx.GraphProto) -> Iterator[onnx.NodeProto]:
             yield from proto_nodes(sub)
 
 
-def iter_all_graphs(graph: onnx.GraphProto) -> Iterator[onnx.GraphProto]:
-    """Every graph including GRAPHS-typed attributes (for whole-model tensor walks)."""
+def iter_proto_graphs(graph: onnx.GraphProto) -> Iterator[onnx.GraphProto]:
+    """``graph`` and every subgraph in it (node attributes of type GRAPH or GRAPHS), depth first."""
     yield graph
     for node in graph.node:
         for sub in proto_subgraphs(node):
-            yield from iter_all_graphs(sub)
+            yield from iter_proto_graphs(sub)
 
 
 _UNPARSED = object()
@@ -181,9 +181,13 @@ class ModelGraph:
             return int(self.opset) if self.opset is not None else GS_DEFAULT_OPSET
         return int(self.domains.get(domain, 1))
 
-    def dtype(self, name: str) -> object:
+    def dtype(self, name: str) -> int | None:
+        """The element type of a plain tensor; None when unknown or for a sequence, optional, map or
+        sparse value (such values never change type)."""
         info = self.tensors.get(name)
-        return None if info is None else info.dtype
+        if info is None or (info.init is None and info.kind != TENSOR_KIND):
+            return None
+        return info.dtype
 
     def node_count(self) -> int:
         return sum(len(s.graph.node) for s in self.scopes)

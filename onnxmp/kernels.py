@@ -59,6 +59,14 @@ class KernelTable:
     def providers(self) -> tuple[str, ...]:
         return tuple(sorted(self._providers))
 
+    def op_names(self) -> dict[str, frozenset[str]]:
+        """Domain -> op types with a kernel on any provider of the table."""
+        out: dict[str, set[str]] = {}
+        for domains in self._providers.values():
+            for domain, ops in domains.items():
+                out.setdefault(domain, set()).update(ops)
+        return {domain: frozenset(ops) for domain, ops in out.items()}
+
     def _provider(self, provider: str) -> dict[str, dict[str, list[_Kernel]]]:
         name = _PROVIDER_ALIASES.get(provider.lower(), provider)
         if name not in self._providers:

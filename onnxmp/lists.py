@@ -3,10 +3,17 @@
 Spec §2 and §7.  Defaults are per (target, precision); users adjust them through
 the API (``lists=``), the CLI (``--allow-add`` ...) and environment variables
 modelled on TF's (``ONNXMP_ALLOWLIST_ADD`` ...).  Ops outside the default ONNX
-domain are written ``domain:OpType`` (for example ``com.microsoft:Attention``).
+domain are written ``domain:OpType`` (for example ``com.microsoft:Attention``);
+``com.microsoft.Attention`` means the same (op types have no dots).
+
+An op name in an override that names no ai.onnx op is an error with a close-match
+hint (``matmul`` -> ``MatMul``): it would silently match nothing.  Names with a
+domain other than ai.onnx are taken as given, since custom domains cannot be known.
 """
 from __future__ import annotations
 
+import difflib
+import functools
 import os
 from dataclasses import dataclass, field
 from typing import Iterable, Mapping
@@ -101,8 +108,9 @@ class ListOverrides:
         out = cls()
         for name in LIST_NAMES:
             for action, target in (("ADD", out.add), ("REMOVE", out.remove)):
-                raw = environ.get(f"ONNXMP_{name.upper()}LIST_{action}", "")
-                target[name].update(op.strip() for op in raw.split(",") if op.strip())
+                variable = f"ONNXMP_{name.upper()}LIST_{action}"
+                raw = environ.get(variable, "")
+                target[name].update(checked_op(op.strip(), variable) for op in raw.split(",") if op.strip())
         return out
 
     @classmethod
@@ -119,8 +127,78 @@ class ListOverrides:
                     f"unknown list override {key!r}",
                     hint="use keys like 'allow_add', 'deny_remove' (lists: allow, infer, deny, clear)",
                 )
-            (out.add if action == "add" else out.remove)[name].update(ops)
+            where = f"{key} (--{name}-{action})"
+            (out.add if action == "add" else out.remove)[name].update(checked_op(op, where) for op in ops)
         return out
+
+
+@functools.lru_cache(maxsize=1)
+def _known_ops() -> tuple[frozenset[str], dict[str, str]]:
+    """ai.onnx op types (onnx's schemas, all opsets, and ORT's kernel table, which still has a few
+    removed experimental ops); and for suggestions, other domains' op type -> ``domain:OpType``."""
+    import onnx.defs
+
+    from onnxmp.kernels import KernelTable
+
+    plain: set[str] = set()
+    qualified: dict[str, str] = {}
+    named = [(schema.domain, schema.name) for schema in onnx.defs.get_all_schemas_with_history()]
+    named += [(domain, op) for domain, ops in KernelTable.default().op_names().items() for op in ops]
+    for domain, op in named:
+        if domain in ("", "ai.onnx"):
+            plain.add(op)
+        else:
+            qualified.setdefault(op, f"{domain}:{op}")
+    return frozenset(plain), qualified
+
+
+def _split(op: str) -> tuple[str, str]:
+    """``domain:OpType`` or ``domain.OpType`` -> (domain, OpType); a bare name has domain ""."""
+    domain, sep, op_type = op.rpartition(":")
+    if not sep and "." in op:
+        domain, _, op_type = op.rpartition(".")
+    return domain, op_type
+
+
+def checked_op(op: str, where: str) -> str:
+    """``op`` as a lists key (``OpType`` or ``domain:OpType``); OnnxMPError naming ``where``
+    when it is no ai.onnx op, with the closest names as the hint."""
+    domain, op_type = _split(op)
+    if domain not in ("", "ai.onnx"):
+        return f"{domain}:{op_type}"  # a custom domain: nothing to check against
+    if is_onnx_op(op_type):
+        return op_type
+    raise unknown_op(op, where)
+
+
+def is_onnx_op(op_type: str) -> bool:
+    return op_type in _known_ops()[0]
+
+
+def is_known_op_type(op_type: str) -> bool:
+    """An op type of ai.onnx or of a domain onnx or onnxruntime knows (ai.onnx.ml, com.microsoft...)."""
+    plain, qualified = _known_ops()
+    return op_type in plain or op_type in qualified
+
+
+def unknown_op(op: str, where: str) -> OnnxMPError:
+    """The error for an op name that names nothing, with the closest known names as the hint."""
+    plain, qualified = _known_ops()
+    op_type = _split(op)[1]
+    by_lower = {name.lower(): name for name in plain}
+    key = op_type.lower()
+    if key in by_lower:
+        guesses = [by_lower[key]]
+    elif op_type in qualified:
+        guesses = [qualified[op_type]]
+    else:
+        prefixed = sorted((n for k, n in by_lower.items() if len(key) >= 4 and k.startswith(key)), key=len)
+        close = [by_lower[m] for m in difflib.get_close_matches(key, by_lower, n=3, cutoff=0.7)]
+        guesses = list(dict.fromkeys(prefixed[:2] + close))[:3]
+    hint = (f"did you mean {' or '.join(repr(g) for g in guesses)}?" if guesses else
+            "op types are case-sensitive ai.onnx names (MatMul, LayerNormalization); "
+            "write ops of other domains as domain:OpType")
+    return OnnxMPError(f"unknown op {op!r} in {where}", hint=hint)
 
 
 def resolve_lists(

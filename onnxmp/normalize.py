@@ -14,7 +14,7 @@ import onnx
 
 from onnxmp.errors import OnnxMPError
 from onnxmp.external import SKELETON_TENSOR_BYTES, skeleton
-from onnxmp.graphs import ModelGraph, iter_all_graphs, iter_graphs, may_hold_graphs
+from onnxmp.graphs import ModelGraph, iter_proto_graphs, iter_graphs, may_hold_graphs
 from onnxmp.passes import PassResult, require
 
 log = logging.getLogger("onnxmp.normalize")
@@ -46,29 +46,35 @@ def infer_types(model: onnx.ModelProto) -> tuple[onnx.ModelProto, str | None]:
 
 def _weightless(model: onnx.ModelProto) -> onnx.ModelProto:
     """The skeleton only when some initializer is big (or external): otherwise it would be a copy."""
-    for g in iter_all_graphs(model.graph):
+    for g in iter_proto_graphs(model.graph):
         for t in g.initializer:
             if t.data_location == onnx.TensorProto.EXTERNAL or t.ByteSize() > SKELETON_TENSOR_BYTES:
                 return skeleton(model)
     return model
 
 
-def _copy_value_info(src: onnx.GraphProto, dst: onnx.GraphProto) -> None:
-    """Inference keeps the graph's structure, so graphs and subgraphs pair up one to one."""
+def _copy_value_info(src: onnx.GraphProto, dst: onnx.GraphProto, main: bool = True) -> None:
+    """Inference keeps the graph's structure, so graphs and subgraphs pair up one to one.
+
+    The main graph's declared input and output types are the model's interface and are kept
+    as declared (inference may refine an output's shape, e.g. a sequence's element shape, and
+    the converted model would then declare a different type); body I/O takes the inferred types.
+    """
     del dst.value_info[:]
     dst.value_info.extend(src.value_info)
     for field in ("input", "output"):
         for a, b in zip(getattr(src, field), getattr(dst, field)):
-            b.type.CopyFrom(a.type)
+            if not (main and b.type.WhichOneof("value")):
+                b.type.CopyFrom(a.type)
     for n_src, n_dst in zip(src.node, dst.node):
         if not may_hold_graphs(n_dst):
             continue
         for a_src, a_dst in zip(n_src.attribute, n_dst.attribute):
             if a_src.type == onnx.AttributeProto.GRAPH:
-                _copy_value_info(a_src.g, a_dst.g)
+                _copy_value_info(a_src.g, a_dst.g, main=False)
             elif a_src.type == onnx.AttributeProto.GRAPHS:
                 for g_src, g_dst in zip(a_src.graphs, a_dst.graphs):
-                    _copy_value_info(g_src, g_dst)
+                    _copy_value_info(g_src, g_dst, main=False)
 
 
 def normalize(model: onnx.ModelProto) -> Normalized:
@@ -136,7 +142,7 @@ def toposort_all(model: onnx.ModelProto) -> bool:
     whose order the rest of the pipeline has always seen; only the resulting node
     order is taken back into the proto.
     """
-    constants = {t.name for g in iter_all_graphs(model.graph) for t in g.initializer}
+    constants = {t.name for g in iter_proto_graphs(model.graph) for t in g.initializer}
     if is_sorted(model.graph, constants):
         return False
     import onnx_graphsurgeon as gs

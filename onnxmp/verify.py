@@ -11,7 +11,8 @@ import tempfile
 import onnx
 
 from onnxmp.errors import OnnxMPError
-from onnxmp.external import check_skeleton, has_external_data
+from onnxmp.external import check_skeleton, has_external_data, skeleton
+from onnxmp.graphs import iter_proto_graphs
 
 SKELETON_ABOVE = 1 << 30  # bytes; well under protobuf's 2 GB serialization limit
 
@@ -23,12 +24,14 @@ _HINT = ("onnxmp produced an invalid model; please report it. Meanwhile, --block
 
 def verify(model: onnx.ModelProto, *, original: onnx.ModelProto | None = None, keep_io_types: bool = True) -> None:
     try:
-        if has_external_data(model) or model.ByteSize() > SKELETON_ABOVE:
-            # Neither the proto nor the weights fit protobuf's 2 GB: check a weightless skeleton by path.
-            with tempfile.TemporaryDirectory(prefix="onnxmp-verify-") as folder:
-                onnx.checker.check_model(str(check_skeleton(model, folder)), full_check=True)
-        else:
-            onnx.checker.check_model(model, full_check=True)
+        try:
+            full_check(model)
+        except Exception:
+            explicit = with_function_defaults(model)
+            if explicit is None:
+                raise
+            full_check(explicit)
+            log.debug("the model passes the checker once function ops' attribute defaults are written out")
     except Exception as exc:  # ValidationError, or InferenceError from full_check
         # full_check runs type inference with check_type and strict mode: a type error lands here too.
         raise OnnxMPError(f"converted model fails onnx.checker / strict type inference: {_first_line(exc)}",
@@ -36,6 +39,51 @@ def verify(model: onnx.ModelProto, *, original: onnx.ModelProto | None = None, k
     check_topological(model.graph, "main")
     if original is not None and keep_io_types:
         check_io_unchanged(original, model)
+
+
+def full_check(model: onnx.ModelProto) -> None:
+    """onnx.checker with strict type inference; raises what the checker raises."""
+    if has_external_data(model) or model.ByteSize() > SKELETON_ABOVE:
+        # Neither the proto nor the weights fit protobuf's 2 GB: check a weightless skeleton by path.
+        with tempfile.TemporaryDirectory(prefix="onnxmp-verify-") as folder:
+            onnx.checker.check_model(str(check_skeleton(model, folder)), full_check=True)
+    else:
+        onnx.checker.check_model(model, full_check=True)
+
+
+def with_function_defaults(model: onnx.ModelProto) -> onnx.ModelProto | None:
+    """A weightless copy whose function-op nodes spell out their schema's attribute defaults;
+    None when no node relies on one.
+
+    onnx (1.23) expands a schema function body for type inference without applying the
+    attribute defaults, so a body reading ``@axes`` (MeanVarianceNormalization) fails strict
+    inference on a node that leaves ``axes`` at its default, although the model is valid and
+    ORT runs it.  Writing the default out means the same thing and lets the check see through.
+    """
+    opset = next((o.version for o in model.opset_import if o.domain in ("", "ai.onnx")), None)
+    if opset is None:
+        return None
+    copy = skeleton(model)
+    changed = False
+    for graph in iter_proto_graphs(copy.graph):
+        for node in graph.node:
+            if node.domain not in ("", "ai.onnx"):
+                continue
+            try:
+                schema = onnx.defs.get_schema(node.op_type, opset, node.domain)
+            except onnx.defs.SchemaError:
+                continue
+            if not (schema.has_function or schema.has_context_dependent_function):
+                continue
+            present = {a.name for a in node.attribute}
+            for name, attr in schema.attributes.items():
+                if name not in present and attr.default_value.type != onnx.AttributeProto.UNDEFINED:
+                    default = onnx.AttributeProto()
+                    default.CopyFrom(attr.default_value)
+                    default.name = name
+                    node.attribute.append(default)
+                    changed = True
+    return copy if changed else None
 
 
 def _first_line(exc: Exception) -> str:
@@ -60,12 +108,30 @@ def check_topological(graph: onnx.GraphProto, where: str, outer: frozenset[str] 
         known.update(node.output)
 
 
-def check_io_unchanged(original: onnx.ModelProto, converted: onnx.ModelProto) -> None:
-    def sig(values):
-        return [(v.name, v.type.tensor_type.elem_type) for v in values]
+def type_signature(tp: onnx.TypeProto) -> tuple:
+    """What a caller relies on in a value's type: its kind, element types and shape, nested
+    through sequences, optionals and maps."""
+    which = tp.WhichOneof("value")
+    if which in ("tensor_type", "sparse_tensor_type"):
+        t = getattr(tp, which)
+        shape = tuple(d.dim_value if d.HasField("dim_value") else d.dim_param or None for d in t.shape.dim) \
+            if t.HasField("shape") else None
+        return which, t.elem_type, shape
+    if which in ("sequence_type", "optional_type"):
+        return which, type_signature(getattr(tp, which).elem_type)
+    if which == "map_type":
+        return which, tp.map_type.key_type, type_signature(tp.map_type.value_type)
+    return (which,)
 
-    for what, a, b in (("inputs", original.graph.input, converted.graph.input),
-                       ("outputs", original.graph.output, converted.graph.output)):
-        if sig(a) != sig(b):
-            raise OnnxMPError(f"graph {what} changed name or dtype during conversion: {sig(a)} -> {sig(b)}",
+
+def io_signature(model: onnx.ModelProto) -> tuple[list, list]:
+    return ([(v.name, type_signature(v.type)) for v in model.graph.input],
+            [(v.name, type_signature(v.type)) for v in model.graph.output])
+
+
+def check_io_unchanged(original: onnx.ModelProto, converted: onnx.ModelProto) -> None:
+    for what, a, b in zip(("inputs", "outputs"), io_signature(original), io_signature(converted)):
+        if a != b:
+            changed = [f"{x[0]}: {x[1]} -> {y[1]}" for x, y in zip(a, b) if x != y] or [f"{a} -> {b}"]
+            raise OnnxMPError(f"graph {what} changed name or type during conversion: {'; '.join(changed)[:400]}",
                               hint=_HINT)

@@ -58,6 +58,7 @@ def test_bench_models_two_models(tmp_path):
 
 
 @pytest.mark.skipif(shutil.which("bash") is None, reason="needs bash")
+@pytest.mark.skipif(sys.version_info >= (3, 12), reason="the GPU check trains: onnxruntime-training needs Python <= 3.11")
 def test_gpu_check_dry_run(tmp_path):
     out = tmp_path / "gpu.json"
     proc = run(["bash", str(SCRIPTS / "gpu_check.sh"), "--dry-run", "--json", str(out)], timeout=60)

@@ -115,6 +115,37 @@ def test_node_block_list_blocks_exact_names_only():
     assert types["a"] == FLOAT and types["b"] == FLOAT16 and types["y"] == FLOAT16
 
 
+def test_typo_in_op_block_list_is_an_error_with_a_close_match():
+    import onnxmp
+
+    model = between_matmuls("m = Relu(h)")
+    with pytest.raises(onnxmp.OnnxMPError, match="Gemmm") as caught:
+        convert_float_to_float16(model, op_block_list=["Gemmm"])
+    assert "'Gemm'" in caught.value.hint
+
+
+def test_op_block_list_accepts_ops_of_any_known_domain_and_of_the_model():
+    model = between_matmuls("m = Relu(h)")
+    model.graph.node[1].domain = "custom.dom"  # the Relu is now a custom op the lists cannot know
+    model.opset_import.append(onnx.helper.make_opsetid("custom.dom", 1))
+    # onnxconverter-common's DEFAULT_OP_BLOCK_LIST has ai.onnx.ml ops such as Binarizer.
+    convert_float_to_float16(model, op_block_list=["Binarizer", "Relu", "Gemm"])
+
+
+def test_node_block_list_name_matching_no_node_is_a_named_warning(caplog):
+    model = parse(header() + """
+    g (float[2,4] x) => (float[2,4] y) <float[4,4] w = {0.5,0,0,0, 0,0.5,0,0, 0,0,0.5,0, 0,0,0,0.5}> {
+        a = MatMul(x, w)
+        y = MatMul(a, w)
+    }""")
+    model.graph.node[0].name = "first"
+    with caplog.at_level("WARNING", logger="onnxmp"):
+        types = tensor_types(convert_float_to_float16(model, node_block_list=["first", "nonexistent_node"]))
+    warned = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert len(warned) == 1 and "'nonexistent_node'" in warned[0]
+    assert types["a"] == FLOAT
+
+
 def test_max_finite_val_keeps_nodes_reading_larger_initializers_fp32():
     # 2e4 fits fp16 (max 65504) but exceeds onnxconverter-common's default max_finite_val 1e4,
     # which would clamp it; onnxmp keeps the node in fp32 instead.

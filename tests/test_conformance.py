@@ -165,6 +165,18 @@ def test_blocked_by_name_node_stays_fp32():
     assert convert(named(text), block_nodes=["nomatch"]).report.node_colors()["y"] == ALLOW
 
 
+def test_block_pattern_matching_no_node_is_a_named_warning(caplog):
+    text = header() + """
+    g (float[4,4] x, float[4,4] w) => (float[4,4] y) {
+        a = MatMul(x, w)
+        y = MatMul(a, w)
+    }"""
+    with caplog.at_level("WARNING", logger="onnxmp"):
+        convert(named(text), block_nodes=["^y$", "^a$", "nomatch"])
+    warned = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert len(warned) == 1 and "'nomatch'" in warned[0]
+
+
 def _bn_model(opset: int, var_value: float = 1.0) -> onnx.ModelProto:
     rng = np.random.default_rng(0)
     c = 8

@@ -10,15 +10,11 @@ import pytest
 
 import onnxmp
 from onnxmp.cli import main as cli
+from onnxmp.verify import io_signature
 from tests.graphs import FLOAT, FLOAT16, header, parse
 
 MODELS = Path(__file__).resolve().parent.parent / "models"
 ZOO = ["mlp", "cnn_bn", "cnn_bn_bigvar", "transformer_block", "gru", "lstm", "loop_if"]
-
-
-def io_signature(model: onnx.ModelProto):
-    return [[(v.name, v.type.tensor_type.elem_type) for v in values]
-            for values in (model.graph.input, model.graph.output)]
 
 
 @pytest.mark.parametrize("name", ZOO)
@@ -213,6 +209,58 @@ def test_verify_catches_type_errors():
         verify(model)
 
 
+MVN = header(13) + """
+g (float[3,3,3,4] x, float[4,4] w) => (float[3,3,3,4] y) {
+    m = MatMul(x, w)
+    y = MeanVarianceNormalization%s(m)
+}"""
+
+
+def test_function_op_relying_on_an_attribute_default_does_not_block_conversion():
+    # onnx expands MVN-13's function body for inference without the default axes, so strict
+    # inference fails on the model as given; verify must not blame the conversion for that.
+    model = onnx.parser.parse_model(MVN % "")
+    result = onnxmp.convert(model)
+    assert result.report.changed
+    node = next(n for n in result.model.graph.node if n.op_type == "MeanVarianceNormalization")
+    assert not node.attribute  # the model itself keeps relying on the default
+
+
+def test_function_op_with_explicit_attributes_is_checked_as_is():
+    from onnxmp.verify import with_function_defaults
+
+    explicit = parse(MVN % "<axes = [0, 2, 3]>")
+    assert with_function_defaults(explicit) is None
+    assert with_function_defaults(onnx.parser.parse_model(MVN % "")) is not None
+    assert onnxmp.convert(explicit).report.changed
+
+
+def test_verify_still_rejects_a_type_error_next_to_a_defaulted_function_op():
+    from onnxmp.verify import verify
+
+    model = onnx.parser.parse_model(MVN % "")
+    model.graph.input[1].type.tensor_type.elem_type = FLOAT16  # MatMul(float, float16)
+    with pytest.raises(onnxmp.OnnxMPError, match="type"):
+        verify(model)
+
+
+def test_io_check_compares_shapes_and_nested_types():
+    from onnxmp.verify import check_io_unchanged
+
+    model = parse(header(17) + """
+    g (seq(float[N]) xs, float[N] t) => (seq(float[N]) ys) {
+        ys = SequenceMap(xs, t) <body = body_g (float[N] x, float[N] u) => (float[N] z) {
+            z = Add(x, u)
+        }>
+    }""")
+    same = onnx.ModelProto()
+    same.CopyFrom(model)
+    check_io_unchanged(model, same)
+    same.graph.input[0].type.sequence_type.elem_type.tensor_type.ClearField("shape")
+    with pytest.raises(onnxmp.OnnxMPError, match="xs"):
+        check_io_unchanged(model, same)
+
+
 def test_bfloat16_conversion_verifies():
     result = onnxmp.convert(MODELS / "mlp.onnx", precision="bfloat16")
     assert result.report.changed
@@ -245,5 +293,10 @@ def test_cli_bad_inputs_exit_1_with_one_line_and_hint(tmp_path, capsys):
     assert not (tmp_path / "x.onnx").exists()
     assert cli(["convert", str(MODELS / "mlp.onnx"), "-o", str(tmp_path / "x.onnx"), "--allow-add", "Exp"]) == 1
     assert "both the allow and the deny list" in capsys.readouterr().err
+    for flag, op, hint in (("--allow-add", "Foo", "hint:"), ("--deny-add", "matmul", "'MatMul'")):
+        assert cli(["convert", str(MODELS / "mlp.onnx"), "-o", str(tmp_path / "x.onnx"), flag, op]) != 0
+        err = capsys.readouterr().err
+        assert f"unknown op '{op}'" in err and hint in err and "Traceback" not in err
+        assert not (tmp_path / "x.onnx").exists()
     assert cli(["convert", str(MODELS / "mlp.onnx"), "-o", str(tmp_path / "nodir" / "x.onnx")]) == 1
     assert "does not exist" in capsys.readouterr().err

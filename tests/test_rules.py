@@ -149,6 +149,45 @@ def test_bad_list_key_and_level_are_errors():
         onnxmp.convert(named(AFTER), level="fast")
 
 
+@pytest.mark.parametrize("spec, hint", [
+    ({"allow_add": ["Foo"]}, None),
+    ({"deny_add": ["matmul"]}, "'MatMul'"),          # case-insensitive match
+    ({"infer_remove": ["Gemmm"]}, "'Gemm'"),
+    ({"clear_add": ["LayerNorm"]}, "'LayerNormalization'"),
+    ({"allow_add": ["FusedMatMul"]}, "'com.microsoft:FusedMatMul'"),  # another domain's op, bare
+])
+def test_unknown_op_in_a_list_override_is_an_error_with_a_close_match(spec, hint):
+    with pytest.raises(onnxmp.OnnxMPError, match="unknown op") as caught:
+        onnxmp.convert(named(AFTER), lists=spec)
+    key = next(iter(spec))
+    assert key in caught.value.message and "--" + key.replace("_", "-") in caught.value.message
+    assert caught.value.hint and (hint is None or hint in caught.value.hint)
+
+
+def test_unknown_op_in_an_environment_override_names_the_variable(monkeypatch):
+    monkeypatch.setenv("ONNXMP_DENYLIST_ADD", "Exp,Sofmax")
+    with pytest.raises(onnxmp.OnnxMPError, match="ONNXMP_DENYLIST_ADD") as caught:
+        onnxmp.convert(named(AFTER))
+    assert "'Softmax'" in caught.value.hint
+
+
+def test_known_and_custom_domain_ops_in_overrides_are_accepted():
+    lists = resolve_lists(lists={"deny_remove": ["Exp"], "allow_add": ["com.microsoft.FusedConv", "my.domain:MyOp"],
+                                 "infer_add": ["ai.onnx:Celu"]})
+    assert "Exp" not in lists["deny"]
+    assert {"com.microsoft:FusedConv", "my.domain:MyOp"} <= lists["allow"]  # dotted = domain:OpType
+    assert "Celu" in lists["infer"]
+
+
+def test_every_default_list_entry_names_a_known_op():
+    from onnxmp.lists import PRECISIONS, TARGETS, default_lists, is_onnx_op
+
+    for target in TARGETS:
+        for precision in PRECISIONS:
+            for ops in default_lists(target, precision).values():
+                assert all(":" in op or is_onnx_op(op) for op in ops), sorted(ops)
+
+
 def test_level_tensor_cores_only_changes_only_allow_ops():
     result = colors(named(BETWEEN), level="tensor_cores_only")
     assert result["a"] == ALLOW and result["y"] == ALLOW and result["b"] == "fp32"

@@ -154,3 +154,116 @@ def test_report_lists_control_flow_groups_and_their_outcome():
     assert "control-flow groups" in report.summary()
     low = onnxmp.convert(_if_model("MatMul", "MatMul")).report.groups
     assert low[0]["low"] and low[0]["why"] == ""
+
+
+# --- sequence and optional values (ONNX conformance cases test_if_opt, test_loop16_seq_none,
+# --- test_sequence_map_*, test_loop13_seq, test_scan_sum) ----------------------------------
+
+from onnxmp.verify import io_signature  # noqa: E402
+from tests.graphs import header, parse  # noqa: E402
+
+
+def test_if_returning_an_optional_sequence_beside_matmul_work_converts():
+    # An optional's GS dtype is a whole TypeProto: it crashed coloring (unhashable) and GS export.
+    model = parse(header(18) + """
+    g (bool cond, float[4,4] a, float[4,4] b) => (optional(seq(float[5])) s, float[4,4] y) {
+        y = MatMul(a, b)
+        s = If(cond) <
+            then_branch = then_g () => (optional(seq(float[5])) e) {
+                e = Optional <type = seq(float[5])> ()
+            },
+            else_branch = else_g () => (optional(seq(float[5])) f) {
+                x = Constant <value = float[5] {1,2,3,4,5}> ()
+                q = SequenceConstruct(x)
+                f = Optional(q)
+            }>
+    }""")
+    for level in ("default", "unsafe_force_all"):
+        result = onnxmp.convert(model, level=level)
+        assert result.report.changed
+        assert io_signature(result.model) == io_signature(model)
+
+
+def test_loop_over_an_optional_sequence_keeps_its_types():
+    model = parse(header(18) + """
+    g (int64 n, bool c, optional(seq(float)) o, float[4,4] a) => (seq(float) r, float[4,4] y) {
+        y = MatMul(a, a)
+        r = Loop(n, c, o) <body = body_g (int64 i, bool c_in, optional(seq(float)) o_in)
+                                          => (bool c_out, seq(float) s_out) {
+            c_out = Identity(c_in)
+            has = OptionalHasElement(o_in)
+            s_out = If(has) <
+                then_branch = t_g () => (seq(float) s1) { s1 = OptionalGetElement(o_in) },
+                else_branch = e_g () => (seq(float) s2) {
+                    z = Constant <value = float {0}> ()
+                    s2 = SequenceConstruct(z)
+                }>
+        }>
+    }""")
+    result = onnxmp.convert(model, level="unsafe_force_all")
+    assert io_signature(result.model) == io_signature(model)
+
+
+SEQUENCE_MAP = header(17) + """
+g (seq(float[N]) xs, float[N] t) => (seq(float[N]) ys) {
+    ys = SequenceMap(xs, t) <body = body_g (float[N] x, float[N] u) => (float[N] z) {
+        z = Add(x, u)
+    }>
+}"""
+
+
+def test_sequence_interface_keeps_element_shapes_when_a_body_goes_low():
+    # GS writes sequences without their element shape: the graph's declared I/O types changed.
+    model = parse(SEQUENCE_MAP)
+    result = onnxmp.convert(model, level="unsafe_force_all")
+    assert result.report.changed
+    assert io_signature(result.model) == io_signature(model)
+
+
+def test_sequence_interface_untouched_when_nothing_goes_low():
+    model = parse(SEQUENCE_MAP)
+    result = onnxmp.convert(model)
+    assert not result.report.changed
+    assert io_signature(result.model) == io_signature(model)
+
+
+def test_declared_output_type_is_kept_where_inference_would_refine_it():
+    # The declared seq(float) output has no element shape; inference infers one from the body.
+    model = parse(header(13) + """
+    g (int64 n, bool c, seq(float) s0, float[4,4] a) => (seq(float) r, float[4,4] y) {
+        y = MatMul(a, a)
+        r = Loop(n, c, s0) <body = body_g (int64 i, bool c_in, seq(float) s_in) => (bool c_out, seq(float) s_out) {
+            c_out = Identity(c_in)
+            v = Constant <value = float {1}> ()
+            s_out = SequenceInsert(s_in, v)
+        }>
+    }""")
+    model.graph.output[0].type.sequence_type.elem_type.tensor_type.ClearField("shape")  # rank unknown
+    onnx.checker.check_model(model, full_check=True)
+    result = onnxmp.convert(model, level="unsafe_force_all")
+    assert io_signature(result.model) == io_signature(model)
+
+
+SCAN_SUM = """
+g (float[%(b)s2] initial, float[%(b)s3,2] x) => (float[%(b)s2] y, float[%(b)s3,2] z) {
+    y, z = Scan(%(lens)s initial, x) <num_scan_inputs = 1, body = body_g (float[2] acc, float[2] v) => (float[2] acc_out, float[2] each) {
+        acc_out = Add(acc, v)
+        each = Identity(acc_out)
+    }>
+}"""
+
+
+@pytest.mark.parametrize("opset", [8, 9])
+def test_scan_state_pairs_outer_and_body_values_in_both_scan_layouts(opset):
+    # Scan-8 has a leading sequence_lens input its body does not see (and a batch axis); Scan-9+ has neither.
+    batched = opset == 8
+    model = parse(header(opset) + SCAN_SUM % {"b": "1," if batched else "", "lens": '"",' if batched else ""},
+                  ir_version=7)
+    result = onnxmp.convert(model, level="unsafe_force_all")
+    groups = {g["name"]: g["members"] for g in result.report.groups}
+    state = next(members for name, members in groups.items() if "carried value" in name)
+    assert state == ["initial", "acc", "acc_out", "y"]
+    lead = (1,) if batched else ()
+    feeds = {"initial": np.ones(lead + (2,), np.float32), "x": np.arange(6, dtype=np.float32).reshape(lead + (3, 2))}
+    out = ort.InferenceSession(emulate(result.model).SerializeToString()).run(None, feeds)
+    np.testing.assert_array_equal(out[0].reshape(2), [7, 10])

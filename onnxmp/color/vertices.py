@@ -8,6 +8,7 @@ float32 tensor that links them inside the same graph.
 from __future__ import annotations
 
 import functools
+import logging
 import re
 from dataclasses import dataclass, field
 from typing import Iterable, Mapping, Sequence
@@ -16,6 +17,8 @@ import onnx
 
 from onnxmp.graphs import GRAPH, TENSOR_KIND, ModelGraph
 from onnxmp.lists import list_of, op_key
+
+log = logging.getLogger("onnxmp.color")
 
 # Ops that define their float output from an attribute; spec §5.8 may retarget them.
 RETARGETABLE = ("Cast", "Constant", "ConstantOfShape")
@@ -166,6 +169,7 @@ def build_type_view(
     tensors = graph.tensors
     FLOAT = onnx.TensorProto.FLOAT
     ops: dict[tuple[str, str], _OpInfo] = {}
+    block_hits: set[str] = set()
     capable_cache: dict[tuple, tuple[bool, str]] = {}
 
     def capability(vertex: Vertex, op: _OpInfo) -> tuple[bool, str]:
@@ -231,7 +235,11 @@ def build_type_view(
                 vertex.outputs.append((index, tensor))
                 if tensor not in tensor_dtype:
                     tensor_dtype[tensor] = dtype_of(tensor)
-            blocked = next((p.pattern for p in block if p.search(node_name)), None) if block else None
+            blocked = None
+            if block:
+                hits = [p.pattern for p in block if p.search(node_name)]
+                block_hits.update(hits)
+                blocked = hits[0] if hits else None
             keys = []
             for vertex in groups.values():
                 dtypes = [tensor_dtype[t] for _, t in vertex.inputs]
@@ -257,6 +265,9 @@ def build_type_view(
                 keys.append(vertex.key)
             node_vertices[node_name] = keys
 
+    for pattern in block:
+        if pattern.pattern not in block_hits:
+            log.warning("block pattern %r matches no node name; nothing is blocked by it", pattern.pattern)
     # Edges run producer -> consumer over float32 tensors; dicts serve as ordered sets while
     # they are collected (a tensor read by every layer would make list membership quadratic).
     producer_of: dict[str, int] = {}
@@ -347,17 +358,21 @@ def control_flow_groups(graph: ModelGraph) -> list[ColorGroup]:
 def _loop_or_scan_groups(graph_id: str, node: onnx.NodeProto, body: onnx.GraphProto) -> list[ColorGroup]:
     body_id = f"{node.name}/body"
     inputs, outputs = list(node.input), list(node.output)
+    inits = {t.name for t in body.initializer}
+    body_inputs = [t.name for t in body.input if t.name not in inits]  # GS's graph inputs
     if node.op_type == "Loop":
         n_state = len(inputs) - 2
         first_in, first_body_in, first_body_out = 2, 2, 1
     else:
+        # Scan-8 reads a leading sequence_lens (possibly "") that its body does not see; Scan-9+ has none.
         scan_inputs = next((a.i for a in node.attribute if a.name == "num_scan_inputs"), 0)
-        n_state = len(inputs) - int(scan_inputs)
-        first_in, first_body_in, first_body_out = 0, 0, 0
+        first_in = max(0, len(inputs) - len(body_inputs))
+        n_state = len(inputs) - first_in - int(scan_inputs)
+        first_body_in, first_body_out = 0, 0
     groups = []
     for i in range(n_state):
         outer_in = inputs[first_in + i]
-        body_in = body.input[first_body_in + i].name
+        body_in = body_inputs[first_body_in + i]
         body_out = body.output[first_body_out + i].name
         if not outer_in or i >= len(outputs):
             continue
