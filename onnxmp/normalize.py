@@ -64,7 +64,7 @@ def _copy_value_info(src: onnx.GraphProto, dst: onnx.GraphProto, main: bool = Tr
     dst.value_info.extend(src.value_info)
     for field in ("input", "output"):
         for a, b in zip(getattr(src, field), getattr(dst, field)):
-            if not (main and b.type.WhichOneof("value")):
+            if not main or _refines(a.type, b.type):
                 b.type.CopyFrom(a.type)
     for n_src, n_dst in zip(src.node, dst.node):
         if not may_hold_graphs(n_dst):
@@ -75,6 +75,17 @@ def _copy_value_info(src: onnx.GraphProto, dst: onnx.GraphProto, main: bool = Tr
             elif a_src.type == onnx.AttributeProto.GRAPHS:
                 for g_src, g_dst in zip(a_src.graphs, a_dst.graphs):
                     _copy_value_info(g_src, g_dst, main=False)
+
+
+def _refines(inferred: onnx.TypeProto, declared: onnx.TypeProto) -> bool:
+    """The inferred type may replace a main-graph declaration: there is none, or it is a tensor
+    declared without a shape (onnx.helper's ``shape=None``, which the checker refuses) and
+    inference found the same element type with a shape."""
+    if not declared.WhichOneof("value"):
+        return True
+    return (declared.WhichOneof("value") == "tensor_type" and not declared.tensor_type.HasField("shape")
+            and inferred.WhichOneof("value") == "tensor_type" and inferred.tensor_type.HasField("shape")
+            and inferred.tensor_type.elem_type == declared.tensor_type.elem_type)
 
 
 def normalize(model: onnx.ModelProto) -> Normalized:

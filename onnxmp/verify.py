@@ -129,9 +129,18 @@ def io_signature(model: onnx.ModelProto) -> tuple[list, list]:
             [(v.name, type_signature(v.type)) for v in model.graph.output])
 
 
+def _kept(original: tuple, converted: tuple) -> bool:
+    """``converted`` is the type ``original`` declared; a tensor declared without a shape may
+    come back with the shape inference found (normalize fills it in for the checker)."""
+    if original == converted:
+        return True
+    return (original[0] == converted[0] == "tensor_type" and original[2] is None
+            and original[1] == converted[1])
+
+
 def check_io_unchanged(original: onnx.ModelProto, converted: onnx.ModelProto) -> None:
     for what, a, b in zip(("inputs", "outputs"), io_signature(original), io_signature(converted)):
-        if a != b:
+        if len(a) != len(b) or not all(x[0] == y[0] and _kept(x[1], y[1]) for x, y in zip(a, b)):
             changed = [f"{x[0]}: {x[1]} -> {y[1]}" for x, y in zip(a, b) if x != y] or [f"{a} -> {b}"]
             raise OnnxMPError(f"graph {what} changed name or type during conversion: {'; '.join(changed)[:400]}",
                               hint=_HINT)

@@ -300,3 +300,20 @@ def test_cli_bad_inputs_exit_1_with_one_line_and_hint(tmp_path, capsys):
         assert not (tmp_path / "x.onnx").exists()
     assert cli(["convert", str(MODELS / "mlp.onnx"), "-o", str(tmp_path / "nodir" / "x.onnx")]) == 1
     assert "does not exist" in capsys.readouterr().err
+
+
+def test_outputs_declared_without_a_shape_convert_and_keep_their_element_type():
+    # onnx.helper.make_tensor_value_info(name, FLOAT, None) writes no shape; the checker refuses
+    # that on graph I/O, so normalize fills in the inferred shape, and the element type stays.
+    w = onnx.numpy_helper.from_array(np.ones((4, 4), np.float32), "w")
+    graph = onnx.helper.make_graph(
+        [onnx.helper.make_node("MatMul", ["x", "w"], ["y"], name="mm")], "g",
+        [onnx.helper.make_tensor_value_info("x", FLOAT, ["N", 4])],
+        [onnx.helper.make_tensor_value_info("y", FLOAT, None)], [w])
+    model = onnx.helper.make_model(graph, opset_imports=[onnx.helper.make_opsetid("", 17)])
+    assert not model.graph.output[0].type.tensor_type.HasField("shape")
+    result = onnxmp.convert(model)
+    out = result.model.graph.output[0].type.tensor_type
+    assert out.elem_type == FLOAT
+    assert [d.dim_param or d.dim_value for d in out.shape.dim] == ["N", 4]
+    assert any(n.op_type == "MatMul" for n in result.model.graph.node) and result.report.casts_inserted == 2
