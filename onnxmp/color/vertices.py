@@ -215,26 +215,17 @@ def build_type_view(
             groups: dict[str, Vertex] = {}
             node_inputs, node_outputs = node.input, node.output
             in_params, out_params = op.params(len(node_inputs), len(node_outputs))
-            for index, (tensor, param) in enumerate(zip(node_inputs, in_params)):
-                if param is None or not tensor:
-                    continue
-                vertex = groups.get(param)
-                if vertex is None:
-                    vertex = groups[param] = Vertex(f"{node_name}:{param}", node_name, op.key, op_type, domain,
-                                                    op.opset, param, graph_id)
-                vertex.inputs.append((index, tensor))
-                if tensor not in tensor_dtype:
-                    tensor_dtype[tensor] = dtype_of(tensor)
-            for index, (tensor, param) in enumerate(zip(node_outputs, out_params)):
-                if param is None or not tensor:
-                    continue
-                vertex = groups.get(param)
-                if vertex is None:
-                    vertex = groups[param] = Vertex(f"{node_name}:{param}", node_name, op.key, op_type, domain,
-                                                    op.opset, param, graph_id)
-                vertex.outputs.append((index, tensor))
-                if tensor not in tensor_dtype:
-                    tensor_dtype[tensor] = dtype_of(tensor)
+            for side, names, params in ((False, node_inputs, in_params), (True, node_outputs, out_params)):
+                for index, (tensor, param) in enumerate(zip(names, params)):
+                    if param is None or not tensor:
+                        continue
+                    vertex = groups.get(param)
+                    if vertex is None:
+                        vertex = groups[param] = Vertex(f"{node_name}:{param}", node_name, op.key, op_type, domain,
+                                                        op.opset, param, graph_id)
+                    (vertex.outputs if side else vertex.inputs).append((index, tensor))
+                    if tensor not in tensor_dtype:
+                        tensor_dtype[tensor] = dtype_of(tensor)
             blocked = None
             if block:
                 hits = [p.pattern for p in block if p.search(node_name)]
