@@ -319,6 +319,8 @@ class _Emitter:
             out = onnx.AttributeProto()
             out.CopyFrom(attr)
             out.ClearField("doc_string")
+            if attr.type == A.TENSOR:
+                out.t.name = out.t.name  # GS names every tensor it writes, even with ""
             return out
         return None  # sparse tensors, tensor/graph lists, type protos: GS does not import them
 
@@ -331,7 +333,7 @@ def _clean(node: onnx.NodeProto) -> bool:
     for attr in node.attribute:
         t = attr.type
         if t in _SIMPLE:
-            if attr.HasField("doc_string"):
+            if attr.HasField("doc_string") or (t == A.TENSOR and not attr.t.HasField("name")):
                 return False
         elif t in _LISTS:
             if attr.HasField("doc_string") or not (attr.ints or attr.floats or attr.strings):
