@@ -20,9 +20,10 @@ from onnxmp.color.seeds import DEFAULT_THRESHOLD, DEFAULT_UNDERFLOW_SHARE
 from onnxmp.emit import emit, initializer_inputs
 from onnxmp.errors import OnnxMPError
 from onnxmp.graphs import proto_nodes
-from onnxmp.lists import PRECISIONS, TARGETS, ListOverrides, resolve_lists
+from onnxmp.lists import TARGETS, ListOverrides, resolve_lists
 from onnxmp.load import ModelLike, load
 from onnxmp.normalize import normalize
+from onnxmp.precision import low_precision
 from onnxmp.report import Report, group_rows, head, tensor_core_advice, vertex_rows
 from onnxmp.rewrite import rewrite
 from onnxmp.verify import verify
@@ -79,8 +80,7 @@ def _options(model: onnx.ModelProto, target, precision, level, lists, block_node
              underflow_share=DEFAULT_UNDERFLOW_SHARE, forced_deny=None) -> ColorOptions:
     if target not in TARGETS:
         raise OnnxMPError(f"unknown target {target!r}", hint=f"choose one of: {', '.join(TARGETS)}")
-    if precision not in PRECISIONS:
-        raise OnnxMPError(f"unknown precision {precision!r}", hint=f"choose one of: {', '.join(PRECISIONS)}")
+    low_precision(precision)  # a clear error for an unknown name
     opset = next((o.version for o in model.opset_import if o.domain in ("", "ai.onnx")), None)
     newest = onnx.defs.onnx_opset_version()
     if opset is not None and opset > newest:

@@ -21,7 +21,6 @@ import logging
 from dataclasses import dataclass, field
 from typing import Iterable
 
-import ml_dtypes
 import numpy as np
 import onnx
 
@@ -29,12 +28,10 @@ from onnxmp.color.rules import Coloring
 from onnxmp.graphs import GRAPH, MAIN, ModelGraph, TensorInfo
 from onnxmp.naming import FreshNames
 from onnxmp.passes import PassResult, require
+from onnxmp.precision import FLOAT16, FLOAT32, low_precision
 
 log = logging.getLogger("onnxmp.rewrite")
 
-LOW_NUMPY = {"float16": np.dtype(np.float16), "bfloat16": np.dtype(ml_dtypes.bfloat16)}
-LOW_ENUM = {"float16": onnx.TensorProto.FLOAT16, "bfloat16": onnx.TensorProto.BFLOAT16}
-SUFFIX = {"float16": "fp16", "bfloat16": "bf16", "float32": "fp32"}
 FLOAT = onnx.TensorProto.FLOAT
 
 
@@ -69,8 +66,8 @@ class Edits:
     retargeted: set[str] = field(default_factory=set)              # Cast/Constant/ConstantOfShape nodes
     raw_constants: set[str] = field(default_factory=set)           # Constant nodes whose value is rewritten raw
     order: dict[str, list] = field(default_factory=dict)           # graph id -> NodeProto | NewCast, in order
-    low_np: np.dtype = LOW_NUMPY["float16"]
-    low_enum: int = LOW_ENUM["float16"]
+    low_np: np.dtype = FLOAT16.numpy
+    low_enum: int = FLOAT16.onnx_type
 
 
 def _fresh_names(graph: ModelGraph, node_names) -> FreshNames:
@@ -102,7 +99,8 @@ class _Rewriter:
     def __init__(self, graph: ModelGraph, state: Coloring, precision: str, master: set[str]):
         self.graph = graph
         self.view = view = state.view
-        self.low_np, self.low_enum, self.low_sfx = LOW_NUMPY[precision], LOW_ENUM[precision], SUFFIX[precision]
+        low = low_precision(precision)
+        self.low_np, self.low_enum, self.low_sfx = low.numpy, low.onnx_type, low.suffix
         self.master = master
         self.names = _fresh_names(graph, view.graph_of_node)
         self.stats = RewriteStats()
@@ -291,7 +289,7 @@ class _Rewriter:
                 return self._cast(graph_id, shared, name, self.low_enum, self.low_sfx)
             return name
         if alias is not None and alias == name:  # low in place; this reader wants fp32
-            return self._cast(graph_id, shared, name, FLOAT, "fp32")
+            return self._cast(graph_id, shared, name, FLOAT, FLOAT32.suffix)
         return name
 
     def _cast(self, graph_id: str, shared, src: str, to_enum: int, sfx: str) -> str:

@@ -20,13 +20,13 @@ from onnxmp.color.vertices import TypeView, Vertex, build_type_view
 from onnxmp.graphs import ModelGraph
 from onnxmp.kernels import KernelTable
 from onnxmp.passes import PassResult
+from onnxmp.precision import BFLOAT16, low_precision
 
 __all__ = ["ALLOW", "DENY", "FP32", "Coloring", "Reason", "TypeView", "Vertex", "ColorOptions", "color",
-           "LOW_TYPES"]
+           ]
 
 log = logging.getLogger("onnxmp.color")
 
-LOW_TYPES = {"float16": onnx.TensorProto.FLOAT16, "bfloat16": onnx.TensorProto.BFLOAT16}
 PROVIDERS = {"cuda": "CUDAExecutionProvider", "cpu": "CPUExecutionProvider"}
 
 
@@ -53,7 +53,7 @@ class ColorResult:
 
 def color(graph: ModelGraph, options: ColorOptions) -> ColorResult:
     kernels = options.kernels or KernelTable.default()
-    view = build_type_view(graph, options.lists, low_type=LOW_TYPES[options.precision],
+    view = build_type_view(graph, options.lists, low=low_precision(options.precision),
                            provider=PROVIDERS[options.target], kernels=kernels,
                            block_nodes=options.block_nodes, keep_io_types=options.keep_io_types,
                            initializer_inputs=options.initializer_inputs)
@@ -77,7 +77,7 @@ def color(graph: ModelGraph, options: ColorOptions) -> ColorResult:
         return result
     run("propagate_deny_forward_through_clear_and_infer", propagate_deny_forward_through_clear_and_infer)
     run("add_clear_and_infer_to_allow_if_between_allow", add_clear_and_infer_to_allow_if_between_allow)
-    if options.precision == "bfloat16":
+    if options.precision == BFLOAT16.name:
         run("add_infer_to_allow_if_follow_allow", add_infer_to_allow_if_follow_allow)
     run("propagate_allow_through_clear", propagate_allow_through_clear)
     run("remove_allow_set_with_fp32", remove_allow_set_with_fp32)

@@ -17,14 +17,11 @@ from onnxmp.color.rules import DENY, Coloring
 from onnxmp.external import tensor_array
 from onnxmp.graphs import ModelGraph
 from onnxmp.passes import PassResult
+from onnxmp.precision import low_precision
 
 DEFAULT_UNDERFLOW_SHARE = 0.5     # share of an initializer's values that may flush or turn subnormal
 DEFAULT_THRESHOLD = 65504.0 / 4   # calibration: |x| above which an intermediate's node is denied
 
-LOW_LIMITS = {
-    "float16": (float(np.finfo(np.float16).max), np.float16),
-    "bfloat16": (float(ml_dtypes.finfo(ml_dtypes.bfloat16).max), ml_dtypes.bfloat16),
-}
 
 
 @dataclass(frozen=True)
@@ -47,7 +44,7 @@ CHECK_CHUNK = 1 << 22  # elements per step: big initializers are scanned with bo
 
 def check_values(values: np.ndarray, low_dtype) -> RangeCheck:
     flat = np.asarray(values).reshape(-1)
-    tiny = ml_dtypes.finfo(low_dtype).tiny  # smallest normal number
+    tiny = ml_dtypes.finfo(low_dtype).tiny  # smallest normal number (check_values takes any dtype)
     max_abs, nonzero, flushed = 0.0, 0, 0
     for start in range(0, flat.size, CHECK_CHUNK):
         a = flat[start:start + CHECK_CHUNK].astype(np.float32, copy=False)
@@ -122,7 +119,8 @@ def seed_deny_from_initializer_range(state: Coloring, graph: ModelGraph, *,
     low-precision maximum (65504 for fp16), or whose non-zero values mostly flush to zero or
     turn subnormal (below 6.1e-5 in fp16), is painted DENY: it stays float32 and taints
     downstream as a deny op does."""
-    limit, low_dtype = LOW_LIMITS[state.low_name]
+    low = low_precision(state.low_name)
+    limit, low_dtype = low.max, low.numpy
     view = state.view
     vertices = view.vertices
     producers = {out: node for scope in graph.scopes for node in scope.graph.node if node.op_type == "Constant"

@@ -17,6 +17,7 @@ import onnx
 
 from onnxmp.graphs import GRAPH, TENSOR_KIND, ModelGraph
 from onnxmp.lists import list_of, op_key
+from onnxmp.precision import Precision
 
 log = logging.getLogger("onnxmp.color")
 
@@ -148,7 +149,7 @@ def build_type_view(
     graph: ModelGraph,
     lists: Mapping[str, frozenset[str]],
     *,
-    low_type: int,
+    low: Precision,
     provider: str,
     kernels,
     block_nodes: Iterable[str] = (),
@@ -157,9 +158,7 @@ def build_type_view(
 ) -> TypeView:
     """Build vertices and edges for the main graph and all bodies, in one pass over the nodes."""
     block = [re.compile(p) for p in block_nodes]
-    low_name = onnx.helper.tensor_dtype_to_np_dtype(low_type).name if low_type != onnx.TensorProto.BFLOAT16 \
-        else "bfloat16"
-    low_type_str = f"tensor({low_name})"
+    low_name, low_type_str = low.name, low.type_str
     by_id: list[Vertex] = []
     node_vertices: dict[str, list[str]] = {}
     graph_of_node: dict[str, str] = {}
