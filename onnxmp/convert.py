@@ -15,6 +15,7 @@ from typing import Iterable, Mapping
 
 import onnx
 
+from onnxmp.calibrate import DEFAULT_TOLERANCE, MAX_RUNS, convert_with_calibration, observe_magnitudes
 from onnxmp.color import ColorOptions, ColorResult, color
 from onnxmp.color.seeds import DEFAULT_THRESHOLD, DEFAULT_UNDERFLOW_SHARE
 from onnxmp.emit import emit, initializer_inputs
@@ -137,8 +138,6 @@ def explain(model: ModelLike, *, target: str = "cuda", precision: str = "float16
         proto = load(model, lazy_external=True)
     magnitudes = None
     if calibration is not None:
-        from onnxmp.calibrate import observe_magnitudes
-
         magnitudes = observe_magnitudes(model, calibration)
     options = _options(proto, target, precision, level, lists, block_nodes, keep_io_types,
                        magnitudes, calibration_threshold, underflow_share)
@@ -169,10 +168,9 @@ def convert(model: ModelLike, *, target: str = "cuda", precision: str = "float16
     Cast at each low-precision use (training).
     """
     if calibration is not None:
-        from onnxmp.calibrate import DEFAULT_TOLERANCE, MAX_RUNS, convert_with_calibration
-
         return convert_with_calibration(
-            model, calibration=calibration, tolerance=DEFAULT_TOLERANCE if tolerance is None else tolerance,
+            model, convert_pass=convert_once, calibration=calibration,
+            tolerance=DEFAULT_TOLERANCE if tolerance is None else tolerance,
             metric=metric, holdout=holdout, max_runs=MAX_RUNS if max_runs is None else max_runs,
             calibration_threshold=calibration_threshold, underflow_share=underflow_share, target=target,
             precision=precision, keep_io_types=keep_io_types, level=level, lists=lists, block_nodes=block_nodes,

@@ -25,7 +25,7 @@ import numpy as np
 import onnx
 
 from onnxmp.color.rules import Coloring
-from onnxmp.graphs import GRAPH, MAIN, ModelGraph, TensorInfo
+from onnxmp.graphs import MAIN, ModelGraph, TensorInfo
 from onnxmp.naming import FreshNames
 from onnxmp.passes import PassResult, require
 from onnxmp.precision import FLOAT16, FLOAT32, low_precision

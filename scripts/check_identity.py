@@ -19,7 +19,6 @@ Exit status 0 when every model is byte-identical, 1 otherwise.
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import os
 import pickle

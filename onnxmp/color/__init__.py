@@ -5,7 +5,6 @@ import logging
 from dataclasses import dataclass
 from typing import Iterable, Mapping
 
-import onnx
 
 from onnxmp.color.rules import (
     ALLOW, DENY, FP32, Coloring, Reason,
