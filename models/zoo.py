@@ -32,6 +32,7 @@ COMMITTED = (
     "gru",
     "lstm",
     "loop_if",
+    "transformer_classifier",
 )
 
 FP16_MAX = 65504.0
@@ -254,6 +255,22 @@ def _additive_mask(g: _Graph, mask: str) -> str:
     return g.op("Mul", [inv, g.const(MASK_FILL, np.float32, scope)], scope)
 
 
+def _split_heads(g: _Graph, x: str, q: str, k: str, v: str, a: str, seq: int, heads: int, dh: int):
+    """[N,S,H] -> per-head q [N,h,S,d], k^T [N,h,d,S], v [N,h,S,d]; also returns [N] for merging back.
+
+    Dynamic batch via Shape/Gather/Unsqueeze/Concat, as exporters trace it; the
+    int64 side-graph is something a precision pass must leave alone.
+    """
+    shp = g.op("Shape", [x], a)
+    n = g.op("Gather", [shp, g.const(0, np.int64, a)], a, axis=0)
+    n1 = g.op("Unsqueeze", [n, g.const([0], np.int64, a)], a)
+    split_shape = g.op("Concat", [n1, g.const([seq, heads, dh], np.int64, a)], a, axis=0)
+    q = g.op("Transpose", [g.op("Reshape", [q, split_shape], a)], a, perm=[0, 2, 1, 3])
+    k = g.op("Transpose", [g.op("Reshape", [k, split_shape], a)], a, perm=[0, 2, 3, 1])
+    v = g.op("Transpose", [g.op("Reshape", [v, split_shape], a)], a, perm=[0, 2, 1, 3])
+    return q, k, v, n1
+
+
 def _transformer_layer(
     g: _Graph, x: str, mask_add: str, scope: str, hidden: int, seq: int, heads: int, out_gain: float
 ) -> str:
@@ -267,16 +284,7 @@ def _transformer_layer(
     k = _linear(g, h, hidden, hidden, f"{a}/k")
     v = _linear(g, h, hidden, hidden, f"{a}/v")
 
-    # Dynamic batch via Shape/Gather/Unsqueeze/Concat, as exporters trace it; the
-    # int64 side-graph is something a precision pass must leave alone.
-    shp = g.op("Shape", [h], a)
-    n = g.op("Gather", [shp, g.const(0, np.int64, a)], a, axis=0)
-    n1 = g.op("Unsqueeze", [n, g.const([0], np.int64, a)], a)
-    split_shape = g.op("Concat", [n1, g.const([seq, heads, dh], np.int64, a)], a, axis=0)
-
-    q = g.op("Transpose", [g.op("Reshape", [q, split_shape], a)], a, perm=[0, 2, 1, 3])
-    k = g.op("Transpose", [g.op("Reshape", [k, split_shape], a)], a, perm=[0, 2, 3, 1])
-    v = g.op("Transpose", [g.op("Reshape", [v, split_shape], a)], a, perm=[0, 2, 1, 3])
+    q, k, v, n1 = _split_heads(g, h, q, k, v, a, seq, heads, dh)
 
     scores = g.op("MatMul", [q, k], a)
     scores = g.op("Div", [scores, g.const(math.sqrt(dh), np.float32, a)], a)
@@ -338,6 +346,128 @@ def _transformer(name: str, n_layers: int, hidden: int, seq: int, heads: int) ->
         [_vi("y", TensorProto.FLOAT, [BATCH, seq, hidden])],
         f"{n_layers}-layer pre-LN transformer encoder, hidden={hidden}, heads={heads}",
     )
+
+
+# ---------------------------------------------------------------------------
+# Transformer classifier (BERT-style, as torch.onnx.export writes one)
+# ---------------------------------------------------------------------------
+
+TC_VOCAB, TC_SEQ, TC_HIDDEN, TC_HEADS, TC_LAYERS, TC_FFN, TC_CLASSES = 16, 12, 32, 4, 2, 64, 2
+TC_PAD, TC_CLS, TC_KEY = 0, 1, 2  # token ids of the classifier's little task
+FLOAT32_MIN = float(np.finfo(np.float32).min)  # torch.finfo(float32).min: -inf in fp16
+
+
+def _torch_layer_norm(g: _Graph, x: str, hidden: int, scope: str) -> str:
+    # torch.onnx (opset >= 17) writes nn.LayerNorm as one single-output LayerNormalization.
+    gamma = g.init(f"{scope}.weight", np.ones(hidden, np.float32))
+    beta = g.init(f"{scope}.bias", np.zeros(hidden, np.float32))
+    return g.op("LayerNormalization", [x, gamma, beta], scope, axis=-1, epsilon=LN_EPS)
+
+
+def _torch_linear(g: _Graph, x: str, fan_in: int, fan_out: int, scope: str) -> str:
+    # TorchScript export: MatMul with the transposed weight as an anonymous initializer, then Add.
+    w = g.init(f"onnx::MatMul_{scope}", (g.rng.standard_normal((fan_in, fan_out)) * 0.02 * 4).astype(np.float32))
+    b = g.init(f"{scope}.bias", np.zeros(fan_out, np.float32))
+    return g.op("Add", [b, g.op("MatMul", [x, w], scope)], scope)
+
+
+def _bert_layer(g: _Graph, x: str, mask_add: str, scope: str) -> str:
+    hidden, heads, seq = TC_HIDDEN, TC_HEADS, TC_SEQ
+    dh = hidden // heads
+    a = f"{scope}/attention"
+    q = _torch_linear(g, x, hidden, hidden, f"{a}/query")
+    k = _torch_linear(g, x, hidden, hidden, f"{a}/key")
+    v = _torch_linear(g, x, hidden, hidden, f"{a}/value")
+    q, k, v, n1 = _split_heads(g, x, q, k, v, a, seq, heads, dh)
+    scores = g.op("Div", [g.op("MatMul", [q, k], a), g.const(math.sqrt(dh), np.float32, a)], a)
+    probs = g.op("Softmax", [g.op("Add", [scores, mask_add], a)], a, axis=-1)
+    ctx = g.op("Transpose", [g.op("MatMul", [probs, v], a)], a, perm=[0, 2, 1, 3])
+    merge_shape = g.op("Concat", [n1, g.const([seq, hidden], np.int64, a)], a, axis=0)
+    ctx = g.op("Reshape", [ctx, merge_shape], a)
+    attn = _torch_linear(g, ctx, hidden, hidden, f"{a}/output")
+    x = _torch_layer_norm(g, g.op("Add", [attn, x], a), hidden, f"{a}/LayerNorm")
+
+    f = f"{scope}/ffn"
+    h = _torch_linear(g, x, hidden, TC_FFN, f"{f}/intermediate")
+    e = g.op("Erf", [g.op("Div", [h, g.const(math.sqrt(2.0), np.float32, f)], f)], f)
+    h = g.op("Mul", [g.op("Mul", [h, g.op("Add", [e, g.const(1.0, np.float32, f)], f)], f),
+                     g.const(0.5, np.float32, f)], f)
+    h = _torch_linear(g, h, TC_FFN, hidden, f"{f}/output")
+    return _torch_layer_norm(g, g.op("Add", [h, x], f), hidden, f"{f}/LayerNorm")
+
+
+def transformer_classifier(mask_fill: str = "mul") -> onnx.ModelProto:
+    """BERT-style encoder classifier: input_ids, attention_mask [N,12] int64 -> logits[N,2].
+
+    Built the way ``torch.onnx.export(..., opset_version=17, dynamo=False)``
+    writes a Hugging Face BERT in eval mode: Gather embeddings (word and
+    position), single-output LayerNormalization, the extended attention mask
+    ``(1 - mask) * finfo(float32).min`` added to the scores (-inf in float16),
+    Erf GELU, and a tanh pooler over the first token before the classifier.
+    Two layers, hidden 32, 4 heads; the task is :func:`classifier_task`.
+    ``mask_fill="where"`` builds the mask as transformers 4.4x+ does instead:
+    ``Where(bool(1 - mask), finfo.min, 1 - mask)`` (not committed).
+    """
+    g = _Graph(np.random.default_rng(2024))
+    hidden = TC_HIDDEN
+    words = g.init("embeddings.word_embeddings.weight",
+                   (g.rng.standard_normal((TC_VOCAB, hidden)) * 0.5).astype(np.float32))
+    positions = g.init("embeddings.position_embeddings.weight",
+                       (g.rng.standard_normal((TC_SEQ, hidden)) * 0.5).astype(np.float32))
+    e = "embeddings"
+    # position_ids is a registered buffer: torch exports it as a constant.
+    position_ids = g.const(np.arange(TC_SEQ, dtype=np.int64)[None, :], np.int64, e)
+    x = g.op("Add", [g.op("Gather", [words, "input_ids"], e), g.op("Gather", [positions, position_ids], e)], e)
+    x = _torch_layer_norm(g, x, hidden, f"{e}/LayerNorm")
+
+    m = "extended_attention_mask"
+    mask = g.op("Unsqueeze", [g.op("Unsqueeze", ["attention_mask", g.const([1], np.int64, m)], m),
+                              g.const([2], np.int64, m)], m)
+    mask = g.op("Cast", [mask], m, to=TensorProto.FLOAT)
+    inverted = g.op("Sub", [g.const(1.0, np.float32, m), mask], m)
+    if mask_fill == "where":
+        mask_add = g.op("Where", [g.op("Cast", [inverted], m, to=TensorProto.BOOL),
+                                  g.const(FLOAT32_MIN, np.float32, m), inverted], m)
+    else:
+        mask_add = g.op("Mul", [inverted, g.const(FLOAT32_MIN, np.float32, m)], m)
+
+    for i in range(TC_LAYERS):
+        x = _bert_layer(g, x, mask_add, f"encoder/layer.{i}")
+
+    p = "pooler"
+    first = g.op("Gather", [x, g.const(0, np.int64, p)], p, axis=1)
+    pooled = g.op("Tanh", [_torch_linear(g, first, hidden, hidden, f"{p}/dense")], p)
+    logits = _torch_linear(g, pooled, hidden, TC_CLASSES, "classifier")
+    g.nodes.append(helper.make_node("Identity", [logits], ["logits"], name="output/Identity"))
+    return _finish(
+        g, "transformer_classifier",
+        [_vi("input_ids", TensorProto.INT64, [BATCH, TC_SEQ]),
+         _vi("attention_mask", TensorProto.INT64, [BATCH, TC_SEQ])],
+        [_vi("logits", TensorProto.FLOAT, [BATCH, TC_CLASSES])],
+        f"{TC_LAYERS}-layer BERT-style encoder classifier as torch.onnx.export (opset 17) writes it",
+    )
+
+
+def classifier_task(rows: int, seed: int = 0) -> dict[str, np.ndarray]:
+    """Data for :func:`transformer_classifier`: does the unpadded part hold token ``TC_KEY``?
+
+    Each row is ``[CLS] tokens... [PAD]...`` with a random length; half the rows
+    hold the key token somewhere in their text.  The padding is filled with the
+    key token too, so only a model that honours the attention mask can learn it.
+    """
+    rng = np.random.default_rng(seed)
+    ids = rng.integers(TC_KEY + 1, TC_VOCAB, size=(rows, TC_SEQ), dtype=np.int64)
+    mask = np.zeros((rows, TC_SEQ), np.int64)
+    labels = rng.integers(0, 2, size=rows, dtype=np.int64)
+    lengths = rng.integers(4, TC_SEQ + 1, size=rows)
+    for r in range(rows):
+        length = int(lengths[r])
+        mask[r, :length] = 1
+        ids[r, 0] = TC_CLS
+        ids[r, length:] = TC_KEY
+        if labels[r]:
+            ids[r, rng.integers(1, length)] = TC_KEY
+    return {"input_ids": ids, "attention_mask": mask, "labels": labels}
 
 
 # ---------------------------------------------------------------------------
@@ -476,6 +606,7 @@ BUILDERS = {
     "gru": gru,
     "lstm": lstm,
     "loop_if": loop_if,
+    "transformer_classifier": transformer_classifier,
 }
 
 
@@ -509,6 +640,9 @@ def inputs_for(name: str, batch: int = 2, *, seq: int = 16, hidden: int = 64) ->
             "x": rng.standard_normal((batch, seq, hidden)).astype(f32),
             "mask": _padded_mask(batch, seq),
         }
+    if name == "transformer_classifier":
+        task = classifier_task(batch, seed=1)
+        return {"input_ids": task["input_ids"], "attention_mask": task["attention_mask"]}
     if name in ("gru", "lstm"):
         return {"x": rng.standard_normal((RNN_T, batch, RNN_IN)).astype(f32)}
     if name == "loop_if":

@@ -14,6 +14,7 @@ measured with ``--device cuda`` (needs the onnxruntime-training GPU build).
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 import tempfile
 import time
@@ -22,7 +23,7 @@ from pathlib import Path
 import numpy as np
 
 from onnxmp.training import DynamicLossScaler, Trainer, build_artifacts
-from onnxmp.training.artifacts import write_json
+from onnxmp.files import guard_outputs, write_text_atomic
 from onnxmp.training.models import mlp, trainable
 
 
@@ -56,6 +57,7 @@ def main(argv=None) -> int:
                         help="the mixed precision to compare with float32")
     parser.add_argument("--json", type=Path, help="write the figures here")
     args = parser.parse_args(argv)
+    guard_outputs({"--json": args.json})
 
     model = mlp(args.sizes, seed=0)
     params = sum(int(np.prod(t.dims)) for t in model.graph.initializer)
@@ -70,8 +72,9 @@ def main(argv=None) -> int:
         print(f"{name:<12}{r['steps_per_s']:>10.2f}{r['samples_per_s']:>12.0f}{r['skipped_steps']:>9}")
     print(f"mixed / fp32 steps/s: {speedup:.2f}x")
     if args.json:
-        write_json(args.json, {"device": args.device, "sizes": args.sizes, "batch_size": args.batch_size,
-                               "parameters": params, "results": results, "speedup": speedup})
+        write_text_atomic(args.json, json.dumps({"device": args.device, "sizes": args.sizes,
+                                                 "batch_size": args.batch_size, "parameters": params,
+                                                 "results": results, "speedup": speedup}, indent=2) + "\n")
     return 0
 
 

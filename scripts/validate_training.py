@@ -24,6 +24,13 @@ optimizer there is plain SGD with the learning rate multiplied by 2**20, which
 makes the float32 run exactly equivalent to training on the unscaled loss
 (AdamW's epsilon would otherwise swamp such tiny gradients in every run).
 
+Transformer case: the bundled BERT-style classifier (``models/zoo.py``
+``transformer_classifier``: single-output LayerNormalization, Erf GELU, a
+float32-min attention-mask fill, Gather embeddings), fine-tuned with every
+weight trainable on its token task (``classifier_task``), in the same three
+runs.  Its masked attention is where a careless float16 graph turns the fill
+into -inf and the loss into NaN.
+
 Prints the final test accuracies and skipped steps, writes a PNG with the loss
 curves and the loss-scale curve, and with ``--json FILE`` the figures.
 ``--quick`` is a smoke test (two epochs) for CI.
@@ -39,10 +46,16 @@ from pathlib import Path
 
 import numpy as np
 
-from onnxmp.training import DynamicLossScaler, Trainer, build_artifacts
-from onnxmp.training.models import mlp, trainable
+# Run as a script, sys.path[0] is scripts/: the bundled models live one level up.
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from models import zoo  # noqa: E402
+from onnxmp.files import atomic_write, guard_outputs, write_text_atomic  # noqa: E402
+from onnxmp.training import DynamicLossScaler, Trainer, build_artifacts  # noqa: E402
+from onnxmp.training.models import mlp, trainable  # noqa: E402
 
 UNDERFLOW_MULTIPLIER = 2.0**-20
+TRANSFORMER_ROWS = (1024, 256)  # train, test
 
 
 def load_data(seed: int):
@@ -77,37 +90,35 @@ def scaled_cross_entropy(multiplier: float):
     return ScaledCrossEntropy()
 
 
-def run(name, model, data, *, precision, scaler, optimizer, lr, loss, args, workdir):
-    x_train, x_test, y_train, y_test = data
+def run(name, model, data, *, precision, scaler, optimizer, lr, loss, args, workdir, epochs=None):
+    """``data`` is ``(train_columns, test_columns)``: tuples of arrays, labels last."""
+    train, test = data
     artifacts = build_artifacts(model, requires_grad=trainable(model), loss=loss, optimizer=optimizer,
                                 precision=precision, target=args.device, out_dir=workdir / name)
     trainer = Trainer(artifacts, device=args.device, scaler=scaler, lr=lr)
+    rows = len(train[0])
 
     def epoch_batches(epoch):
-        order = np.random.default_rng([args.seed, epoch]).permutation(len(x_train))
-        return [(x_train[order[i:i + args.batch_size]], y_train[order[i:i + args.batch_size]])
-                for i in range(0, len(order), args.batch_size)]
+        order = np.random.default_rng([args.seed, epoch]).permutation(rows)
+        return [tuple(a[order[i:i + args.batch_size]] for a in train) for i in range(0, rows, args.batch_size)]
 
-    test = [(x_test, y_test)]
     start = time.perf_counter()
-    history = trainer.fit(epoch_batches, args.epochs, progress=not args.no_progress)
+    history = trainer.fit(epoch_batches, epochs or args.epochs, progress=not args.no_progress)
     seconds = time.perf_counter() - start
-    result = trainer.evaluate(test, ["accuracy"])
+    result = trainer.evaluate([test], ["accuracy"])
     return {"accuracy": result["accuracy"], "test_loss": result["loss"], "skipped_steps": trainer.skipped_steps,
             "final_loss_scale": trainer.scaler.scale, "seconds": seconds,
             "step_loss": history.step_loss, "step_loss_scale": history.step_loss_scale}
 
 
-def three_runs(model, data, args, workdir, *, optimizer, lr, loss, tag):
+def three_runs(model, data, args, workdir, *, optimizer, lr, loss, tag, epochs=None):
     dynamic = DynamicLossScaler(growth_steps=args.growth_steps)
+    common = dict(optimizer=optimizer, lr=lr, loss=loss, args=args, workdir=workdir, epochs=epochs)
     return {
-        "fp32": run(f"{tag}fp32", model, data, precision="float32", scaler=DynamicLossScaler.static(1.0),
-                    optimizer=optimizer, lr=lr, loss=loss, args=args, workdir=workdir),
-        "amp_dynamic": run(f"{tag}amp_dynamic", model, data, precision="float16", scaler=dynamic,
-                           optimizer=optimizer, lr=lr, loss=loss, args=args, workdir=workdir),
+        "fp32": run(f"{tag}fp32", model, data, precision="float32", scaler=DynamicLossScaler.static(1.0), **common),
+        "amp_dynamic": run(f"{tag}amp_dynamic", model, data, precision="float16", scaler=dynamic, **common),
         "amp_scale1": run(f"{tag}amp_scale1", model, data, precision="float16",
-                          scaler=DynamicLossScaler.static(1.0), optimizer=optimizer, lr=lr, loss=loss, args=args,
-                          workdir=workdir),
+                          scaler=DynamicLossScaler.static(1.0), **common),
     }
 
 
@@ -121,13 +132,13 @@ def smooth(values, window):
     return np.convolve(filled, kernel, mode="valid")
 
 
-def plot(path, main, underflow, steps_per_epoch):
+def plot(path, main, underflow, transformer, steps_per_epoch, transformer_steps_per_epoch):
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(3, 1, figsize=(9, 11))
+    fig, axes = plt.subplots(4, 1, figsize=(9, 14.5))
     window = max(1, steps_per_epoch // 2)
     for name, r in main.items():
         axes[0].plot(smooth(r["step_loss"], window), label=f"{name} (test acc {r['accuracy']:.3f})")
@@ -142,11 +153,15 @@ def plot(path, main, underflow, steps_per_epoch):
     axes[2].set(title="underflow case: loss x 2^-20 (plotted unscaled), SGD", xlabel="step", ylabel="loss",
                 yscale="log")
     axes[2].legend()
+    window = max(1, transformer_steps_per_epoch // 2)
+    for name, r in transformer.items():
+        axes[3].plot(smooth(r["step_loss"], window), label=f"{name} (test acc {r['accuracy']:.3f}, "
+                                                           f"{r['skipped_steps']} skipped)")
+    axes[3].set(title="transformer classifier (float32-min attention mask): training loss, moving average",
+                xlabel="step", ylabel="loss", yscale="log")
+    axes[3].legend()
     fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.NamedTemporaryFile(dir=path.parent, prefix=f".{path.name}.", suffix=".png", delete=False) as tmp:
-        fig.savefig(tmp.name, dpi=100)
-    Path(tmp.name).replace(path)
+    atomic_write(path, lambda tmp: fig.savefig(tmp, dpi=100, format="png"))
     plt.close(fig)
 
 
@@ -162,6 +177,8 @@ def main(argv=None) -> int:
                         help="loss-scale growth interval (Keras uses 2000 for long runs; shorter here so the "
                              "scale's dynamics show within a few minutes)")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--transformer-epochs", type=int, default=None, help="default 4 (1 with --quick)")
+    parser.add_argument("--transformer-lr", type=float, default=1e-3)
     parser.add_argument("--quick", action="store_true", help="two epochs: a smoke test")
     parser.add_argument("--plot", type=Path, default=Path("reports/validate_training.png"),
                         help="PNG of the loss and loss-scale curves (default: reports/validate_training.png)")
@@ -170,11 +187,17 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     if args.epochs is None:
         args.epochs = 2 if args.quick else 30
+    if args.transformer_epochs is None:
+        args.transformer_epochs = 1 if args.quick else 4
+    if args.plot.parent == Path("reports"):
+        args.plot.parent.mkdir(exist_ok=True)  # the default location
+    guard_outputs({"--plot": args.plot, "--json": args.json})
 
-    data = load_data(args.seed)
+    x_train, x_test, y_train, y_test = load_data(args.seed)
+    data = ((x_train, y_train), (x_test, y_test))
     model = mlp((64, 128, 10), seed=args.seed, opset=17, ir_version=8)
     mode = "emulated float16 (CPU)" if args.device == "cpu" else "real float16 (CUDA)"
-    print(f"digits: {len(data[0])} train / {len(data[1])} test rows; MLP 64-128-10; {args.epochs} epochs, "
+    print(f"digits: {len(x_train)} train / {len(x_test)} test rows; MLP 64-128-10; {args.epochs} epochs, "
           f"batch {args.batch_size}; mixed runs: {mode}")
     with tempfile.TemporaryDirectory(prefix="onnxmp-validate-") as folder:
         workdir = Path(folder)
@@ -183,9 +206,17 @@ def main(argv=None) -> int:
         underflow = three_runs(model, data, args, workdir, optimizer="sgd",
                                lr=args.sgd_lr / UNDERFLOW_MULTIPLIER,
                                loss=scaled_cross_entropy(UNDERFLOW_MULTIPLIER), tag="underflow_")
+        task_train = zoo.classifier_task(TRANSFORMER_ROWS[0], seed=args.seed)
+        task_test = zoo.classifier_task(TRANSFORMER_ROWS[1], seed=args.seed + 1)
+        columns = ("input_ids", "attention_mask", "labels")
+        transformer = three_runs(zoo.transformer_classifier(),
+                                 (tuple(task_train[k] for k in columns), tuple(task_test[k] for k in columns)),
+                                 args, workdir, optimizer="adamw", lr=args.transformer_lr, loss="cross_entropy",
+                                 tag="transformer_", epochs=args.transformer_epochs)
 
     print(f"\n{'run':<14}{'test acc':>10}{'skipped':>9}{'final scale':>13}{'seconds':>9}")
-    for title, runs in (("main (AdamW)", main_runs), ("underflow (loss x 2^-20, SGD)", underflow)):
+    for title, runs in (("main (AdamW)", main_runs), ("underflow (loss x 2^-20, SGD)", underflow),
+                        (f"transformer classifier ({args.transformer_epochs} epochs, AdamW)", transformer)):
         print(title)
         for name, r in runs.items():
             print(f"  {name:<12}{r['accuracy']:>10.4f}{r['skipped_steps']:>9}{r['final_loss_scale']:>13g}"
@@ -195,9 +226,8 @@ def main(argv=None) -> int:
     print("underflow case: the loss is multiplied by 2**-20 in the graph, so fp16 gradients fall below the "
           "smallest subnormal; scale 1 flushes them, dynamic scaling recovers them")
 
-    steps_per_epoch = -(-len(data[0]) // args.batch_size)
-    args.plot.parent.mkdir(parents=True, exist_ok=True)
-    plot(args.plot, main_runs, underflow, steps_per_epoch)
+    steps_per_epoch = -(-len(x_train) // args.batch_size)
+    plot(args.plot, main_runs, underflow, transformer, steps_per_epoch, -(-TRANSFORMER_ROWS[0] // args.batch_size))
     print(f"plot: {args.plot}")
     if args.json:
         figures = {
@@ -212,15 +242,17 @@ def main(argv=None) -> int:
                 "amp_scale1": underflow["amp_scale1"]["accuracy"],
                 "skipped_steps": underflow["amp_dynamic"]["skipped_steps"],
             },
+            "transformer": {
+                name: {"accuracy": r["accuracy"], "test_loss": r["test_loss"], "skipped_steps": r["skipped_steps"],
+                       "final_loss_scale": r["final_loss_scale"], "first_loss": r["step_loss"][0],
+                       "final_loss": r["step_loss"][-1]}
+                for name, r in transformer.items()},
+            "transformer_epochs": args.transformer_epochs,
             "device": args.device,
             "epochs": args.epochs,
             "plot": str(args.plot),
         }
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        with tempfile.NamedTemporaryFile("w", dir=args.json.parent, prefix=f".{args.json.name}.",
-                                         delete=False) as tmp:
-            json.dump(figures, tmp, indent=2)
-        Path(tmp.name).replace(args.json)
+        write_text_atomic(args.json, json.dumps(figures, indent=2) + "\n")
         print(f"json: {args.json}")
     return 0
 

@@ -6,13 +6,12 @@ import json
 import logging
 import sys
 
+from onnxmp.cli import EXIT_TOLERANCE
 from onnxmp.errors import OnnxMPError, UsageError
 from onnxmp.files import guard_outputs, write_text_atomic
 from onnxmp.lists import LEVELS, LIST_NAMES, PRECISIONS, TARGETS
 
 log = logging.getLogger("onnxmp.cli")
-
-EXIT_TOLERANCE_MISSED = 3  # calibration ran, missed the tolerance, and wrote its best model
 
 
 def register(sub) -> None:
@@ -103,7 +102,8 @@ def _convert(args) -> int:
         given = [f"--{k.replace('_', '-')}" for k, v in calibration_flags.items() if v is not None]
         if given:
             raise UsageError(f"{given[0]} needs --calibrate", hint="pass sample inputs: --calibrate inputs.npz")
-    guard_outputs({"-o": args.output, "--report": args.report}, {"input model": args.model, "--calibrate": args.calibrate})
+    guard_outputs({"-o": args.output, "--report": args.report},
+                  {"input model": args.model, "--calibrate": args.calibrate})
     result = onnxmp.convert(args.model, **kwargs)
     calibration = result.report.calibration
     onnxmp.save(result.model, args.output, source=args.model)
@@ -118,7 +118,7 @@ def _convert(args) -> int:
                          f"({calibration.error - calibration.tolerance:.3g} above); the best model found was "
                          f"written\n  hint: raise --tolerance or --max-runs, or --block-node the parts "
                          f"named above\n")
-        return EXIT_TOLERANCE_MISSED
+        return EXIT_TOLERANCE
     return 0
 
 

@@ -7,12 +7,19 @@ Layout of ``--out DIR``:
 * ``history.json``: per-epoch summaries of this run;
 * ``model.onnx`` (float32) and, for mixed precision, ``model.<precision>.onnx``
   (converted for CUDA): the trained model for inference.
+
+The data is checked (keys, rows, dtypes, labels against the loss) before
+anything is written; ``DIR`` is built as a temporary folder beside it and
+renamed into place when the run succeeds, so a failed run leaves nothing (and
+an earlier ``DIR`` stays as it was).
 """
 from __future__ import annotations
 
+import json
 import logging
 import math
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -58,29 +65,67 @@ def register(sub) -> None:
 
 
 def _train(args) -> int:
+    from onnxmp.files import atomic_directory, guard_outputs
     from onnxmp.training import Trainer, build_artifacts
+    from onnxmp.training.artifacts import check_replaceable
 
     if args.epochs < 1 or args.batch_size < 1:
         raise OnnxMPError("--epochs and --batch-size must be positive")
     out = Path(args.out)
-    if args.resume:
-        trainer = Trainer.resume(_state_folder(Path(args.resume)), device=args.device)
+    resume = _state_folder(Path(args.resume)) if args.resume else None
+    inputs = {"model": None if resume else args.model, "--data": args.data, "--eval": args.eval_data}
+    # Resuming in place (--resume OUT/state --out OUT) is fine: OUT is replaced only once the new
+    # one is complete, and the state is read before that.
+    if resume is not None and not str(resume.resolve()).startswith(str(out.resolve())):
+        inputs["--resume"] = resume
+    guard_outputs({"--out": out}, inputs, folders=["--out"])
+    check_replaceable(out, marker="history.json", what="`onnxmp train` output folder")
+
+    if resume is not None:
+        trainer = Trainer.resume(resume, device=args.device)
         log.info("resumed at epoch %d (%d updates); the model file argument is not used", trainer.epoch,
                  trainer.optimizer_steps)
+        spec = _DataSpec.of_manifest(trainer.artifacts.manifest)
     else:
         from onnxmp.load import load
-        from onnxmp.training.models import trainable
 
         model = load(args.model)
-        artifacts = build_artifacts(model, requires_grad=[n for n in trainable(model) if n not in set(args.frozen)],
-                                    frozen=args.frozen, loss=args.loss, optimizer=args.optimizer,
-                                    precision=args.precision, target=args.device, out_dir=out / "artifacts")
-        trainer = Trainer(artifacts, device=args.device, lr=args.lr, grad_accum_steps=args.grad_accum_steps,
-                          clip_global_norm=args.clip_global_norm)
+        spec = _DataSpec.of_model(model, args.loss)
+    # Every check on the data happens before anything is built or written.
+    train = _read_arrays(args.data, args.inputs, args.labels, spec)
+    evaluation = _read_arrays(args.eval_data, args.inputs, args.labels, spec) if args.eval_data else None
+
+    with atomic_directory(out) as folder:
+        if resume is None:
+            from onnxmp.training.models import trainable
+
+            from onnxmp.training.prepare import without_gradient
+
+            frozen = list(args.frozen)
+            # Constants some exporters store as initializers (a clamp minimum...) have no gradient.
+            constant = without_gradient(model, [n for n in trainable(model) if n not in set(frozen)])
+            for name, reason in constant.items():
+                log.info("not training %s: %s", name, reason)
+            frozen += list(constant)
+            artifacts = build_artifacts(model, requires_grad=[n for n in trainable(model) if n not in set(frozen)],
+                                        frozen=frozen, loss=args.loss, optimizer=args.optimizer,
+                                        precision=args.precision, target=args.device, out_dir=folder / "artifacts")
+            trainer = Trainer(artifacts, device=args.device, lr=args.lr, grad_accum_steps=args.grad_accum_steps,
+                              clip_global_norm=args.clip_global_norm)
+        summaries, exported = _fit_and_export(trainer, train, evaluation, args, folder)
+    _print_table(summaries)
+    sys.stdout.write(f"skipped steps: {trainer.skipped_steps}, updates: {trainer.optimizer_steps}, "
+                     f"final loss scale: {trainer.scaler.scale:g}\n")
+    for name in exported:
+        sys.stdout.write(f"wrote {out / name}\n")
+    sys.stdout.write(f"state (for --resume): {out / 'state'}\n")
+    return 0
+
+
+def _fit_and_export(trainer, train, evaluation, args, folder: Path) -> tuple[list[dict], list[str]]:
+    from onnxmp.files import write_text_atomic
 
     manifest = trainer.artifacts.manifest
-    train = _read_arrays(args.data, args.inputs, args.labels, manifest)
-    evaluation = _read_arrays(args.eval_data, args.inputs, args.labels, manifest) if args.eval_data else None
     metrics = _METRICS.get(manifest["loss"], [])
     rows = len(train[0])
 
@@ -95,25 +140,18 @@ def _train(args) -> int:
         eval_batches = [tuple(a[i:i + args.batch_size] for a in evaluation) for i in range(0, n, args.batch_size)]
 
     history = trainer.fit(epoch_batches, args.epochs, eval_batches, metrics, progress=args.progress,
-                          on_epoch_end=lambda t, _: t.save(out / "state"))
-    summaries = history.epochs
-
-    from onnxmp.training.artifacts import write_json
-
-    write_json(out / "history.json", {"epochs": summaries, "skipped_steps": trainer.skipped_steps,
-                                      "optimizer_steps": trainer.optimizer_steps,
-                                      "loss_scale": trainer.scaler.scale})
-    exported = [trainer.export_inference(out / "model.onnx", precision="float32")]
+                          on_epoch_end=lambda t, _: t.save(folder / "state"))
+    if not (folder / "state").exists():  # nothing left to train: keep the state resumable
+        trainer.save(folder / "state")
+    write_text_atomic(folder / "history.json", json.dumps({
+        "epochs": history.epochs, "skipped_steps": trainer.skipped_steps,
+        "optimizer_steps": trainer.optimizer_steps, "loss_scale": trainer.scaler.scale}, indent=2) + "\n")
+    exported = ["model.onnx"]
+    trainer.export_inference(folder / "model.onnx", precision="float32")
     if manifest["precision"] != "float32":
-        exported.append(trainer.export_inference(out / f"model.{manifest['precision']}.onnx",
-                                                 precision=manifest["precision"], target="cuda"))
-    _print_table(summaries)
-    sys.stdout.write(f"skipped steps: {trainer.skipped_steps}, updates: {trainer.optimizer_steps}, "
-                     f"final loss scale: {trainer.scaler.scale:g}\n")
-    for path in exported:
-        sys.stdout.write(f"wrote {path}\n")
-    sys.stdout.write(f"state (for --resume): {out / 'state'}\n")
-    return 0
+        exported.append(f"model.{manifest['precision']}.onnx")
+        trainer.export_inference(folder / exported[-1], precision=manifest["precision"], target="cuda")
+    return history.epochs, exported
 
 
 def _state_folder(path: Path) -> Path:
@@ -122,11 +160,39 @@ def _state_folder(path: Path) -> Path:
     return path
 
 
-def _read_arrays(path: str, inputs: list[str], labels: str, manifest: dict) -> list[np.ndarray]:
-    """The arrays of one .npz file in the order a batch needs: model inputs, then labels."""
-    if len(inputs) != len(manifest["model_inputs"]):
+@dataclass(frozen=True)
+class _DataSpec:
+    """What the arrays of a batch must be: input names and dtypes, the loss and the output shape."""
+
+    model_inputs: list[str]
+    dtypes: dict[str, str]
+    loss: str
+    output_shape: list[int | None]
+
+    @classmethod
+    def of_manifest(cls, manifest: dict) -> "_DataSpec":
+        return cls(list(manifest["model_inputs"]), dict(manifest["input_dtypes"]), manifest["loss"],
+                   list(manifest.get("output_shape", [])))
+
+    @classmethod
+    def of_model(cls, model, loss: str) -> "_DataSpec":
+        from onnx import helper
+
+        from onnxmp.training.labels import output_shape
+
+        initializers = {t.name for t in model.graph.initializer}
+        inputs = [v for v in model.graph.input if v.name not in initializers]
+        dtypes = {v.name: str(helper.tensor_dtype_to_np_dtype(v.type.tensor_type.elem_type)) for v in inputs}
+        return cls([v.name for v in inputs], dtypes, loss, output_shape(model))
+
+
+def _read_arrays(path: str, inputs: list[str], labels: str, spec: _DataSpec) -> list[np.ndarray]:
+    """The arrays of one .npz file in the order a batch needs (model inputs, then labels), checked."""
+    from onnxmp.training.labels import check_labels
+
+    if len(inputs) != len(spec.model_inputs):
         raise OnnxMPError(f"--inputs names {len(inputs)} arrays but the model has "
-                          f"{len(manifest['model_inputs'])} inputs ({', '.join(manifest['model_inputs'])})")
+                          f"{len(spec.model_inputs)} inputs ({', '.join(spec.model_inputs)})")
     try:
         with np.load(path) as data:
             missing = [key for key in [*inputs, labels] if key not in data]
@@ -136,11 +202,22 @@ def _read_arrays(path: str, inputs: list[str], labels: str, manifest: dict) -> l
             arrays = [data[key] for key in [*inputs, labels]]
     except (OSError, ValueError) as exc:
         raise OnnxMPError(f"cannot read {path}: {exc}", "pass an .npz file written by numpy.savez") from None
+    keys = [*inputs, labels]
+    if any(a.ndim == 0 for a in arrays):
+        raise OnnxMPError(f"{path}: {', '.join(k for k, a in zip(keys, arrays) if a.ndim == 0)} "
+                          "are scalars, not rows of data")
     if len({len(a) for a in arrays}) != 1:
         raise OnnxMPError(f"the arrays in {path} have different numbers of rows: "
-                          + ", ".join(f"{k}={len(a)}" for k, a in zip([*inputs, labels], arrays)))
-    dtypes = manifest["input_dtypes"]
-    return [a.astype(dtypes[name], copy=False) for name, a in zip(manifest["inputs"], arrays)]
+                          + ", ".join(f"{k}={len(a)}" for k, a in zip(keys, arrays)))
+    result = []
+    for key, name, array in zip(inputs, spec.model_inputs, arrays):
+        if array.dtype.kind not in "biuf":
+            raise OnnxMPError(f"{path}: array {key} has dtype {array.dtype}; model input {name} wants "
+                              f"{spec.dtypes[name]}")
+        result.append(array.astype(spec.dtypes[name], copy=False))
+    result.append(check_labels(spec.loss, arrays[-1], rows=len(arrays[0]), shape=spec.output_shape,
+                               where=f"{path}: labels {labels!r}"))
+    return result
 
 
 def _print_table(summaries: list[dict]) -> None:

@@ -22,20 +22,23 @@ from __future__ import annotations
 import json
 import logging
 import os
-import tempfile
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterable, Sequence
 
+import numpy as np
 import onnx
 import onnx.version_converter
-from onnx import TensorProto, helper
+from onnx import TensorProto, helper, numpy_helper
 
 from onnxmp.errors import OnnxMPError
 from onnxmp.naming import FreshNames, proto_names
 from onnxmp.precision import FLOAT32
 from onnxmp.precision import PRECISIONS as LOW_PRECISIONS
 from onnxmp.training import _ort
+from onnxmp.training.labels import output_shape
+from onnxmp.training.prepare import describe, deterministic_gather_grads, prepare_for_gradient, promote_constants
 
 log = logging.getLogger("onnxmp.training.artifacts")
 
@@ -160,8 +163,9 @@ def build_artifacts(
     _check_choice("precision", precision, PRECISIONS)
     _check_choice("target", target, TARGETS)
     _check_choice("optimizer", optimizer, OPTIMIZERS)
-    requires_grad = list(dict.fromkeys(requires_grad))
-    frozen = list(dict.fromkeys(frozen))
+    # A lone string is one name, not a sequence of one-letter names.
+    requires_grad = list(dict.fromkeys([requires_grad] if isinstance(requires_grad, str) else requires_grad))
+    frozen = list(dict.fromkeys([frozen] if isinstance(frozen, str) else frozen))
     if not requires_grad:
         raise OnnxMPError("requires_grad is empty", "name the initializers to train")
     both = sorted(set(requires_grad) & set(frozen))
@@ -169,7 +173,8 @@ def build_artifacts(
         raise OnnxMPError(f"parameters both trainable and frozen: {', '.join(both)}")
 
     forward = _supported_versions(load(model))
-    _check_parameters(forward, requires_grad, frozen)
+    trainable_forward, _ = promote_constants(forward, [*requires_grad, *frozen])
+    _check_parameters(trainable_forward, requires_grad, frozen)
     loss_block, loss_name, label_name = _loss_block(loss, label_name)
     used = proto_names(forward.graph)
     clashes = sorted(used & {*_RESERVED, label_name})
@@ -177,10 +182,13 @@ def build_artifacts(
         raise OnnxMPError(f"the model already uses the name(s) {', '.join(clashes)}",
                           "rename them, or pass another label_name")
 
-    train_forward = _training_forward(forward, precision, target, [*requires_grad, *frozen])
+    prepared, preparations = prepare_for_gradient(trainable_forward, requires_grad)
+    train_forward = _training_forward(prepared, precision, target, [*requires_grad, *frozen])
     training, evaluation, parameters = _gradient_graph(train_forward, loss_block, label_name,
                                                        requires_grad, frozen)
     add_loss_scaling(training)
+    if target == "cpu":
+        deterministic_gather_grads(training)
     _make_eval_outputs(evaluation, train_forward)
     opset = _default_opset(forward)
     optimizer_model = build_optimizer_model(optimizer, opset=opset)
@@ -202,12 +210,14 @@ def build_artifacts(
         "model_inputs": [name for name, _ in inputs if name != label_name],
         "label_input": label_name,
         "forward_outputs": [v.name for v in forward.graph.output],
+        "output_shape": output_shape(forward),
         "training_outputs": [v.name for v in training.graph.output if not v.name.endswith(".accumulation.out")],
         "eval_outputs": [v.name for v in evaluation.graph.output],
         "loss_scale_input": LOSS_SCALE,
         "grad_weight_input": GRAD_WEIGHT,
         "requires_grad": requires_grad,
         "frozen": frozen,
+        "prepared_for_gradient": describe(preparations),
         "files": dict(FILES),
     }
     out = Path(out_dir)
@@ -219,23 +229,30 @@ def build_artifacts(
 
 def write_artifacts(out: Path, manifest: dict, *, training, evaluation, optimizer_model, forward,
                     parameters) -> None:
-    """Write every file, each atomically; the manifest goes last and is removed first,
-    so a folder with a manifest is always complete."""
+    """Write every file into a temporary folder beside ``out``, renamed into place once complete:
+    a folder with a manifest is always whole, and a failure leaves nothing behind."""
+    from onnxmp.files import atomic_directory, guard_outputs, write_text_atomic
     from onnxmp.save import save
 
-    try:
-        out.mkdir(parents=True, exist_ok=True)
-    except OSError as exc:
-        raise OnnxMPError(f"cannot create {out}: {exc.strerror or exc}") from None
-    (out / MANIFEST).unlink(missing_ok=True)
+    check_replaceable(out)
+    guard_outputs({"out_dir": out}, folders=["out_dir"])
     files = manifest["files"]
-    save(training, out / files["training_model"])
-    save(evaluation, out / files["eval_model"])
-    save(optimizer_model, out / files["optimizer_model"])
-    save(forward, out / files["forward_model"])
-    with atomic_path(out / files["checkpoint"]) as tmp:
-        _ort.onnxblock().save_checkpoint(parameters, tmp)
-    write_json(out / MANIFEST, manifest)
+    with atomic_directory(out) as folder:
+        save(training, folder / files["training_model"])
+        save(evaluation, folder / files["eval_model"])
+        save(optimizer_model, folder / files["optimizer_model"])
+        save(forward, folder / files["forward_model"])
+        _ort.onnxblock().save_checkpoint(parameters, str(folder / files["checkpoint"]))
+        write_text_atomic(folder / MANIFEST, json.dumps(manifest, indent=2) + "\n")
+
+
+def check_replaceable(folder: Path, *, marker: str = MANIFEST, what: str = "training folder") -> None:
+    """A folder written whole may only replace nothing, an empty folder or one onnxmp wrote
+    (``marker`` inside): never a folder of the user's other files."""
+    folder = Path(folder)
+    if folder.is_dir() and any(folder.iterdir()) and not (folder / marker).exists():
+        raise OnnxMPError(f"{folder} exists and is not an onnxmp {what}; writing it would replace the folder",
+                          "choose a new or empty folder")
 
 
 # --- graph building ------------------------------------------------------------------
@@ -267,10 +284,49 @@ def _gradient_graph(forward: onnx.ModelProto, loss_block, label_name: str, requi
     except OnnxMPError:
         raise
     except Exception as exc:  # ORT and onnx raise assorted types; the message is what matters
-        raise OnnxMPError(f"onnxruntime could not build the gradient graph: {str(exc).strip()[:500]}",
-                          "check that every op between the loss and the parameters is differentiable "
-                          "in onnxruntime-training 1.19") from None
+        raise _gradient_error(exc) from None
     return training, evaluation, parameters
+
+
+def _gradient_error(exc: BaseException) -> OnnxMPError:
+    """ORT's gradient-builder failures, in words that point at the cause."""
+    text = str(exc).strip()
+    missing = re.search(r"The gradient builder has not been registered: (\S+) for node ?(\S*)", text)
+    if missing:
+        op, node = missing.groups()
+        return OnnxMPError(f"onnxruntime-training 1.19 has no gradient for {op} (node {node!r})",
+                           f"freeze the parameters that feed it, or re-export the model with {op} "
+                           "written in differentiable ops")
+    if "OutputDefs().size()" in text:
+        return OnnxMPError("onnxruntime's gradient builder needs an optional output that a node of the model "
+                           "does not produce", "please report this model to onnxmp: its preparation pass "
+                           "should have added the output")
+    no_grad = re.search(r"failed to find NodeArg by name: (\S+)_grad\b", text)
+    if no_grad:
+        return OnnxMPError(f"onnxruntime computed no gradient for trainable parameter {no_grad.group(1)!r}: the "
+                           "loss reads it only through inputs onnxruntime does not differentiate",
+                           "leave it out of requires_grad (or pass it as frozen)")
+    if "unordered_map::at" in text:
+        return OnnxMPError("onnxruntime's gradient builder missed an attribute of a node between the parameters "
+                           "and the loss (an exporter left out an optional attribute)",
+                           "please report this model to onnxmp; run with -v -v to see onnxruntime's log")
+    if "couldn't find the consumer node" in text:
+        return OnnxMPError("a trainable parameter does not reach the loss through differentiable ops",
+                           "leave parameters the loss does not use out of requires_grad")
+    return OnnxMPError(f"onnxruntime could not build the gradient graph: {_ort_reason(text) or type(exc).__name__}",
+                       "run with -v -v to see onnxruntime's log")
+
+
+def _ort_reason(text: str) -> str:
+    """The reason in an ORT error, without the C++ source location and signature in front of it
+    (which can run to hundreds of characters before the words that matter)."""
+    text = text.strip()
+    if " was false. " in text:
+        text = text.split(" was false. ", 1)[1]
+    elif "] : " in text:  # [ONNXRuntimeError] : 2 : INVALID_ARGUMENT : reason
+        text = text.rsplit("] : ", 1)[1]
+        text = re.sub(r"^\d+ : [A-Z_]+ : ", "", text)
+    return " ".join(line.strip() for line in text.splitlines())[:800]
 
 
 def add_loss_scaling(training: onnx.ModelProto) -> None:
@@ -336,25 +392,87 @@ def _make_eval_outputs(evaluation: onnx.ModelProto, forward: onnx.ModelProto) ->
     graph.output.extend([helper.make_tensor_value_info(LOSS, TensorProto.FLOAT, []), *forward.graph.output])
 
 
-def build_optimizer_model(kind: str, *, opset: int, clip_global_norm: float | None = None) -> onnx.ModelProto:
-    """The optimizer graph; with ``clip_global_norm`` its gradients pass ORT's
-    ``InplaceClipGradNorm`` first (scale by ``c / (norm + 1e-6)`` when the
-    global L2 norm exceeds ``c``, as torch's ``clip_grad_norm_``)."""
+def build_optimizer_model(kind: str, *, opset: int, clip_global_norm: float | None = None,
+                          parameters: int | None = None) -> onnx.ModelProto:
+    """The optimizer graph; with ``clip_global_norm`` the unscaled gradients are first
+    scaled by ``min(1, c / (norm + 1e-6))``, ``norm`` their global L2 norm (as torch's
+    ``clip_grad_norm_``).
+
+    The norm is computed in the graph in a fixed order (one ReduceSumSquare per
+    gradient, summed in parameter order), not by ORT's CPU ``InplaceClipGradNorm``,
+    whose threads add partial sums in whatever order they finish: identical runs
+    would drift apart.  ``parameters`` (how many gradients the sequence holds) is
+    required with clipping.
+    """
     _check_choice("optimizer", kind, OPTIMIZERS)
     ob = _ort.onnxblock()
-    clip = None
+    block = ob.optim.AdamW() if kind == "adamw" else ob.optim.SGD()
+    # onnxblock only reads the element type of the first trainable parameter.
+    params = ([helper.make_tensor("parameter", TensorProto.FLOAT, [1], [0.0])], [])
+    with _ort.native_stderr_to_log(log), ob.empty_base(opset_version=opset):
+        block(params)
+        model = block.to_model_proto()
     if clip_global_norm is not None:
         if not clip_global_norm > 0:
             raise OnnxMPError(f"clip_global_norm must be positive, got {clip_global_norm}")
-        clip = ob.optim.ClipGradNorm(float(clip_global_norm))
-    block = ob.optim.AdamW(clip_grad=clip) if kind == "adamw" else ob.optim.SGD(clip_grad=clip)
-    # onnxblock only reads the element type of the first trainable parameter.
-    parameters = ([helper.make_tensor("parameter", TensorProto.FLOAT, [1], [0.0])], [])
-    with _ort.native_stderr_to_log(log), ob.empty_base(opset_version=opset):
-        block(parameters)
-        model = block.to_model_proto()
+        if not parameters:
+            raise OnnxMPError("clipping needs the number of trainable parameters")
+        _add_global_norm_clip(model, float(clip_global_norm), parameters)
     _cap_ir_version(model)
     return model
+
+
+def _add_global_norm_clip(model: onnx.ModelProto, max_norm: float, count: int) -> None:
+    graph = model.graph
+    names = FreshNames(proto_names(graph))
+    step = next(n for n in graph.node if n.op_type in ("AdamWOptimizer", "SGDOptimizerV2"))
+    position = list(step.input).index("gradients")
+    nodes, grads, sums = [], [], []
+
+    def constant(value, dtype) -> str:
+        out = names("onnxmp/clip/const")
+        nodes.append(helper.make_node("Constant", [], [out], name=names("onnxmp/clip/Constant"),
+                                      value=numpy_helper.from_array(np.array(value, dtype), out)))
+        return out
+
+    for i in range(count):
+        grad, total = names(f"onnxmp/clip/grad_{i}"), names(f"onnxmp/clip/sumsq_{i}")
+        nodes.append(helper.make_node("SequenceAt", ["gradients", constant(i, np.int64)], [grad],
+                                      name=names(f"onnxmp/clip/SequenceAt_{i}")))
+        squares = names(f"onnxmp/clip/sumsq_{i}_kept")
+        nodes.append(helper.make_node("ReduceSumSquare", [grad], [squares], keepdims=1,
+                                      name=names(f"onnxmp/clip/ReduceSumSquare_{i}")))
+        nodes.append(helper.make_node("Reshape", [squares, constant([1], np.int64)], [total],
+                                      name=names(f"onnxmp/clip/Reshape_{i}")))
+        grads.append(grad)
+        sums.append(total)
+    # ORT does not document the order of the gradient sequence (it is not the manifest's);
+    # summing the per-parameter squares sorted by value makes the sum independent of it.
+    flat, ordered, order, sum_sq, norm, denominator, ratio, factor, clipped = (
+        names(f"onnxmp/clip/{n}") for n in ("squares", "sorted", "order", "sum_sq", "norm", "denominator",
+                                            "ratio", "factor", "gradients"))
+    k, eps, c, one = (constant([count], np.int64), constant(1e-6, np.float32), constant(max_norm, np.float32),
+                      constant(1.0, np.float32))
+    nodes += [
+        helper.make_node("Concat", sums, [flat], axis=0, name=names("onnxmp/clip/Concat")),
+        helper.make_node("TopK", [flat, k], [ordered, order], axis=0, largest=1, sorted=1,
+                         name=names("onnxmp/clip/TopK")),
+        helper.make_node("ReduceSum", [ordered], [sum_sq], keepdims=0, name=names("onnxmp/clip/ReduceSum")),
+        helper.make_node("Sqrt", [sum_sq], [norm], name=names("onnxmp/clip/Sqrt")),
+        helper.make_node("Add", [norm, eps], [denominator], name=names("onnxmp/clip/Add")),
+        helper.make_node("Div", [c, denominator], [ratio], name=names("onnxmp/clip/Div")),
+        helper.make_node("Min", [ratio, one], [factor], name=names("onnxmp/clip/Min")),
+    ]
+    scaled = []
+    for grad in grads:
+        out = names(f"{grad}.clipped")
+        nodes.append(helper.make_node("Mul", [grad, factor], [out], name=names("onnxmp/clip/Mul")))
+        scaled.append(out)
+    nodes.append(helper.make_node("SequenceConstruct", scaled, [clipped], name=names("onnxmp/clip/SequenceConstruct")))
+    step.input[position] = clipped
+    rest = list(graph.node)
+    graph.ClearField("node")
+    graph.node.extend([*nodes, *rest])
 
 
 # --- conversion ----------------------------------------------------------------------
@@ -467,28 +585,3 @@ def _ort_version() -> str:
     import onnxruntime
 
     return onnxruntime.__version__
-
-
-class atomic_path:
-    """``with atomic_path(p) as tmp:`` write a file at ``tmp``; it replaces ``p`` on success."""
-
-    def __init__(self, path: Path):
-        self.path = Path(path)
-
-    def __enter__(self) -> str:
-        fd, self.tmp = tempfile.mkstemp(prefix=f".{self.path.name}.", suffix=".tmp", dir=self.path.parent)
-        os.close(fd)
-        return self.tmp
-
-    def __exit__(self, exc_type, exc, tb) -> None:
-        try:
-            if exc_type is None:
-                os.replace(self.tmp, self.path)
-        finally:
-            if os.path.exists(self.tmp):
-                os.unlink(self.tmp)
-
-
-def write_json(path: Path, data: Any) -> None:
-    with atomic_path(path) as tmp:
-        Path(tmp).write_text(json.dumps(data, indent=2) + "\n")

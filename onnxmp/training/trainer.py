@@ -33,14 +33,16 @@ from onnxmp.training import _ort
 from onnxmp.training.artifacts import (
     ALL_FINITE,
     GRAD_WEIGHT,
+    LOSSES,
     LOSS,
     LOSS_SCALE,
     MANIFEST,
     Artifacts,
-    atomic_path,
+    _ort_reason,
     build_optimizer_model,
-    write_json,
+    check_replaceable,
 )
+from onnxmp.training.labels import check_labels
 from onnxmp.training.scaler import DynamicLossScaler
 
 log = logging.getLogger("onnxmp.training")
@@ -125,7 +127,8 @@ class Trainer:
         try:
             self._state = api.CheckpointState.load_checkpoint(str(self.artifacts.checkpoint))
             self._module = api.Module(str(self.artifacts.training_model), self._state,
-                                      str(self.artifacts.eval_model), device=self.device)
+                                      str(self.artifacts.eval_model), device=self.device,
+                                      session_options=_session_options())
             self._optimizer = self._make_optimizer(api)
         except OnnxMPError:
             raise
@@ -157,7 +160,8 @@ class Trainer:
             with _ort.native_stderr_to_log(log):
                 return api.Optimizer(str(self.artifacts.optimizer_model), self._module)
         model = build_optimizer_model(self.artifacts.manifest["optimizer"], opset=self.artifacts.manifest["opset"],
-                                      clip_global_norm=self.clip_global_norm)
+                                      clip_global_norm=self.clip_global_norm,
+                                      parameters=len(self.artifacts.manifest["requires_grad"]))
         # ORT reads the optimizer model once, at construction.
         with tempfile.TemporaryDirectory(prefix="onnxmp-optimizer-") as folder:
             path = Path(folder) / "optimizer_model.onnx"
@@ -305,11 +309,11 @@ class Trainer:
             raise OnnxMPError("cannot save in the middle of an accumulated batch",
                               f"save after a multiple of grad_accum_steps={self.grad_accum_steps} steps, "
                               "or call flush() first")
+        from onnxmp.files import atomic_directory, atomic_write, guard_outputs, write_text_atomic
+
         path = Path(path)
-        try:
-            path.mkdir(parents=True, exist_ok=True)
-        except OSError as exc:
-            raise OnnxMPError(f"cannot create {path}: {exc.strerror or exc}") from None
+        check_replaceable(path)
+        guard_outputs({"state folder": path}, folders=["state folder"])
         properties = self._state.properties
         properties[_SCALER_PROPERTY] = json.dumps(self.scaler.state_dict())
         properties[_TRAINER_PROPERTY] = json.dumps({
@@ -318,18 +322,21 @@ class Trainer:
             "grad_accum_steps": self.grad_accum_steps, "clip_global_norm": self.clip_global_norm,
             # ORT 1.19 restores moments and step count from the checkpoint, but not the learning rate.
             "learning_rate": self.learning_rate,
+            # A schedule is a Python function, which a checkpoint cannot hold: record that
+            # there was one, so resume() can refuse to continue silently without it.
+            "lr_schedule": self.lr_schedule is not None,
         })
         manifest = self.artifacts.manifest
-        (path / MANIFEST).unlink(missing_ok=True)
-        for kind, name in manifest["files"].items():
-            source, target = self.artifacts.path(kind), path / name
-            if kind == "checkpoint" or (target.exists() and source.samefile(target)):
-                continue
-            with atomic_path(target) as tmp:
-                shutil.copyfile(source, tmp)
-        with atomic_path(path / manifest["files"]["checkpoint"]) as tmp:
-            _ort.api().CheckpointState.save_checkpoint(self._state, tmp, include_optimizer_state=True)
-        write_json(path / MANIFEST, manifest)
+        # Built beside ``path`` and renamed into place whole; resuming and saving into the same
+        # folder works, as its files are copied before it is replaced.
+        with atomic_directory(path) as folder:
+            for kind, name in manifest["files"].items():
+                if kind != "checkpoint":
+                    source = self.artifacts.path(kind)
+                    atomic_write(folder / name, lambda tmp, source=source: shutil.copyfile(source, tmp))
+            _ort.api().CheckpointState.save_checkpoint(self._state, str(folder / manifest["files"]["checkpoint"]),
+                                                       include_optimizer_state=True)
+            write_text_atomic(folder / MANIFEST, json.dumps(manifest, indent=2) + "\n")
         log.info("saved trainer state (%d updates, epoch %d) to %s", self.optimizer_steps, self.epoch, path)
         return path
 
@@ -339,7 +346,8 @@ class Trainer:
         """Continue from a folder written by :meth:`save`, bit for bit.
 
         Saved settings (``grad_accum_steps``, ``clip_global_norm``, the scaler,
-        the learning rate) apply unless given in ``overrides``.
+        the learning rate) apply unless given in ``overrides``.  A run saved with
+        an ``lr_schedule`` must be given it again: a function cannot be saved.
         """
         artifacts = Artifacts.load(path)
         properties = _ort.api().CheckpointState.load_checkpoint(str(artifacts.checkpoint)).properties
@@ -347,6 +355,10 @@ class Trainer:
             raise OnnxMPError(f"{path} holds artifacts but no saved training state",
                               "resume from a folder written by Trainer.save (or `onnxmp train --out`)")
         saved = json.loads(properties[_TRAINER_PROPERTY])
+        if saved.get("lr_schedule") and lr_schedule is None:
+            raise OnnxMPError(f"{path} was trained with an lr_schedule, which a checkpoint cannot hold",
+                              "pass the same lr_schedule to Trainer.resume (it is called with the update count, "
+                              "so the schedule continues where it stopped)")
         scaler = DynamicLossScaler.from_state_dict(json.loads(properties[_SCALER_PROPERTY]))
         settings = {"scaler": scaler, "grad_accum_steps": saved["grad_accum_steps"],
                     "clip_global_norm": saved["clip_global_norm"], "lr": saved["learning_rate"], **overrides}
@@ -371,6 +383,12 @@ class Trainer:
                 dtype = onnx.helper.tensor_dtype_to_np_dtype(init.data_type)
                 model.graph.initializer[i].CopyFrom(numpy_helper.from_array(trained[init.name].astype(dtype),
                                                                             init.name))
+        for node in model.graph.node:  # weights the exporter wrote as Constant nodes
+            if node.op_type == "Constant" and node.output[0] in trained:
+                for attr in node.attribute:
+                    if attr.name == "value":
+                        dtype = onnx.helper.tensor_dtype_to_np_dtype(attr.t.data_type)
+                        attr.t.CopyFrom(numpy_helper.from_array(trained[node.output[0]].astype(dtype), attr.t.name))
         if precision != "float32":
             import onnxmp
 
@@ -387,13 +405,24 @@ class Trainer:
         names = self.artifacts.inputs
         if len(arrays) != len(names):
             raise OnnxMPError(f"a batch needs {len(names)} arrays ({', '.join(names)}), got {len(arrays)}")
-        return {name: np.ascontiguousarray(array, dtype=self._dtypes[name]) for name, array in zip(names, arrays)}
+        manifest = self.artifacts.manifest
+        label = manifest["label_input"]
+        checked = {}
+        for name, array in zip(names, arrays):
+            if name == label and isinstance(manifest.get("loss"), str) and manifest["loss"] in LOSSES:
+                rows = len(arrays[0]) if len(arrays) > 1 else len(array)
+                array = check_labels(manifest["loss"], array, rows=rows, shape=manifest.get("output_shape", []))
+            elif np.asarray(array).dtype.kind not in "biuf":
+                raise OnnxMPError(f"input {name} has dtype {np.asarray(array).dtype}; the model wants "
+                                  f"{self._dtypes[name]}")
+            checked[name] = np.ascontiguousarray(array, dtype=self._dtypes[name])
+        return checked
 
     def _run(self, input_names: list[str], feeds: Mapping[str, np.ndarray]) -> tuple:
         try:
             outputs = self._module(*[feeds[name] for name in input_names])
         except RuntimeError as exc:  # ORT's InvalidArgument/Fail: wrong shapes or dtypes in the batch
-            raise OnnxMPError(f"onnxruntime rejected the batch: {_first_line(exc)}",
+            raise OnnxMPError(f"onnxruntime rejected the batch: {_ort_reason(str(exc))}",
                               f"inputs are {', '.join(self.artifacts.inputs)} "
                               f"with dtypes {self.artifacts.manifest['input_dtypes']}") from None
         return outputs if isinstance(outputs, tuple) else (outputs,)
@@ -426,6 +455,16 @@ def _check_device(device: str, artifacts: Artifacts) -> str:
                           "which the ORT CPU EP cannot run",
                           "build the artifacts with target='cpu' (emulated) to train on the CPU")
     return device
+
+
+def _session_options():
+    import onnxruntime
+
+    options = onnxruntime.SessionOptions()
+    # Deterministic kernels where ORT has a choice (CUDA); on the CPU the nondeterministic
+    # gradient kernels (GatherGrad, InplaceClipGradNorm) are kept out of the graphs instead.
+    options.use_deterministic_compute = True
+    return options
 
 
 def _first_line(exc: BaseException) -> str:

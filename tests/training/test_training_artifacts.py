@@ -195,3 +195,31 @@ def test_user_errors(tmp_path, model, kwargs, message):
 def test_loading_a_folder_without_manifest(tmp_path):
     with pytest.raises(OnnxMPError, match="not an onnxmp training folder"):
         Artifacts.load(tmp_path)
+
+
+def test_artifacts_never_replace_a_folder_of_other_files(tmp_path, model):
+    (tmp_path / "notes.txt").write_text("mine")
+    with pytest.raises(OnnxMPError, match="not an onnxmp training folder"):
+        build_artifacts(model, requires_grad=trainable(model), precision="float32", out_dir=tmp_path)
+    assert [p.name for p in tmp_path.iterdir()] == ["notes.txt"]
+
+
+def test_rebuilding_replaces_an_artifacts_folder_whole(tmp_path, model):
+    out = tmp_path / "art"
+    build_artifacts(model, requires_grad=trainable(model), precision="float32", out_dir=out)
+    (out / "stale.onnx").write_bytes(b"old")
+    build_artifacts(model, requires_grad=trainable(model), precision="float32", out_dir=out)
+    assert not (out / "stale.onnx").exists() and (out / "manifest.json").is_file()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["art"]  # no temporary folder left
+
+
+def test_a_failed_build_leaves_no_folder(tmp_path, model):
+    with pytest.raises(OnnxMPError):
+        build_artifacts(model, requires_grad=["W0"], frozen=["W0"], precision="float32", out_dir=tmp_path / "x")
+    unused = onnx.parser.parse_model("""<ir_version: 8, opset_import: ["" : 17]>
+g (float[N,8] x) => (float[N,4] y) { y = MatMul(x, W) }""")
+    unused.graph.initializer.extend([onnx.numpy_helper.from_array(np.ones((8, 4), np.float32), "W"),
+                                     onnx.numpy_helper.from_array(np.ones(4, np.float32), "b")])
+    with pytest.raises(OnnxMPError, match="does not depend on.*b"):
+        build_artifacts(unused, requires_grad=["W", "b"], precision="float32", out_dir=tmp_path / "x")
+    assert list(tmp_path.iterdir()) == []

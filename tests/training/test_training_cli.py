@@ -67,3 +67,73 @@ def test_bad_input_is_a_one_line_error(files, capsys, extra, message):
     assert main(_args(files, files / "bad", 1, *extra)) == 1
     err = capsys.readouterr().err
     assert message in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize("labels,message", [
+    (lambda y: y + 0.5, "non-integer"),
+    (lambda y: y + 4, "class id"),
+    (lambda y: y.astype(str), "dtype"),
+    (lambda y: np.eye(4)[y], "one class id per row"),
+])
+def test_bad_labels_are_refused_before_anything_is_written(files, capsys, labels, message):
+    data = np.load(files / "train.npz")
+    np.savez(files / "bad.npz", feat=data["feat"], lab=labels(data["lab"]))
+    out = files / "never"
+    assert main(_args(files, out, 1, "--data", str(files / "bad.npz"))) == 1
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err
+    assert not out.exists() and not [p for p in files.iterdir() if p.name.startswith(".never")]
+
+
+def test_rows_must_agree_across_arrays(files, capsys):
+    data = np.load(files / "train.npz")
+    np.savez(files / "ragged.npz", feat=data["feat"], lab=data["lab"][:-3])
+    assert main(_args(files, files / "never", 1, "--data", str(files / "ragged.npz"))) == 1
+    assert "different numbers of rows" in capsys.readouterr().err and not (files / "never").exists()
+
+
+def test_a_failed_build_leaves_no_output_folder(files, capsys):
+    model = onnx.parser.parse_model("""<ir_version: 8, opset_import: ["" : 17]>
+g (float[N,8] x) => (float[N,4] y) {
+  h = MatMul(x, W)
+  m = ReduceMax<axes=[-1]>(h)
+  y = Mul(h, m)
+}""")
+    model.graph.initializer.append(onnx.numpy_helper.from_array(np.ones((8, 4), np.float32), "W"))
+    onnx.save(model, files / "model.onnx")
+    assert main(_args(files, files / "never", 1)) == 1
+    err = capsys.readouterr().err
+    assert "no gradient for ReduceMax" in err
+    assert not (files / "never").exists() and not [p for p in files.iterdir() if p.name.startswith(".never")]
+
+
+def test_train_the_bundled_transformer_classifier(tmp_path, capsys):
+    from models import zoo
+
+    onnx.save(zoo.transformer_classifier(), tmp_path / "classifier.onnx")
+    np.savez(tmp_path / "train.npz", **zoo.classifier_task(256, seed=0))
+    np.savez(tmp_path / "eval.npz", **zoo.classifier_task(64, seed=1))
+    out = tmp_path / "out"
+    assert main(["train", str(tmp_path / "classifier.onnx"), "--data", str(tmp_path / "train.npz"), "--eval",
+                 str(tmp_path / "eval.npz"), "--inputs", "input_ids", "attention_mask", "--labels", "labels",
+                 "--epochs", "3", "--batch-size", "32", "--lr", "3e-3", "--out", str(out), "--no-progress"]) == 0
+    history = json.loads((out / "history.json").read_text())
+    assert history["epochs"][-1]["eval_loss"] < history["epochs"][0]["eval_loss"]
+    assert history["epochs"][-1]["eval_accuracy"] > 0.9
+    session = ort.InferenceSession(str(out / "model.onnx"), providers=["CPUExecutionProvider"])
+    feeds = zoo.inputs_for("transformer_classifier", 3)
+    assert session.run(None, feeds)[0].shape == (3, 2)
+
+
+def test_constants_stored_as_initializers_are_not_trained(files, capsys):
+    model = onnx.parser.parse_model("""<ir_version: 8, opset_import: ["" : 17]>
+g (float[N,8] x) => (float[N,4] y) {
+  h = MatMul(x, W)
+  y = Clip(h, lo)
+}""")
+    model.graph.initializer.extend([onnx.numpy_helper.from_array(np.eye(8, 4, dtype=np.float32), "W"),
+                                    onnx.numpy_helper.from_array(np.array(-5.0, np.float32), "lo")])
+    onnx.save(model, files / "model.onnx")
+    assert main(_args(files, files / "out", 1, "--precision", "float32")) == 0
+    manifest = json.loads((files / "out" / "state" / "manifest.json").read_text())
+    assert manifest["requires_grad"] == ["W"] and manifest["frozen"] == ["lo"]

@@ -22,6 +22,11 @@ def test_validate_training_quick(tmp_path):
     assert all(0 <= figures[k] <= 1 for k in ("fp32", "amp_dynamic", "amp_scale1"))
     assert (tmp_path / "v.png").stat().st_size > 10_000
     assert "underflow" in out
+    transformer = figures["transformer"]
+    assert set(transformer) == {"fp32", "amp_dynamic", "amp_scale1"}
+    for run in transformer.values():
+        assert 0 <= run["accuracy"] <= 1 and run["final_loss"] < run["first_loss"]
+    assert "transformer classifier" in out
 
 
 def test_bench_training_small(tmp_path):

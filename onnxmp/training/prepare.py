@@ -1,0 +1,509 @@
+"""Make an exported forward graph differentiable by onnxruntime-training 1.19's gradient builder.
+
+ORT builds a gradient only for the op types in its registry, and some of
+those builders read optional outputs or attributes that exporters leave out.
+What :func:`prepare_for_gradient` does, on the training copy only (the
+inference model the user exported is never changed):
+
+* ``LayerNormalization`` with one output (torch.onnx, opset >= 17): adds the
+  ``Mean`` and ``InvStdDev`` outputs that its gradient reads;
+* ``Dropout`` with one output: adds the ``mask`` output its gradient reads;
+* ``Transpose`` without ``perm``: writes the default (reversed axes) out;
+* activations ORT 1.19 has no gradient for, rewritten into ops it has:
+  ``Gelu`` (opset 20, both ``approximate`` modes; ORT would differentiate the
+  tanh form as the Erf form), ``Elu``, ``Selu``, ``Celu``, ``Softplus``,
+  ``Softsign``, ``Mish``, ``HardSigmoid``, ``HardSwish``, ``PRelu``, and the
+  variadic ``Sum`` and ``Mean``.
+
+Ops left without a gradient (:data:`NO_GRADIENT`) on a path from a trainable
+parameter to the loss raise :class:`OnnxMPError` naming the op and node, and
+the trainable parameters that reach it (freezing those removes the op from
+the backward pass).  ``requires_grad`` parameters the model output does not
+depend on are reported the same way, instead of ORT's "couldn't find the
+consumer node".
+"""
+from __future__ import annotations
+
+import logging
+import math
+from collections import Counter, defaultdict, deque
+from dataclasses import dataclass
+from typing import Callable, Iterable
+
+import numpy as np
+import onnx
+from onnx import TensorProto, helper, numpy_helper
+
+from onnxmp.errors import OnnxMPError
+from onnxmp.naming import FreshNames, proto_names
+
+log = logging.getLogger("onnxmp.training.prepare")
+
+# Op types of the default domain with no gradient builder in onnxruntime-training
+# 1.19.2, each confirmed by building the gradient of MatMul -> op -> loss (ORT: "The
+# gradient builder has not been registered").  The ones rewritten below are not listed;
+# an op missing here still gets a named error, translated from ORT's.
+NO_GRADIENT = frozenset({
+    "ReduceMax", "ReduceMin", "ReduceProd", "ReduceSumSquare", "ReduceL1", "Einsum", "CumSum", "Sign", "Floor",
+    "Ceil", "Round", "Hardmax", "Atan", "Asin", "Acos", "Tan", "Sinh", "Cosh", "Asinh", "Acosh", "Atanh",
+    "ThresholdedRelu", "Shrink", "LpNormalization", "InstanceNormalization", "GroupNormalization", "LRN",
+    "Mod", "Det",
+})
+
+# Float input slots ORT 1.19 computes no gradient for (each confirmed: a parameter read only
+# there makes ORT fail with "failed to find NodeArg by name: <param>_grad").
+NOT_DIFFERENTIATED = {"Clip": {1: "min", 2: "max"}, "Pow": {1: "exponent"}, "Pad": {2: "constant_value"},
+                      "Dropout": {1: "ratio"}, "Resize": {1: "roi", 2: "scales"}}
+
+_FLOATS = {TensorProto.FLOAT, TensorProto.FLOAT16, TensorProto.BFLOAT16, TensorProto.DOUBLE}
+
+
+@dataclass(frozen=True)
+class Preparation:
+    """One rewrite: ``op_type`` node ``node`` and what was done to it."""
+
+    op_type: str
+    node: str
+    action: str
+
+
+def prepare_for_gradient(model: onnx.ModelProto, requires_grad: Iterable[str]) -> tuple[onnx.ModelProto,
+                                                                                       list[Preparation]]:
+    """A copy of ``model`` that ORT 1.19 can differentiate, and the list of what changed."""
+    from onnxmp.emulate import _infer_types
+
+    result = onnx.ModelProto()
+    result.CopyFrom(model)
+    graph = result.graph
+    names = FreshNames(proto_names(graph))
+    types = _infer_types(result)
+    done: list[Preparation] = []
+    nodes: list[onnx.NodeProto] = []
+    for node in graph.node:
+        if node.domain not in ("", "ai.onnx"):
+            nodes.append(node)
+            continue
+        rewrite = _REWRITES.get(node.op_type)
+        if rewrite is None:
+            nodes.append(node)
+            continue
+        replacement = rewrite(node, _Builder(names, node, types), types)
+        if replacement is None:
+            nodes.append(node)
+            continue
+        new_nodes, action = replacement
+        nodes.extend(new_nodes)
+        done.append(Preparation(node.op_type, node.name, action))
+    graph.ClearField("node")
+    graph.node.extend(nodes)
+    _check_differentiable(result, list(requires_grad), _infer_types(result))
+    counts = Counter(p.op_type for p in done)
+    if counts:
+        log.info("prepared for onnxruntime's gradient builder: %s",
+                 ", ".join(f"{n} x{c}" for n, c in sorted(counts.items())))
+    return result, done
+
+
+def promote_constants(model: onnx.ModelProto, names: Iterable[str]) -> tuple[onnx.ModelProto, list[str]]:
+    """A copy of ``model`` in which the ``Constant`` nodes producing ``names`` are initializers.
+
+    Some exporters write weights as Constant nodes; ORT trains initializers only.
+    The forward model keeps its Constant nodes, and :meth:`Trainer.export_inference`
+    writes the trained values back into them.  Returns the copy and the names promoted.
+    """
+    wanted = set(names)
+    initializers = {t.name for t in model.graph.initializer}
+    constants = {n.output[0]: n for n in model.graph.node
+                 if n.op_type == "Constant" and n.domain in ("", "ai.onnx") and n.output[0] in wanted
+                 and n.output[0] not in initializers and _attr(n, "value", None) is not None}
+    if not constants:
+        return model, []
+    result = onnx.ModelProto()
+    result.CopyFrom(model)
+    kept = [n for n in result.graph.node if not (n.op_type == "Constant" and n.output[0] in constants)]
+    result.graph.ClearField("node")
+    result.graph.node.extend(kept)
+    for name, node in constants.items():
+        tensor = onnx.TensorProto()
+        tensor.CopyFrom(_attr(node, "value", None))
+        tensor.name = name
+        result.graph.initializer.append(tensor)
+    log.info("training %d Constant-node weight(s) as initializers", len(constants))
+    return result, sorted(constants)
+
+
+# --- rewrites --------------------------------------------------------------------------
+
+
+class _Builder:
+    """Emits the nodes replacing one node, with names derived from it."""
+
+    def __init__(self, names: FreshNames, node: onnx.NodeProto, types: dict[str, onnx.TypeProto]):
+        self.names, self.node, self.nodes = names, node, []
+        self.scope = node.name or f"{node.op_type}_{node.output[0]}"
+        elem = types.get(node.input[0]) if node.input else None
+        self.elem = elem.tensor_type.elem_type if elem is not None and elem.HasField("tensor_type") else 0
+        if self.elem not in _FLOATS:
+            self.elem = TensorProto.FLOAT
+
+    def op(self, op_type: str, inputs: list[str], output: str | None = None, **attrs) -> str:
+        out = output or self.names(f"{self.scope}/{op_type}_output")
+        self.nodes.append(helper.make_node(op_type, inputs, [out], name=self.names(f"{self.scope}/{op_type}"),
+                                           **attrs))
+        return out
+
+    def const(self, value: float) -> str:
+        """A scalar Constant node of the input's float type."""
+        out = self.names(f"{self.scope}/const")
+        dtype = helper.tensor_dtype_to_np_dtype(self.elem)
+        tensor = numpy_helper.from_array(np.array(value, dtype=dtype), out)
+        self.nodes.append(helper.make_node("Constant", [], [out], name=self.names(f"{self.scope}/Constant"),
+                                           value=tensor))
+        return out
+
+
+def _attr(node: onnx.NodeProto, name: str, default):
+    for a in node.attribute:
+        if a.name == name:
+            return helper.get_attribute_value(a)
+    return default
+
+
+def _add_outputs(node: onnx.NodeProto, b: _Builder, wanted: int, labels: list[str]) -> tuple[list, str] | None:
+    present = len(node.output)
+    if present >= wanted and all(node.output[:wanted]):
+        return None
+    new = onnx.NodeProto()
+    new.CopyFrom(node)
+    added = []
+    for i in range(wanted):
+        if i >= len(new.output):
+            new.output.append("")
+        if not new.output[i]:
+            new.output[i] = b.names(f"{b.scope}/{labels[i]}")
+            added.append(labels[i])
+    return [new], f"added the {' and '.join(added)} output{'s' * (len(added) > 1)} its gradient reads"
+
+
+def _layer_norm(node, b, types):
+    return _add_outputs(node, b, 3, ["Y", "Mean", "InvStdDev"])
+
+
+def _dropout(node, b, types):
+    return _add_outputs(node, b, 2, ["output", "mask"])
+
+
+def _transpose(node, b, types):
+    if _attr(node, "perm", None) is not None:
+        return None
+    tp = types.get(node.input[0])
+    if tp is None or not tp.tensor_type.HasField("shape"):
+        raise OnnxMPError(f"Transpose node {node.name!r} has no perm and the rank of its input is unknown, "
+                          "so onnxruntime cannot differentiate it",
+                          "give the Transpose an explicit perm attribute (or a static-rank input)")
+    rank = len(tp.tensor_type.shape.dim)
+    new = onnx.NodeProto()
+    new.CopyFrom(node)
+    new.attribute.append(helper.make_attribute("perm", list(range(rank - 1, -1, -1))))
+    return [new], "wrote out the default perm its gradient reads"
+
+
+def _gelu(node, b, types):
+    x, y = node.input[0], node.output[0]
+    half_x = b.op("Mul", [x, b.const(0.5)])
+    if _attr(node, "approximate", b"none") in (b"tanh", "tanh"):
+        cube = b.op("Mul", [b.op("Mul", [x, x]), x])
+        inner = b.op("Add", [x, b.op("Mul", [cube, b.const(0.044715)])])
+        t = b.op("Tanh", [b.op("Mul", [inner, b.const(math.sqrt(2.0 / math.pi))])])
+        action = "decomposed to 0.5x(1+tanh(sqrt(2/pi)(x+0.044715x^3)))"
+    else:
+        t = b.op("Erf", [b.op("Div", [x, b.const(math.sqrt(2.0))])])
+        action = "decomposed to the Erf form 0.5x(1+erf(x/sqrt2)) torch exports"
+    b.op("Mul", [half_x, b.op("Add", [t, b.const(1.0)])], y)
+    return b.nodes, action
+
+
+def _softplus_of(b: _Builder, x: str, output: str | None = None) -> str:
+    # log(1 + exp(x)) = relu(x) + log(1 + exp(-|x|)): no overflow for large x.
+    tail = b.op("Log", [b.op("Add", [b.op("Exp", [b.op("Neg", [b.op("Abs", [x])])]), b.const(1.0)])])
+    return b.op("Add", [b.op("Relu", [x]), tail], output)
+
+
+def _softplus(node, b, types):
+    _softplus_of(b, node.input[0], node.output[0])
+    return b.nodes, "decomposed to relu(x) + log(1 + exp(-|x|))"
+
+
+def _mish(node, b, types):
+    x = node.input[0]
+    b.op("Mul", [x, b.op("Tanh", [_softplus_of(b, x)])], node.output[0])
+    return b.nodes, "decomposed to x * tanh(softplus(x))"
+
+
+def _softsign(node, b, types):
+    x = node.input[0]
+    b.op("Div", [x, b.op("Add", [b.op("Abs", [x]), b.const(1.0)])], node.output[0])
+    return b.nodes, "decomposed to x / (1 + |x|)"
+
+
+def _elu_of(b: _Builder, x: str, alpha: float, output: str | None = None, *, divide: bool = False) -> str:
+    z = b.const(0.0)
+    arg = b.op("Div", [x, b.const(alpha)]) if divide else x
+    # Min(x, 0) inside Exp keeps the unused branch finite, so its gradient is too.
+    neg = b.op("Mul", [b.const(alpha), b.op("Sub", [b.op("Exp", [b.op("Min", [arg, z])]), b.const(1.0)])])
+    return b.op("Where", [b.op("Greater", [x, z]), x, neg], output)
+
+
+def _elu(node, b, types):
+    _elu_of(b, node.input[0], _attr(node, "alpha", 1.0), node.output[0])
+    return b.nodes, "decomposed to where(x > 0, x, alpha(exp(min(x, 0)) - 1))"
+
+
+def _celu(node, b, types):
+    _elu_of(b, node.input[0], _attr(node, "alpha", 1.0), node.output[0], divide=True)
+    return b.nodes, "decomposed to where(x > 0, x, alpha(exp(min(x/alpha, 0)) - 1))"
+
+
+def _selu(node, b, types):
+    alpha = _attr(node, "alpha", 1.67326319217681884765625)
+    gamma = _attr(node, "gamma", 1.05070102214813232421875)
+    b.op("Mul", [b.const(gamma), _elu_of(b, node.input[0], alpha)], node.output[0])
+    return b.nodes, "decomposed to gamma * elu(x, alpha)"
+
+
+def _hard_sigmoid_of(b: _Builder, x: str, alpha: float, beta: float, output: str | None = None) -> str:
+    lin = b.op("Add", [b.op("Mul", [x, b.const(alpha)]), b.const(beta)])
+    return b.op("Clip", [lin, b.const(0.0), b.const(1.0)], output)
+
+
+def _hard_sigmoid(node, b, types):
+    _hard_sigmoid_of(b, node.input[0], _attr(node, "alpha", 0.2), _attr(node, "beta", 0.5), node.output[0])
+    return b.nodes, "decomposed to clip(alpha x + beta, 0, 1)"
+
+
+def _hard_swish(node, b, types):
+    x = node.input[0]
+    b.op("Mul", [x, _hard_sigmoid_of(b, x, 1.0 / 6.0, 0.5)], node.output[0])
+    return b.nodes, "decomposed to x * clip(x/6 + 1/2, 0, 1)"
+
+
+def _prelu(node, b, types):
+    x, slope = node.input[0], node.input[1]
+    b.op("Where", [b.op("Less", [x, b.const(0.0)]), b.op("Mul", [x, slope]), x], node.output[0])
+    return b.nodes, "decomposed to where(x < 0, slope x, x)"
+
+
+def _variadic(node, b, types):
+    inputs = [i for i in node.input if i]
+    if node.op_type == "Sum" and len(inputs) == 1:
+        b.op("Identity", inputs, node.output[0])
+        return b.nodes, "replaced by Identity (one input)"
+    total = inputs[0]
+    last = node.op_type == "Sum"
+    for i, name in enumerate(inputs[1:], 1):
+        total = b.op("Add", [total, name], node.output[0] if last and i == len(inputs) - 1 else None)
+    if node.op_type == "Mean":
+        b.op("Div", [total, b.const(float(len(inputs)))], node.output[0])
+    return b.nodes, "decomposed into a chain of Add" + (" and a Div" if node.op_type == "Mean" else "")
+
+
+_REWRITES: dict[str, Callable] = {
+    "LayerNormalization": _layer_norm, "Dropout": _dropout, "Transpose": _transpose, "Gelu": _gelu,
+    "Softplus": _softplus, "Mish": _mish, "Softsign": _softsign, "Elu": _elu, "Celu": _celu, "Selu": _selu,
+    "HardSigmoid": _hard_sigmoid, "HardSwish": _hard_swish, "PRelu": _prelu, "Sum": _variadic,
+    "Mean": _variadic,
+}
+
+
+# --- the differentiable path -----------------------------------------------------------
+
+
+def _check_differentiable(model: onnx.ModelProto, requires_grad: list[str],
+                          types: dict[str, onnx.TypeProto]) -> None:
+    """Every trainable parameter must reach the loss (the first output) through float
+    tensors, and no op on those paths may lack a gradient."""
+    paths = _GradientPaths(model, types)
+    unused = [p for p in requires_grad if p not in paths.needed]
+    if unused:
+        raise OnnxMPError(f"the model's output {paths.target!r} does not depend on trainable parameter(s) "
+                          f"{', '.join(unused[:10])}", "leave them out of requires_grad (or pass them as frozen)")
+    blocked: dict[str, onnx.NodeProto] = {}
+    reached_by: dict[str, set[str]] = defaultdict(set)  # node -> parameters reaching it
+    for param in requires_grad:
+        reaches, nodes, stopped = paths.walk(param)
+        for key, node in nodes.items():
+            reached_by[key].add(param)
+            if node.op_type in NO_GRADIENT and node.domain in ("", "ai.onnx"):
+                blocked[key] = node
+        if not reaches:
+            detail = f" (it feeds only {stopped})" if stopped else ""
+            raise OnnxMPError(f"trainable parameter {param!r} reaches the output {paths.target!r} only through "
+                              f"integer or boolean tensors or inputs onnxruntime does not differentiate{detail}, "
+                              "so it has no gradient", "leave it out of requires_grad (or pass it as frozen)")
+    if blocked:
+        first = next(iter(blocked.values()))
+        key = first.name or first.output[0]
+        params = sorted(reached_by[key])
+        ops = sorted({n.op_type for n in blocked.values()})
+        raise OnnxMPError(
+            f"onnxruntime-training 1.19 has no gradient for {first.op_type} (node {first.name!r}), which lies "
+            f"between trainable parameters and the loss" + (f"; also: {', '.join(ops)}" if len(ops) > 1 else ""),
+            f"freeze the parameters that feed it ({', '.join(params[:5])}{', ...' if len(params) > 5 else ''}), "
+            f"or re-export the model with {first.op_type} written in differentiable ops")
+
+
+def without_gradient(model: onnx.ModelProto, names: Iterable[str]) -> dict[str, str]:
+    """Of the initializers ``names``, those the loss cannot differentiate, with the reason.
+
+    For callers that train "every weight" (``onnxmp train``): exporters such as
+    torch's dynamo exporter store constants (a clamp's minimum, a mask fill) as
+    initializers, and ORT computes no gradient for them.
+    """
+    from onnxmp.emulate import _infer_types
+
+    model, _ = prepare_for_gradient(model, [])
+    paths = _GradientPaths(model, _infer_types(model))
+    result = {}
+    for name in names:
+        if name not in paths.needed:
+            result[name] = f"the output {paths.target!r} does not use it"
+            continue
+        reaches, _, stopped = paths.walk(name)
+        if not reaches:
+            result[name] = f"it feeds only {stopped or 'integer or boolean tensors'}"
+    return result
+
+
+class _GradientPaths:
+    """The float paths from tensors to the loss (the model's first output)."""
+
+    def __init__(self, model: onnx.ModelProto, types: dict[str, onnx.TypeProto]):
+        graph = model.graph
+        self.types = types
+        self.consumers: dict[str, list[onnx.NodeProto]] = defaultdict(list)
+        producers: dict[str, onnx.NodeProto] = {}
+        for node in graph.node:
+            for name in dict.fromkeys(node.input):
+                self.consumers[name].append(node)
+            for name in node.output:
+                producers[name] = node
+        self.target = graph.output[0].name
+        # Backward from the loss's input: every tensor the first output depends on.
+        self.needed: set[str] = set()
+        queue = deque([self.target])
+        while queue:
+            name = queue.popleft()
+            if name in self.needed:
+                continue
+            self.needed.add(name)
+            node = producers.get(name)
+            if node is not None:
+                queue.extend(i for i in node.input if i)
+
+    def _is_float(self, name: str) -> bool:
+        tp = self.types.get(name)
+        if tp is None or not tp.HasField("tensor_type"):
+            return True  # unknown: let ORT decide
+        return tp.tensor_type.elem_type in _FLOATS
+
+    def walk(self, source: str) -> tuple[bool, dict[str, onnx.NodeProto], str]:
+        """Whether ``source`` reaches the loss through differentiated float inputs; the nodes on
+        the way; and the first input slot ORT does not differentiate that stopped the walk."""
+        seen, queue, nodes, stopped, reaches = {source}, deque([source]), {}, "", False
+        while queue:
+            name = queue.popleft()
+            reaches |= name == self.target
+            for node in self.consumers.get(name, ()):
+                skip = NOT_DIFFERENTIATED.get(node.op_type, {}) if node.domain in ("", "ai.onnx") else {}
+                slots = [i for i, n in enumerate(node.input) if n == name]
+                if all(i in skip for i in slots):
+                    stopped = stopped or f"{node.op_type} {skip[slots[0]]} (node {node.name!r})"
+                    continue
+                outs = [o for o in node.output if o and o in self.needed and self._is_float(o)]
+                if not outs:
+                    continue
+                nodes[node.name or node.output[0]] = node
+                for o in outs:
+                    if o not in seen:
+                        seen.add(o)
+                        queue.append(o)
+        return reaches, nodes, stopped
+
+
+def describe(preparations: list[Preparation]) -> list[dict[str, str | int]]:
+    """One summary row per op type: what was done and to how many nodes (for the manifest)."""
+    rows: dict[tuple[str, str], int] = Counter((p.op_type, p.action) for p in preparations)
+    return [{"op_type": op, "action": action, "nodes": n} for (op, action), n in sorted(rows.items())]
+
+
+# --- after the gradient graph ------------------------------------------------------------
+
+_SCATTER_REDUCTION_OPSET = 16
+
+
+def deterministic_gather_grads(training: onnx.ModelProto) -> int:
+    """Replace ORT's CPU ``GatherGrad`` (com.microsoft) by a ``ScatterElements(reduction="add")``.
+
+    The CPU GatherGrad adds rows from a thread pool under a mutex, so the order
+    in which repeated indices (the same token twice in a batch) are summed
+    changes from run to run and the embedding gradient differs in its last
+    bits: identical runs drift apart.  ScatterElements adds in index order.
+    Needs opset 16 (``reduction``); a training graph at opset 14 or 15 is
+    moved to 16, which changed no op of those versions incompatibly except
+    RoiAlign's default mode (a graph with RoiAlign stays as it is).
+    Returns how many nodes were replaced.
+    """
+    graph = training.graph
+    grads = [n for n in graph.node if n.op_type == "GatherGrad" and n.domain == "com.microsoft"]
+    if not grads:
+        return 0
+    default = next((o for o in training.opset_import if o.domain in ("", "ai.onnx")), None)
+    if default is None or default.version < 14 or (
+            default.version < _SCATTER_REDUCTION_OPSET and any(n.op_type == "RoiAlign" for n in graph.node)):
+        # RoiAlign-16 changed its default coordinate mode, so such a graph keeps its opset.
+        log.warning("embedding gradients stay nondeterministic: the model's opset %s cannot move to %d",
+                    default.version if default else "?", _SCATTER_REDUCTION_OPSET)
+        return 0
+    default.version = max(default.version, _SCATTER_REDUCTION_OPSET)
+    names = FreshNames(proto_names(graph))
+    replaced = 0
+    nodes: list[onnx.NodeProto] = []
+    for node in graph.node:
+        axis = _attr(node, "axis", 0) if node.op_type == "GatherGrad" and node.domain == "com.microsoft" else None
+        if axis is None or axis < 0:
+            nodes.append(node)
+            continue
+        b = _Builder(names, node, {})
+        shape, indices, dy = node.input
+        ints = {}
+
+        def const_ints(values):
+            key = tuple(values)
+            if key not in ints:
+                out = names(f"{b.scope}/ints")
+                b.nodes.append(helper.make_node("Constant", [], [out], name=names(f"{b.scope}/Constant"),
+                                                value=numpy_helper.from_array(np.array(values, np.int64), out)))
+                ints[key] = out
+            return ints[key]
+
+        def product(start: int, end: int | None) -> str:
+            piece = b.op("Slice", [shape, const_ints([start]), const_ints([end if end is not None else 2**62])])
+            return b.op("ReduceProd", [b.op("Concat", [const_ints([1]), piece], axis=0)], keepdims=1)
+
+        before, after = product(0, axis), product(axis + 1, None)
+        rows = b.op("Slice", [shape, const_ints([axis]), const_ints([axis + 1])])
+        count = b.op("Reshape", [b.op("Size", [indices]), const_ints([1])])
+        dy_shape = b.op("Concat", [before, count, after], axis=0)
+        dy3 = b.op("Reshape", [dy, dy_shape])
+        idx = b.op("Reshape", [indices, b.op("Concat", [const_ints([1]), count, const_ints([1])], axis=0)])
+        idx = b.op("Expand", [b.op("Cast", [idx], to=TensorProto.INT64), dy_shape])
+        zeros = b.op("ConstantOfShape", [b.op("Concat", [before, rows, after], axis=0)],
+                     value=numpy_helper.from_array(np.zeros(1, np.float32)))
+        summed = b.op("ScatterElements", [zeros, idx, dy3], axis=1, reduction="add")
+        b.op("Reshape", [summed, shape], node.output[0])
+        nodes.extend(b.nodes)
+        replaced += 1
+    graph.ClearField("node")
+    graph.node.extend(nodes)
+    log.info("replaced %d GatherGrad node(s) by deterministic ScatterElements", replaced)
+    return replaced

@@ -1,0 +1,52 @@
+"""Labels are checked against the loss before onnxruntime sees them."""
+import numpy as np
+import pytest
+
+from onnxmp.errors import OnnxMPError
+from onnxmp.training import Trainer
+from onnxmp.training.labels import check_labels
+
+X = np.zeros((4, 8), np.float32)
+
+
+@pytest.mark.parametrize("labels,message", [
+    (np.array([0.7, 1, 2, 3]), "non-integer values"),
+    (np.array([7, 1, 2, 3]), "class id 7, outside \\[0, 4\\)"),
+    (np.array([-5, 1, 2, 3]), "class id -5"),
+    (np.array([100000, 1, 2, 3]), "class id 100000"),
+    (np.array(["a", "b", "c", "d"]), "dtype <U1"),
+    (np.array([True, False, True, False]), "booleans"),
+    (np.array([0, 1, 2]), "3 rows but the inputs have 4"),
+    (np.eye(4, dtype=np.int64), "one class id per row"),
+])
+def test_bad_cross_entropy_labels_never_reach_a_step(fp32_artifacts, labels, message):
+    trainer = Trainer(fp32_artifacts)
+    before = trainer.parameters()
+    with pytest.raises(OnnxMPError, match=message):
+        trainer.train_step(X, labels)
+    assert trainer.optimizer_steps == 0
+    assert all(np.array_equal(before[k], v) for k, v in trainer.parameters().items())
+
+
+def test_integral_float_labels_are_class_ids(fp32_artifacts):
+    assert Trainer(fp32_artifacts).train_step(X, np.array([0.0, 1.0, 2.0, 3.0])).stepped
+
+
+@pytest.mark.parametrize("loss", ["mse", "l1", "bce_with_logits"])
+def test_targets_must_have_the_output_shape(loss):
+    check_labels(loss, np.zeros((4, 3)), rows=4, shape=[None, 3])
+    with pytest.raises(OnnxMPError, match="shape \\[N, 3\\]"):
+        check_labels(loss, np.zeros(4), rows=4, shape=[None, 3])
+    with pytest.raises(OnnxMPError, match="shape \\[N, 3\\]"):
+        check_labels(loss, np.zeros((4, 2)), rows=4, shape=[None, 3])
+
+
+def test_ort_run_errors_lead_with_ort_reason(fp32_artifacts, monkeypatch):
+    import onnxmp.training.trainer as trainer_module
+
+    trainer = Trainer(fp32_artifacts)
+    monkeypatch.setattr(trainer_module, "check_labels", lambda loss, labels, **_: np.asarray(labels))
+    with pytest.raises(OnnxMPError) as info:
+        trainer.train_step(X, np.array([0, 1, 2]))
+    first = str(info.value).splitlines()[0]
+    assert "shape of logit and label does not match" in first and "onnxruntime_src" not in first

@@ -1,0 +1,218 @@
+"""Preparing exported forward graphs for onnxruntime-training 1.19's gradient builder."""
+import numpy as np
+import onnx
+import onnxruntime as ort
+import pytest
+from onnx import numpy_helper
+
+from onnxmp.errors import OnnxMPError
+from onnxmp.training import build_artifacts
+from onnxmp.training.artifacts import _gradient_error
+from onnxmp.training.prepare import prepare_for_gradient
+
+
+def _model(body: str, *, opset: int = 17, out: str = "[2,4]", extra: str = "") -> onnx.ModelProto:
+    text = f"""<ir_version: 8, opset_import: ["" : {opset}]>
+g (float[2,4] x{extra}) => (float{out} y) {{
+  h = MatMul(x, W)
+  {body}
+}}"""
+    model = onnx.parser.parse_model(text)
+    rng = np.random.default_rng(0)
+    model.graph.initializer.append(numpy_helper.from_array(rng.normal(size=(4, 4)).astype(np.float32), "W"))
+    model.graph.initializer.append(numpy_helper.from_array(rng.normal(size=(4, 4)).astype(np.float32), "V"))
+    return model
+
+
+def _run(model, x):
+    session = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+    return session.run(None, {"x": x})[0]
+
+
+ONES = "{" + ",".join(["1"] * 4) + "}"
+ZEROS = "{" + ",".join(["0"] * 4) + "}"
+REWRITTEN = {
+    "LayerNormalization": (f"g1 = Constant<value=float[4] {ONES}>()\n b1 = Constant<value=float[4] {ZEROS}>()\n"
+                           " y = LayerNormalization<axis=-1>(h, g1, b1)", 17),
+    "Dropout": ("r = Constant<value=float {0.1}>()\n y = Dropout(h, r)", 17),
+    "Transpose": ("t = Transpose(h)\n y = Transpose(t)", 17),
+    "Gelu": ("y = Gelu(h)", 20),
+    "Gelu_tanh": ('y = Gelu<approximate="tanh">(h)', 20),
+    "Elu": ("y = Elu<alpha=0.7>(h)", 17),
+    "Selu": ("y = Selu(h)", 17),
+    "Celu": ("y = Celu<alpha=2.0>(h)", 17),
+    "Softplus": ("y = Softplus(h)", 17),
+    "Softsign": ("y = Softsign(h)", 17),
+    "Mish": ("y = Mish(h)", 18),
+    "HardSigmoid": ("y = HardSigmoid(h)", 17),
+    "HardSwish": ("y = HardSwish(h)", 17),
+    "PRelu": ("s = MatMul(x, V)\n y = PRelu(h, s)", 17),
+    "Sum": ("s = MatMul(x, V)\n y = Sum(h, s, x)", 17),
+    "Mean": ("s = MatMul(x, V)\n y = Mean(h, s, x)", 17),
+}
+
+
+@pytest.mark.parametrize("case", sorted(REWRITTEN))
+def test_rewrites_keep_the_forward_values(case):
+    body, opset = REWRITTEN[case]
+    model = _model(body, opset=opset)
+    prepared, done = prepare_for_gradient(model, ["W"])
+    assert [p.op_type for p in done] == [case.split("_")[0]] * len(done) and done
+    x = np.random.default_rng(1).normal(size=(2, 4)).astype(np.float32) * 3
+    np.testing.assert_allclose(_run(prepared, x), _run(model, x), rtol=1e-5, atol=1e-6)
+    assert len(model.graph.node) == body.count("\n") + 2  # the original is untouched
+
+
+@pytest.mark.parametrize("case", ["LayerNormalization", "Dropout", "Transpose", "Elu", "Softplus", "Mean"])
+def test_ort_builds_the_gradient_only_after_preparation(case, tmp_path, monkeypatch):
+    body, opset = REWRITTEN[case]
+    model = _model(body, opset=opset)
+    build_artifacts(model, requires_grad=["W", "V"] if "MatMul(x, V)" in body else ["W"], loss="mse",
+                    precision="float32", out_dir=tmp_path / "ok")
+    # The same model without preparation is what ORT refused.
+    import onnxmp.training.artifacts as artifacts
+
+    monkeypatch.setattr(artifacts, "prepare_for_gradient", lambda m, r: (m, []))
+    with pytest.raises(OnnxMPError):
+        build_artifacts(model, requires_grad=["W", "V"] if "MatMul(x, V)" in body else ["W"], loss="mse",
+                        precision="float32", out_dir=tmp_path / "raw")
+
+
+def test_nothing_to_prepare_leaves_the_graph_alone():
+    model = _model("y = Relu(h)")
+    prepared, done = prepare_for_gradient(model, ["W"])
+    assert done == [] and prepared.graph == model.graph
+
+
+def test_op_without_gradient_is_named_with_its_node(tmp_path):
+    model = _model("y = ReduceMax<axes=[-1]>(h)", out="[2,1]")
+    model.graph.node[1].name = "head/ReduceMax"
+    with pytest.raises(OnnxMPError) as info:
+        build_artifacts(model, requires_grad=["W"], loss="mse", precision="float32", out_dir=tmp_path)
+    assert "ReduceMax" in str(info.value) and "head/ReduceMax" in str(info.value)
+    assert "check that every op" not in str(info.value)
+    assert "W" in info.value.hint and "freeze" in info.value.hint
+
+
+def test_op_without_gradient_before_frozen_parameters_only_is_fine(tmp_path):
+    # ReduceMax reads only x and the frozen V: it is not on W's path to the loss.
+    model = _model("m = ReduceMax<axes=[-1]>(x)\n v = MatMul(x, V)\n s = Mul(v, m)\n y = Add(h, s)")
+    build_artifacts(model, requires_grad=["W"], frozen=["V"], loss="mse", precision="float32", out_dir=tmp_path)
+
+
+def test_parameter_the_loss_does_not_use_is_named(tmp_path):
+    model = _model("y = Relu(h)")
+    with pytest.raises(OnnxMPError, match="does not depend on.*'?V"):
+        build_artifacts(model, requires_grad=["W", "V"], loss="mse", precision="float32", out_dir=tmp_path)
+
+
+def test_parameter_reaching_the_loss_only_through_integers_is_named(tmp_path):
+    model = _model("s = Shape(V)\n f = Cast<to=1>(s)\n y = Mul(h, f)", out="[2,4]")
+    with pytest.raises(OnnxMPError, match="'V'.*integer"):
+        build_artifacts(model, requires_grad=["W", "V"], loss="mse", precision="float32", out_dir=tmp_path)
+
+
+def test_a_string_requires_grad_is_one_name(tmp_path):
+    model = _model("y = MatMul(h, V)")
+    artifacts = build_artifacts(model, requires_grad="W", frozen="V", loss="mse", precision="float32",
+                                out_dir=tmp_path)
+    assert artifacts.manifest["requires_grad"] == ["W"] and artifacts.manifest["frozen"] == ["V"]
+
+
+def test_ort_builder_errors_are_translated():
+    missing = RuntimeError("/src/gradient_builder_registry.cc:29 GetGradientForOp(...) gradient_builder != nullptr "
+                           "was false. The gradient builder has not been registered: Einsum for node einsum_3")
+    error = _gradient_error(missing)
+    assert "Einsum" in str(error) and "einsum_3" in str(error) and "differentiable ops" in error.hint
+    output = _gradient_error(RuntimeError("gradient_builder_base.h:123 ArgDef O(size_t, bool) const "
+                                          "i < node_->OutputDefs().size() was false."))
+    assert "optional output" in str(output)
+    consumer = _gradient_error(RuntimeError("couldn't find the consumer node"))
+    assert "requires_grad" in consumer.hint
+    arg = _gradient_error(RuntimeError("graph_augmenter.cc:23 AddToExistingNodeArgs add graph outputs - "
+                                       "failed to find NodeArg by name: val_343_grad"))
+    assert "'val_343'" in str(arg) and "frozen" in arg.hint
+
+
+def test_tanh_gelu_gets_the_tanh_gradient(tmp_path):
+    # ORT maps any Gelu to its Erf-form GeluGrad; the decomposition differentiates the tanh form.
+    from onnxmp.training import Trainer
+
+    model = _model('y = Gelu<approximate="tanh">(h)', opset=20)
+    artifacts = build_artifacts(model, requires_grad=["W"], loss="mse", optimizer="sgd", precision="float32",
+                                out_dir=tmp_path)
+    trainer = Trainer(artifacts, lr=1.0)
+    w = trainer.parameters()["W"].astype(np.float64)
+    x = np.random.default_rng(1).normal(size=(2, 4)).astype(np.float32) * 2
+    trainer.train_step(x, np.zeros((2, 4), np.float32))
+    h = x.astype(np.float64) @ w
+    k = np.sqrt(2 / np.pi)
+    t = np.tanh(k * (h + 0.044715 * h**3))
+    y = 0.5 * h * (1 + t)
+    dy_dh = 0.5 * (1 + t) + 0.5 * h * (1 - t**2) * k * (1 + 3 * 0.044715 * h**2)
+    expected = x.T.astype(np.float64) @ (2 * y / y.size * dy_dh)
+    np.testing.assert_allclose(w - trainer.parameters()["W"], expected, rtol=1e-4, atol=1e-6)
+
+
+def test_constant_node_weights_train_and_export(tmp_path):
+    from onnxmp.training import Trainer
+
+    model = onnx.parser.parse_model("""<ir_version: 8, opset_import: ["" : 17]>
+g (float[N,4] x) => (float[N,4] y) {
+  W = Constant<value=float[4,4] {1,0,0,0, 0,1,0,0, 0,0,1,0, 0,0,0,1}>()
+  y = MatMul(x, W)
+}""")
+    artifacts = build_artifacts(model, requires_grad=["W"], loss="mse", precision="float32", out_dir=tmp_path / "a")
+    assert onnx.load(artifacts.path("forward_model")).graph == model.graph  # still a Constant node
+    trainer = Trainer(artifacts, lr=0.1)
+    x = np.random.default_rng(0).normal(size=(8, 4)).astype(np.float32)
+    trainer.train_step(x, 2 * x)
+    exported = onnx.load(trainer.export_inference(tmp_path / "m.onnx", precision="float32"))
+    weight = numpy_helper.to_array(exported.graph.node[0].attribute[0].t)
+    np.testing.assert_array_equal(weight, trainer.parameters()["W"])
+    assert not np.array_equal(weight, np.eye(4, dtype=np.float32))
+
+
+@pytest.mark.parametrize("body,slot", [
+    ("y = Clip(h, P)", "Clip min"),
+    ("a = Abs(h)\n y = Pow(a, P)", "Pow exponent"),
+    ("y, m = Dropout(h, P)", "Dropout ratio"),
+])
+def test_parameter_read_only_where_ort_does_not_differentiate(body, slot, tmp_path):
+    # torch's dynamo exporter stores constants such as a clamp's minimum as initializers.
+    from onnxmp.training.prepare import without_gradient
+
+    model = _model(body)
+    model.graph.initializer.append(numpy_helper.from_array(np.array(0.1, np.float32), "P"))
+    with pytest.raises(OnnxMPError, match=f"'P'.*{slot}"):
+        build_artifacts(model, requires_grad=["W", "P"], loss="mse", precision="float32", out_dir=tmp_path / "a")
+    assert list(without_gradient(model, ["W", "P"])) == ["P"]
+    build_artifacts(model, requires_grad=["W"], frozen=["P"], loss="mse", precision="float32", out_dir=tmp_path / "b")
+
+
+@pytest.mark.parametrize("opset,expected", [(14, 16), (17, 17)])
+def test_embedding_gradient_is_a_scatter_add_at_any_opset(opset, expected, tmp_path):
+    from onnxmp.training import Trainer
+
+    model = onnx.parser.parse_model(f"""<ir_version: 8, opset_import: ["" : {opset}]>
+g (int64[N,3] ids) => (float[N,3,4] y) {{
+  e = Gather(E, ids)
+  y = MatMul(e, W)
+}}""")
+    rng = np.random.default_rng(0)
+    model.graph.initializer.extend([numpy_helper.from_array(rng.normal(size=(5, 4)).astype(np.float32), "E"),
+                                    numpy_helper.from_array(rng.normal(size=(4, 4)).astype(np.float32), "W")])
+    artifacts = build_artifacts(model, requires_grad=["E", "W"], loss="mse", optimizer="sgd", precision="float32",
+                                out_dir=tmp_path)
+    training = onnx.load(artifacts.training_model)
+    assert "GatherGrad" not in {n.op_type for n in training.graph.node}
+    assert [o.version for o in training.opset_import if o.domain == ""] == [expected]
+    trainer = Trainer(artifacts, lr=1.0)
+    ids = np.array([[0, 2, 2], [4, 0, 2]])
+    target = np.zeros((2, 3, 4), np.float32)
+    e, w = trainer.parameters()["E"].astype(np.float64), trainer.parameters()["W"].astype(np.float64)
+    trainer.train_step(ids, target)
+    dy = 2 * (e[ids] @ w) / target.size
+    expected_grad = np.zeros_like(e)
+    np.add.at(expected_grad, ids.ravel(), (dy @ w.T).reshape(-1, 4))
+    np.testing.assert_allclose(e - trainer.parameters()["E"], expected_grad, rtol=1e-5, atol=1e-7)
