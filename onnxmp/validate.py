@@ -55,6 +55,7 @@ import onnx
 from onnxmp.emulate import as_model, emulate, low_precision_types
 from onnxmp.errors import OnnxMPError
 from onnxmp.naming import json_safe
+from onnxmp.precision import BFLOAT16, FLOAT16, FLOAT32
 from onnxmp.inputs import Sample, check_inputs, drop_extra_inputs, generate_inputs, load_npz
 
 log = logging.getLogger("onnxmp.validate")
@@ -381,7 +382,7 @@ def validate(reference: onnx.ModelProto | str | os.PathLike, candidate: onnx.Mod
     ref_model = as_model(reference)
     cand_model = as_model(candidate)
     cand_precisions = low_precision_types(cand_model)
-    precision = next((p for p in ("bfloat16", "float16") if p in cand_precisions), "float32")
+    precision = next((p for p in (BFLOAT16.name, FLOAT16.name) if p in cand_precisions), FLOAT32.name)
     limits = _thresholds(thresholds, precision)
 
     cand_outputs = {o.name for o in cand_model.graph.output}

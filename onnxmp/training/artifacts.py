@@ -34,13 +34,15 @@ from onnx import TensorProto, helper, numpy_helper
 
 from onnxmp.errors import OnnxMPError
 from onnxmp.naming import FreshNames, proto_names
+from onnxmp.precision import FLOAT32
+from onnxmp.precision import PRECISIONS as LOW_PRECISIONS
 from onnxmp.training import _ort
 from onnxmp.training.labels import output_shape
 from onnxmp.training.prepare import describe, deterministic_gather_grads, prepare_for_gradient, promote_constants
 
 log = logging.getLogger("onnxmp.training.artifacts")
 
-PRECISIONS = ("float16", "bfloat16", "float32")
+PRECISIONS = (*LOW_PRECISIONS, FLOAT32.name)  # float32: train without mixed precision
 TARGETS = ("cpu", "cuda")
 OPTIMIZERS = ("adamw", "sgd")
 # loss name -> (onnxblock.loss class, onnxblock's default name for the label input)
