@@ -20,14 +20,13 @@ from onnxmp.color import ColorOptions, ColorResult, color
 from onnxmp.color.seeds import DEFAULT_THRESHOLD, DEFAULT_UNDERFLOW_SHARE
 from onnxmp.emit import emit, initializer_inputs
 from onnxmp.errors import OnnxMPError
-from onnxmp.graphs import proto_nodes
 from onnxmp.lists import TARGETS, ListOverrides, resolve_lists
 from onnxmp.load import ModelLike, load
 from onnxmp.normalize import normalize
 from onnxmp.precision import low_precision
 from onnxmp.report import Report, group_rows, head, tensor_core_advice, vertex_rows
 from onnxmp.rewrite import rewrite
-from onnxmp.verify import verify
+from onnxmp.verify import io_signature, verify
 
 log = logging.getLogger("onnxmp.convert")
 
@@ -196,8 +195,12 @@ def convert_once(model: ModelLike, *, target: str = "cuda", precision: str = "fl
     try:
         options = _options(original, target, precision, level, lists, block_nodes, keep_io_types,
                            calibration_magnitudes, calibration_threshold, underflow_share, forced_deny)
+        # Handed over in a list so that no frame but _convert_loaded's holds it: it drops the
+        # analysed model before verification, whose checker copies the converted one twice.
+        handover = [original]
+        del original
         with _no_cyclic_gc():
-            return _convert_loaded(model, original, timings, options, tuple(master_weights))
+            return _convert_loaded(model, handover, timings, options, tuple(master_weights))
     finally:
         _BAR.close()
 
@@ -216,8 +219,9 @@ def _no_cyclic_gc():
             gc.enable()
 
 
-def _convert_loaded(model: ModelLike, original: onnx.ModelProto, timings: dict[str, float], options: ColorOptions,
-                    master_weights: tuple[str, ...]) -> ConversionResult:
+def _convert_loaded(model: ModelLike, handover: list[onnx.ModelProto], timings: dict[str, float],
+                    options: ColorOptions, master_weights: tuple[str, ...]) -> ConversionResult:
+    original = handover.pop()
     normalized, colored, report = _analyse(original, options, timings)
     if not colored.coloring.allow_keys():
         report.unchanged_reason = _unchanged_reason(report)
@@ -235,12 +239,15 @@ def _convert_loaded(model: ModelLike, original: onnx.ModelProto, timings: dict[s
             raise OnnxMPError(f"rewrite failed: {type(exc).__name__}: {str(exc)[:300]}",
                               hint="please report this model; --block-node or --deny-add can route around "
                                    "the failing node meanwhile") from exc
+    original_io, emitted_casts = io_signature(original), edits.emitted_casts
+    # The analysed model, its index and the edits (which point into it) are no longer needed;
+    # freeing them now lowers the peak the checker's copies reach.
+    del original, normalized, edits
     with _timed(timings, "verify"):
-        verify(converted, original=original, keep_io_types=options.keep_io_types)
+        verify(converted, original_io=original_io, keep_io_types=options.keep_io_types)
     report.changed = result.modified
     # The emitter drops restore Casts nobody ended up reading; count what is really there.
-    present = {n.name for n in proto_nodes(converted.graph)}
-    report.cast_nodes = [name for name in stats.casts if name in present]
+    report.cast_nodes = [name for name in stats.casts if name in emitted_casts]
     report.casts_inserted = len(report.cast_nodes)
     report.converted_initializers = stats.converted_initializers
     report.twin_initializers = stats.twin_initializers

@@ -39,8 +39,8 @@ def emit(graph: ModelGraph, edits: Edits, original: onnx.ModelProto) -> onnx.Mod
     model = onnx.ModelProto()
     model.ir_version = original.ir_version
     emitter = _Emitter(graph, edits)
-    main, _ = emitter.graph(0)
-    model.graph.CopyFrom(main)
+    emitter.graph(0, model.graph)  # written in place: a copy of the whole graph would double its memory
+    edits.emitted_casts = emitter.kept_casts[0]
     _restore_non_tensor_types(model.graph, _non_tensor_types(original.graph))
     model.opset_import.extend(original.opset_import)
     if original.functions:
@@ -77,6 +77,7 @@ class _Emitter:
         self.sparse = {s.values.name: s for scope in graph.scopes for s in scope.graph.sparse_initializer}
         self.scope_of = {id(s.graph): i for i, s in enumerate(graph.scopes)}
         self.ready: dict[str, onnx.TensorProto] = {}  # converted initializers, made in batches
+        self.kept_casts: dict[int, set[str]] = {}  # scope -> NewCasts written there or in its kept bodies
 
     # -- tensors -----------------------------------------------------------------------------
     def info(self, name: str) -> TensorInfo | None:
@@ -151,8 +152,9 @@ class _Emitter:
         return init
 
     # -- graphs ----------------------------------------------------------------------------
-    def graph(self, scope_index: int) -> tuple[onnx.GraphProto, set[str]]:
-        """The exported graph after GS's cleanup, and the outer names its kept nodes read."""
+    def graph(self, scope_index: int, out: onnx.GraphProto | None = None) -> tuple[onnx.GraphProto, set[str]]:
+        """The exported graph after GS's cleanup (into ``out`` when given), and the outer names its
+        kept nodes read."""
         scope = self.model_graph.scopes[scope_index]
         g = scope.graph
         edits = self.edits
@@ -170,6 +172,14 @@ class _Emitter:
                     if attr.type == GRAPH:
                         bodies.setdefault(name, {})[attr.name] = self.graph(self.scope_of[id(attr.g)])
         kept = self._used(items, g, bodies)
+        casts = self.kept_casts[scope_index] = set()
+        for item, _, _ in kept:
+            if isinstance(item, NewCast):
+                casts.add(item.name)
+            elif item.name in bodies:
+                for attr in item.attribute:
+                    if attr.type == GRAPH:
+                        casts.update(self.kept_casts[self.scope_of[id(attr.g)]])
         init_names = {t.name for t in g.initializer}
         if g.sparse_initializer:
             init_names.update(t.values.name for t in g.sparse_initializer)
@@ -183,7 +193,8 @@ class _Emitter:
         tensor_order.update(dict.fromkeys(outputs))
         tensor_order.pop("", None)
 
-        out = onnx.GraphProto()
+        if out is None:
+            out = onnx.GraphProto()
         out.node.extend([self.node(item, ins, outs, bodies) for item, ins, outs in kept])
         out.name = g.name
         out.input.extend([self.value_info(n) for n in gs_inputs])

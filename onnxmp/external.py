@@ -29,6 +29,8 @@ from onnxmp.graphs import may_hold_graphs
 CHUNK = 64 << 20  # bytes copied per read when streaming external data
 SKELETON_DATA = "onnxmp-skeleton.bin"
 SKELETON_TENSOR_BYTES = 1024  # raw data above this is left out of the skeleton
+_PLAIN = frozenset({onnx.AttributeProto.INT, onnx.AttributeProto.FLOAT, onnx.AttributeProto.STRING,
+                    onnx.AttributeProto.INTS, onnx.AttributeProto.FLOATS, onnx.AttributeProto.STRINGS})
 
 
 def all_tensors(model: onnx.ModelProto) -> Iterator[onnx.TensorProto]:
@@ -49,14 +51,17 @@ def _subgraphs(attr: onnx.AttributeProto) -> list[onnx.GraphProto]:
 def _initializers(graph: onnx.GraphProto) -> Iterator[onnx.TensorProto]:
     yield from graph.initializer
     for node in graph.node:
-        for attr in node.attribute:
-            for sub in _subgraphs(attr):
-                yield from _initializers(sub)
+        if may_hold_graphs(node):
+            for attr in node.attribute:
+                for sub in _subgraphs(attr):
+                    yield from _initializers(sub)
 
 
 def _attribute_tensors(graph) -> Iterator[onnx.TensorProto]:
     for node in graph.node:
         for attr in node.attribute:
+            if attr.type in _PLAIN:
+                continue  # the common case; such attributes hold no tensor nor graph
             if attr.HasField("t"):
                 yield attr.t
             yield from attr.tensors

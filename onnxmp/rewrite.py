@@ -66,6 +66,7 @@ class Edits:
     retargeted: set[str] = field(default_factory=set)              # Cast/Constant/ConstantOfShape nodes
     raw_constants: set[str] = field(default_factory=set)           # Constant nodes whose value is rewritten raw
     order: dict[str, list] = field(default_factory=dict)           # graph id -> NodeProto | NewCast, in order
+    emitted_casts: set[str] = field(default_factory=set)           # NewCasts the emitter wrote (cleanup drops some)
     low_np: np.dtype = FLOAT16.numpy
     low_enum: int = FLOAT16.onnx_type
 
@@ -341,16 +342,15 @@ def place_after_producers(nodes: list, casts: list[NewCast], outputs_of) -> list
         else:
             head.append(cast)
     ordered: list = []
-
-    def emit(node) -> None:
-        ordered.append(node)
-        for out in outputs_of(node):
-            for follower in after.pop(out, []):
-                emit(follower)
-
-    for node in head:
-        emit(node)
-    for node in nodes:
-        emit(node)
+    # Depth first, each node then its followers in output order.  A loop, not a recursive closure:
+    # that would be a reference cycle, kept (with the whole rewrite state) while the pipeline runs
+    # with the cycle collector off, and a long Cast chain would hit the recursion limit.
+    for start in (*head, *nodes):
+        stack = [start]
+        while stack:
+            node = stack.pop()
+            ordered.append(node)
+            followers = [f for out in outputs_of(node) for f in after.pop(out, ())]
+            stack.extend(reversed(followers))
     require(not after, "rewrite", "every inserted Cast found its producer")
     return ordered

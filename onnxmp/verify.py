@@ -22,7 +22,12 @@ _HINT = ("onnxmp produced an invalid model; please report it. Meanwhile, --block
          "--deny-add OP around the named node usually avoids the problem")
 
 
-def verify(model: onnx.ModelProto, *, original: onnx.ModelProto | None = None, keep_io_types: bool = True) -> None:
+def verify(model: onnx.ModelProto, *, original: onnx.ModelProto | None = None, keep_io_types: bool = True,
+           original_io: tuple[list, list] | None = None) -> None:
+    """``original_io`` (``io_signature(original)``) stands in for ``original``: callers pass it to let
+    the original model go before the checker makes its own copies of the converted one."""
+    if original is not None:
+        original_io = io_signature(original)
     try:
         try:
             full_check(model)
@@ -37,8 +42,8 @@ def verify(model: onnx.ModelProto, *, original: onnx.ModelProto | None = None, k
         raise OnnxMPError(f"converted model fails onnx.checker / strict type inference: {_first_line(exc)}",
                           hint=_HINT) from None
     check_topological(model.graph, "main")
-    if original is not None and keep_io_types:
-        check_io_unchanged(original, model)
+    if original_io is not None and keep_io_types:
+        _check_io_signatures(original_io, io_signature(model))
 
 
 def full_check(model: onnx.ModelProto) -> None:
@@ -140,7 +145,11 @@ def _kept(original: tuple, converted: tuple) -> bool:
 
 
 def check_io_unchanged(original: onnx.ModelProto, converted: onnx.ModelProto) -> None:
-    for what, a, b in zip(("inputs", "outputs"), io_signature(original), io_signature(converted)):
+    _check_io_signatures(io_signature(original), io_signature(converted))
+
+
+def _check_io_signatures(original: tuple[list, list], converted: tuple[list, list]) -> None:
+    for what, a, b in zip(("inputs", "outputs"), original, converted):
         if len(a) != len(b) or not all(x[0] == y[0] and _kept(x[1], y[1]) for x, y in zip(a, b)):
             changed = [f"{x[0]}: {x[1]} -> {y[1]}" for x, y in zip(a, b) if x != y] or [f"{a} -> {b}"]
             raise OnnxMPError(f"graph {what} changed name or type during conversion: {'; '.join(changed)[:400]}",

@@ -188,6 +188,10 @@ def build_type_view(
     for name in initializer_inputs:
         # IR < 4 style (keep_initializers_as_inputs): callers may feed it, so its type is fixed.
         pinned[name] = "graph input that is also an initializer"
+    bodies_of: dict[int, list[int]] = {}
+    for body_index, body in enumerate(graph.scopes):
+        if body.parent_scope is not None:
+            bodies_of.setdefault(body.parent_scope, []).append(body_index)
     for scope_index, scope in enumerate(graph.scopes):
         graph_id, g = scope.gid, scope.graph
         scope_name = "graph" if graph_id == "" else f"body {graph_id}"
@@ -198,11 +202,10 @@ def build_type_view(
                     pinned.setdefault(t.name, f"input of {scope_name}")
             for t in g.output:
                 pinned.setdefault(t.name, f"output of {scope_name}")
-        for node in g.node:
-            for attr in node.attribute:
-                if attr.type == GRAPH:
-                    for t in graph.outer_references(graph.scope_of_graph(attr.g)):
-                        pinned.setdefault(t, f"read by a subgraph of {node.name}")
+        # Bodies are scopes too, listed in node and attribute order: no need to walk every node here.
+        for body_index in bodies_of.get(scope_index, ()):
+            for t in graph.outer_references(body_index):
+                pinned.setdefault(t, f"read by a subgraph of {graph.scopes[body_index].parent.name}")
         for node in g.node:
             node_name, op_type, domain = node.name, node.op_type, node.domain or ""
             graph_of_node[node_name] = graph_id
