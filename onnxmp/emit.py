@@ -195,20 +195,21 @@ class _Emitter:
 
         if out is None:
             out = onnx.GraphProto()
-        out.node.extend([self.node(item, ins, outs, bodies) for item, ins, outs in kept])
+        # Generators, not lists: extend copies each message, so no list of temporaries builds up.
+        out.node.extend(self.node(item, ins, outs, bodies) for item, ins, outs in kept)
         out.name = g.name
         out.input.extend([self.value_info(n) for n in gs_inputs])
         out.output.extend([self.value_info(n) for n in outputs])
         constants = [n for n in tensor_order if self.is_constant(n)]
         self._convert_small([n for n in constants if n in self.edits.converted or n in self.edits.twins])
-        out.initializer.extend([self.initializer(n) for n in constants if n not in self.sparse])
+        out.initializer.extend(self.initializer(n) for n in constants if n not in self.sparse)
         if self.sparse:
             out.sparse_initializer.extend([self.sparse[n] for n in constants if n in self.sparse])
         skip = set(gs_inputs)
         skip.update(outputs)
         skip.update(constants)
-        out.value_info.extend([vi for vi in (self.value_info_if_known(n) for n in tensor_order if n not in skip)
-                               if vi is not None])
+        out.value_info.extend(vi for vi in (self.value_info_if_known(n) for n in tensor_order if n not in skip)
+                              if vi is not None)
         if g.doc_string:
             out.doc_string = g.doc_string
 

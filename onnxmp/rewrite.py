@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
-from typing import Iterable
+from typing import Iterable, Sequence
 
 import numpy as np
 import onnx
@@ -172,10 +172,10 @@ class _Rewriter:
         info = self.graph.tensors.get(name)
         return info is not None and info.init is not None
 
-    def outputs_of(self, node) -> list[str]:
+    def outputs_of(self, node) -> Sequence[str]:
         if isinstance(node, NewCast):
-            return [node.dst]
-        return self.edits.outputs.get(node.name) or list(node.output)
+            return (node.dst,)
+        return self.edits.outputs.get(node.name) or node.output
 
     def _inputs(self, node: onnx.NodeProto) -> list[str]:
         current = self.edits.inputs.get(node.name)
@@ -333,7 +333,8 @@ def place_after_producers(nodes: list, casts: list[NewCast], outputs_of) -> list
     if not casts:
         return nodes
     after: dict[str, list[NewCast]] = {}
-    produced_here = {t for n in nodes for t in outputs_of(n)}
+    node_outputs = [outputs_of(n) for n in nodes]
+    produced_here = {t for outs in node_outputs for t in outs}
     head: list[NewCast] = []
     cast_outputs = {c.dst for c in casts}
     for cast in casts:
@@ -345,12 +346,15 @@ def place_after_producers(nodes: list, casts: list[NewCast], outputs_of) -> list
     # Depth first, each node then its followers in output order.  A loop, not a recursive closure:
     # that would be a reference cycle, kept (with the whole rewrite state) while the pipeline runs
     # with the cycle collector off, and a long Cast chain would hit the recursion limit.
-    for start in (*head, *nodes):
-        stack = [start]
+    stack: list[NewCast] = []
+    for start, outs in (*((c, (c.dst,)) for c in head), *zip(nodes, node_outputs)):
+        ordered.append(start)
+        if not after:
+            continue
+        stack.extend(reversed([f for out in outs for f in after.pop(out, ())]))
         while stack:
-            node = stack.pop()
-            ordered.append(node)
-            followers = [f for out in outputs_of(node) for f in after.pop(out, ())]
-            stack.extend(reversed(followers))
+            cast = stack.pop()  # followers are all inserted Casts
+            ordered.append(cast)
+            stack.extend(reversed(after.pop(cast.dst, ())))
     require(not after, "rewrite", "every inserted Cast found its producer")
     return ordered
