@@ -20,6 +20,7 @@ So this module keeps GS's export conventions:
 from __future__ import annotations
 
 import math
+from itertools import chain
 
 import numpy as np
 import onnx
@@ -186,11 +187,9 @@ class _Emitter:
         gs_inputs = [t.name for t in g.input if t.name not in init_names]
         outputs = [t.name for t in g.output]
 
-        tensor_order: dict[str, None] = dict.fromkeys(gs_inputs)
-        for _, ins, outs in kept:
-            tensor_order.update(dict.fromkeys(ins))
-            tensor_order.update(dict.fromkeys(outs))
-        tensor_order.update(dict.fromkeys(outputs))
+        # First mention wins: graph inputs, then each node's inputs and outputs, then graph outputs.
+        tensor_order: dict[str, None] = dict.fromkeys(chain(
+            gs_inputs, chain.from_iterable(chain(ins, outs) for _, ins, outs in kept), outputs))
         tensor_order.pop("", None)
 
         if out is None:
@@ -212,6 +211,8 @@ class _Emitter:
                               if vi is not None)
         if g.doc_string:
             out.doc_string = g.doc_string
+        if scope_index == 0:
+            return out, set()  # the main graph reads no outer names
 
         local = set(gs_inputs)
         read: set[str] = set()

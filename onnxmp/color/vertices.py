@@ -273,8 +273,12 @@ def build_type_view(
         if v.float32:
             for _, t in v.inputs:
                 consumer_sets.setdefault(t, {})[v.id] = None
-    fanin_sets: list[dict[int, None]] = [{} for _ in by_id]
-    fanout_sets: list[dict[int, None]] = [{} for _ in by_id]
+    # Edge lists in first-link order; one set of src * n + dst keys dedupes them (a dict per
+    # vertex and side cost more memory than the lists themselves).
+    fanin: list[list[int]] = [[] for _ in by_id]
+    fanout: list[list[int]] = [[] for _ in by_id]
+    n_vertices = len(by_id)
+    linked: set[int] = set()
     for t, consumers in consumer_sets.items():
         src = producer_of.get(t)
         if src is None:
@@ -283,8 +287,11 @@ def build_type_view(
         for dst in consumers:
             # Bodies are colored on their own: no edge crosses a graph boundary.
             if by_id[dst].graph == src_graph:
-                fanout_sets[src][dst] = None
-                fanin_sets[dst][src] = None
+                key = src * n_vertices + dst
+                if key not in linked:
+                    linked.add(key)
+                    fanout[src].append(dst)
+                    fanin[dst].append(src)
 
     def member_dtype(name: str):
         return tensor_dtype[name] if name in tensor_dtype else graph.dtype(name)
@@ -300,11 +307,14 @@ def build_type_view(
                      if by_id[c].op_type not in ("If", "Loop", "Scan")]
         for src in producers:
             for dst in consumers:
-                fanout_sets[src][dst] = None
-                fanin_sets[dst][src] = None
+                key = src * n_vertices + dst
+                if key not in linked:
+                    linked.add(key)
+                    fanout[src].append(dst)
+                    fanin[dst].append(src)
     consumers_of = {t: list(c) for t, c in consumer_sets.items()}
-    return TypeView(by_id, [list(d) for d in fanin_sets], [list(d) for d in fanout_sets], node_vertices,
-                    producer_of, consumers_of, pinned, graph_of_node, unknown_schema, groups)
+    return TypeView(by_id, fanin, fanout, node_vertices, producer_of, consumers_of, pinned, graph_of_node,
+                    unknown_schema, groups)
 
 
 class _OpInfo:
