@@ -2,8 +2,12 @@
 from __future__ import annotations
 
 import os
+import shutil
 import stat
+import tempfile
+import traceback
 from contextlib import contextmanager
+from pathlib import Path
 
 import pytest
 
@@ -132,16 +136,55 @@ def test_guard_refuses_a_missing_folder(tmp_path):
     assert "mkdir -p" in info.value.hint
 
 
-@pytest.mark.skipif(hasattr(os, "geteuid") and os.geteuid() == 0, reason="root writes anywhere")
-def test_guard_refuses_a_read_only_folder(tmp_path):
-    folder = tmp_path / "ro"
+@pytest.fixture
+def read_only_folder():
+    """A folder with mode 0555 in a folder anyone may write (an unprivileged child must reach both)."""
+    base = Path(tempfile.mkdtemp())
+    base.chmod(0o777)  # writable for the unprivileged child too: only "ro" is read-only
+    folder = base / "ro"
     folder.mkdir()
     folder.chmod(0o555)
-    try:
+    yield folder
+    folder.chmod(0o755)
+    shutil.rmtree(base)
+
+
+def unprivileged(check) -> None:
+    """Run ``check()`` as a user the file modes apply to.
+
+    Root writes anywhere, and CI runs as root, so there ``check`` runs in a
+    forked child that has dropped to uid/gid 65534 (nobody): the folder is
+    really read-only for it, nothing is simulated.
+    """
+    if not hasattr(os, "geteuid") or os.geteuid() != 0:
+        check()
+        return
+    pid = os.fork()
+    if pid == 0:  # the child: never return into pytest
+        code = 1
+        try:
+            os.setgroups([])
+            os.setgid(65534)
+            os.setuid(65534)
+            check()
+            code = 0
+        except BaseException:
+            traceback.print_exc()
+        finally:
+            os._exit(code)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0, "the check failed in the unprivileged child (see stderr)"
+
+
+def test_guard_refuses_a_read_only_folder(read_only_folder):
+    def check():
+        assert not os.access(read_only_folder, os.W_OK)  # the premise: this user really cannot write there
         with pytest.raises(OnnxMPError, match="not writable"):
-            guard_outputs({"--plot": folder / "p.png"})
-    finally:
-        folder.chmod(0o755)
+            guard_outputs({"--plot": read_only_folder / "p.png"})
+        guard_outputs({"--plot": read_only_folder.parent / "p.png"})  # its writable parent is fine
+
+    unprivileged(check)
+    assert list(read_only_folder.iterdir()) == []
 
 
 def test_guard_refuses_an_existing_folder_as_a_file_output(tmp_path):
