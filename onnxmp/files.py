@@ -13,6 +13,7 @@ mode the user's umask gives (0644 under umask 022), not ``mkstemp``'s 0600.
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import os
 import shutil
 import tempfile
@@ -28,6 +29,9 @@ PathLike = Union[str, os.PathLike]
 Inputs = Mapping[str, Union[PathLike, Iterable[PathLike], None]]
 
 _UMASK_LOCK = threading.Lock()
+# Inside all_or_nothing(): (temporary, destination) pairs whose rename waits for the end of the block.
+_PENDING: contextvars.ContextVar[list[tuple[Path, Path]] | None] = contextvars.ContextVar("onnxmp_pending",
+                                                                                          default=None)
 
 
 def umask() -> int:
@@ -136,6 +140,7 @@ def atomic_write(path: PathLike, write: Callable[[Path], None]) -> Path:
 
     The file gets the umask's mode.  On any error the temporary file is removed
     and ``path`` is left as it was; an OSError becomes an :class:`OnnxMPError`.
+    Inside :func:`all_or_nothing` the rename waits for the end of that block.
     """
     path = Path(path)
     try:
@@ -143,16 +148,55 @@ def atomic_write(path: PathLike, write: Callable[[Path], None]) -> Path:
         os.close(fd)
     except OSError as exc:
         raise _temp_name_error(path, exc) from None
-    tmp = Path(name)
+    tmp: Path | None = Path(name)
+    pending = _PENDING.get()
     try:
         write(tmp)
         os.chmod(tmp, file_mode())
-        os.replace(tmp, path)
+        if pending is not None:
+            pending.append((tmp, path))
+            tmp = None  # all_or_nothing() renames or removes it
+        else:
+            os.replace(tmp, path)
     except OSError as exc:
         raise _temp_name_error(path, exc) from None
     finally:
-        tmp.unlink(missing_ok=True)
+        if tmp is not None:
+            tmp.unlink(missing_ok=True)
     return path
+
+
+@contextlib.contextmanager
+def all_or_nothing() -> Iterator[None]:
+    """The files written with :func:`atomic_write` inside the block land together, when it succeeds.
+
+    A command with several outputs (a model and its report, a report and a
+    plot) would otherwise leave the first ones behind when a later step fails
+    or is interrupted.  Each file is still filled beside its destination; only
+    the renames wait, so the window where some outputs are new and others not
+    is a few renames long.  Nested blocks join the outermost one.
+    """
+    if _PENDING.get() is not None:
+        yield
+        return
+    pending: list[tuple[Path, Path]] = []
+    token = _PENDING.set(pending)
+    try:
+        yield
+        _PENDING.reset(token)
+        token = None
+        while pending:
+            tmp, path = pending[0]
+            try:
+                os.replace(tmp, path)
+            except OSError as exc:
+                raise _temp_name_error(path, exc) from None
+            pending.pop(0)
+    finally:
+        if token is not None:
+            _PENDING.reset(token)
+        for tmp, _ in pending:
+            tmp.unlink(missing_ok=True)
 
 
 def write_text_atomic(path: PathLike, text: str, encoding: str = "utf-8") -> Path:

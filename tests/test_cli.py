@@ -188,3 +188,34 @@ def test_validate_without_matplotlib_fails_before_the_comparison(work, monkeypat
     assert main(["validate", "m.onnx", "b.onnx", "--plot", "p.png"]) == EXIT_ERROR
     out, err = capsys.readouterr()
     assert "plotting needs matplotlib" in one_error(err, "validate") and out == ""
+
+
+# --- a command's outputs land together: a failure in a later step leaves none of them -------------
+
+
+def test_ctrl_c_while_convert_writes_its_report_leaves_no_model(work, monkeypatch, capsys):
+    from onnxmp.report import Report
+
+    def interrupted(self):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(Report, "to_json", interrupted)
+    (work / "r.json").write_text("old report")
+    before = snapshot(work)
+    assert main(["convert", "m.onnx", "-o", "out.onnx", "--report", "r.json"]) == 130
+    assert "interrupted" in capsys.readouterr().err
+    assert sorted(p.name for p in work.iterdir()) == sorted(before) and snapshot(work) == before
+
+
+def test_a_failed_plot_leaves_no_validate_report(work, monkeypatch, capsys):
+    from matplotlib.figure import Figure
+
+    def no_space(self, *args, **kwargs):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(Figure, "savefig", no_space)
+    before = snapshot(work)
+    assert main(["validate", "m.onnx", "b.onnx", "--report", "r.json", "--plot", "p.png"]) == EXIT_ERROR
+    assert "No space left" in one_error(capsys.readouterr().err, "validate")
+    assert sorted(p.name for p in work.iterdir()) == sorted(before)
+

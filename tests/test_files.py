@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from onnxmp.errors import OnnxMPError
-from onnxmp.files import (atomic_directory, atomic_write, file_mode, guard_outputs, umask, write_bytes_atomic,
+from onnxmp.files import (all_or_nothing, atomic_directory, atomic_write, file_mode, guard_outputs, umask, write_bytes_atomic,
                           write_text_atomic)
 
 
@@ -78,6 +78,54 @@ def test_atomic_write_replaces_a_symlink_not_its_target(tmp_path):
     link.symlink_to(other)
     write_text_atomic(link, "new")
     assert other.read_text() == "keep" and link.read_text() == "new" and not link.is_symlink()
+
+
+def test_all_or_nothing_lands_every_file_together(tmp_path):
+    (tmp_path / "b.txt").write_text("old")
+    with all_or_nothing():
+        write_text_atomic(tmp_path / "a.txt", "a")
+        with all_or_nothing():  # joins the outer block
+            write_text_atomic(tmp_path / "b.txt", "b")
+        assert not (tmp_path / "a.txt").exists() and (tmp_path / "b.txt").read_text() == "old"
+    assert (tmp_path / "a.txt").read_text() == "a" and (tmp_path / "b.txt").read_text() == "b"
+    assert leftovers(tmp_path) == [] and mode(tmp_path / "a.txt") == file_mode()
+
+
+@pytest.mark.parametrize("failure", [KeyboardInterrupt, ValueError])
+def test_all_or_nothing_failure_leaves_no_new_file_and_the_old_ones(tmp_path, failure):
+    (tmp_path / "b.txt").write_text("old")
+    with pytest.raises(failure):
+        with all_or_nothing():
+            write_text_atomic(tmp_path / "a.txt", "a")
+            write_text_atomic(tmp_path / "b.txt", "b")
+            raise failure()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["b.txt"] and (tmp_path / "b.txt").read_text() == "old"
+    write_text_atomic(tmp_path / "c.txt", "c")  # outside the block, writes land at once again
+    assert (tmp_path / "c.txt").read_text() == "c"
+
+
+def test_all_or_nothing_takes_a_models_external_data_with_it(tmp_path):
+    import numpy as np
+    import onnx
+    from onnx import helper, numpy_helper
+
+    from onnxmp.save import save
+
+    weight = numpy_helper.from_array(np.ones((4, 4), np.float32), "w")
+    graph = helper.make_graph([helper.make_node("MatMul", ["x", "w"], ["y"])], "g",
+                              [helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, [1, 4])],
+                              [helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, [1, 4])], [weight])
+    model = helper.make_model(graph)
+    with pytest.raises(KeyboardInterrupt):
+        with all_or_nothing():
+            save(model, tmp_path / "m.onnx", external_data=True)
+            raise KeyboardInterrupt
+    assert list(tmp_path.iterdir()) == []
+    with all_or_nothing():
+        save(model, tmp_path / "m.onnx", external_data=True)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["m.onnx", "m.onnx.data"]
+    loaded = onnx.load(tmp_path / "m.onnx")
+    assert numpy_helper.to_array(loaded.graph.initializer[0]).sum() == 16
 
 
 # --- guard -------------------------------------------------------------------------

@@ -7,7 +7,7 @@ import logging
 import sys
 
 from onnxmp.errors import OnnxMPError, UsageError
-from onnxmp.files import guard_outputs, write_text_atomic
+from onnxmp.files import all_or_nothing, guard_outputs, write_text_atomic
 from onnxmp.lists import LEVELS, LIST_NAMES, PRECISIONS, TARGETS
 
 log = logging.getLogger("onnxmp.cli")
@@ -106,9 +106,10 @@ def _convert(args) -> int:
     guard_outputs({"-o": args.output, "--report": args.report}, {"input model": args.model, "--calibrate": args.calibrate})
     result = onnxmp.convert(args.model, **kwargs)
     calibration = result.report.calibration
-    onnxmp.save(result.model, args.output, source=args.model)
-    if args.report:
-        write_text_atomic(args.report, result.report.to_json())
+    with all_or_nothing():  # a failed report takes the model with it, not the user's old files
+        onnxmp.save(result.model, args.output, source=args.model)
+        if args.report:
+            write_text_atomic(args.report, result.report.to_json())
     sys.stdout.write(result.report.summary() + "\n")
     sys.stdout.write(f"wrote {args.output}\n")
     if calibration is not None and not calibration.met:

@@ -69,7 +69,7 @@ def run_emulate(args: argparse.Namespace) -> int:
 
 
 def run_validate(args: argparse.Namespace) -> int:
-    from onnxmp.files import guard_outputs, write_text_atomic
+    from onnxmp.files import all_or_nothing, guard_outputs, write_text_atomic
     from onnxmp.plots import plot_errors, require_matplotlib
     from onnxmp.report import head
     from onnxmp.validate import validate
@@ -83,10 +83,11 @@ def run_validate(args: argparse.Namespace) -> int:
     report = validate(args.reference, args.candidate, args.inputs, provider=args.provider,
                       thresholds=overrides, dims=dict(args.dims), seed=args.seed)
     sys.stdout.write(report.summary() + "\n")
-    if args.report:
-        write_text_atomic(args.report, report.to_json() + "\n")
-    if args.plot:
-        plot_errors(report, args.plot)
+    with all_or_nothing():
+        if args.report:
+            write_text_atomic(args.report, report.to_json() + "\n")
+        if args.plot:
+            plot_errors(report, args.plot)
     if not report.passed:
         (first,), rest = head(report.failures(), 1)
         sys.stderr.write(f"onnxmp validate: error: parity failed: {first}" + (f" ({rest})" if rest else "") + "\n")
