@@ -59,7 +59,7 @@ Sample = dict[str, np.ndarray]
 
 def samples_from(model: onnx.ModelProto, calibration) -> list[Sample]:
     """A dict of arrays, a list of dicts, one .npz path or a list of them."""
-    from onnxmp.inputs import check_inputs, load_npz
+    from onnxmp.inputs import check_inputs, drop_extra_inputs, load_npz
 
     if isinstance(calibration, Mapping):
         samples = [dict(calibration)]
@@ -72,7 +72,8 @@ def samples_from(model: onnx.ModelProto, calibration) -> list[Sample]:
     else:
         raise OnnxMPError("calibration needs sample inputs",
                           hint="pass a dict of input arrays, a list of them, or .npz paths")
-    return [check_inputs(model, s) for s in samples]
+    # As validate does: a training file's labels are no reason to refuse it.
+    return [check_inputs(model, s) for s in drop_extra_inputs(model, samples)]
 
 
 def split_holdout(samples: Sequence[Sample], holdout: int | None) -> tuple[list[Sample], list[Sample]]:

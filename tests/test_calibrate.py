@@ -1,6 +1,7 @@
 """Calibration seeds, the switchboard, the bisection search and its run bound, hold-out, CLI contract."""
 from __future__ import annotations
 
+import logging
 import math
 
 import numpy as np
@@ -117,9 +118,19 @@ def test_calibration_that_already_passes_changes_nothing_in_the_coloring():
     assert calibrated.model.SerializeToString() == plain.model.SerializeToString()
 
 
+def test_calibration_ignores_npz_arrays_that_are_no_model_input(tmp_path, caplog):
+    """A training file holds the labels too; validate ignores them, calibration refused them."""
+    sample = _samples(1)[0]
+    np.savez(tmp_path / "train.npz", **sample, y=np.arange(4))
+    with caplog.at_level(logging.INFO, logger="onnxmp"):
+        result = onnxmp.convert(_chain(2), calibration=[str(tmp_path / "train.npz")])
+    assert result.report.calibration.met
+    assert "not model inputs: y" in caplog.text
+
+
 def test_calibration_input_errors_are_clear():
     model = _chain(2)
-    with pytest.raises(onnxmp.OnnxMPError, match="not inputs of the model"):
+    with pytest.raises(onnxmp.OnnxMPError, match="no value for model input"):
         onnxmp.convert(model, calibration={"nope": np.zeros((2, 16), np.float32)})
     with pytest.raises(onnxmp.OnnxMPError, match="tolerance must be positive"):
         onnxmp.convert(model, calibration={"x": np.zeros((2, 16), np.float32)}, tolerance=0)
