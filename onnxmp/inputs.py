@@ -37,24 +37,27 @@ def model_inputs(model: onnx.ModelProto) -> list[onnx.ValueInfoProto]:
     return [v for v in model.graph.input if v.name not in initializers]
 
 
+def read_npz(path: str | os.PathLike, hint: str = "save with np.savez(path, input_name=array, ...)") -> Sample:
+    """Every array of one ``.npz`` file, by name, with one clear error for any file that is not one."""
+    try:
+        if not zipfile.is_zipfile(path):  # numpy would try it as a pickle and talk about allow_pickle
+            with open(path, "rb") as head:
+                single = head.read(6) == b"\x93NUMPY"
+            raise OnnxMPError(f"{path} holds a single array, not an .npz of named arrays" if single
+                              else f"{path} is not an .npz file (a zip of named .npy arrays)", hint)
+        with np.load(os.fspath(path), allow_pickle=False) as data:
+            return {name: data[name] for name in data.files}
+    except FileNotFoundError:
+        raise OnnxMPError(f"file not found: {path}", "check the path") from None
+    except (OSError, ValueError, zipfile.BadZipFile) as exc:
+        raise OnnxMPError(f"cannot read {path}: {exc}", hint) from None
+
+
 def load_npz(paths: str | os.PathLike | Iterable[str | os.PathLike]) -> list[Sample]:
     """Load one sample per ``.npz`` file, in the order given."""
     if isinstance(paths, (str, os.PathLike)):
         paths = [paths]
-    samples = []
-    for path in paths:
-        try:
-            data = np.load(os.fspath(path), allow_pickle=False)
-            if not isinstance(data, np.lib.npyio.NpzFile):
-                raise OnnxMPError(f"{path} holds a single array, not an .npz of named inputs",
-                                  "save with np.savez(path, input_name=array, ...)")
-            with data:
-                samples.append({name: data[name] for name in data.files})
-        except FileNotFoundError:
-            raise OnnxMPError(f"input file not found: {path}") from None
-        except (OSError, ValueError, zipfile.BadZipFile) as exc:
-            raise OnnxMPError(f"cannot read inputs from {path}: {exc}",
-                              "save with np.savez(path, input_name=array, ...)") from None
+    samples = [read_npz(path) for path in paths]
     if not samples:
         raise OnnxMPError("no input files given")
     return samples

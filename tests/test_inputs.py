@@ -103,6 +103,14 @@ def test_load_several_files_one_sample_each(tmp_path):
     assert load_npz(tmp_path / "s1.npz")[0]["x"][0] == 1
 
 
+def test_a_model_given_as_inputs_is_named_not_an_npz(tmp_path):
+    """numpy takes any non-zip file for a pickle and talked about allow_pickle."""
+    onnx.save(onnx.helper.make_model(onnx.helper.make_graph([], "g", [], [])), tmp_path / "m.onnx")
+    with pytest.raises(OnnxMPError, match=r"m\.onnx is not an \.npz file") as info:
+        load_npz(tmp_path / "m.onnx")
+    assert "pickle" not in str(info.value)
+
+
 def test_load_errors(tmp_path):
     with pytest.raises(OnnxMPError, match="not found"):
         load_npz(tmp_path / "missing.npz")
@@ -110,8 +118,15 @@ def test_load_errors(tmp_path):
     with pytest.raises(OnnxMPError, match="single array"):
         load_npz(tmp_path / "single.npy")
     (tmp_path / "junk.npz").write_bytes(b"not a zip at all")
-    with pytest.raises(OnnxMPError, match="cannot read"):
+    with pytest.raises(OnnxMPError, match="junk.npz is not an .npz file"):
         load_npz(tmp_path / "junk.npz")
+    np.savez(tmp_path / "cut.npz", x=np.zeros(1000))
+    (tmp_path / "cut.npz").write_bytes((tmp_path / "cut.npz").read_bytes()[:-30])
+    with pytest.raises(OnnxMPError, match="cut.npz is not an .npz file|cannot read"):
+        load_npz(tmp_path / "cut.npz")
+    np.savez(tmp_path / "obj.npz", x=np.array([None, 1], dtype=object))
+    with pytest.raises(OnnxMPError, match="cannot read .*obj.npz"):
+        load_npz(tmp_path / "obj.npz")
     with pytest.raises(OnnxMPError, match="no input files"):
         load_npz([])
 

@@ -188,21 +188,18 @@ class _DataSpec:
 
 def _read_arrays(path: str, inputs: list[str], labels: str, spec: _DataSpec) -> list[np.ndarray]:
     """The arrays of one .npz file in the order a batch needs (model inputs, then labels), checked."""
+    from onnxmp.inputs import read_npz
     from onnxmp.training.labels import check_labels
 
     if len(inputs) != len(spec.model_inputs):
         raise OnnxMPError(f"--inputs names {len(inputs)} arrays but the model has "
                           f"{len(spec.model_inputs)} inputs ({', '.join(spec.model_inputs)})")
-    try:
-        with np.load(path) as data:
-            missing = [key for key in [*inputs, labels] if key not in data]
-            if missing:
-                raise OnnxMPError(f"{path} has no array {', '.join(missing)}",
-                                  f"it holds: {', '.join(data.files)}")
-            arrays = [data[key] for key in [*inputs, labels]]
-    except (OSError, ValueError) as exc:
-        raise OnnxMPError(f"cannot read {path}: {exc}", "pass an .npz file written by numpy.savez") from None
+    data = read_npz(path, hint="pass an .npz file written by numpy.savez")
     keys = [*inputs, labels]
+    missing = [key for key in keys if key not in data]
+    if missing:
+        raise OnnxMPError(f"{path} has no array {', '.join(missing)}", f"it holds: {', '.join(data)}")
+    arrays = [data[key] for key in keys]
     if any(a.ndim == 0 for a in arrays):
         raise OnnxMPError(f"{path}: {', '.join(k for k, a in zip(keys, arrays) if a.ndim == 0)} "
                           "are scalars, not rows of data")
