@@ -130,6 +130,19 @@ def guard_outputs(outputs: Mapping[str, PathLike | None], inputs: Inputs = {},  
                               hint=f"check the folder's permissions or choose another {label}")
 
 
+def guard_arguments(parser, outputs: Mapping[str, PathLike | None], inputs: Inputs = {},  # noqa: B006
+                    *, folders: Iterable[str] = ()) -> None:
+    """:func:`guard_outputs` for a script's ``argparse`` parser: an unsafe destination is a usage error.
+
+    ``parser.error`` prints one line and exits 2 before any work, as every
+    script does for its other argument errors; never a traceback.
+    """
+    try:
+        guard_outputs(outputs, inputs, folders=folders)
+    except OnnxMPError as exc:
+        parser.error(exc.one_line())
+
+
 def _temp_name_error(path: Path, exc: OSError) -> OnnxMPError:
     return OnnxMPError(f"cannot write {path}: {exc.strerror or exc}",
                        hint="check that the folder exists, is writable and has free space")

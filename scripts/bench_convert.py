@@ -46,8 +46,7 @@ sys.path.insert(0, str(ROOT))
 import onnx  # noqa: E402
 
 import onnxmp  # noqa: E402
-from onnxmp.errors import OnnxMPError  # noqa: E402
-from onnxmp.files import guard_outputs, write_text_atomic  # noqa: E402
+from onnxmp.files import guard_arguments, write_text_atomic  # noqa: E402
 from models import zoo  # noqa: E402
 
 STAGES = ("load", "normalize", "color", "rewrite", "verify")
@@ -295,10 +294,7 @@ def main(argv: list[str] | None = None) -> int:
     sizes = [s.strip() for s in args.sizes.split(",") if s.strip()]
     if not sizes or args.repeat < 1:
         ap.error("need at least one size and --repeat >= 1")
-    try:
-        guard_outputs({"--json": args.json})
-    except OnnxMPError as exc:
-        ap.error(exc.one_line())
+    guard_arguments(ap, {"--json": args.json})
     result = bench(sizes, args.repeat, args.timeout, args.profile)
     print_table(result)
     print_profiles(result)
