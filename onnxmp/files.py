@@ -69,6 +69,26 @@ def _paths(value) -> list[Path]:
     return [Path(v) for v in value if v is not None]
 
 
+def _external_data_files(path: Path) -> list[Path]:
+    """The files an ``.onnx`` input keeps its weights in: writing one destroys the model as surely.
+
+    Anything that does not parse as a model has none (loading it reports the problem).
+    """
+    if path.suffix.lower() != ".onnx" or not path.is_file():
+        return []
+    import onnx
+
+    from onnxmp.external import all_tensors, info
+
+    try:
+        model = onnx.load_model(str(path), load_external_data=False)
+    except Exception:  # noqa: BLE001 (protobuf's decode errors share no base class)
+        return []
+    locations = {info(t).get("location") for t in all_tensors(model)
+                 if t.data_location == onnx.TensorProto.EXTERNAL}
+    return [path.parent / location for location in sorted(locations - {None, ""})]
+
+
 def _same(a: Path, b: Path) -> bool:
     if os.path.realpath(a) == os.path.realpath(b):
         return True
@@ -91,14 +111,18 @@ def guard_outputs(outputs: Mapping[str, PathLike | None], inputs: Inputs = {},  
     ``outputs`` and ``inputs`` map a human label (``"-o"``, ``"--report"``,
     ``"model"``) to a path; ``None`` entries are skipped and an input may be a
     list of paths.  Raises :class:`OnnxMPError` when an output resolves
-    (symlinks followed, hard links recognised) to an input or to another
-    output, would take an input with it (an output folder holding one), or
+    (symlinks followed, hard links recognised) to an input, to the external
+    data file of an ``.onnx`` input, or to another output, would take an input with it (an output folder holding one), or
     its folder is missing or not writable.  An existing folder is refused as a
     destination unless its label is in ``folders`` (outputs written with
     :func:`atomic_directory`, which replaces a folder whole).
     """
     folders = set(folders)
     given_inputs = [(label, path) for label, value in inputs.items() for path in _paths(value)]
+    # Only an existing path can be (or hold) an input's external data: the model is parsed only then.
+    if any(Path(v).exists() for v in outputs.values() if v is not None):
+        given_inputs += [(f"external data of the {label}", data) for label, path in list(given_inputs)
+                         for data in _external_data_files(path)]
     seen: list[tuple[str, Path]] = []
     for label, value in outputs.items():
         if value is None:

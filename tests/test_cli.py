@@ -219,3 +219,19 @@ def test_a_failed_plot_leaves_no_validate_report(work, monkeypatch, capsys):
     assert "No space left" in one_error(capsys.readouterr().err, "validate")
     assert sorted(p.name for p in work.iterdir()) == sorted(before)
 
+
+
+def test_an_output_on_the_input_models_external_data_is_refused(work, capsys):
+    import onnx
+
+    onnx.save(onnx.load("m.onnx"), "ext.onnx", save_as_external_data=True, location="ext.weights", size_threshold=0)
+    # A converted model renamed after its conversion still reads the data file it was saved with.
+    onnx.save(onnx.load("m.onnx"), "old.onnx", save_as_external_data=True, location="new.onnx.data",
+              size_threshold=0)
+    before = snapshot(work)
+    for argv, clash in ((["convert", "ext.onnx", "-o", "ext.weights"], "-o ext.weights is the external data"),
+                        (["emulate", "ext.onnx", "-o", "ext.weights"], "-o ext.weights is the external data"),
+                        (["convert", "old.onnx", "-o", "new.onnx"], "new.onnx.data is the external data")):
+        assert main(argv) == EXIT_ERROR
+        assert clash in one_error(capsys.readouterr().err, argv[0])
+    assert snapshot(work) == before

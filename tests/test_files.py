@@ -178,6 +178,33 @@ def test_guard_refuses_two_outputs_on_one_path(tmp_path, model):
         guard_outputs({"-o": out, "--report": tmp_path / "." / "out.onnx"}, {"model": model})
 
 
+def _model_with_external_data(folder, location="weights.bin"):
+    import numpy as np
+    import onnx
+    from onnx import helper, numpy_helper
+
+    weight = numpy_helper.from_array(np.ones((4, 4), np.float32), "w")
+    graph = helper.make_graph([helper.make_node("MatMul", ["x", "w"], ["y"])], "g",
+                              [helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, [1, 4])],
+                              [helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, [1, 4])], [weight])
+    path = folder / "ext.onnx"
+    onnx.save(helper.make_model(graph), path, save_as_external_data=True, location=location, size_threshold=0)
+    return path
+
+
+@pytest.mark.parametrize("location", ["weights.bin", "out.onnx.data"])
+def test_guard_refuses_the_external_data_of_an_input(tmp_path, location):
+    """`convert ext.onnx -o weights.bin` wrote the converted model over the input's weights."""
+    model = _model_with_external_data(tmp_path, location)
+    data = (tmp_path / location).read_bytes()
+    with pytest.raises(OnnxMPError, match=rf"{location.replace('.', '.')} is the external data of the model"):
+        guard_outputs({"-o": tmp_path / location}, {"model": model})
+    with pytest.raises(OnnxMPError, match="is the external data of the model"):  # through the output's own data
+        guard_outputs({"-o": tmp_path / "out.onnx", "external data": tmp_path / location}, {"model": model})
+    guard_outputs({"-o": tmp_path / "other.bin"}, {"model": model})
+    assert (tmp_path / location).read_bytes() == data
+
+
 def test_guard_refuses_a_missing_folder(tmp_path):
     with pytest.raises(OnnxMPError, match="folder of --report .* does not exist") as info:
         guard_outputs({"--report": tmp_path / "nodir" / "r.json"})

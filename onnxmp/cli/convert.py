@@ -103,7 +103,9 @@ def _convert(args) -> int:
         given = [f"--{k.replace('_', '-')}" for k, v in calibration_flags.items() if v is not None]
         if given:
             raise UsageError(f"{given[0]} needs --calibrate", hint="pass sample inputs: --calibrate inputs.npz")
-    guard_outputs({"-o": args.output, "--report": args.report}, {"input model": args.model, "--calibrate": args.calibrate})
+    # -o's external data (`OUT.data`, written for large models) is checked now too, not after the work.
+    guard_outputs({"-o": args.output, "--report": args.report, "external data of -o": f"{args.output}.data"},
+                  {"input model": args.model, "--calibrate": args.calibrate})
     result = onnxmp.convert(args.model, **kwargs)
     calibration = result.report.calibration
     with all_or_nothing():  # a failed report takes the model with it, not the user's old files
