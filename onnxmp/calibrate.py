@@ -126,6 +126,18 @@ def _run(session, samples: Sequence[Sample], outputs: Sequence[str] | None = Non
         yield dict(zip(names, values))
 
 
+def _check_references(references: Sequence[dict[str, np.ndarray]]) -> None:
+    """Refuse a sample on which the float32 model's output is inf/NaN everywhere: any candidate would
+    'match' it, so calibration would report success without having measured anything."""
+    for index, outputs in enumerate(references, 1):
+        for name, value in outputs.items():
+            value = np.asarray(value)
+            if value.size and value.dtype.kind == "f" and not np.isfinite(value).any():
+                raise OnnxMPError(f"the float32 model's output {name!r} is inf/NaN in every element on "
+                                  f"calibration sample {index}; it cannot judge accuracy",
+                                  hint="check that sample's inputs (NaN or inf in them?)")
+
+
 def run_with_intermediates(model: onnx.ModelProto, samples: Sequence[Sample]) -> list[dict[str, np.ndarray]]:
     """Run on onnxruntime CPU with every float32 main-graph tensor exposed as an output."""
     return list(_run(_session(_probe(model), "model"), samples))
@@ -352,6 +364,7 @@ class _Calibration:
             _fold_magnitudes(self.magnitudes, run)
             self.ref_tune.append({name: run[name] for name in self.outputs})
         self.ref_held = list(_run(_session(self.original, "model"), self.held, self.outputs)) if self.held else []
+        _check_references(self.ref_tune + self.ref_held)
         self.runs = 0
         self.report = CalibrationReport(
             tolerance=tolerance, metric=self.plan.describe(), threshold=calibration_threshold,

@@ -117,6 +117,7 @@ class OutputParity:
     cosine: float | None = None
     top1: float | None = None
     nonfinite_mismatches: int = 0  # elements finite in one model only (or different inf/NaN)
+    compared: int = 0  # elements finite in both models, which the error metrics are computed over
     mismatches: int = 0  # unequal elements of an exactly compared output
     histogram: ErrorHistogram = field(default_factory=ErrorHistogram)
     failures: list[str] = field(default_factory=list)
@@ -207,6 +208,7 @@ def _compare(result: OutputParity, ref: np.ndarray, cand: np.ndarray, metrics: s
     finite = np.isfinite(r) & np.isfinite(c)
     same_special = (np.isnan(r) & np.isnan(c)) | (~finite & (r == c))
     result.nonfinite_mismatches += int(np.count_nonzero(~finite & ~same_special))
+    result.compared += int(np.count_nonzero(finite))
 
     r_f, c_f = r[finite], c[finite]
     errors = np.abs(r_f - c_f)
@@ -240,6 +242,10 @@ def _judge(result: OutputParity, limits: Thresholds) -> None:
     if result.nonfinite_mismatches:
         result.failures.append(f"{result.nonfinite_mismatches} elements are inf/NaN in one model only "
                                "(overflow or NaN in the candidate?)")
+    elif not result.compared and math.prod(result.shape) > 0:
+        # Both inf/NaN everywhere: the metrics would read as a perfect match of nothing.
+        result.failures.append("no element is finite in both models (the reference is inf/NaN everywhere: "
+                               "NaN or inf in the inputs?)")
     checks = [
         (result.cosine, limits.cosine_min, lambda v, t: v < t, "cosine {v:.6f} < {t}"),
         (result.max_rel_err, limits.rel_err_max, lambda v, t: v > t, "max rel err {v:.3e} > {t}"),

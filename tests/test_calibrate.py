@@ -128,6 +128,16 @@ def test_calibration_ignores_npz_arrays_that_are_no_model_input(tmp_path, caplog
     assert "not model inputs: y" in caplog.text
 
 
+def test_a_sample_with_an_all_nan_reference_is_refused_not_met():
+    """NaN inputs made the fp32 output NaN everywhere; calibration reported MET at error 0."""
+    nan = {"x": np.full((4, 16), np.nan, np.float32)}
+    with pytest.raises(onnxmp.OnnxMPError, match="inf/NaN in every element on calibration sample 2"):
+        onnxmp.convert(_chain(2), calibration=[_samples(1)[0], nan], holdout=1)
+    partly = _samples(1)[0]
+    partly["x"][0] = np.nan  # one row NaN: the other rows still judge
+    assert onnxmp.convert(_chain(2), calibration=partly).report.calibration.met
+
+
 def test_calibration_input_errors_are_clear():
     model = _chain(2)
     with pytest.raises(onnxmp.OnnxMPError, match="no value for model input"):

@@ -150,6 +150,16 @@ def test_nan_output_fails_even_with_all_else_equal():
     assert validate(nan_model(np.nan), nan_model(np.nan), x).passed
 
 
+def test_an_output_inf_nan_everywhere_in_both_models_is_no_pass():
+    """NaN inputs made both outputs NaN everywhere: PASSED with max|err| 0 and cosine 1, comparing nothing."""
+    nan_inputs = {"x": np.full((2, 4), np.nan, np.float32)}
+    report = validate(nan_model(1.0), nan_model(1.0), nan_inputs)
+    assert not report.passed and report.outputs[0].compared == 0
+    assert "no element is finite in both models" in report.outputs[0].failures[0]
+    one_row = {"x": np.array([[np.nan] * 4, [1, 2, 3, 4]], np.float32)}
+    assert validate(nan_model(1.0), nan_model(1.0), one_row).passed  # the finite row still compares
+
+
 def test_fp16_overflow_to_inf_fails():
     nodes = [helper.make_node("Mul", ["x", "k"], ["y"])]
     reference = make_model(nodes, [helper.make_tensor_value_info("x", TP.FLOAT, [3])],
