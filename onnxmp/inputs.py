@@ -48,7 +48,7 @@ def read_npz(path: str | os.PathLike, hint: str = "save with np.savez(path, inpu
         with np.load(os.fspath(path), allow_pickle=False) as data:
             return {name: data[name] for name in data.files}
     except FileNotFoundError:
-        raise OnnxMPError(f"file not found: {path}", "check the path") from None
+        raise OnnxMPError(f"cannot read {path}: file not found", "check the path") from None
     except (OSError, ValueError, zipfile.BadZipFile) as exc:
         raise OnnxMPError(f"cannot read {path}: {exc}", hint) from None
 

@@ -121,11 +121,23 @@ def test_outputs_get_the_umask_mode(work, capsys):
     (["convert", "m.onnx"], "the following arguments are required: -o/--output", "see `onnxmp convert --help`"),
     (["emulate", "m.onnx", "-o", "x.onnx", "--precision", "fp8"], "argument --precision: invalid choice 'fp8'",
      "choose from: float16, bfloat16"),
-    (["validate", "m.onnx", "b.onnx", "--seed", "x"], "argument --seed: invalid int value: 'x'",
+    (["validate", "m.onnx", "b.onnx", "--seed", "x"], "argument --seed: expected an integer, got 'x'",
      "see `onnxmp validate --help`"),
     (["convert", "m.onnx", "-o", "x.onnx", "--tolerance", "0.1"], "--tolerance needs --calibrate",
      "pass sample inputs"),
     (["lists", "--nope"], "unrecognized arguments: --nope", "see `onnxmp lists --help`"),
+    # Out-of-range numbers are usage errors too, found before any work (--seed -1 was an internal error).
+    (["validate", "m.onnx", "b.onnx", "--seed", "-1"], "argument --seed: must be at least 0, got -1",
+     "see `onnxmp validate --help`"),
+    (["lists", "--opset", "-3"], "argument --opset: must be at least 1, got -3", "see `onnxmp lists --help`"),
+    (["convert", "m.onnx", "-o", "x.onnx", "--calibrate", "s.npz", "--max-runs", "0"],
+     "argument --max-runs: must be at least 1, got 0", "see `onnxmp convert --help`"),
+    (["convert", "m.onnx", "-o", "x.onnx", "--calibrate", "s.npz", "--holdout", "-1"],
+     "argument --holdout: must be at least 0, got -1", "see `onnxmp convert --help`"),
+    (["convert", "m.onnx", "-o", "x.onnx", "--calibrate", "s.npz", "--tolerance", "-0.1"],
+     "argument --tolerance: must be a positive number, got -0.1", "see `onnxmp convert --help`"),
+    (["convert", "m.onnx", "-o", "x.onnx", "--calibrate", "s.npz", "--tolerance", "nan"],
+     "argument --tolerance: must be a positive number, got nan", "see `onnxmp convert --help`"),
 ])
 def test_usage_errors_exit_2_with_one_line_and_a_hint(work, capsys, argv, message, hint):
     assert main(argv) == EXIT_USAGE

@@ -6,6 +6,7 @@ import json
 import logging
 import sys
 
+from onnxmp.cli import at_least, positive_float
 from onnxmp.errors import OnnxMPError, UsageError
 from onnxmp.files import all_or_nothing, guard_outputs, write_text_atomic
 from onnxmp.lists import LEVELS, LIST_NAMES, PRECISIONS, TARGETS
@@ -27,17 +28,17 @@ def register(sub) -> None:
     p.add_argument("--calibrate", nargs="+", metavar="NPZ", default=None,
                    help="sample inputs (.npz): deny nodes whose intermediates overflow and fall back to fp32 "
                         "where the converted model misses --tolerance")
-    p.add_argument("--tolerance", type=float, default=None,
+    p.add_argument("--tolerance", type=positive_float, default=None,
                    help="with --calibrate: the largest error allowed per output, in the metric's units "
                         "(default 0.01)")
     p.add_argument("--metric", action="append", default=None, metavar="[OUTPUT=]METRIC",
                    help="with --calibrate: rel (default, max|err|/max|ref|), max_abs, cosine (1 - cosine), "
                         "argmax (share of rows whose last-axis argmax differs) or binary:T (share of elements "
                         "where x > T differs); OUTPUT=METRIC for one output (repeatable)")
-    p.add_argument("--holdout", type=int, default=None, metavar="K",
+    p.add_argument("--holdout", type=at_least(0), default=None, metavar="K",
                    help="with --calibrate: tune on all but the last K samples and report on those "
                         "(default: a quarter of them once there are two or more)")
-    p.add_argument("--max-runs", type=int, default=None, metavar="N",
+    p.add_argument("--max-runs", type=at_least(1), default=None, metavar="N",
                    help="with --calibrate: emulated runs before the search stops with the best model found "
                         "(default 2000)")
     p.add_argument("--report", metavar="FILE.json", help="write the full per-vertex explanation as JSON")
@@ -55,7 +56,7 @@ def register(sub) -> None:
     p.add_argument("--target", choices=TARGETS, default="cuda")
     p.add_argument("--precision", choices=PRECISIONS, default="float16")
     p.add_argument("--level", choices=LEVELS, default="default")
-    p.add_argument("--opset", type=int, default=17, help="opset at which kernel coverage is shown (default 17)")
+    p.add_argument("--opset", type=at_least(1), default=17, help="opset at which kernel coverage is shown (default 17)")
     p.add_argument("--json", action="store_true", help="machine-readable output")
     add_verbosity_flags(p)
     p.set_defaults(func=_lists)

@@ -5,7 +5,7 @@ import argparse
 import logging
 import sys
 
-from onnxmp.cli import add_verbosity_flags
+from onnxmp.cli import add_verbosity_flags, at_least
 
 log = logging.getLogger("onnxmp.cli.parity")
 
@@ -35,7 +35,7 @@ def register(subparsers) -> None:
                    help=".npz files, one sample each (default: one random sample)")
     p.add_argument("--dims", nargs="+", default=[], metavar="NAME=SIZE", type=_dim,
                    help="sizes of symbolic input dims for generated inputs, e.g. N=2")
-    p.add_argument("--seed", type=int, default=0, help="seed for generated inputs (default: 0)")
+    p.add_argument("--seed", type=at_least(0), default=0, help="seed for generated inputs (default: 0)")
     p.add_argument("--provider", choices=("cpu", "cuda"), default="cpu",
                    help="cpu emulates low precision; cuda runs it for real (default: cpu)")
     p.add_argument("--report", metavar="JSON", help="write the full report as JSON")

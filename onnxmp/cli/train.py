@@ -32,7 +32,7 @@ _METRICS = {"cross_entropy": ["accuracy"], "bce_with_logits": ["binary_accuracy"
 
 
 def register(sub) -> None:
-    from onnxmp.cli import add_verbosity_flags
+    from onnxmp.cli import add_verbosity_flags, at_least, positive_float
     from onnxmp.training.artifacts import LOSSES, OPTIMIZERS, PRECISIONS
 
     p = sub.add_parser("train", help="train an ONNX model with mixed precision and dynamic loss scaling",
@@ -47,18 +47,18 @@ def register(sub) -> None:
     p.add_argument("--labels", required=True, metavar="KEY", help="npz key holding the labels/targets")
     p.add_argument("--loss", choices=list(LOSSES), default="cross_entropy")
     p.add_argument("--optimizer", choices=OPTIMIZERS, default="adamw")
-    p.add_argument("--epochs", type=int, required=True, help="total epochs (a resumed run continues up to it)")
-    p.add_argument("--batch-size", type=int, required=True)
-    p.add_argument("--lr", type=float, default=1e-3,
+    p.add_argument("--epochs", type=at_least(1), required=True, help="total epochs (a resumed run continues up to it)")
+    p.add_argument("--batch-size", type=at_least(1), required=True)
+    p.add_argument("--lr", type=positive_float, default=1e-3,
                    help="learning rate (default 1e-3; a resumed run keeps its saved rate)")
     p.add_argument("--out", required=True, metavar="DIR", help="output folder")
     p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     p.add_argument("--precision", choices=PRECISIONS, default="float16")
     p.add_argument("--resume", metavar="DIR", help="continue from a saved state folder (DIR or DIR/state)")
     p.add_argument("--frozen", nargs="+", default=[], metavar="NAME", help="initializers not to train")
-    p.add_argument("--grad-accum-steps", type=int, default=1, metavar="K")
-    p.add_argument("--clip-global-norm", type=float, default=None, metavar="C")
-    p.add_argument("--seed", type=int, default=0, help="shuffling seed (default 0)")
+    p.add_argument("--grad-accum-steps", type=at_least(1), default=1, metavar="K")
+    p.add_argument("--clip-global-norm", type=positive_float, default=None, metavar="C")
+    p.add_argument("--seed", type=at_least(0), default=0, help="shuffling seed (default 0)")
     p.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bar")
     add_verbosity_flags(p)
     p.set_defaults(func=_train)
@@ -69,8 +69,6 @@ def _train(args) -> int:
     from onnxmp.training import Trainer, build_artifacts
     from onnxmp.training.artifacts import check_replaceable
 
-    if args.epochs < 1 or args.batch_size < 1:
-        raise OnnxMPError("--epochs and --batch-size must be positive")
     out = Path(args.out)
     resume = _state_folder(Path(args.resume)) if args.resume else None
     inputs = {"model": None if resume else args.model, "--data": args.data, "--eval": args.eval_data}
