@@ -145,6 +145,10 @@ def guard_outputs(outputs: Mapping[str, PathLike | None], inputs: Inputs = {},  
                 raise OnnxMPError(f"{label} {path} exists and is not a folder", hint=f"choose another {label}")
         elif path.is_dir():
             raise OnnxMPError(f"{label} {path} is an existing folder", hint=f"give {label} a file name")
+        elif path.exists() and not path.is_file():
+            # The rename that makes a write atomic would replace the device or pipe itself.
+            raise OnnxMPError(f"{label} {path} is not a regular file (a device, pipe or socket)",
+                              hint=f"give {label} the path of a file")
         folder = _folder(path)
         if not folder.is_dir():
             raise OnnxMPError(f"the folder of {label} {path} does not exist: {folder}",

@@ -262,6 +262,19 @@ def test_guard_refuses_a_read_only_folder(read_only_folder):
     assert list(read_only_folder.iterdir()) == []
 
 
+def test_guard_refuses_a_device_or_pipe_it_would_replace(tmp_path):
+    """`-o /dev/null` passed the guard, and as root the rename would have replaced the device node."""
+    fifo = tmp_path / "pipe"
+    os.mkfifo(fifo)
+    link = tmp_path / "to-pipe"
+    link.symlink_to(fifo)
+    for path in (fifo, link, "/dev/null"):
+        with pytest.raises(OnnxMPError, match="is not a regular file") as info:
+            guard_outputs({"--report": path})
+        assert "regular file" in info.value.message and info.value.hint
+    assert stat.S_ISFIFO(os.stat(fifo).st_mode) and os.path.exists("/dev/null")
+
+
 def test_guard_refuses_an_existing_folder_as_a_file_output(tmp_path):
     (tmp_path / "dir.onnx").mkdir()
     with pytest.raises(OnnxMPError, match="is an existing folder"):
