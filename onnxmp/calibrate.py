@@ -41,7 +41,7 @@ from onnxmp.color.seeds import DEFAULT_THRESHOLD, DEFAULT_UNDERFLOW_SHARE
 from onnxmp.errors import OnnxMPError
 from onnxmp.graphs import proto_nodes
 from onnxmp.load import load
-from onnxmp.metrics import MetricPlan, metric_plan, relative_error  # noqa: F401  (relative_error: public here)
+from onnxmp.metrics import MetricPlan, as_output_array, metric_plan, relative_error  # noqa: F401  (relative_error: public here)
 from onnxmp.report import TENSOR_CORE_OPS, Report, head
 from onnxmp.search import (
     BudgetExhausted, LowNode, Oracle, RunBar, Switchboard, find_fp32_set, run_bound, segment_ranking,
@@ -123,7 +123,7 @@ def _run(session, samples: Sequence[Sample], outputs: Sequence[str] | None = Non
         except Exception as exc:  # onnxruntime's exceptions share no public base class
             raise OnnxMPError(f"calibration run failed: {str(exc).splitlines()[0][:300]}",
                               hint="check the calibration inputs' shapes and dtypes") from None
-        yield dict(zip(names, values))
+        yield {name: as_output_array(value) for name, value in zip(names, values)}
 
 
 def _check_references(references: Sequence[dict[str, np.ndarray]]) -> None:

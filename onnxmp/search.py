@@ -53,6 +53,7 @@ from onnx import TensorProto, helper
 
 from onnxmp.errors import OnnxMPError
 from onnxmp.graphs import proto_subgraphs
+from onnxmp.metrics import as_output_array
 from onnxmp.naming import FreshNames, proto_names
 
 log = logging.getLogger("onnxmp.search")
@@ -194,7 +195,7 @@ class Switchboard:
             except Exception as exc:  # onnxruntime's exceptions share no public base class
                 raise OnnxMPError(f"calibration run failed: {str(exc).splitlines()[0][:300]}",
                                   hint="check the calibration inputs' shapes and dtypes") from None
-            results.append(dict(zip(self.outputs, values)))
+            results.append({name: as_output_array(value) for name, value in zip(self.outputs, values)})
         return results
 
 

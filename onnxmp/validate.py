@@ -54,8 +54,9 @@ import onnx
 
 from onnxmp.emulate import as_model, emulate, low_precision_types
 from onnxmp.errors import OnnxMPError
-from onnxmp.naming import json_safe
 from onnxmp.inputs import Sample, check_inputs, drop_extra_inputs, generate_inputs, load_npz
+from onnxmp.metrics import as_output_array
+from onnxmp.naming import json_safe
 
 log = logging.getLogger("onnxmp.validate")
 
@@ -322,7 +323,7 @@ def _run(session, model: onnx.ModelProto, sample: Sample, role: str) -> dict[str
         values = session.run(None, feeds)
     except Exception as exc:  # onnxruntime's exceptions share no public base class
         raise OnnxMPError(f"the {role} model failed to run: {_first_line(exc)}") from None
-    return {o.name: np.asarray(v) for o, v in zip(session.get_outputs(), values)}
+    return {o.name: as_output_array(v) for o, v in zip(session.get_outputs(), values)}
 
 
 def _samples(model: onnx.ModelProto, inputs, dims, seed: int) -> list[Sample]:

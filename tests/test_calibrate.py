@@ -138,6 +138,33 @@ def test_a_sample_with_an_all_nan_reference_is_refused_not_met():
     assert onnxmp.convert(_chain(2), calibration=partly).report.calibration.met
 
 
+def _with_sequence_and_optional_outputs(ragged: bool) -> onnx.ModelProto:
+    """_chain(2) plus the sequence and optional outputs tf2onnx/torch exports can carry."""
+    from onnx import helper
+
+    model = _chain(2)
+    out = model.graph.output[0].name
+    second = "row" if ragged else out
+    model.graph.node.extend([
+        helper.make_node("ReduceSum", [out], ["row"], keepdims=1, name="row_sum"),
+        helper.make_node("SequenceConstruct", [out, second], ["seq"], name="seq"),
+        helper.make_node("Optional", [out], ["opt"], name="opt")])
+    model.graph.output.extend([
+        helper.make_tensor_sequence_value_info("seq", onnx.TensorProto.FLOAT, None),
+        helper.make_value_info("opt", helper.make_optional_type_proto(
+            helper.make_tensor_type_proto(onnx.TensorProto.FLOAT, None)))])
+    model.opset_import[0].version = max(model.opset_import[0].version, 18)
+    return model
+
+
+@pytest.mark.parametrize("ragged", [False, True])
+def test_calibration_judges_sequence_and_optional_outputs(ragged):
+    """A sequence output arrived as a list: AttributeError 'list' object has no attribute 'dtype'."""
+    result = onnxmp.convert(_with_sequence_and_optional_outputs(ragged), calibration=_samples(2), holdout=1)
+    cal = result.report.calibration
+    assert cal.met and set(cal.final.holdout) == {result.model.graph.output[0].name, "seq", "opt"}
+
+
 def test_calibration_input_errors_are_clear():
     model = _chain(2)
     with pytest.raises(onnxmp.OnnxMPError, match="no value for model input"):

@@ -160,6 +160,17 @@ def test_an_output_inf_nan_everywhere_in_both_models_is_no_pass():
     assert validate(nan_model(1.0), nan_model(1.0), one_row).passed  # the finite row still compares
 
 
+def test_a_ragged_sequence_output_is_compared_not_an_internal_error():
+    """np.asarray of a ragged sequence raised ValueError ('inhomogeneous shape')."""
+    nodes = [helper.make_node("Mul", ["x", "k"], ["y"]), helper.make_node("ReduceSum", ["y"], ["r"], keepdims=1),
+             helper.make_node("SequenceConstruct", ["y", "r"], ["s"])]
+    reference = make_model(nodes, [helper.make_tensor_value_info("x", TP.FLOAT, [2, 4])],
+                           [helper.make_tensor_sequence_value_info("s", TP.FLOAT, None)],
+                           [numpy_helper.from_array(np.full(4, 1.001, np.float32), "k")])
+    report = validate(reference, reference, {"x": np.ones((2, 4), np.float32)})
+    assert report.passed and report.outputs[0].shape == [9]  # 2x4 and 1x1, end to end
+
+
 def test_fp16_overflow_to_inf_fails():
     nodes = [helper.make_node("Mul", ["x", "k"], ["y"])]
     reference = make_model(nodes, [helper.make_tensor_value_info("x", TP.FLOAT, [3])],
