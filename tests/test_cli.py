@@ -247,3 +247,14 @@ def test_an_output_on_the_input_models_external_data_is_refused(work, capsys):
         assert main(argv) == EXIT_ERROR
         assert clash in one_error(capsys.readouterr().err, argv[0])
     assert snapshot(work) == before
+
+
+@pytest.mark.parametrize("flag, op, hint", [
+    ("--deny-add", "MatMul", "--allow-remove MatMul"),  # was "--deny-remove MatMul": undo what was asked
+    ("--allow-add", "Exp", "--deny-remove Exp"),
+    ("--clear-add", "MatMul", "--allow-remove MatMul"),
+])
+def test_an_op_added_to_a_second_list_hints_removing_it_from_the_other(work, capsys, flag, op, hint):
+    assert main(["convert", "m.onnx", "-o", "x.onnx", flag, op]) == EXIT_ERROR
+    err = capsys.readouterr().err
+    assert "is in both the" in one_error(err, "convert") and f"  hint: remove it from one, e.g. {hint} " in err
