@@ -116,7 +116,12 @@ def build_parser() -> ArgumentParser:
     return parser
 
 
-def _error(prog: str, message: str, hint: str | None = None) -> None:
+def report_error(prog: str, message: str, hint: str | None = None) -> None:
+    """The contract's format: ``<prog>: error: <first line>`` and at most one ``  hint:`` line.
+
+    For a command that prints its result and still fails (parity failed,
+    tolerance missed); everything else raises and ``main`` calls this.
+    """
     lines = str(message).strip().splitlines() or ["error"]
     sys.stderr.write(f"{prog}: error: {lines[0]}\n")
     if hint:
@@ -136,7 +141,7 @@ def main(argv: list[str] | None = None) -> int:
             raise UsageError(f"unrecognized arguments: {' '.join(unknown)}",
                              hint=f"see `onnxmp {args.command} --help`", prog=f"onnxmp {args.command}")
     except UsageError as exc:
-        _error(exc.prog, exc.message, exc.hint)
+        report_error(exc.prog, exc.message, exc.hint)
         return EXIT_USAGE
     _configure_logging(getattr(args, "verbose", 0), getattr(args, "quiet", 0))
     prog = f"onnxmp {args.command}"
@@ -153,12 +158,12 @@ def main(argv: list[str] | None = None) -> int:
         if verbose:
             traceback.print_exc()
         if isinstance(exc, OnnxMPError):
-            _error(prog, exc.message, exc.hint)
+            report_error(prog, exc.message, exc.hint)
             return EXIT_USAGE if isinstance(exc, UsageError) else EXIT_ERROR
         if isinstance(exc, OSError):
-            _error(prog, _os_error_line(exc), "check the path and its permissions")
+            report_error(prog, _os_error_line(exc), "check the path and its permissions")
         else:
-            _error(prog, f"{type(exc).__name__}: {exc}",
+            report_error(prog, f"{type(exc).__name__}: {exc}",
                    None if verbose else "run again with -v for the traceback, and please report it")
         return EXIT_ERROR
 

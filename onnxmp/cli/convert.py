@@ -6,14 +6,12 @@ import json
 import logging
 import sys
 
-from onnxmp.cli import at_least, positive_float
+from onnxmp.cli import EXIT_TOLERANCE, at_least, positive_float, report_error
 from onnxmp.errors import OnnxMPError, UsageError
 from onnxmp.files import all_or_nothing, guard_outputs, write_text_atomic
 from onnxmp.lists import LEVELS, LIST_NAMES, PRECISIONS, TARGETS
 
 log = logging.getLogger("onnxmp.cli")
-
-EXIT_TOLERANCE_MISSED = 3  # calibration ran, missed the tolerance, and wrote its best model
 
 
 def register(sub) -> None:
@@ -117,12 +115,11 @@ def _convert(args) -> int:
     sys.stdout.write(f"wrote {args.output}\n")
     if calibration is not None and not calibration.met:
         # The best model found is written: minutes of search are never thrown away.
-        sys.stderr.write(f"onnxmp convert: error: calibration missed the tolerance: best error "
-                         f"{calibration.error:.3g} > {calibration.tolerance:g} "
-                         f"({calibration.error - calibration.tolerance:.3g} above); the best model found was "
-                         f"written\n  hint: raise --tolerance or --max-runs, or --block-node the parts "
-                         f"named above\n")
-        return EXIT_TOLERANCE_MISSED
+        report_error("onnxmp convert", f"calibration missed the tolerance: best error {calibration.error:.3g} > "
+                     f"{calibration.tolerance:g} ({calibration.error - calibration.tolerance:.3g} above); the best "
+                     "model found was written",
+                     "raise --tolerance or --max-runs, or --block-node the parts named above")
+        return EXIT_TOLERANCE
     return 0
 
 

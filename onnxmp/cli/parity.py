@@ -5,7 +5,7 @@ import argparse
 import logging
 import sys
 
-from onnxmp.cli import add_verbosity_flags, at_least
+from onnxmp.cli import EXIT_ERROR, add_verbosity_flags, at_least, report_error
 
 log = logging.getLogger("onnxmp.cli.parity")
 
@@ -90,6 +90,6 @@ def run_validate(args: argparse.Namespace) -> int:
             plot_errors(report, args.plot)
     if not report.passed:
         (first,), rest = head(report.failures(), 1)
-        sys.stderr.write(f"onnxmp validate: error: parity failed: {first}" + (f" ({rest})" if rest else "") + "\n")
-        return 1
+        report_error("onnxmp validate", f"parity failed: {first}" + (f" ({rest})" if rest else ""))
+        return EXIT_ERROR
     return 0
