@@ -77,7 +77,7 @@ def _train(args) -> int:
     if resume is not None and not str(resume.resolve()).startswith(str(out.resolve())):
         inputs["--resume"] = resume
     guard_outputs({"--out": out}, inputs, folders=["--out"])
-    check_replaceable(out, marker="history.json", what="`onnxmp train` output folder")
+    check_replaceable(out, marker="history.json", what="train output folder")
 
     if resume is not None:
         trainer = Trainer.resume(resume, device=args.device)

@@ -150,3 +150,12 @@ def test_out_of_range_numbers_are_usage_errors_before_any_work(files, capsys, fl
     err = capsys.readouterr().err
     assert err.startswith(f"onnxmp train: error: {message}") and "Traceback" not in err
     assert sorted(p.name for p in files.iterdir()) == ["eval.npz", "model.onnx", "train.npz"]
+
+
+def test_an_unrelated_out_folder_is_refused_and_kept(files, capsys):
+    (files / "mine").mkdir()
+    (files / "mine" / "notes.txt").write_text("precious")
+    assert main(_args(files, files / "mine", 1)) == 1
+    err = capsys.readouterr().err
+    assert "mine exists and is not an onnxmp train output folder;" in err  # was "an onnxmp `onnxmp train` ..."
+    assert (files / "mine" / "notes.txt").read_text() == "precious"
