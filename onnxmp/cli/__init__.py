@@ -30,7 +30,7 @@ _COMMAND_MODULES = ("onnxmp.cli.convert", "onnxmp.cli.parity", "onnxmp.cli.train
 EXIT_OK = 0
 EXIT_ERROR = 1
 EXIT_USAGE = 2
-EXIT_TOLERANCE = 3
+EXIT_TOLERANCE = 3  # calibration ran, missed the tolerance, and wrote the best model it found
 
 log = logging.getLogger("onnxmp")
 
