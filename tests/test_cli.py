@@ -258,3 +258,19 @@ def test_an_op_added_to_a_second_list_hints_removing_it_from_the_other(work, cap
     assert main(["convert", "m.onnx", "-o", "x.onnx", flag, op]) == EXIT_ERROR
     err = capsys.readouterr().err
     assert "is in both the" in one_error(err, "convert") and f"  hint: remove it from one, e.g. {hint} " in err
+
+
+def test_explain_does_not_point_at_a_report_flag_it_lacks(work, capsys):
+    """explain's summary said '… N more (see --report JSON)'; explain has no --report."""
+    import onnx
+    from onnx import helper
+
+    graph = helper.make_graph([helper.make_node("Exp", ["x"], [f"e{i}"], name=f"exp{i}") for i in range(25)], "g",
+                              [helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, [4, 3])],
+                              [helper.make_tensor_value_info(f"e{i}", onnx.TensorProto.FLOAT, [4, 3])
+                               for i in range(25)])
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8), "exps.onnx")
+    capsys.readouterr()
+    assert main(["explain", "exps.onnx"]) == 0
+    out = capsys.readouterr().out
+    assert "  … 5 more (every vertex is listed below)" in out and "--report" not in out

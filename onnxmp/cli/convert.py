@@ -130,7 +130,7 @@ def _explain(args) -> int:
     if args.json:
         sys.stdout.write(report.to_json() + "\n")
         return 0
-    sys.stdout.write(report.summary() + "\n\n")
+    sys.stdout.write(report.summary(full="every vertex is listed below") + "\n\n")
     sys.stdout.write(f"{'vertex':<48}{'color':<7}{'rule':<48}cause\n")
     for v in report.vertices:
         sys.stdout.write(f"{v.vertex:<48}{v.color:<7}{v.rule:<48}{v.cause}\n")
