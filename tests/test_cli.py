@@ -265,10 +265,17 @@ def test_explain_does_not_point_at_a_report_flag_it_lacks(work, capsys):
     import onnx
     from onnx import helper
 
-    graph = helper.make_graph([helper.make_node("Exp", ["x"], [f"e{i}"], name=f"exp{i}") for i in range(25)], "g",
-                              [helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, [4, 3])],
-                              [helper.make_tensor_value_info(f"e{i}", onnx.TensorProto.FLOAT, [4, 3])
-                               for i in range(25)])
+    import numpy as np
+    from onnx import numpy_helper
+
+    nodes, outputs, weights = [], [], []
+    for i in range(25):  # 25 MatMul -> Exp pairs: 25 denied Exps
+        weights.append(numpy_helper.from_array(np.full((3, 3), 0.1, np.float32), f"w{i}"))
+        nodes += [helper.make_node("MatMul", ["x", f"w{i}"], [f"m{i}"], name=f"mm{i}"),
+                  helper.make_node("Exp", [f"m{i}"], [f"e{i}"], name=f"exp{i}")]
+        outputs.append(helper.make_tensor_value_info(f"e{i}", onnx.TensorProto.FLOAT, [4, 3]))
+    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, [4, 3])],
+                              outputs, weights)
     onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8), "exps.onnx")
     capsys.readouterr()
     assert main(["explain", "exps.onnx"]) == 0
