@@ -5,7 +5,6 @@ import os
 import shutil
 import stat
 import tempfile
-import traceback
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -213,9 +212,9 @@ def test_guard_refuses_a_missing_folder(tmp_path):
 
 @pytest.fixture
 def read_only_folder():
-    """A folder with mode 0555 in a folder anyone may write (an unprivileged child must reach both)."""
+    """A folder with mode 0555 in a folder anyone may write (the unprivileged user must reach both)."""
     base = Path(tempfile.mkdtemp())
-    base.chmod(0o777)  # writable for the unprivileged child too: only "ro" is read-only
+    base.chmod(0o777)  # writable for the unprivileged user too: only "ro" is read-only
     folder = base / "ro"
     folder.mkdir()
     folder.chmod(0o555)
@@ -224,41 +223,32 @@ def read_only_folder():
     shutil.rmtree(base)
 
 
-def unprivileged(check) -> None:
-    """Run ``check()`` as a user the file modes apply to.
+@contextmanager
+def unprivileged():
+    """Run the block as a user the file modes apply to.
 
-    Root writes anywhere, and CI runs as root, so there ``check`` runs in a
-    forked child that has dropped to uid/gid 65534 (nobody): the folder is
-    really read-only for it, nothing is simulated.
+    Root writes anywhere, and CI runs as root, so there the real and effective
+    uid become 65534 (nobody) for the block: the folder is really read-only to
+    the process, nothing is simulated.  The saved uid stays 0, which is what
+    allows the switch back.
     """
-    if not hasattr(os, "geteuid") or os.geteuid() != 0:
-        check()
+    if not hasattr(os, "setresuid") or os.geteuid() != 0:
+        yield
         return
-    pid = os.fork()
-    if pid == 0:  # the child: never return into pytest
-        code = 1
-        try:
-            os.setgroups([])
-            os.setgid(65534)
-            os.setuid(65534)
-            check()
-            code = 0
-        except BaseException:
-            traceback.print_exc()
-        finally:
-            os._exit(code)
-    _, status = os.waitpid(pid, 0)
-    assert os.waitstatus_to_exitcode(status) == 0, "the check failed in the unprivileged child (see stderr)"
+    os.setresuid(65534, 65534, 0)
+    try:
+        yield
+    finally:
+        os.setresuid(0, 0, 0)
 
 
 def test_guard_refuses_a_read_only_folder(read_only_folder):
-    def check():
+    with unprivileged():
         assert not os.access(read_only_folder, os.W_OK)  # the premise: this user really cannot write there
         with pytest.raises(OnnxMPError, match="not writable"):
             guard_outputs({"--plot": read_only_folder / "p.png"})
         guard_outputs({"--plot": read_only_folder.parent / "p.png"})  # its writable parent is fine
-
-    unprivileged(check)
+    assert os.geteuid() == os.getuid()  # back to the test's own user
     assert list(read_only_folder.iterdir()) == []
 
 
