@@ -240,6 +240,9 @@ def main(argv: list[str] | None = None) -> int:
     paths = zoo + [p.resolve() for p in args.paths]
     if not paths:
         ap.error("no models to compare")
+    missing = [str(p) for p in paths if not p.is_file()]
+    if missing:
+        ap.error(f"no such model file: {', '.join(missing)}")
     guard_arguments(ap, {"--json": args.json}, {"model": paths})
     rows = []
     for path in paths:

@@ -257,7 +257,10 @@ def main(argv: list[str] | None = None) -> int:
             print("error: this onnxruntime build has no CUDAExecutionProvider "
                   "(install onnxruntime-gpu, or use --provider cpu)", file=sys.stderr)
             return 2
-    args.out.mkdir(parents=True, exist_ok=True)
+    try:
+        args.out.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:  # a file of that name, a read-only parent
+        parser.error(f"cannot create --out {args.out}: {exc.strerror or exc}")
     guard_arguments(parser, {"--json": args.json, "report": args.out / "report.md"}, {"model": paths})
 
     start = time.perf_counter()

@@ -99,3 +99,18 @@ def test_scripts_refuse_an_unwritable_json_before_any_work_in_one_line(tmp_path,
     err = capsys.readouterr().err
     assert info.value.code == 2 and "Traceback" not in err
     assert err.splitlines()[-1].startswith(f"{name}.py: error: the folder of --json "), err
+
+
+@pytest.mark.parametrize("name, argv, message", [
+    ("validate_inference", ["--out", "{tmp}/file"], "cannot create --out {tmp}/file: File exists"),
+    ("bench_models", ["{tmp}/missing.onnx", "--only", "mlp"], "no such model file: {tmp}/missing.onnx"),
+])
+def test_scripts_bad_paths_are_usage_errors_not_tracebacks(tmp_path, capsys, monkeypatch, name, argv, message):
+    (tmp_path / "file").write_text("a file, not a folder")
+    main = load_script(name).main
+    monkeypatch.setattr(sys, "argv", [str(SCRIPTS / f"{name}.py")])
+    with pytest.raises(SystemExit) as info:
+        main([a.format(tmp=tmp_path) for a in argv])
+    err = capsys.readouterr().err
+    assert info.value.code == 2 and "Traceback" not in err
+    assert err.splitlines()[-1] == f"{name}.py: error: {message.format(tmp=tmp_path)}", err
