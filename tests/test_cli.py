@@ -281,3 +281,16 @@ def test_explain_does_not_point_at_a_report_flag_it_lacks(work, capsys):
     assert main(["explain", "exps.onnx"]) == 0
     out = capsys.readouterr().out
     assert "  … 5 more (every vertex is listed below)" in out and "--report" not in out
+
+
+def test_v_is_onnxmp_debug_not_every_librarys(work):
+    """`validate --plot -v` printed 2,200 lines, nearly all matplotlib's font-manager debug."""
+    import subprocess
+    import sys
+
+    proc = subprocess.run([sys.executable, "-m", "onnxmp", "validate", "m.onnx", "b.onnx", "--plot", "p.png", "-v"],
+                          capture_output=True, text=True, timeout=120,
+                          env=dict(os.environ, PYTHONPATH=str(Path(onnxmp.__file__).parent.parent)))
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    debug = [line for line in proc.stderr.splitlines() if line.startswith("[DEBUG]")]
+    assert debug and all(line.startswith("[DEBUG] onnxmp") for line in debug), debug[:5]

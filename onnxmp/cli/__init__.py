@@ -94,8 +94,17 @@ def add_verbosity_flags(parser: argparse.ArgumentParser) -> None:
 
 def _configure_logging(verbose: int, quiet: int) -> None:
     level = logging.INFO - 10 * verbose + 10 * quiet
+    root = logging.getLogger()
+    ours = not root.handlers  # basicConfig adds a handler only to an unconfigured process
     logging.basicConfig(level=max(logging.DEBUG, min(logging.CRITICAL, level)),
                         format="[%(levelname)s] %(name)s: %(message)s", stream=sys.stderr)
+    if ours:
+        # -v is about onnxmp: other libraries (matplotlib's font manager: 2,000 lines) keep to warnings.
+        root.handlers[0].addFilter(_onnxmp_or_warning)
+
+
+def _onnxmp_or_warning(record: logging.LogRecord) -> bool:
+    return record.levelno >= logging.WARNING or record.name == "onnxmp" or record.name.startswith("onnxmp.")
 
 
 def build_parser() -> ArgumentParser:
