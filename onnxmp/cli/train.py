@@ -2,7 +2,8 @@
 
 Layout of ``--out DIR``:
 
-* ``artifacts/``: what :func:`onnxmp.training.build_artifacts` wrote;
+* ``artifacts/``: what :func:`onnxmp.training.build_artifacts` wrote (a fresh run only: a resumed
+  run replaces the folder without it, and its ``state/`` holds the same graphs);
 * ``state/``: the trainer saved after every epoch (``--resume DIR/state``);
 * ``history.json``: per-epoch summaries of this run;
 * ``model.onnx`` (float32) and, for mixed precision, ``model.<precision>.onnx``
