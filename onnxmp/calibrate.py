@@ -29,7 +29,6 @@ caller decides (the CLI writes the model and exits 3).
 from __future__ import annotations
 
 import logging
-import os
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -58,20 +57,10 @@ Sample = dict[str, np.ndarray]
 
 
 def samples_from(model: onnx.ModelProto, calibration) -> list[Sample]:
-    """A dict of arrays, a list of dicts, one .npz path or a list of them."""
-    from onnxmp.inputs import check_inputs, drop_extra_inputs, load_npz
+    """A dict of arrays, an .npz path or a list of either, checked against the model."""
+    from onnxmp.inputs import as_samples, check_inputs, drop_extra_inputs
 
-    if isinstance(calibration, Mapping):
-        samples = [dict(calibration)]
-    elif isinstance(calibration, (str, os.PathLike)):
-        samples = load_npz([calibration])
-    elif isinstance(calibration, Sequence) and calibration and all(isinstance(s, Mapping) for s in calibration):
-        samples = [dict(s) for s in calibration]
-    elif isinstance(calibration, Sequence) and calibration:
-        samples = load_npz(list(calibration))
-    else:
-        raise OnnxMPError("calibration needs sample inputs",
-                          hint="pass a dict of input arrays, a list of them, or .npz paths")
+    samples = as_samples(calibration, what="calibration")
     # As validate does: a training file's labels are no reason to refuse it.
     return [check_inputs(model, s) for s in drop_extra_inputs(model, samples)]
 

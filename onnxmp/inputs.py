@@ -63,6 +63,20 @@ def load_npz(paths: str | os.PathLike | Iterable[str | os.PathLike]) -> list[Sam
     return samples
 
 
+def as_samples(inputs, what: str = "inputs") -> list[Sample]:
+    """Samples from what a caller passes: a dict of arrays, an ``.npz`` path, or a list of either
+    (each dict or file is one sample)."""
+    if isinstance(inputs, Mapping):
+        return [dict(inputs)]
+    if isinstance(inputs, (str, os.PathLike)):
+        return [read_npz(inputs)]
+    items = list(inputs) if isinstance(inputs, Iterable) else []
+    if not items or not all(isinstance(i, (Mapping, str, os.PathLike)) for i in items):
+        raise OnnxMPError(f"{what} must be a dict of input arrays, an .npz path, or a list of them",
+                          hint="e.g. [{'x': array}, 'sample2.npz']")
+    return [dict(i) if isinstance(i, Mapping) else read_npz(i) for i in items]
+
+
 def drop_extra_inputs(model: onnx.ModelProto | str | os.PathLike, samples: list[Sample]) -> list[Sample]:
     """``samples`` without the arrays that are no graph input (the labels ``y`` of a training file, say).
 

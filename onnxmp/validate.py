@@ -54,7 +54,7 @@ import onnx
 
 from onnxmp.emulate import as_model, emulate, low_precision_types
 from onnxmp.errors import OnnxMPError
-from onnxmp.inputs import Sample, check_inputs, drop_extra_inputs, generate_inputs, load_npz
+from onnxmp.inputs import Sample, as_samples, check_inputs, drop_extra_inputs, generate_inputs
 from onnxmp.metrics import as_output_array
 from onnxmp.naming import json_safe
 
@@ -331,16 +331,7 @@ def _samples(model: onnx.ModelProto, inputs, dims, seed: int) -> list[Sample]:
         return [generate_inputs(model, dims, seed=seed)]
     if dims:
         log.warning("--dims is ignored: the inputs given fix every shape")
-    if isinstance(inputs, Mapping):
-        return [dict(inputs)]
-    if isinstance(inputs, (str, os.PathLike)):
-        return load_npz(inputs)
-    inputs = list(inputs)
-    if all(isinstance(i, (str, os.PathLike)) for i in inputs):
-        return load_npz(inputs)
-    if not inputs or not all(isinstance(i, Mapping) for i in inputs):
-        raise OnnxMPError("inputs must be a dict of arrays, a list of them, or .npz paths")
-    return [dict(i) for i in inputs]
+    return as_samples(inputs)
 
 
 def _thresholds(thresholds: Thresholds | Mapping[str, float | None] | None, precision: str) -> Thresholds:
