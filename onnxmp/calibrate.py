@@ -37,7 +37,7 @@ import numpy as np
 import onnx
 
 from onnxmp.color.seeds import DEFAULT_THRESHOLD, DEFAULT_UNDERFLOW_SHARE
-from onnxmp.errors import OnnxMPError
+from onnxmp.errors import OnnxMPError, first_line
 from onnxmp.graphs import proto_nodes
 from onnxmp.load import load
 from onnxmp.metrics import MetricPlan, as_output_array, metric_plan, relative_error  # noqa: F401  (relative_error: public here)
@@ -99,7 +99,7 @@ def _session(model: onnx.ModelProto, what: str):
     try:
         return ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
     except Exception as exc:  # onnxruntime's exceptions share no public base class
-        raise OnnxMPError(f"onnxruntime cannot load the {what} for calibration: {str(exc).splitlines()[0][:300]}",
+        raise OnnxMPError(f"onnxruntime cannot load the {what} for calibration: {first_line(exc)}",
                           hint="check that the float32 model runs on onnxruntime CPU") from None
 
 
@@ -110,7 +110,7 @@ def _run(session, samples: Sequence[Sample], outputs: Sequence[str] | None = Non
         try:
             values = session.run(names, {k: v for k, v in sample.items() if k in allowed})
         except Exception as exc:  # onnxruntime's exceptions share no public base class
-            raise OnnxMPError(f"calibration run failed: {str(exc).splitlines()[0][:300]}",
+            raise OnnxMPError(f"calibration run failed: {first_line(exc)}",
                               hint="check the calibration inputs' shapes and dtypes") from None
         yield {name: as_output_array(value) for name, value in zip(names, values)}
 

@@ -53,7 +53,7 @@ import numpy as np
 import onnx
 
 from onnxmp.emulate import as_model, emulate, low_precision_types
-from onnxmp.errors import OnnxMPError
+from onnxmp.errors import OnnxMPError, first_line
 from onnxmp.inputs import Sample, as_samples, check_inputs, drop_extra_inputs, generate_inputs
 from onnxmp.metrics import as_output_array
 from onnxmp.naming import json_safe
@@ -298,16 +298,12 @@ def _session(model: onnx.ModelProto, provider: str, role: str, stack: contextlib
     try:
         session = ort.InferenceSession(source, options, providers=providers)
     except Exception as exc:  # onnxruntime's exceptions share no public base class
-        raise OnnxMPError(f"onnxruntime cannot load the {role} model: {_first_line(exc)}",
+        raise OnnxMPError(f"onnxruntime cannot load the {role} model: {first_line(exc)}",
                           "check the model with onnx.checker.check_model") from None
     if ep not in session.get_providers():
         raise OnnxMPError(f"{ep} failed to initialize for the {role} model",
                           "check the CUDA and cuDNN libraries onnxruntime needs")
     return session
-
-
-def _first_line(exc: Exception) -> str:
-    return (str(exc).strip().splitlines() or [type(exc).__name__])[0]
 
 
 def _run(session, model: onnx.ModelProto, sample: Sample, role: str) -> dict[str, np.ndarray]:
@@ -322,7 +318,7 @@ def _run(session, model: onnx.ModelProto, sample: Sample, role: str) -> dict[str
     try:
         values = session.run(None, feeds)
     except Exception as exc:  # onnxruntime's exceptions share no public base class
-        raise OnnxMPError(f"the {role} model failed to run: {_first_line(exc)}") from None
+        raise OnnxMPError(f"the {role} model failed to run: {first_line(exc)}") from None
     return {o.name: as_output_array(v) for o, v in zip(session.get_outputs(), values)}
 
 

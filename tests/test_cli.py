@@ -294,3 +294,33 @@ def test_v_is_onnxmp_debug_not_every_librarys(work):
     assert proc.returncode == 0, proc.stderr[-2000:]
     debug = [line for line in proc.stderr.splitlines() if line.startswith("[DEBUG]")]
     assert debug and all(line.startswith("[DEBUG] onnxmp") for line in debug), debug[:5]
+
+
+def test_an_invalid_input_model_is_blamed_on_the_input_not_reported_as_our_bug(work, capsys):
+    """It said 'converted model fails onnx.checker ... of node:' (cut at the checker's first newline) and
+    'onnxmp produced an invalid model; please report it'."""
+    import onnx
+    from onnx import helper
+
+    x = helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, [2, 2])
+    y = helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, [2, 2])
+    graph = helper.make_graph([helper.make_node("MatMul", ["x", "nope"], ["y"], name="mm")], "g", [x], [y])
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8), "bad.onnx")
+    assert main(["convert", "bad.onnx", "-o", "out.onnx"]) == EXIT_ERROR
+    err = capsys.readouterr().err
+    line = one_error(err, "convert")
+    assert "the input model is invalid" in line and "'nope'" in line and "is not output of any previous nodes" in line
+    assert "please report" not in err and not (work / "out.onnx").exists()
+
+
+def test_onnxruntime_errors_keep_their_reason_not_the_cpp_signature(work, capsys):
+    import onnx
+    from onnx import helper
+
+    x = helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, [2, 2])
+    graph = helper.make_graph([helper.make_node("Relu", ["x"], ["y"])], "g", [x],
+                              [helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, [2, 2])])
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=99), "future.onnx")
+    assert main(["validate", "future.onnx", "future.onnx"]) == EXIT_ERROR
+    line = one_error(capsys.readouterr().err, "validate")
+    assert "Unsupported model IR version: 99" in line and "onnxruntime_src" not in line and "::" not in line
