@@ -112,7 +112,8 @@ def guard_outputs(outputs: Mapping[str, PathLike | None], inputs: Inputs = {},  
     ``"model"``) to a path; ``None`` entries are skipped and an input may be a
     list of paths.  Raises :class:`OnnxMPError` when an output resolves
     (symlinks followed, hard links recognised) to an input, to the external
-    data file of an ``.onnx`` input, or to another output, would take an input with it (an output folder holding one), or
+    data file of an ``.onnx`` input, or to another output, would take an
+    input with it (an output folder holding one), is a device or pipe, or
     its folder is missing or not writable.  An existing folder is refused as a
     destination unless its label is in ``folders`` (outputs written with
     :func:`atomic_directory`, which replaces a folder whole).

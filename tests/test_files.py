@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 
 from onnxmp.errors import OnnxMPError
-from onnxmp.files import (all_or_nothing, atomic_directory, atomic_write, file_mode, guard_outputs, umask, write_bytes_atomic,
-                          write_text_atomic)
+from onnxmp.files import (all_or_nothing, atomic_directory, atomic_write, file_mode, guard_outputs, umask,
+                          write_bytes_atomic, write_text_atomic)
 
 
 @contextmanager
@@ -338,3 +338,31 @@ def test_save_refuses_its_source_and_writes_the_umask_mode(tmp_path):
     with process_umask(0o022):
         onnxmp.save(onnx.load(src), tmp_path / "out.onnx", source=src)
     assert mode(tmp_path / "out.onnx") == 0o644 and leftovers(tmp_path) == []
+
+
+def test_save_refuses_the_weights_file_the_model_reads_without_being_told_the_source(tmp_path):
+    """onnxmp.save(convert('ext.onnx').model, 'weights.bin') overwrote the input's weights (no source= given)."""
+    import onnx
+
+    import onnxmp
+
+    import numpy as np
+    from onnx import helper, numpy_helper
+
+    weights = [numpy_helper.from_array(np.ones((4, 4), np.float32), "w"),
+               numpy_helper.from_array(np.full(4, 2.0, np.float32), "e")]  # Pow is denied: e stays float32
+    nodes = [helper.make_node("MatMul", ["x", "w"], ["m"]), helper.make_node("Pow", ["m", "e"], ["y"])]
+    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, [1, 4])],
+                              [helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, [1, 4])], weights)
+    model_path = tmp_path / "ext.onnx"
+    onnx.save(helper.make_model(graph), model_path, save_as_external_data=True, location="new.onnx.data",
+              size_threshold=0)
+    data = (tmp_path / "new.onnx.data").read_bytes()
+    result = onnxmp.convert(str(model_path))  # e is still read lazily from new.onnx.data
+    with pytest.raises(OnnxMPError, match="new.onnx.data is the weights file the model reads"):
+        onnxmp.save(result.model, tmp_path / "new.onnx.data")
+    with pytest.raises(OnnxMPError, match="weights file the model reads"):  # nor through the output's .data
+        onnxmp.save(result.model, tmp_path / "new.onnx", external_data=True)
+    assert (tmp_path / "new.onnx.data").read_bytes() == data
+    onnxmp.save(result.model, tmp_path / "out.onnx")
+    onnx.checker.check_model(str(tmp_path / "out.onnx"), full_check=True)
