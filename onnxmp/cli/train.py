@@ -60,7 +60,8 @@ def register(sub) -> None:
     p.add_argument("--grad-accum-steps", type=at_least(1), default=1, metavar="K")
     p.add_argument("--clip-global-norm", type=positive_float, default=None, metavar="C")
     p.add_argument("--seed", type=at_least(0), default=0, help="shuffling seed (default 0)")
-    p.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bar")
+    p.add_argument("--no-progress", dest="progress", action="store_false",
+                   help="no progress bar (there is none when stderr is not a terminal either)")
     add_verbosity_flags(p)
     p.set_defaults(func=_train)
 
@@ -138,7 +139,9 @@ def _fit_and_export(trainer, train, evaluation, args, folder: Path) -> tuple[lis
         n = len(evaluation[0])
         eval_batches = [tuple(a[i:i + args.batch_size] for a in evaluation) for i in range(0, n, args.batch_size)]
 
-    history = trainer.fit(epoch_batches, args.epochs, eval_batches, metrics, progress=args.progress,
+    # As convert's bars: none in a log file or a pipe, where it is only noise.
+    progress = args.progress and sys.stderr.isatty()
+    history = trainer.fit(epoch_batches, args.epochs, eval_batches, metrics, progress=progress,
                           on_epoch_end=lambda t, _: t.save(folder / "state"))
     if not (folder / "state").exists():  # nothing left to train: keep the state resumable
         trainer.save(folder / "state")

@@ -159,3 +159,10 @@ def test_an_unrelated_out_folder_is_refused_and_kept(files, capsys):
     err = capsys.readouterr().err
     assert "mine exists and is not an onnxmp train output folder;" in err  # was "an onnxmp `onnxmp train` ..."
     assert (files / "mine" / "notes.txt").read_text() == "precious"
+
+
+def test_no_progress_bar_when_stderr_is_not_a_terminal(files, capsys):
+    """A log file got tqdm's bars ('epoch 1/1: 100%|...') unless --no-progress was given."""
+    argv = [a for a in _args(files, files / "out", 1) if a != "--no-progress"]
+    assert main(argv) == 0
+    assert "it/s" not in capsys.readouterr().err
