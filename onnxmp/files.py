@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import mmap
 import os
 import shutil
 import tempfile
@@ -74,7 +75,7 @@ def _external_data_files(path: Path) -> list[Path]:
 
     Anything that does not parse as a model has none (loading it reports the problem).
     """
-    if path.suffix.lower() != ".onnx" or not path.is_file():
+    if path.suffix.lower() != ".onnx" or not path.is_file() or not _mentions_location(path):
         return []
     import onnx
 
@@ -87,6 +88,16 @@ def _external_data_files(path: Path) -> list[Path]:
     locations = {info(t).get("location") for t in all_tensors(model)
                  if t.data_location == onnx.TensorProto.EXTERNAL}
     return [path.parent / location for location in sorted(locations - {None, ""})]
+
+
+def _mentions_location(path: Path) -> bool:
+    """Whether the file holds the bytes of an external-data ``location`` key at all: a scan of the
+    mapped file, so a 2 GB model with its weights inside is never parsed (or held) a second time."""
+    try:
+        with open(path, "rb") as file, mmap.mmap(file.fileno(), 0, access=mmap.ACCESS_READ) as data:
+            return data.find(b"location") != -1
+    except (OSError, ValueError):  # unreadable, or empty (mmap refuses length 0)
+        return False
 
 
 def _same(a: Path, b: Path) -> bool:

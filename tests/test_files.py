@@ -204,6 +204,18 @@ def test_guard_refuses_the_external_data_of_an_input(tmp_path, location):
     assert (tmp_path / location).read_bytes() == data
 
 
+def test_guard_does_not_parse_a_model_that_keeps_its_weights_inside(tmp_path, monkeypatch):
+    """Re-running a conversion over its old output must not load a 2 GB input model once more."""
+    import onnx
+
+    (tmp_path / "old.onnx").write_bytes(b"old output")
+    model = _model_with_external_data(tmp_path)
+    inside = tmp_path / "inside.onnx"
+    onnx.save(onnx.load(model), inside, save_as_external_data=False)
+    monkeypatch.setattr(onnx, "load_model", lambda *a, **k: pytest.fail("parsed a model without external data"))
+    guard_outputs({"-o": tmp_path / "old.onnx"}, {"model": inside})
+
+
 def test_guard_refuses_a_missing_folder(tmp_path):
     with pytest.raises(OnnxMPError, match="folder of --report .* does not exist") as info:
         guard_outputs({"--report": tmp_path / "nodir" / "r.json"})
