@@ -331,12 +331,13 @@ def _low_nodes(model: onnx.ModelProto, report: Report) -> dict[str, LowNode]:
 
 class _Calibration:
     def __init__(self, model, calibration, tolerance, metric, holdout, max_runs, calibration_threshold,
-                 underflow_share, convert_options):
+                 underflow_share, convert_pass, convert_options):
         if not tolerance > 0:
             raise OnnxMPError(f"tolerance must be positive, got {tolerance}", hint="e.g. --tolerance 0.01")
         if max_runs < 1:
             raise OnnxMPError(f"max_runs must be at least 1, got {max_runs}")
         self.started = time.perf_counter()
+        self.convert_pass = convert_pass
         self.original = _named(load(model))
         self.tolerance = tolerance
         self.max_runs = max_runs
@@ -362,9 +363,7 @@ class _Calibration:
                     if m > calibration_threshold])
 
     def convert(self, forced: Mapping[str, str]):
-        from onnxmp.convert import convert_once
-
-        return convert_once(self.original, calibration_magnitudes=self.magnitudes, forced_deny=dict(forced),
+        return self.convert_pass(self.original, calibration_magnitudes=self.magnitudes, forced_deny=dict(forced),
                             **self.options)
 
     def measure(self, result) -> Measurement:
@@ -503,18 +502,20 @@ class _Calibration:
         return result
 
 
-def convert_with_calibration(model, *, calibration, tolerance: float = DEFAULT_TOLERANCE, metric=None,
+def convert_with_calibration(model, *, convert_pass, calibration, tolerance: float = DEFAULT_TOLERANCE, metric=None,
                              holdout: int | None = None, max_runs: int = MAX_RUNS,
                              calibration_threshold: float = DEFAULT_THRESHOLD,
                              underflow_share: float = DEFAULT_UNDERFLOW_SHARE, **convert_options):
     """Convert with calibration seeds, then search for the nodes to keep in fp32 until outputs are within tolerance.
 
+    ``convert_pass`` is one pass of the pipeline (:func:`onnxmp.convert.convert_once`), passed in
+    so that this module never imports the pipeline that calls it.
     Returns the :class:`~onnxmp.convert.ConversionResult` of the best model found;
     ``result.report.calibration`` (a :class:`CalibrationReport`) says whether the
     tolerance was met (``.met``), the errors before and after, and why each node moved.
     """
     return _Calibration(model, calibration, tolerance, metric, holdout, max_runs, calibration_threshold,
-                        underflow_share, convert_options).run()
+                        underflow_share, convert_pass, convert_options).run()
 
 
 __all__ = ["CalibrationReport", "CycleRecord", "Measurement", "MovedNode", "SeededTensor", "DEFAULT_TOLERANCE",

@@ -55,11 +55,10 @@ from typing import Iterable
 
 import numpy as np
 import onnx
-import onnx_graphsurgeon as gs
 
-from onnxmp.color.seeds import DEFAULT_UNDERFLOW_SHARE
+from onnxmp.color.seeds import DEFAULT_UNDERFLOW_SHARE, constant_values
 from onnxmp.convert import convert_once
-from onnxmp.graphs import iter_graphs
+from onnxmp.graphs import ModelGraph
 from onnxmp.lists import is_known_op_type, is_onnx_op, list_of, op_key, resolve_lists, unknown_op
 from onnxmp.load import ModelLike, load
 from onnxmp.normalize import normalize
@@ -81,7 +80,7 @@ def convert_float_to_float16(
     original = load(model)
     # convert_once normalizes again; node names are deterministic, so the
     # names found here are the ones it will see.
-    graph = normalize(original).graph
+    graph = normalize(load(original)).graph  # normalize edits its argument; `original` is converted below
     lists = _deny_ops(graph, op_block_list)
     block_nodes = [rf"\A{re.escape(name)}\Z" for name in _existing_nodes(graph, node_block_list)]
     forced = _out_of_range_readers(graph, lists, min_positive_val, max_finite_val)
@@ -90,20 +89,20 @@ def convert_float_to_float16(
     return result.model
 
 
-def _existing_nodes(graph: gs.Graph, names: Iterable[str] | None) -> list[str]:
+def _existing_nodes(graph: ModelGraph, names: Iterable[str] | None) -> list[str]:
     names = list(names or ())
-    present = {n.name for _, g, _ in iter_graphs(graph) for n in g.nodes}
+    present = {n.name for scope in graph.scopes for n in scope.graph.node}
     for name in names:
         if name not in present:
             log.warning("node_block_list: no node is named %r; nothing is blocked by it", name)
     return [name for name in names if name in present]
 
 
-def _deny_ops(graph: gs.Graph, op_block_list: Iterable[str] | None) -> dict[str, list[str]]:
+def _deny_ops(graph: ModelGraph, op_block_list: Iterable[str] | None) -> dict[str, list[str]]:
     blocked = set(op_block_list or ())
     if not blocked:
         return {}
-    in_model = {n.op for _, g, _ in iter_graphs(graph) for n in g.nodes}
+    in_model = {n.op_type for scope in graph.scopes for n in scope.graph.node}
     for op in sorted(blocked):
         # onnxconverter-common's own DEFAULT_OP_BLOCK_LIST names ai.onnx.ml ops: known, so fine.
         if op not in in_model and not is_known_op_type(op):
@@ -111,48 +110,34 @@ def _deny_ops(graph: gs.Graph, op_block_list: Iterable[str] | None) -> dict[str,
     # onnxconverter-common matches op_type in every domain; onnxmp's lists key
     # other domains as "domain:OpType".
     ops = {op for op in blocked if is_onnx_op(op)}
-    for _, g, _ in iter_graphs(graph):
-        ops.update(op_key(n.op, n.domain or "") for n in g.nodes if n.op in blocked)
+    for scope in graph.scopes:
+        ops.update(op_key(n.op_type, n.domain or "") for n in scope.graph.node if n.op_type in blocked)
     ops = sorted(ops)
     return {"deny_add": ops, "allow_remove": ops, "infer_remove": ops, "clear_remove": ops}
 
 
-def _out_of_range_readers(graph: gs.Graph, lists, min_positive_val: float, max_finite_val: float
+def _out_of_range_readers(graph: ModelGraph, lists, min_positive_val: float, max_finite_val: float
                           ) -> dict[str, str]:
     """Node name -> cause, for list nodes reading a float32 constant outside the given range."""
     resolved = resolve_lists("cuda", "float16", "default", lists)
+    producers = {out: node for scope in graph.scopes for node in scope.graph.node if node.op_type == "Constant"
+                 for out in node.output}
     causes: dict[str, str | None] = {}
     forced: dict[str, str] = {}
-    for _, g, _ in iter_graphs(graph):
-        for node in g.nodes:
-            if list_of(op_key(node.op, node.domain or ""), resolved) not in ("allow", "infer", "clear"):
+    for scope in graph.scopes:
+        for node in scope.graph.node:
+            if list_of(op_key(node.op_type, node.domain or ""), resolved) not in ("allow", "infer", "clear"):
                 continue
-            for tensor in node.inputs:
-                values = _float32_constant(tensor)
-                if values is None:
+            for name in node.input:
+                values = constant_values(graph, name, producers) if name else None
+                if values is None or values.dtype != np.float32:
                     continue
-                if tensor.name not in causes:
-                    causes[tensor.name] = _range_cause(tensor.name, values, min_positive_val, max_finite_val)
-                if causes[tensor.name]:
-                    forced[node.name] = causes[tensor.name]
+                if name not in causes:
+                    causes[name] = _range_cause(name, values, min_positive_val, max_finite_val)
+                if causes[name]:
+                    forced[node.name] = causes[name]
                     break
     return forced
-
-
-def _float32_constant(tensor: gs.Tensor) -> np.ndarray | None:
-    if isinstance(tensor, gs.Constant):
-        values = np.asarray(tensor.values)
-    elif isinstance(tensor, gs.Variable) and tensor.inputs and tensor.inputs[0].op == "Constant":
-        attrs = tensor.inputs[0].attrs
-        if isinstance(attrs.get("value"), gs.Constant):
-            values = np.asarray(attrs["value"].values)
-        elif "value_float" in attrs or "value_floats" in attrs:
-            values = np.asarray(attrs.get("value_float", attrs.get("value_floats")), dtype=np.float32)
-        else:
-            return None
-    else:
-        return None
-    return values if values.dtype == np.float32 else None
 
 
 def _range_cause(name: str, values: np.ndarray, min_positive_val: float, max_finite_val: float) -> str | None:

@@ -14,16 +14,17 @@ from dataclasses import dataclass, field
 from typing import Iterable, Mapping
 
 import onnx
-import onnx_graphsurgeon as gs
-from onnx_graphsurgeon.logger import G_LOGGER
 
+from onnxmp.calibrate import DEFAULT_TOLERANCE, MAX_RUNS, convert_with_calibration, observe_magnitudes
 from onnxmp.color import ColorOptions, ColorResult, color
 from onnxmp.color.seeds import DEFAULT_THRESHOLD, DEFAULT_UNDERFLOW_SHARE
+from onnxmp.emit import emit, initializer_inputs
 from onnxmp.errors import OnnxMPError
-from onnxmp.graphs import is_tensor, iter_graphs, iter_proto_graphs
-from onnxmp.lists import PRECISIONS, TARGETS, ListOverrides, resolve_lists
+from onnxmp.graphs import proto_nodes
+from onnxmp.lists import TARGETS, ListOverrides, resolve_lists
 from onnxmp.load import ModelLike, load
 from onnxmp.normalize import normalize
+from onnxmp.precision import low_precision
 from onnxmp.report import Report, group_rows, head, tensor_core_advice, vertex_rows
 from onnxmp.rewrite import rewrite
 from onnxmp.verify import verify
@@ -80,8 +81,7 @@ def _options(model: onnx.ModelProto, target, precision, level, lists, block_node
              underflow_share=DEFAULT_UNDERFLOW_SHARE, forced_deny=None) -> ColorOptions:
     if target not in TARGETS:
         raise OnnxMPError(f"unknown target {target!r}", hint=f"choose one of: {', '.join(TARGETS)}")
-    if precision not in PRECISIONS:
-        raise OnnxMPError(f"unknown precision {precision!r}", hint=f"choose one of: {', '.join(PRECISIONS)}")
+    low_precision(precision)  # a clear error for an unknown name
     opset = next((o.version for o in model.opset_import if o.domain in ("", "ai.onnx")), None)
     newest = onnx.defs.onnx_opset_version()
     if opset is not None and opset > newest:
@@ -102,27 +102,21 @@ def _options(model: onnx.ModelProto, target, precision, level, lists, block_node
             raise OnnxMPError(f"bad --block-node pattern {pattern!r}: {exc}", hint="use a Python regular expression") \
                 from None
     return ColorOptions(lists=resolve_lists(target, precision, level, lists), target=target, precision=precision,
-                        block_nodes=block, keep_io_types=keep_io_types,
+                        level=level, block_nodes=block, keep_io_types=keep_io_types,
                         calibration_magnitudes=calibration_magnitudes,
                         calibration_threshold=calibration_threshold, underflow_share=underflow_share,
                         forced_deny=forced_deny)
 
 
-def initializer_inputs(model: onnx.ModelProto) -> tuple[str, ...]:
-    """Graph inputs that are also initializers (exports with keep_initializers_as_inputs)."""
-    inits = {t.name for t in model.graph.initializer}
-    return tuple(i.name for i in model.graph.input if i.name in inits)
-
-
-def _analyse(proto: onnx.ModelProto, options: ColorOptions, level: str, timings: dict[str, float]):
+def _analyse(proto: onnx.ModelProto, options: ColorOptions, timings: dict[str, float]):
     options.initializer_inputs = initializer_inputs(proto)
     with _timed(timings, "normalize"):
         normalized = normalize(proto)
     with _timed(timings, "color"):
         colored = color(normalized.graph, options)
-    report = Report(target=options.target, precision=options.precision, level=level,
+    report = Report(target=options.target, precision=options.precision, level=options.level,
                     vertices=vertex_rows(colored.coloring), timings=timings,
-                    node_count=sum(len(g.nodes) for _, g, _ in iter_graphs(normalized.graph)))
+                    node_count=normalized.graph.node_count())
     report.advice = tensor_core_advice(normalized.graph, colored.coloring)
     report.groups = group_rows(colored.coloring)
     if normalized.inference_error:
@@ -144,12 +138,10 @@ def explain(model: ModelLike, *, target: str = "cuda", precision: str = "float16
         proto = load(model, lazy_external=True)
     magnitudes = None
     if calibration is not None:
-        from onnxmp.calibrate import observe_magnitudes
-
         magnitudes = observe_magnitudes(model, calibration)
     options = _options(proto, target, precision, level, lists, block_nodes, keep_io_types,
                        magnitudes, calibration_threshold, underflow_share)
-    _, colored, report = _analyse(proto, options, level, timings)
+    _, colored, report = _analyse(proto, options, timings)
     report.changed = bool(colored.coloring.allow_keys())
     if not report.changed:
         report.unchanged_reason = _unchanged_reason(report)
@@ -176,10 +168,9 @@ def convert(model: ModelLike, *, target: str = "cuda", precision: str = "float16
     Cast at each low-precision use (training).
     """
     if calibration is not None:
-        from onnxmp.calibrate import DEFAULT_TOLERANCE, MAX_RUNS, convert_with_calibration
-
         return convert_with_calibration(
-            model, calibration=calibration, tolerance=DEFAULT_TOLERANCE if tolerance is None else tolerance,
+            model, convert_pass=convert_once, calibration=calibration,
+            tolerance=DEFAULT_TOLERANCE if tolerance is None else tolerance,
             metric=metric, holdout=holdout, max_runs=MAX_RUNS if max_runs is None else max_runs,
             calibration_threshold=calibration_threshold, underflow_share=underflow_share, target=target,
             precision=precision, keep_io_types=keep_io_types, level=level, lists=lists, block_nodes=block_nodes,
@@ -203,18 +194,18 @@ def convert_once(model: ModelLike, *, target: str = "cuda", precision: str = "fl
         original = load(model, lazy_external=True)
     _BAR.start(len(original.graph.node), stages=4)
     try:
+        options = _options(original, target, precision, level, lists, block_nodes, keep_io_types,
+                           calibration_magnitudes, calibration_threshold, underflow_share, forced_deny)
         with _no_cyclic_gc():
-            return _convert_loaded(model, original, timings, target, precision, keep_io_types, level, lists,
-                                   block_nodes, master_weights, calibration_magnitudes, calibration_threshold,
-                                   underflow_share, forced_deny)
+            return _convert_loaded(model, original, timings, options, tuple(master_weights))
     finally:
         _BAR.close()
 
 
 @contextmanager
 def _no_cyclic_gc():
-    """GS builds hundreds of thousands of small objects; each of Python's full collections walks all
-    of them, which made conversion time grow ~1.4x faster than the node count.  Nothing here
+    """The analysis builds hundreds of thousands of small objects; each of Python's full collections
+    walks all of them, which makes conversion time grow faster than the node count.  Nothing here
     relies on cycle collection while the pipeline runs."""
     was_enabled = gc.isenabled()
     gc.disable()
@@ -225,12 +216,9 @@ def _no_cyclic_gc():
             gc.enable()
 
 
-def _convert_loaded(model, original, timings, target, precision, keep_io_types, level, lists, block_nodes,
-                    master_weights, calibration_magnitudes, calibration_threshold, underflow_share,
-                    forced_deny) -> ConversionResult:
-    options = _options(original, target, precision, level, lists, block_nodes, keep_io_types,
-                       calibration_magnitudes, calibration_threshold, underflow_share, forced_deny)
-    normalized, colored, report = _analyse(original, options, level, timings)
+def _convert_loaded(model: ModelLike, original: onnx.ModelProto, timings: dict[str, float], options: ColorOptions,
+                    master_weights: tuple[str, ...]) -> ConversionResult:
+    normalized, colored, report = _analyse(original, options, timings)
     if not colored.coloring.allow_keys():
         report.unchanged_reason = _unchanged_reason(report)
         log.info("model unchanged: %s", report.unchanged_reason)
@@ -238,9 +226,9 @@ def _convert_loaded(model, original, timings, target, precision, keep_io_types, 
         return ConversionResult(load(model, lazy_external=True), report, colored)
     with _timed(timings, "rewrite"):
         try:
-            result, stats = rewrite(normalized.graph, colored.coloring, precision=precision,
-                                    master_weights=master_weights, keep_io_types=keep_io_types)
-            converted = export(normalized.graph, original)
+            result, stats, edits = rewrite(normalized.graph, colored.coloring, precision=options.precision,
+                                           master_weights=master_weights, keep_io_types=options.keep_io_types)
+            converted = emit(normalized.graph, edits, original)
         except OnnxMPError:
             raise
         except Exception as exc:  # keep deep stack traces away from users
@@ -248,103 +236,15 @@ def _convert_loaded(model, original, timings, target, precision, keep_io_types, 
                               hint="please report this model; --block-node or --deny-add can route around "
                                    "the failing node meanwhile") from exc
     with _timed(timings, "verify"):
-        verify(converted, original=original, keep_io_types=keep_io_types)
+        verify(converted, original=original, keep_io_types=options.keep_io_types)
     report.changed = result.modified
-    # GS cleanup drops restore Casts nobody ended up reading; count what is really there.
-    present = {n.name for n in _all_nodes(converted.graph)}
+    # The emitter drops restore Casts nobody ended up reading; count what is really there.
+    present = {n.name for n in proto_nodes(converted.graph)}
     report.cast_nodes = [name for name in stats.casts if name in present]
     report.casts_inserted = len(report.cast_nodes)
     report.converted_initializers = stats.converted_initializers
     report.twin_initializers = stats.twin_initializers
     return ConversionResult(converted, report, colored)
-
-
-def _all_nodes(graph: onnx.GraphProto):
-    for g in iter_proto_graphs(graph):
-        yield from g.node
-
-
-def export(graph: gs.Graph, original: onnx.ModelProto) -> onnx.ModelProto:
-    """GS export, keeping what GS does not carry: IR version and model metadata.
-
-    The IR version matters: onnxruntime 1.19 (the last training build) rejects
-    the newer IR that onnx's helpers stamp by default.
-    """
-    graph.cleanup(remove_unused_graph_inputs=False, remove_unused_node_outputs=False, recurse_subgraphs=True)
-    with G_LOGGER.suppress(G_LOGGER.ERROR), _non_tensor_types_hidden(graph):
-        model = gs.export_onnx(graph, do_type_check=False)
-    _restore_non_tensor_types(model.graph, _non_tensor_types(original.graph))
-    _restore_initializer_inputs(model, original)
-    model.ir_version = original.ir_version
-    del model.opset_import[:]
-    model.opset_import.extend(original.opset_import)
-    for field_name in ("producer_name", "producer_version", "domain", "model_version", "doc_string"):
-        setattr(model, field_name, getattr(original, field_name))
-    del model.metadata_props[:]
-    model.metadata_props.extend(original.metadata_props)
-    if original.functions and not model.functions:
-        model.functions.extend(original.functions)
-    return model
-
-
-@contextmanager
-def _non_tensor_types_hidden(graph: gs.Graph):
-    """GS writes a sequence without its element shape and cannot write an optional or a map at all
-    (its dtype is a whole TypeProto); such values never change type, so they are exported untyped
-    and their original types put back by :func:`_restore_non_tensor_types`."""
-    hidden = []
-    for _, g, _ in iter_graphs(graph):
-        for tensor in g.tensors().values():
-            if not is_tensor(tensor) and tensor.dtype is not None:
-                hidden.append((tensor, tensor.dtype))
-                tensor.dtype = None
-    try:
-        yield
-    finally:
-        for tensor, dtype in hidden:
-            tensor.dtype = dtype
-
-
-def _value_infos(graph: onnx.GraphProto):
-    for g in iter_proto_graphs(graph):
-        yield from g.input
-        yield from g.output
-        yield from g.value_info
-
-
-def _non_tensor_types(graph: onnx.GraphProto) -> dict[str, onnx.TypeProto]:
-    """Sequence, optional and map types by value name, over all scopes.  A name that two sibling
-    scopes use with different types is left out: which one a value had is then unknown."""
-    types: dict[str, onnx.TypeProto] = {}
-    ambiguous: set[str] = set()
-    for value in _value_infos(graph):
-        which = value.type.WhichOneof("value")
-        if which in (None, "tensor_type"):
-            continue
-        known = types.setdefault(value.name, value.type)
-        if known != value.type:
-            ambiguous.add(value.name)
-    for name in ambiguous:
-        del types[name]
-    return types
-
-
-def _restore_non_tensor_types(graph: onnx.GraphProto, types: dict[str, onnx.TypeProto]) -> None:
-    for value in _value_infos(graph):
-        original = types.get(value.name)
-        if original is not None:
-            value.type.CopyFrom(original)
-
-
-def _restore_initializer_inputs(model: onnx.ModelProto, original: onnx.ModelProto) -> None:
-    """GS drops initializers from the graph inputs on import; put them back where they were."""
-    names = set(initializer_inputs(original))
-    if not names:
-        return
-    exported = {i.name: i for i in model.graph.input}
-    ordered = [exported.get(i.name, i) for i in original.graph.input if i.name in names or i.name in exported]
-    del model.graph.input[:]
-    model.graph.input.extend(ordered)
 
 
 def _unchanged_reason(report: Report) -> str:

@@ -45,13 +45,12 @@ import onnx.shape_inference
 from onnx import AttributeProto, TensorProto, helper, numpy_helper
 
 from onnxmp.errors import OnnxMPError
+from onnxmp.precision import BY_ONNX_TYPE, LOW, low_precision
 from onnxmp.naming import FreshNames, proto_names
 from onnxmp.load import load
 
 log = logging.getLogger("onnxmp.emulate")
 
-PRECISIONS = {"float16": TensorProto.FLOAT16, "bfloat16": TensorProto.BFLOAT16}
-_TAG = {TensorProto.FLOAT16: "f16", TensorProto.BFLOAT16: "bf16"}
 _DEFAULT_DOMAINS = ("", "ai.onnx")
 
 # Default-domain ops whose low-precision outputs only copy or select input
@@ -81,11 +80,7 @@ def as_model(model: onnx.ModelProto | str | os.PathLike) -> onnx.ModelProto:
 
 
 def precision_type(precision: str) -> int:
-    try:
-        return PRECISIONS[precision]
-    except KeyError:
-        raise OnnxMPError(f"unknown precision {precision!r}",
-                          f"use one of: {', '.join(PRECISIONS)}") from None
+    return low_precision(precision).onnx_type
 
 
 def low_precision_types(model: onnx.ModelProto | str | os.PathLike) -> list[str]:
@@ -97,7 +92,7 @@ def low_precision_types(model: onnx.ModelProto | str | os.PathLike) -> list[str]
     emulated model still lists its precision: its rounding Casts name it.
     """
     model = as_model(model)
-    return [name for name, elem in PRECISIONS.items() if _uses(model, elem)]
+    return [p.name for p in LOW.values() if _uses(model, p.onnx_type)]
 
 
 def emulated_precisions(model: onnx.ModelProto | str | os.PathLike, requested: str | None = None,
@@ -315,7 +310,7 @@ def _rename(graph: onnx.GraphProto, mapping: dict[str, str], *, outputs: bool) -
 class _Emulator:
     def __init__(self, elem: int, types: dict[str, onnx.TypeProto], namer: FreshNames):
         self.elem = elem
-        self.tag = _TAG[elem]
+        self.tag = BY_ONNX_TYPE[elem].tag
         self.types = types
         self.name = namer
 

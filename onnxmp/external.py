@@ -5,8 +5,8 @@ serialized proto, in memory at once:
 
 * ``load`` leaves external tensors where they are and records absolute
   locations, so the source folder no longer matters;
-* after GS import, each external initializer is read lazily, one at a time
-  (:class:`ExternalValues`), and only when the rewrite converts it;
+* each external initializer is read only when a seed checks it or the rewrite
+  converts it, one at a time (:func:`tensor_array`, :func:`converted_external`);
 * ``verify`` checks a weightless skeleton of the model from a temporary folder;
 * ``save`` streams tensor data into the output's data file tensor by tensor.
 """
@@ -21,23 +21,51 @@ from typing import Iterator
 
 import numpy as np
 import onnx
-import onnx_graphsurgeon as gs
-from onnx.external_data_helper import _get_all_tensors, uses_external_data
-from onnx_graphsurgeon.ir.tensor import LazyValues
+from onnx.external_data_helper import uses_external_data
 
 from onnxmp.errors import OnnxMPError
-from onnxmp.graphs import iter_graphs
+from onnxmp.graphs import may_hold_graphs
 
 CHUNK = 64 << 20  # bytes copied per read when streaming external data
 SKELETON_DATA = "onnxmp-skeleton.bin"
+SKELETON_TENSOR_BYTES = 1024  # raw data above this is left out of the skeleton
 
 
 def all_tensors(model: onnx.ModelProto) -> Iterator[onnx.TensorProto]:
-    return _get_all_tensors(model)
+    """Every initializer (all graphs), then every tensor-valued attribute (graphs and functions),
+    in the order onnx's external-data helpers visit them."""
+    yield from _initializers(model.graph)
+    yield from _attribute_tensors(model.graph)
+    for function in model.functions:
+        yield from _attribute_tensors(function)
+
+
+def _subgraphs(attr: onnx.AttributeProto) -> list[onnx.GraphProto]:
+    if attr.type == onnx.AttributeProto.GRAPH:
+        return [attr.g]
+    return list(attr.graphs) if attr.type == onnx.AttributeProto.GRAPHS else []
+
+
+def _initializers(graph: onnx.GraphProto) -> Iterator[onnx.TensorProto]:
+    yield from graph.initializer
+    for node in graph.node:
+        for attr in node.attribute:
+            for sub in _subgraphs(attr):
+                yield from _initializers(sub)
+
+
+def _attribute_tensors(graph) -> Iterator[onnx.TensorProto]:
+    for node in graph.node:
+        for attr in node.attribute:
+            if attr.HasField("t"):
+                yield attr.t
+            yield from attr.tensors
+            for sub in _subgraphs(attr):
+                yield from _attribute_tensors(sub)
 
 
 def has_external_data(model: onnx.ModelProto) -> bool:
-    return any(uses_external_data(t) for t in all_tensors(model))
+    return any(t.data_location == onnx.TensorProto.EXTERNAL for t in all_tensors(model))
 
 
 def read_locations(model: onnx.ModelProto) -> list[Path]:
@@ -86,65 +114,29 @@ def read_external(tensor: onnx.TensorProto) -> np.ndarray:
     return array.reshape(tuple(tensor.dims))
 
 
-class ExternalValues(LazyValues):
-    """GS lazy values that read from an absolute external location (GS reads relative to the cwd)."""
-
-    def load(self) -> np.ndarray:
-        return read_external(self.tensor)
-
-
-def use_external_reader(graph: gs.Graph) -> int:
-    """Swap GS's lazy loader for ours on every external initializer."""
-    swapped = 0
-    for _, g, _ in iter_graphs(graph):
-        for tensor in g.tensors().values():
-            values = getattr(tensor, "_values", None)
-            if isinstance(tensor, gs.Constant) and isinstance(values, LazyValues) \
-                    and not isinstance(values, ExternalValues) and uses_external_data(values.tensor):
-                tensor._values = ExternalValues(values.tensor)
-                swapped += 1
-    return swapped
+def tensor_array(tensor: onnx.TensorProto) -> np.ndarray:
+    """Values of a tensor (read-only), read from its (absolute) external location when it has one."""
+    if tensor.data_location == onnx.TensorProto.EXTERNAL:
+        return read_external(tensor)
+    if tensor.data_type == onnx.TensorProto.FLOAT and tensor.raw_data:
+        # numpy_helper.to_array's generality costs ~25 us a tensor; models hold thousands of small ones.
+        return np.frombuffer(tensor.raw_data, dtype="<f4").reshape(tuple(tensor.dims))
+    return onnx.numpy_helper.to_array(tensor)
 
 
-def constant_array(tensor: gs.Constant) -> np.ndarray:
-    """Values of a GS constant without caching them on the tensor (big models stay lazy)."""
-    values = tensor._values
-    return values.load() if isinstance(values, LazyValues) else np.asarray(values)
+def converted_external(source: onnx.TensorProto, low_dtype: np.dtype, low_enum: int) -> onnx.TensorProto:
+    """An external fp32 initializer converted to low precision, spilled to disk.
 
-
-class ConvertedValues(LazyValues):
-    """An external fp32 initializer converted to low precision only when exported.
-
-    At export the converted bytes are spilled, one tensor at a time, into a
-    temporary folder that lives as long as the process (or until ``save`` copies
-    them), so the converted model never holds its weights in memory.
+    The converted bytes go, one tensor at a time, into a temporary folder that lives
+    as long as the process (or until ``save`` copies them), so the converted model
+    never holds its weights in memory.
     """
-
-    def __init__(self, source: onnx.TensorProto, low_dtype: np.dtype, low_enum: int):
-        self.source = source
-        self.low_dtype = np.dtype(low_dtype)
-        self.low_enum = low_enum
-        self.shape = tuple(source.dims)
-        self.dtype = self.low_dtype
-        self.nbytes = int(np.prod(self.shape, dtype=np.int64)) * self.low_dtype.itemsize
-        self._spilled: onnx.TensorProto | None = None
-
-    def load(self) -> np.ndarray:
-        return read_external(self.source).astype(self.low_dtype)
-
-    @property
-    def tensor(self) -> onnx.TensorProto:  # what the GS exporter writes into the model
-        if self._spilled is None:
-            path = spill_folder() / f"{len(list(spill_folder().iterdir()))}.bin"
-            values = self.load()
-            values.tofile(path)
-            proto = onnx.TensorProto(name=self.source.name, data_type=self.low_enum, dims=self.shape)
-            _set_info(proto, {"location": str(path), "offset": 0, "length": values.nbytes})
-            del values
-            self._spilled = proto
-        copy = onnx.TensorProto()
-        copy.CopyFrom(self._spilled)
-        return copy
+    path = spill_folder() / f"{len(list(spill_folder().iterdir()))}.bin"
+    values = read_external(source).astype(low_dtype)
+    values.tofile(path)
+    proto = onnx.TensorProto(name=source.name, data_type=low_enum, dims=source.dims)
+    _set_info(proto, {"location": str(path), "offset": 0, "length": values.nbytes})
+    return proto
 
 
 _SPILL: list[Path] = []
@@ -175,7 +167,7 @@ def skeleton(model: onnx.ModelProto) -> onnx.ModelProto:
 
 
 def _skeleton_tensor(tensor: onnx.TensorProto) -> onnx.TensorProto:
-    if not uses_external_data(tensor) and len(tensor.raw_data) <= 1024:
+    if tensor.data_location != onnx.TensorProto.EXTERNAL and len(tensor.raw_data) <= SKELETON_TENSOR_BYTES:
         return tensor
     proto = onnx.TensorProto(name=tensor.name, data_type=tensor.data_type, dims=tensor.dims)
     _set_info(proto, {"location": SKELETON_DATA})
@@ -188,12 +180,14 @@ def _skeleton_graph(graph: onnx.GraphProto) -> onnx.GraphProto:
     out.output.extend(graph.output)
     out.value_info.extend(graph.value_info)
     out.sparse_initializer.extend(graph.sparse_initializer)
-    out.initializer.extend(_skeleton_tensor(t) for t in graph.initializer)
-    for node in graph.node:
-        copy = out.node.add()
-        copy.input.extend(node.input)
-        copy.output.extend(node.output)
-        copy.name, copy.op_type, copy.domain, copy.doc_string = node.name, node.op_type, node.domain, node.doc_string
+    out.initializer.extend([_skeleton_tensor(t) for t in graph.initializer])
+    out.node.extend(graph.node)  # one C++ copy; only nodes holding subgraphs are rebuilt below
+    for index, node in enumerate(graph.node):
+        if not may_hold_graphs(node) or not any(
+                a.type in (onnx.AttributeProto.GRAPH, onnx.AttributeProto.GRAPHS) for a in node.attribute):
+            continue
+        copy = out.node[index]
+        del copy.attribute[:]
         for attr in node.attribute:
             a = copy.attribute.add()
             if attr.type == onnx.AttributeProto.GRAPH:

@@ -1,43 +1,56 @@
-"""Small helpers over onnx-graphsurgeon graphs shared by every stage.
+"""The model as every stage sees it: the ModelProto itself plus one index built in one pass.
 
-GS nodes and tensors are not hashable (tensors compare by name), so everything
-here is keyed by name; ``normalize`` guarantees names are unique.
+Stages read and edit the protobuf directly; what onnx-graphsurgeon would know about
+each tensor (initializer or variable, dtype, shape, kind of type) is recorded here
+by the same rules GS's importer applies, so that the emitted model is exactly what
+a GS import/export round trip wrote (see :mod:`onnxmp.emit`).
+
+Names are unique across the main graph and every subgraph once ``normalize`` ran
+(ONNX forbids a subgraph from redefining an outer name), so one name -> tensor map
+serves all graphs.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from typing import Iterator
 
-import numpy as np
 import onnx
-import onnx_graphsurgeon as gs
 
 MAIN = ""  # graph id of the main graph; subgraphs are "<node name>/<attribute>"
+GRAPH = onnx.AttributeProto.GRAPH
+GRAPHS = onnx.AttributeProto.GRAPHS
+TENSOR_KIND = "tensor_type"
+GS_DEFAULT_OPSET = 11  # what onnx-graphsurgeon assumes for a model without an ai.onnx opset
 
 
-def iter_graphs(graph: gs.Graph, graph_id: str = MAIN, parent: gs.Node | None = None
-                ) -> Iterator[tuple[str, gs.Graph, gs.Node | None]]:
-    """The main graph, then every If/Loop/Scan body, depth first."""
+# ai.onnx ops whose attributes hold graphs; nodes of other domains are checked one by one.
+_GRAPH_OPS = frozenset({"If", "Loop", "Scan", "SequenceMap"})
+
+
+def may_hold_graphs(node: onnx.NodeProto) -> bool:
+    """Cheap filter for walks over every node: only these can have graph-valued attributes."""
+    return node.op_type in _GRAPH_OPS or (node.domain not in ("", "ai.onnx") and len(node.attribute) > 0)
+
+
+def iter_graphs(graph: onnx.GraphProto, graph_id: str = MAIN, parent: onnx.NodeProto | None = None
+                ) -> Iterator[tuple[str, onnx.GraphProto, onnx.NodeProto | None]]:
+    """The main graph, then every If/Loop/Scan body, depth first (the one subgraph walker)."""
     yield graph_id, graph, parent
-    for node in graph.nodes:
-        for attr, value in node.attrs.items():
-            if isinstance(value, gs.Graph):
-                yield from iter_graphs(value, f"{node.name}/{attr}", node)
-
-
-def iter_proto_graphs(graph: onnx.GraphProto) -> Iterator[onnx.GraphProto]:
-    """``graph`` and every subgraph in it (node attributes of type GRAPH or GRAPHS), depth first."""
-    yield graph
     for node in graph.node:
-        for sub in proto_subgraphs(node):
-            yield from iter_proto_graphs(sub)
+        if may_hold_graphs(node):
+            for attr in node.attribute:
+                if attr.type == GRAPH:
+                    yield from iter_graphs(attr.g, f"{node.name}/{attr.name}", node)
 
 
 def proto_subgraphs(node: onnx.NodeProto) -> Iterator[onnx.GraphProto]:
     """The bodies of an If/Loop/Scan NodeProto (GRAPH and GRAPHS attributes)."""
+    if not may_hold_graphs(node):
+        return
     for attr in node.attribute:
-        if attr.type == onnx.AttributeProto.GRAPH:
+        if attr.type == GRAPH:
             yield attr.g
-        elif attr.type == onnx.AttributeProto.GRAPHS:
+        elif attr.type == GRAPHS:
             yield from attr.graphs
 
 
@@ -49,70 +62,191 @@ def proto_nodes(graph: onnx.GraphProto) -> Iterator[onnx.NodeProto]:
             yield from proto_nodes(sub)
 
 
-def is_tensor(tensor: gs.Tensor) -> bool:
-    """False for sequence, optional, map and sparse values: GS keeps their kind in ``type``."""
-    return getattr(tensor, "type", "tensor_type") == "tensor_type"
+def iter_proto_graphs(graph: onnx.GraphProto) -> Iterator[onnx.GraphProto]:
+    """``graph`` and every subgraph in it (node attributes of type GRAPH or GRAPHS), depth first."""
+    yield graph
+    for node in graph.node:
+        for sub in proto_subgraphs(node):
+            yield from iter_proto_graphs(sub)
 
 
-def onnx_dtype(tensor: gs.Tensor) -> int | None:
-    """The tensor's ONNX element type; None when unknown or when the value is not a plain tensor
-    (GS gives a sequence its element's dtype and an optional a whole TypeProto)."""
-    if not is_tensor(tensor):
-        return None
-    if isinstance(tensor, gs.Constant):
-        dtype = tensor.export_dtype if getattr(tensor, "export_dtype", None) is not None else tensor.dtype
+_UNPARSED = object()
+
+
+class TensorInfo:
+    """What GS's importer would know about one tensor (first declaration wins, as in GS).
+
+    ``shape`` is ints, dim_param strings and None for unknown dims (None when unknown);
+    it is read from the declaration only when asked for: most tensors never need it.
+    """
+
+    __slots__ = ("name", "init", "dtype", "kind", "decl", "merged", "_shape")
+
+    def __init__(self, name: str, init: onnx.TensorProto | None = None, dtype=None, shape=None,
+                 kind: str | None = TENSOR_KIND, decl: onnx.ValueInfoProto | None = None):
+        self.name = name
+        self.init = init          # an initializer (a GS Constant)
+        self.dtype = dtype        # ONNX element type (int), or None when unknown
+        self.kind = kind          # TypeProto field: tensor_type, sequence_type, ...
+        self.decl = decl          # the declaration the type came from
+        self.merged = False       # True when several declarations were merged (GS overwrite rules)
+        self._shape = shape
+
+    @property
+    def shape(self):
+        if self._shape is _UNPARSED:
+            self._shape = _shape_of(self.decl)
+        return self._shape
+
+    @shape.setter
+    def shape(self, value):
+        self._shape = value
+
+
+@dataclass
+class Scope:
+    """One graph: the main graph or a body, with the node owning it."""
+
+    gid: str
+    graph: onnx.GraphProto
+    parent: onnx.NodeProto | None
+    parent_scope: int | None
+    local: set[str] = field(default_factory=set)  # names GS registers in this graph's own map
+
+
+class ModelGraph:
+    """The normalized model and its tensor index; built once, in one pass per graph."""
+
+    def __init__(self, model: onnx.ModelProto):
+        self.model = model
+        self.tensors: dict[str, TensorInfo] = {}
+        self.scopes: list[Scope] = []
+        self.opset = next((o.version for o in model.opset_import if o.domain in ("", "ai.onnx")), None)
+        self.domains = {o.domain: o.version for o in model.opset_import}
+        self._import(model.graph, MAIN, None, None)
+
+    # -- GS importer rules ------------------------------------------------------------------
+    def _import(self, g: onnx.GraphProto, gid: str, parent: onnx.NodeProto | None, parent_scope: int | None) -> None:
+        index = len(self.scopes)
+        scope = Scope(gid, g, parent, parent_scope)
+        self.scopes.append(scope)
+        tensors, local = self.tensors, scope.local
+        for init in g.initializer:
+            if init.name not in tensors:
+                tensors[init.name] = TensorInfo(init.name, init=init, dtype=init.data_type, shape=list(init.dims))
+                local.add(init.name)
+        for sparse in g.sparse_initializer:
+            name = sparse.values.name
+            if name not in tensors:
+                tensors[name] = TensorInfo(name, init=sparse.values, dtype=sparse.values.data_type,
+                                           shape=list(sparse.dims), kind="sparse_initializer")
+                local.add(name)
+        for vi in g.value_info:
+            info = tensors.get(vi.name)
+            if info is None:
+                tensors[vi.name] = _from_value_info(vi)
+                local.add(vi.name)
+            elif info.init is None and vi.name in local:
+                # GS overwrites with more information: falsy dtype/shape (None, 0, []) are replaced.
+                new = _from_value_info(vi)
+                info.dtype = info.dtype or new.dtype
+                info.shape = info.shape or new.shape
+                info.merged = True
+        init_names = {t.name for t in g.initializer} | {t.values.name for t in g.sparse_initializer}
+        for vi in g.input:
+            if vi.name not in init_names and vi.name not in local:
+                tensors[vi.name] = _from_value_info(vi)
+                local.add(vi.name)
+        for vi in g.output:
+            if vi.name not in local:
+                tensors[vi.name] = _from_value_info(vi)
+                local.add(vi.name)
+        for node in g.node:
+            if may_hold_graphs(node):
+                for attr in node.attribute:
+                    if attr.type == GRAPH:
+                        self._import(attr.g, f"{node.name}/{attr.name}", node, index)
+            for name in node.input:
+                if name not in tensors and name:
+                    tensors[name] = TensorInfo(name)
+                    local.add(name)
+            for name in node.output:
+                if name not in local and name:
+                    tensors[name] = TensorInfo(name)
+                    local.add(name)
+
+    # -- queries ---------------------------------------------------------------------------------
+    def opset_of(self, domain: str) -> int:
+        if domain in ("", "ai.onnx"):
+            return int(self.opset) if self.opset is not None else GS_DEFAULT_OPSET
+        return int(self.domains.get(domain, 1))
+
+    def dtype(self, name: str) -> int | None:
+        """The element type of a plain tensor; None when unknown or for a sequence, optional, map or
+        sparse value (such values never change type)."""
+        info = self.tensors.get(name)
+        if info is None or (info.init is None and info.kind != TENSOR_KIND):
+            return None
+        return info.dtype
+
+    def node_count(self) -> int:
+        return sum(len(s.graph.node) for s in self.scopes)
+
+    def outer_references(self, scope_index: int) -> list[str]:
+        """Variables a body (and its own bodies) reads from enclosing graphs."""
+        scope = self.scopes[scope_index]
+        defined = {vi.name for vi in scope.graph.input}
+        for node in scope.graph.node:
+            defined.update(node.output)
+        seen: dict[str, None] = {}
+        for node in scope.graph.node:
+            for name in node.input:
+                if name and name not in defined and not self._is_constant(name):
+                    seen[name] = None
+            for attr in node.attribute:
+                if attr.type == GRAPH:
+                    child = self.scope_of_graph(attr.g)
+                    for name in self.outer_references(child):
+                        if name not in defined:
+                            seen[name] = None
+        return list(seen)
+
+    def _is_constant(self, name: str) -> bool:
+        info = self.tensors.get(name)
+        return info is not None and info.init is not None
+
+    def scope_of_graph(self, g: onnx.GraphProto) -> int:
+        if not hasattr(self, "_by_graph"):
+            self._by_graph = {id(s.graph): i for i, s in enumerate(self.scopes)}
+        return self._by_graph[id(g)]
+
+
+def _from_value_info(vi: onnx.ValueInfoProto) -> TensorInfo:
+    info = TensorInfo(vi.name, decl=vi)
+    t = vi.type
+    if t.ByteSize() == 0:
+        return info
+    kind = t.WhichOneof("value")
+    info.kind = kind
+    if kind == "tensor_type":
+        info.dtype = t.tensor_type.elem_type
+    elif kind == "sequence_type":
+        info.dtype = t.sequence_type.elem_type.tensor_type.elem_type
+    elif kind == "map_type":
+        info.dtype = t.map_type.value_type
+    elif kind == "optional_type":
+        info.dtype = t.optional_type.elem_type
+    elif kind == "sparse_tensor_type":
+        info.dtype = t.sparse_tensor_type.elem_type
     else:
-        dtype = tensor.dtype
-    if dtype is None:
+        info.dtype = t.opaque_type
+    info.shape = _UNPARSED
+    return info
+
+
+def _shape_of(vi: onnx.ValueInfoProto) -> list | None:
+    t = vi.type.tensor_type
+    if not t.HasField("shape"):
         return None
-    if isinstance(dtype, (int, np.integer)):
-        return int(dtype)
-    cached = _DTYPES.get(dtype)
-    if cached is None:
-        try:
-            cached = int(onnx.helper.np_dtype_to_tensor_dtype(np.dtype(dtype)))
-        except (TypeError, KeyError, ValueError):
-            from onnx_graphsurgeon.exporters.onnx_exporter import dtype_to_onnx
-
-            cached = int(dtype_to_onnx(dtype))
-        _DTYPES[dtype] = cached
-    return cached
-
-
-_DTYPES: dict = {}  # numpy dtype -> ONNX enum; the conversion is slow and called per tensor
-
-
-def is_float32(tensor: gs.Tensor) -> bool:
-    return onnx_dtype(tensor) == onnx.TensorProto.FLOAT
-
-
-def producer(tensor: gs.Tensor) -> gs.Node | None:
-    return tensor.inputs[0] if isinstance(tensor, gs.Variable) and tensor.inputs else None
-
-
-def opset_of(graph: gs.Graph, domain: str) -> int:
-    if domain in ("", "ai.onnx"):
-        return int(graph.opset)
-    for entry in graph.import_domains or []:
-        if entry.domain == domain:
-            return int(entry.version)
-    return 1
-
-
-def outer_references(body: gs.Graph) -> list[gs.Tensor]:
-    """Tensors a body reads from enclosing scopes (``body._foreign_tensors`` in GS)."""
-    local = {t.name for t in body.inputs}
-    for node in body.nodes:
-        local.update(t.name for t in node.outputs)
-    seen: dict[str, gs.Tensor] = {}
-    for node in body.nodes:
-        for tensor in node.inputs:
-            if tensor.name and tensor.name not in local and not isinstance(tensor, gs.Constant):
-                seen.setdefault(tensor.name, tensor)
-        for value in node.attrs.values():
-            if isinstance(value, gs.Graph):
-                for tensor in outer_references(value):
-                    if tensor.name not in local:
-                        seen.setdefault(tensor.name, tensor)
-    return list(seen.values())
-
+    return [d.dim_param if d.HasField("dim_param") else (d.dim_value if d.HasField("dim_value") else None)
+            for d in t.shape.dim]

@@ -23,7 +23,7 @@ from onnxmp.errors import OnnxMPError
 LIST_NAMES = ("allow", "infer", "deny", "clear")
 LEVELS = ("default", "tensor_cores_only", "treat_infer_as_deny", "unsafe_force_all")
 TARGETS = ("cuda", "cpu")
-PRECISIONS = ("float16", "bfloat16")
+from onnxmp.precision import PRECISIONS  # noqa: E402,F401  (re-exported: the CLI choices)
 
 _MS = "com.microsoft:"
 

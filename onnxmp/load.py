@@ -81,6 +81,6 @@ def _check_not_empty(proto: onnx.ModelProto, what: str) -> None:
 
 
 def _uses_external_data(proto: onnx.ModelProto) -> bool:
-    return any(
-        t.data_location == onnx.TensorProto.EXTERNAL for t in onnx.external_data_helper._get_all_tensors(proto)
-    )
+    from onnxmp.external import has_external_data
+
+    return has_external_data(proto)

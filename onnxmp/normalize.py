@@ -1,21 +1,20 @@
 """Stage 2: normalize.  Unique names, topological order, dtypes from shape inference.
 
 Everything after this stage keys nodes and tensors by name, so names must be
-unique across the main graph and all subgraphs.
+unique across the main graph and all subgraphs.  The result is the model itself
+(edited in place) and its :class:`~onnxmp.graphs.ModelGraph` index.
 """
 from __future__ import annotations
 
 import logging
 from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import onnx
-import onnx_graphsurgeon as gs
-from onnx_graphsurgeon.logger import G_LOGGER
 
 from onnxmp.errors import OnnxMPError
-from onnxmp.external import skeleton, use_external_reader
-from onnxmp.graphs import iter_graphs
+from onnxmp.external import SKELETON_TENSOR_BYTES, skeleton
+from onnxmp.graphs import ModelGraph, iter_proto_graphs, iter_graphs, may_hold_graphs
 from onnxmp.passes import PassResult, require
 
 log = logging.getLogger("onnxmp.normalize")
@@ -23,10 +22,9 @@ log = logging.getLogger("onnxmp.normalize")
 
 @dataclass
 class Normalized:
-    graph: gs.Graph
+    graph: ModelGraph
     result: PassResult
     inference_error: str | None = None
-    renamed_nodes: list[tuple[str, str]] = field(default_factory=list)
 
 
 def infer_types(model: onnx.ModelProto) -> tuple[onnx.ModelProto, str | None]:
@@ -37,13 +35,23 @@ def infer_types(model: onnx.ModelProto) -> tuple[onnx.ModelProto, str | None]:
     than 2 GB), and the inferred value_info is copied back into ``model``.
     """
     try:
-        inferred = onnx.shape_inference.infer_shapes(skeleton(model), data_prop=True)
+        inferred = onnx.shape_inference.infer_shapes(_weightless(model), data_prop=True)
     except Exception as exc:  # onnx raises InferenceError, ValidationError or RuntimeError
         message = str(exc).splitlines()[0][:300]
         log.warning("shape inference failed (%s); types not declared in the model stay unknown", message)
         return model, message
     _copy_value_info(inferred.graph, model.graph)
     return model, None
+
+
+def _weightless(model: onnx.ModelProto) -> onnx.ModelProto:
+    """The skeleton only when some initializer is big (or external): otherwise it would be a copy."""
+    for g in iter_proto_graphs(model.graph):
+        for t in g.initializer:
+            if t.data_location == onnx.TensorProto.EXTERNAL or (
+                    t.ByteSize() > SKELETON_TENSOR_BYTES and len(t.raw_data) > SKELETON_TENSOR_BYTES):
+                return skeleton(model)
+    return model
 
 
 def _copy_value_info(src: onnx.GraphProto, dst: onnx.GraphProto, main: bool = True) -> None:
@@ -60,6 +68,8 @@ def _copy_value_info(src: onnx.GraphProto, dst: onnx.GraphProto, main: bool = Tr
             if not main or _refines(a.type, b.type):
                 b.type.CopyFrom(a.type)
     for n_src, n_dst in zip(src.node, dst.node):
+        if not may_hold_graphs(n_dst):
+            continue
         for a_src, a_dst in zip(n_src.attribute, n_dst.attribute):
             if a_src.type == onnx.AttributeProto.GRAPH:
                 _copy_value_info(a_src.g, a_dst.g, main=False)
@@ -80,88 +90,87 @@ def _refines(inferred: onnx.TypeProto, declared: onnx.TypeProto) -> bool:
 
 
 def normalize(model: onnx.ModelProto) -> Normalized:
-    """Import into onnx-graphsurgeon with unique names and topologically sorted graphs."""
+    """Annotate types, give nodes unique names, sort every graph; then index the model once.
+
+    Works on ``model`` in place (callers pass the copy ``load`` made).
+    """
     inferred, error = infer_types(model)
-    try:
-        # GS prints warnings straight to the terminal (e.g. for bfloat16); ours go through logging.
-        with G_LOGGER.suppress(G_LOGGER.ERROR):
-            graph = gs.import_onnx(inferred)
-    except Exception as exc:
-        raise OnnxMPError(
-            f"onnx-graphsurgeon cannot import the model: {str(exc).splitlines()[0][:300]}",
-            hint="run onnx.checker.check_model on it; the model may be malformed",
-        ) from None
-    use_external_reader(graph)
-    _keep_skipped_attributes(inferred.graph, graph)
-    renamed = make_node_names_unique(graph)
-    sorted_changed = toposort_all(graph)
-    _check_unique_names(graph)
-    return Normalized(graph, PassResult(bool(renamed) or sorted_changed,
-                                        {"renamed_nodes": len(renamed), "resorted": sorted_changed}),
-                      error, renamed)
+    renamed = make_node_names_unique(inferred.graph)
+    sorted_changed = toposort_all(inferred)
+    if sorted_changed:
+        _check_unique_names(inferred.graph)  # make_node_names_unique checked the unsorted graphs
+    return Normalized(ModelGraph(inferred), PassResult(bool(renamed) or sorted_changed,
+                                                       {"renamed_nodes": renamed, "resorted": sorted_changed}),
+                      error)
 
 
-def _keep_skipped_attributes(proto: onnx.GraphProto, graph: gs.Graph) -> None:
-    """GS skips attributes of the types it does not model (TYPE_PROTO as in Optional's ``type``,
-    SPARSE_TENSOR as in Constant's ``sparse_value``, TENSORS, GRAPHS...), and the exported node
-    would lack them.  Keep their proto values: GS hands them to onnx.helper.make_attribute on
-    export, which writes them back.  GS imports nodes in proto order, so the two lists pair up."""
-    for p_node, g_node in zip(proto.node, graph.nodes):
-        for attr in p_node.attribute:
-            value = g_node.attrs.get(attr.name)
-            if attr.name not in g_node.attrs and not attr.ref_attr_name:
-                g_node.attrs[attr.name] = onnx.helper.get_attribute_value(attr)
-            elif attr.type == onnx.AttributeProto.GRAPH and isinstance(value, gs.Graph):
-                _keep_skipped_attributes(attr.g, value)
-
-
-def make_node_names_unique(graph: gs.Graph) -> list[tuple[str, str]]:
-    """Give unnamed and duplicate-named nodes deterministic names ``<op>_<n>``.
+def make_node_names_unique(graph: onnx.GraphProto) -> int:
+    """Give unnamed and duplicate-named nodes deterministic names ``<op>_onnxmp_<n>``.
 
     The first node holding a name keeps it, so already-unique models are untouched.
+    Returns how many nodes were renamed.
     """
-    all_nodes = [n for _, g, _ in iter_graphs(graph) for n in g.nodes]
+    all_nodes = [n for _, g, _ in iter_graphs(graph) for n in g.node]
     taken = Counter(n.name for n in all_nodes if n.name)
     seen: set[str] = set()
-    renamed: list[tuple[str, str]] = []
+    renamed = 0
     counter = 0
     for node in all_nodes:
         if node.name and node.name not in seen:
             seen.add(node.name)
             continue
         while True:
-            candidate = f"{node.op}_onnxmp_{counter}"
+            candidate = f"{node.op_type}_onnxmp_{counter}"
             counter += 1
             if candidate not in taken and candidate not in seen:
                 break
-        renamed.append((node.name, candidate))
+        renamed += 1
         node.name = candidate
         seen.add(candidate)
+    require(len(seen) == len(all_nodes), "normalize", "node names unique across all graphs")
     if renamed:
-        log.info("named %d unnamed or duplicate-named nodes", len(renamed))
+        log.info("named %d unnamed or duplicate-named nodes", renamed)
     return renamed
 
 
-def is_sorted(g: gs.Graph, outer: frozenset[str] = frozenset()) -> bool:
-    """Linear check; exporters almost always emit sorted graphs, and GS's toposort is costly."""
-    known = set(outer) | {t.name for t in g.inputs} | {""}
-    for node in g.nodes:
-        for t in node.inputs:
-            if t.name not in known and not isinstance(t, gs.Constant):
-                return False
-        for value in node.attrs.values():
-            if isinstance(value, gs.Graph) and not is_sorted(value, frozenset(known)):
-                return False
-        known.update(t.name for t in node.outputs)
+def is_sorted(g: onnx.GraphProto, constants: set[str], outer: frozenset[str] = frozenset()) -> bool:
+    """Linear check; exporters almost always emit sorted graphs."""
+    known = set(outer) | {t.name for t in g.input} | {""} | constants
+    for node in g.node:
+        if not known.issuperset(node.input):
+            return False
+        if may_hold_graphs(node):
+            for attr in node.attribute:
+                if attr.type == onnx.AttributeProto.GRAPH and not is_sorted(attr.g, constants, frozenset(known)):
+                    return False
+        known.update(node.output)
     return True
 
 
-def toposort_all(graph: gs.Graph) -> bool:
-    """Sort every graph; True when some graph was out of order."""
-    if is_sorted(graph):
+def toposort_all(model: onnx.ModelProto) -> bool:
+    """Sort every graph; True when some graph was out of order.
+
+    Sorting is rare (exporters emit sorted graphs), so it is left to onnx-graphsurgeon,
+    whose order the rest of the pipeline has always seen; only the resulting node
+    order is taken back into the proto.
+    """
+    constants = {t.name for g in iter_proto_graphs(model.graph) for t in g.initializer}
+    if is_sorted(model.graph, constants):
         return False
+    import onnx_graphsurgeon as gs
+    from onnx_graphsurgeon.logger import G_LOGGER
+
+    try:
+        with G_LOGGER.suppress(G_LOGGER.ERROR):
+            graph = gs.import_onnx(model)
+    except Exception as exc:
+        raise OnnxMPError(
+            f"onnx-graphsurgeon cannot import the model: {str(exc).splitlines()[0][:300]}",
+            hint="run onnx.checker.check_model on it; the model may be malformed",
+        ) from None
+    protos = {node.name: node for _, g, _ in iter_graphs(model.graph) for node in g.node}
     changed = False
-    for graph_id, g, _ in iter_graphs(graph):
+    for graph_id, g in _gs_graphs(graph):
         before = [n.name for n in g.nodes]
         try:
             g.toposort(recurse_subgraphs=False)
@@ -170,11 +179,33 @@ def toposort_all(graph: gs.Graph) -> bool:
                 f"graph {graph_id or 'main'!r} cannot be sorted topologically: {str(exc)[:200]}",
                 hint="the graph has a cycle or a node reads a tensor nothing produces",
             ) from None
-        if [n.name for n in g.nodes] != before:
+        after = [n.name for n in g.nodes]
+        if after != before:
             changed = True
+            target = model.graph if graph_id == "" else _body(protos, graph_id)
+            ordered = [protos[name] for name in after]
+            copies = [onnx.NodeProto() for _ in ordered]
+            for copy, node in zip(copies, ordered):
+                copy.CopyFrom(node)
+            del target.node[:]
+            target.node.extend(copies)
+            protos.update({n.name: n for _, sub, _ in iter_graphs(target) for n in sub.node})
     return changed
 
 
-def _check_unique_names(graph: gs.Graph) -> None:
-    names = [n.name for _, g, _ in iter_graphs(graph) for n in g.nodes]
+def _gs_graphs(graph, graph_id: str = ""):
+    yield graph_id, graph
+    for node in graph.nodes:
+        for attr, value in node.attrs.items():
+            if hasattr(value, "toposort"):
+                yield from _gs_graphs(value, f"{node.name}/{attr}")
+
+
+def _body(protos: dict[str, onnx.NodeProto], graph_id: str) -> onnx.GraphProto:
+    node_name, attr_name = graph_id.rsplit("/", 1)
+    return next(a.g for a in protos[node_name].attribute if a.name == attr_name)
+
+
+def _check_unique_names(graph: onnx.GraphProto) -> None:
+    names = [n.name for _, g, _ in iter_graphs(graph) for n in g.node]
     require(len(names) == len(set(names)), "normalize", "node names unique across all graphs")

@@ -8,10 +8,10 @@ from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any, Sequence, TypeVar
 
 import numpy as np
-import onnx_graphsurgeon as gs
+import onnx
 
 from onnxmp.color.rules import ALLOW, Coloring
-from onnxmp.graphs import iter_graphs
+from onnxmp.graphs import ModelGraph
 from onnxmp.naming import json_safe
 
 if TYPE_CHECKING:
@@ -42,6 +42,19 @@ class VertexRow:
 
 
 @dataclass
+class GroupRow:
+    """A control-flow color group (spec §5.7) and whether it went low precision."""
+
+    name: str
+    low: bool
+    why: str
+    members: list[str]
+
+    def __getitem__(self, key: str):  # older callers read these rows as dicts
+        return getattr(self, key)
+
+
+@dataclass
 class Advice:
     node: str
     op: str
@@ -67,7 +80,7 @@ class Report:
     twin_initializers: list[str] = field(default_factory=list)
     calibration: CalibrationReport | None = None  # set by convert(..., calibration=...)
     shape_inference_error: str | None = None
-    groups: list[dict[str, Any]] = field(default_factory=list)  # control-flow color groups (spec §5.7)
+    groups: list[GroupRow] = field(default_factory=list)  # control-flow color groups (spec §5.7)
 
     # -- aggregates ---------------------------------------------------------------
     def color_counts(self) -> dict[str, int]:
@@ -145,8 +158,8 @@ class Report:
             lines.append("")
             lines.append("control-flow groups:")
             for g in self.groups:
-                verdict = self.precision if g["low"] else "keeps its type"
-                lines.append(f"  {g['name']}: {verdict}" + (f" ({g['why']})" if g["why"] else ""))
+                verdict = self.precision if g.low else "keeps its type"
+                lines.append(f"  {g.name}: {verdict}" + (f" ({g.why})" if g.why else ""))
         if self.advice:
             lines.append("")
             lines.append("Tensor Core advice (dimensions should be multiples of 8, or powers of two below 256):")
@@ -173,19 +186,19 @@ def _json_default(obj):
 
 def vertex_rows(state: Coloring) -> list[VertexRow]:
     rows = []
-    for key, v in state.view.vertices.items():
+    for v in state.view.by_id:
         if not v.float32 and v.type_known:
             continue  # int/bool parameters are never candidates; listing them is noise
-        color, reason = state.final(key)
-        rows.append(VertexRow(key, v.node, v.op, v.param, v.graph or "main", color, reason.rule, reason.cause,
+        color, reason = state.final(v.id)
+        rows.append(VertexRow(v.key, v.node, v.op, v.param, v.graph or "main", color, reason.rule, reason.cause,
                               v.tensors))
     return rows
 
 
-def group_rows(state: Coloring) -> list[dict[str, Any]]:
+def group_rows(state: Coloring) -> list[GroupRow]:
     low = {g.name for g in state.low_groups}
-    return [{"name": g.name, "low": g.name in low, "why": state.group_notes.get(g.name, ""),
-             "members": [t for _, t in g.members]} for g in state.view.groups]
+    return [GroupRow(g.name, g.name in low, state.group_notes.get(g.name, ""), [t for _, t in g.members])
+            for g in state.view.groups]
 
 
 def tensor_core_friendly(dim: int) -> bool:
@@ -193,51 +206,54 @@ def tensor_core_friendly(dim: int) -> bool:
     return dim % 8 == 0 or (dim < 256 and dim > 0 and dim & (dim - 1) == 0)
 
 
-def tensor_core_advice(graph: gs.Graph, state: Coloring) -> list[Advice]:
+def tensor_core_advice(graph: ModelGraph, state: Coloring) -> list[Advice]:
     """For each low-precision MatMul/Gemm/Conv, name static K/N or channel dims that are not friendly."""
-    allow_nodes = {state.view.vertices[k].node for k in state.allow_keys()}
+    by_id = state.view.by_id
+    allow_nodes = {by_id[i].node for i in state.allow_ids()}
     advice: list[Advice] = []
-    for _, g, _ in iter_graphs(graph):
-        for node in g.nodes:
-            if node.name not in allow_nodes or node.op not in TENSOR_CORE_OPS:
+    for scope in graph.scopes:
+        for node in scope.graph.node:
+            if node.name not in allow_nodes or node.op_type not in TENSOR_CORE_OPS:
                 continue
-            for label, dim in _dims(node):
+            for label, dim in _dims(graph, node):
                 if isinstance(dim, (int, np.integer)) and dim > 0 and not tensor_core_friendly(int(dim)):
-                    advice.append(Advice(node.name, node.op, label, int(dim),
-                                         f"{node.op} `{node.name}`: {label} = {dim} is not a multiple of 8 "
+                    advice.append(Advice(node.name, node.op_type, label, int(dim),
+                                         f"{node.op_type} `{node.name}`: {label} = {dim} is not a multiple of 8 "
                                          "(nor a power of two below 256); pad it for Tensor Cores"))
     return advice
 
 
-def _shape(t: gs.Tensor):
-    shape = t.shape  # a Constant reports its shape without loading (lazy) values
-    return list(shape) if shape is not None else None
+def _dims(graph: ModelGraph, node: onnx.NodeProto) -> list[tuple[str, Any]]:
+    def shape(i: int):
+        info = graph.tensors.get(node.input[i]) if node.input[i] else None
+        return None if info is None or info.shape is None else list(info.shape)
 
+    def attr(name: str, default: int) -> int:
+        return next((a.i for a in node.attribute if a.name == name), default)
 
-def _dims(node: gs.Node) -> list[tuple[str, Any]]:
-    if node.op == "MatMul" and len(node.inputs) >= 2:
-        a, b = _shape(node.inputs[0]), _shape(node.inputs[1])
+    if node.op_type == "MatMul" and len(node.input) >= 2:
+        a, b = shape(0), shape(1)
         out = []
         if a and len(a) >= 1:
             out.append(("K", a[-1]))
         if b and len(b) >= 2:
             out.append(("N", b[-1]))
         return out
-    if node.op == "Gemm" and len(node.inputs) >= 2:
-        a, b = _shape(node.inputs[0]), _shape(node.inputs[1])
-        ta, tb = node.attrs.get("transA", 0), node.attrs.get("transB", 0)
+    if node.op_type == "Gemm" and len(node.input) >= 2:
+        a, b = shape(0), shape(1)
+        ta, tb = attr("transA", 0), attr("transB", 0)
         out = []
         if a and len(a) == 2:
             out.append(("K", a[0] if ta else a[1]))
         if b and len(b) == 2:
             out.append(("N", b[0] if tb else b[1]))
         return out
-    if node.op in ("Conv", "ConvTranspose") and len(node.inputs) >= 2:
-        w = _shape(node.inputs[1])
+    if node.op_type in ("Conv", "ConvTranspose") and len(node.input) >= 2:
+        w = shape(1)
         if not w or len(w) < 2:
             return []
-        group = int(node.attrs.get("group", 1))
-        if node.op == "Conv":
+        group = int(attr("group", 1))
+        if node.op_type == "Conv":
             return [("input channels", w[1] * group), ("output channels", w[0])]
         return [("input channels", w[0]), ("output channels", w[1] * group)]
     return []

@@ -55,12 +55,12 @@ from onnxmp.errors import OnnxMPError, first_line
 from onnxmp.graphs import proto_subgraphs
 from onnxmp.metrics import as_output_array
 from onnxmp.naming import FreshNames, proto_names
+from onnxmp.precision import low_precision
 
 log = logging.getLogger("onnxmp.search")
 
 RUNS_C = 5
 SWITCH_INPUT = "onnxmp_low_switches"
-_LOW = {"float16": TensorProto.FLOAT16, "bfloat16": TensorProto.BFLOAT16}
 
 
 def run_bound(candidates: int, culprits: int) -> float:
@@ -84,7 +84,7 @@ class Switchboard:
     def __init__(self, model: onnx.ModelProto, low: Mapping[str, LowNode], precision: str = "float16"):
         import onnxruntime as ort
 
-        self.low_type = _LOW[precision]
+        self.low_type = low_precision(precision).onnx_type
         self.nodes: list[str] = []  # switch index -> node name, topological (bodies at their parent)
         proto = onnx.ModelProto()
         proto.CopyFrom(model)

@@ -57,6 +57,7 @@ from onnxmp.errors import OnnxMPError, first_line
 from onnxmp.inputs import Sample, as_samples, check_inputs, drop_extra_inputs, generate_inputs
 from onnxmp.metrics import as_output_array
 from onnxmp.naming import json_safe
+from onnxmp.precision import BFLOAT16, FLOAT16, FLOAT32
 
 log = logging.getLogger("onnxmp.validate")
 
@@ -375,7 +376,7 @@ def validate(reference: onnx.ModelProto | str | os.PathLike, candidate: onnx.Mod
     ref_model = as_model(reference)
     cand_model = as_model(candidate)
     cand_precisions = low_precision_types(cand_model)
-    precision = next((p for p in ("bfloat16", "float16") if p in cand_precisions), "float32")
+    precision = next((p for p in (BFLOAT16.name, FLOAT16.name) if p in cand_precisions), FLOAT32.name)
     limits = _thresholds(thresholds, precision)
 
     cand_outputs = {o.name for o in cand_model.graph.output}

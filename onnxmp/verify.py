@@ -12,7 +12,7 @@ import onnx
 
 from onnxmp.errors import OnnxMPError, first_line
 from onnxmp.external import check_skeleton, has_external_data, skeleton
-from onnxmp.graphs import iter_proto_graphs
+from onnxmp.graphs import iter_proto_graphs, may_hold_graphs
 
 SKELETON_ABOVE = 1 << 30  # bytes; well under protobuf's 2 GB serialization limit
 
@@ -104,15 +104,16 @@ def check_topological(graph: onnx.GraphProto, where: str, outer: frozenset[str] 
     known = set(outer) | {i.name for i in graph.input} | {i.name for i in graph.initializer} | {""}
     known |= {i.name for i in graph.sparse_initializer}
     for node in graph.node:
-        for name in node.input:
-            if name not in known:
-                raise OnnxMPError(
-                    f"graph {where!r} is not topologically sorted: node `{node.name}` reads `{name}` "
-                    "before it is produced", hint=_HINT)
-        for attr in node.attribute:
-            subgraphs = [attr.g] if attr.type == onnx.AttributeProto.GRAPH else list(attr.graphs)
-            for sub in subgraphs:
-                check_topological(sub, f"{node.name}/{attr.name}", frozenset(known))
+        if not known.issuperset(node.input):
+            name = next(n for n in node.input if n not in known)
+            raise OnnxMPError(
+                f"graph {where!r} is not topologically sorted: node `{node.name}` reads `{name}` "
+                "before it is produced", hint=_HINT)
+        if may_hold_graphs(node):
+            for attr in node.attribute:
+                subgraphs = [attr.g] if attr.type == onnx.AttributeProto.GRAPH else list(attr.graphs)
+                for sub in subgraphs:
+                    check_topological(sub, f"{node.name}/{attr.name}", frozenset(known))
         known.update(node.output)
 
 

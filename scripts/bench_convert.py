@@ -1,12 +1,20 @@
 """Conversion speed on synthetic transformer graphs of about 1k to 80k nodes.
 
-    python scripts/bench_convert.py [--sizes 1k,5k,20k,80k] [--repeat 3] [--json FILE]
-                                    [--timeout SECONDS] [--profile N]
+    python scripts/bench_convert.py [--shape both|quadratic-occ|linear-occ] [--sizes 1k,5k,20k,80k]
+                                    [--repeat 3] [--json FILE] [--timeout SECONDS] [--profile N]
+                                    [--rss SIZE]
 
-Each size is ``models.zoo.transformer_stack`` (LayerNorm, Q/K/V MatMul+Add,
-Softmax with an additive mask, Erf GELU, residual adds; 67 nodes per layer)
-with hidden=8 so even the 80k-node model has tiny weights.  Three things are
-timed per repetition, in one process, interleaved (the order rotates each
+Two graph shapes, both transformer stacks with hidden=8 so even 80k nodes have tiny weights:
+
+* ``quadratic-occ``: ``models.zoo.transformer_stack`` (decomposed LayerNorm, Q/K/V MatMul+Add,
+  Softmax with an additive mask, Erf GELU, residual adds; 67 nodes per layer, value_info for
+  every tensor).  onnxconverter-common goes quadratic on it.
+* ``linear-occ``: :func:`linear_occ_stack`, built here with onnx.helper the way exporters
+  with fused ops emit it: the LayerNormalization op, MatMul+Add projections, attention with an
+  additive mask graph input (unsqueezed once), Erf GELU, no value_info (34 nodes per layer).  onnxconverter-common
+  is linear on it.
+
+Three things are timed per repetition, in one process, interleaved (the order rotates each
 repetition so none always runs on a warm or a cold heap):
 
 * ours:  ``onnxmp.convert`` (total wall, plus its per-stage report.timings);
@@ -19,6 +27,11 @@ The table shows medians, ours/occ, and the growth per 4x nodes,
 
 ``--timeout`` caps one call: a call that runs past it is stopped and counted as
 "> timeout"; that measurement is then skipped at the larger sizes.
+
+``--rss SIZE`` (default: the largest size) also measures peak resident memory of each
+converter at that size: each converter runs alone in a fresh child process that loads the
+saved model and converts it; the child's ``VmHWM`` (peak RSS, the model's load included)
+is reported, with ``load-only`` (the same child doing nothing but load) as the floor.
 """
 from __future__ import annotations
 
@@ -33,6 +46,7 @@ import platform
 import pstats
 import signal
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -43,7 +57,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+import numpy as np  # noqa: E402
 import onnx  # noqa: E402
+from onnx import TensorProto, helper  # noqa: E402
 
 import onnxmp  # noqa: E402
 from onnxmp.files import guard_arguments, write_text_atomic  # noqa: E402
@@ -51,7 +67,10 @@ from models import zoo  # noqa: E402
 
 STAGES = ("load", "normalize", "color", "rewrite", "verify")
 THINGS = ("ours", "occ", "floor")
+SHAPES = ("quadratic-occ", "linear-occ")
 HIDDEN, SEQ, HEADS = 8, 4, 2
+LINEAR_NODES_PER_LAYER, LINEAR_SHARED_NODES = 34, 2
+TARGET_RSS = 1.5     # ours/occ peak RSS at the RSS size
 TARGET_RATIO = 1.0   # ours/occ at the largest size
 TARGET_GROWTH = 4.4  # per 4x nodes
 
@@ -85,9 +104,87 @@ def parse_size(text: str) -> int:
     return int(float(text.rstrip("k")) * scale)
 
 
-def layers_for(nodes: int) -> int:
+def layers_for(nodes: int, shape: str = "quadratic-occ") -> int:
+    if shape == "linear-occ":
+        return max(1, round((nodes - LINEAR_SHARED_NODES) / LINEAR_NODES_PER_LAYER))
     # transformer_stack has 67 nodes per layer plus 7 shared ones.
     return max(1, round((nodes - 7) / 67))
+
+
+def build(shape: str, n_layers: int) -> onnx.ModelProto:
+    if shape == "linear-occ":
+        return linear_occ_stack(n_layers, hidden=HIDDEN, seq=SEQ, heads=HEADS)
+    return zoo.transformer_stack(n_layers, hidden=HIDDEN, seq=SEQ, heads=HEADS)
+
+
+def linear_occ_stack(n_layers: int, hidden: int = 8, seq: int = 4, heads: int = 2) -> onnx.ModelProto:
+    """Pre-LN encoder layers over x[N,seq,hidden] with an additive mask[N,seq] input.
+
+    One LayerNormalization node per norm, Q/K/V/out/FFN as MatMul+Add, scaled dot-product
+    attention with Reshape/Transpose heads, GELU as x * 0.5 * (1 + Erf(x / sqrt 2)).  Weights
+    are initializers; no value_info, so every type comes from shape inference.
+    """
+    rng = np.random.default_rng(12)
+    dh, ffn = hidden // heads, 4 * hidden
+    nodes, inits = [], []
+
+    def init(name, array):
+        inits.append(onnx.numpy_helper.from_array(np.asarray(array), name))
+        return name
+
+    def weight(name, shape):
+        return init(name, (rng.standard_normal(shape) / math.sqrt(shape[0])).astype(np.float32))
+
+    def op(op_type, inputs, name, **attrs):
+        nodes.append(helper.make_node(op_type, inputs, [name], name=name, **attrs))
+        return name
+
+    heads_shape = init("shape_heads", np.array([0, seq, heads, dh], np.int64))
+    merge_shape = init("shape_merge", np.array([0, seq, hidden], np.int64))
+    scale = init("attn_scale", np.array(math.sqrt(dh), np.float32))
+    sqrt2 = init("gelu_sqrt2", np.array(math.sqrt(2.0), np.float32))
+    one = init("gelu_one", np.array(1.0, np.float32))
+    half = init("gelu_half", np.array(0.5, np.float32))
+    # Read once from the graph input: occ Casts a float input once per reader and appends the Casts
+    # after every node, so a mask input read by every layer makes its topological sort quadratic.
+    x = op("Identity", ["x"], "input/Identity")
+    mask = op("Unsqueeze", ["mask", init("mask_axes", np.array([1, 2], np.int64))], "mask/Unsqueeze")
+    for i in range(n_layers):
+        p = f"layer{i}"
+
+        def linear(src, name, n_in, n_out):
+            w = weight(f"{p}/{name}.weight", (n_in, n_out))
+            b = init(f"{p}/{name}.bias", np.zeros(n_out, np.float32))
+            return op("Add", [op("MatMul", [src, w], f"{p}/{name}/MatMul"), b], f"{p}/{name}/Add")
+
+        def norm(src, name):
+            g = init(f"{p}/{name}.weight", np.ones(hidden, np.float32))
+            b = init(f"{p}/{name}.bias", np.zeros(hidden, np.float32))
+            return op("LayerNormalization", [src, g, b], f"{p}/{name}", axis=-1, epsilon=1e-5)
+
+        h = norm(x, "ln1")
+        q, k, v = (op("Transpose", [op("Reshape", [linear(h, n, hidden, hidden), heads_shape], f"{p}/{n}/Reshape")],
+                      f"{p}/{n}/Transpose", perm=perm)
+                   for n, perm in (("q", [0, 2, 1, 3]), ("k", [0, 2, 3, 1]), ("v", [0, 2, 1, 3])))
+        scores = op("Div", [op("MatMul", [q, k], f"{p}/scores/MatMul"), scale], f"{p}/scores/Div")
+        probs = op("Softmax", [op("Add", [scores, mask], f"{p}/mask/Add")], f"{p}/Softmax", axis=-1)
+        ctx = op("MatMul", [probs, v], f"{p}/ctx/MatMul")
+        ctx = op("Reshape", [op("Transpose", [ctx], f"{p}/ctx/Transpose", perm=[0, 2, 1, 3]), merge_shape],
+                 f"{p}/ctx/Reshape")
+        x = op("Add", [x, linear(ctx, "out", hidden, hidden)], f"{p}/residual1")
+        h = linear(norm(x, "ln2"), "fc1", hidden, ffn)
+        erf = op("Erf", [op("Div", [h, sqrt2], f"{p}/gelu/Div")], f"{p}/gelu/Erf")
+        gelu = op("Mul", [op("Mul", [h, op("Add", [erf, one], f"{p}/gelu/Add")], f"{p}/gelu/Mul"), half],
+                  f"{p}/gelu/Mul2")
+        x = op("Add", [x, linear(gelu, "fc2", ffn, hidden)], f"{p}/residual2")
+    nodes[-1].output[0] = "y"
+    graph = helper.make_graph(
+        nodes, f"linear_occ_stack_{n_layers}",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", seq, hidden]),
+         helper.make_tensor_value_info("mask", TensorProto.FLOAT, ["N", seq])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["N", seq, hidden])], inits)
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8,
+                             producer_name="bench_convert")
 
 
 def run_ours(model: onnx.ModelProto) -> dict:
@@ -154,13 +251,26 @@ def fmt_x(value: float | None, prefix: str = "") -> str:
     return "-" if value is None else f"{prefix}{value:.2f}x"
 
 
-def bench(sizes: list[str], repeat: int, timeout: float | None, profile_top: int) -> dict:
+def bench(shapes: list[str], sizes: list[str], repeat: int, timeout: float | None, profile_top: int,
+          rss_size: str | None) -> dict:
+    result = {"config": {"shapes": shapes, "sizes": sizes, "repeat": repeat, "timeout_s": timeout,
+                         "hidden": HIDDEN, "seq": SEQ, "heads": HEADS, "rss_size": rss_size,
+                         "python": platform.python_version(), "onnx": onnx.__version__, "cpus": os.cpu_count()},
+              "shapes": {}}
+    for shape in shapes:
+        rows = bench_shape(shape, sizes, repeat, timeout, profile_top, rss_size)
+        result["shapes"][shape] = {"rows": rows, "targets": _targets(rows)}
+    return result
+
+
+def bench_shape(shape: str, sizes: list[str], repeat: int, timeout: float | None, profile_top: int,
+                rss_size: str | None) -> list[dict]:
     rows = []
     dead: set[str] = set()
     with tempfile.TemporaryDirectory(prefix="bench-convert-") as tmp:
         for label in sizes:
-            n_layers = layers_for(parse_size(label))
-            model = zoo.transformer_stack(n_layers, hidden=HIDDEN, seq=SEQ, heads=HEADS)
+            n_layers = layers_for(parse_size(label), shape)
+            model = build(shape, n_layers)
             path = os.path.join(tmp, "model.onnx")
             onnx.save(model, path)
             samples: dict[str, list[dict]] = {t: [] for t in THINGS}
@@ -179,8 +289,8 @@ def bench(sizes: list[str], repeat: int, timeout: float | None, profile_top: int
                     except CallTimeout:
                         timed_out[thing] = True
                         dead.add(thing)
-                print(f"  {label}: repetition {rep + 1}/{repeat} done", file=sys.stderr, flush=True)
-            row = {"size": label, "layers": n_layers, "nodes": len(model.graph.node),
+                print(f"  {shape} {label}: repetition {rep + 1}/{repeat} done", file=sys.stderr, flush=True)
+            row = {"shape": shape, "size": label, "layers": n_layers, "nodes": len(model.graph.node),
                    "model_bytes": os.path.getsize(path)}
             for thing in THINGS:
                 entry = {"total": median_or_none([s["total"] for s in samples[thing]]),
@@ -192,17 +302,42 @@ def bench(sizes: list[str], repeat: int, timeout: float | None, profile_top: int
                 row[thing] = entry
             row["ours_over_occ"] = _ratio(row["ours"], row["occ"], timeout)
             row["ours_over_floor"] = _ratio(row["ours"], row["floor"], timeout)
-            if profile_top and not timed_out["ours"]:
-                row["profile"] = profile_ours(model, profile_top)
-            rows.append(row)
             del model
+            if label == rss_size:
+                row["peak_rss_mb"] = {thing: peak_rss_mb(thing, path, timeout) for thing in ("ours", "occ", "load")}
+                ours, occ = row["peak_rss_mb"]["ours"], row["peak_rss_mb"]["occ"]
+                row["rss_ours_over_occ"] = ours / occ if ours and occ else None
+            if profile_top and not timed_out["ours"]:
+                row["profile"] = profile_ours(onnx.load(path), profile_top)
+            rows.append(row)
     for prev, row in zip([None] + rows[:-1], rows):
         row["growth_per_4x"] = {t: (growth_per_4x(prev[t]["total"], row[t]["total"], prev["nodes"], row["nodes"])
                                     if prev else None) for t in THINGS}
-    return {"config": {"sizes": sizes, "repeat": repeat, "timeout_s": timeout, "hidden": HIDDEN, "seq": SEQ,
-                       "heads": HEADS, "python": platform.python_version(), "onnx": onnx.__version__,
-                       "cpus": os.cpu_count()},
-            "rows": rows, "targets": _targets(rows)}
+    return rows
+
+
+def peak_rss_mb(thing: str, path: str, timeout: float | None) -> float | None:
+    """Peak RSS (VmHWM) of a fresh child that loads ``path`` and runs ``thing`` on it alone."""
+    try:
+        proc = subprocess.run([sys.executable, __file__, "--rss-child", thing, path], capture_output=True,
+                              text=True, timeout=timeout * 2 if timeout else None, env=dict(os.environ))
+    except subprocess.TimeoutExpired:
+        return None
+    if proc.returncode != 0:
+        print(f"  peak RSS of {thing} failed: {proc.stderr[-500:]}", file=sys.stderr)
+        return None
+    return float(proc.stdout.strip().splitlines()[-1])
+
+
+def rss_child(thing: str, path: str) -> None:
+    model = onnx.load(path)
+    if thing == "ours":
+        run_ours(model)
+    elif thing == "occ":
+        run_occ(model)
+    with open("/proc/self/status") as f:
+        kb = next(int(line.split()[1]) for line in f if line.startswith("VmHWM:"))
+    print(kb / 1024)
 
 
 def _ratio(a: dict, b: dict, timeout: float | None) -> dict:
@@ -227,37 +362,57 @@ def _targets(rows: list[dict]) -> dict:
         ratio_met = ratio["value"] <= TARGET_RATIO
     growths = [r["growth_per_4x"]["ours"] for r in rows if r["growth_per_4x"]["ours"] is not None]
     worst = max(growths) if growths else None
+    ratios = [r["ours_over_occ"]["value"] for r in rows if r["ours_over_occ"]["value"] is not None]
+    rss = next((r for r in rows if r.get("rss_ours_over_occ") is not None), None)
     return {"ours_over_occ_at_largest": {"size": last["size"], "value": ratio["value"], "bound": ratio["bound"],
                                          "limit": TARGET_RATIO, "met": ratio_met},
+            "ours_over_occ_worst": {"value": max(ratios) if ratios else None, "limit": TARGET_RATIO,
+                                    "met": max(ratios) <= TARGET_RATIO if ratios else None},
             "ours_growth_per_4x": {"worst": worst, "limit": TARGET_GROWTH,
-                                   "met": None if worst is None else worst <= TARGET_GROWTH}}
+                                   "met": None if worst is None else worst <= TARGET_GROWTH},
+            "peak_rss_ours_over_occ": {"size": rss["size"] if rss else None,
+                                       "value": rss["rss_ours_over_occ"] if rss else None, "limit": TARGET_RSS,
+                                       "met": rss["rss_ours_over_occ"] <= TARGET_RSS if rss else None}}
 
 
 def print_table(result: dict) -> None:
     timeout = result["config"]["timeout_s"]
-    header = ("size", "nodes", "ours", *STAGES, "occ", "floor", "ours/occ", "ours/floor",
+    header = ("shape", "size", "nodes", "ours", *STAGES, "occ", "floor", "ours/occ", "ours/floor",
               "grow ours", "grow occ", "grow floor")
     lines = [header]
-    for r in result["rows"]:
-        ours, occ, floor = r["ours"], r["occ"], r["floor"]
-        stages = [fmt_s(ours["stages"][s]) for s in STAGES]
-        lines.append((r["size"], str(r["nodes"]), fmt_s(ours["total"], ours["timed_out"], timeout), *stages,
-                      fmt_s(occ["total"], occ["timed_out"], timeout),
-                      fmt_s(floor["total"], floor["timed_out"], timeout),
-                      _fmt_ratio(r["ours_over_occ"]), _fmt_ratio(r["ours_over_floor"]),
-                      *(fmt_x(r["growth_per_4x"][t]) for t in THINGS)))
+    for shape, data in result["shapes"].items():
+        for r in data["rows"]:
+            ours, occ, floor = r["ours"], r["occ"], r["floor"]
+            stages = [fmt_s(ours["stages"][s]) for s in STAGES]
+            lines.append((shape, r["size"], str(r["nodes"]), fmt_s(ours["total"], ours["timed_out"], timeout),
+                          *stages, fmt_s(occ["total"], occ["timed_out"], timeout),
+                          fmt_s(floor["total"], floor["timed_out"], timeout),
+                          _fmt_ratio(r["ours_over_occ"]), _fmt_ratio(r["ours_over_floor"]),
+                          *(fmt_x(r["growth_per_4x"][t]) for t in THINGS)))
     widths = [max(len(row[i]) for row in lines) for i in range(len(header))]
     print(f"median seconds over {result['config']['repeat']} repetition(s); "
-          f"transformer_stack hidden={HIDDEN} seq={SEQ} heads={HEADS}")
+          f"hidden={HIDDEN} seq={SEQ} heads={HEADS}")
     for row in lines:
         print("  ".join(cell.rjust(w) for cell, w in zip(row, widths)))
-    t = result["targets"]
-    ratio = t["ours_over_occ_at_largest"]
-    print(f"target ours/occ <= {ratio['limit']} at {ratio['size']}: "
-          f"{_fmt_ratio(ratio)} -> {_verdict(ratio['met'])}")
-    growth = t["ours_growth_per_4x"]
-    print(f"target ours growth <= {growth['limit']}x per 4x nodes: worst {fmt_x(growth['worst'])} "
-          f"-> {_verdict(growth['met'])}")
+    for shape, data in result["shapes"].items():
+        for r in data["rows"]:
+            if "peak_rss_mb" in r:
+                mb = r["peak_rss_mb"]
+                print(f"{shape} {r['size']} peak RSS (MB, fresh child each, load included): "
+                      + "  ".join(f"{k} {fmt_s(v)}" for k, v in mb.items())
+                      + f"  ours/occ {fmt_x(r['rss_ours_over_occ'])}")
+    for shape, data in result["shapes"].items():
+        t = data["targets"]
+        worst = t["ours_over_occ_worst"]
+        print(f"{shape}: target ours/occ <= {worst['limit']} at every size: worst {fmt_x(worst['value'])} "
+              f"-> {_verdict(worst['met'])}")
+        growth = t["ours_growth_per_4x"]
+        print(f"{shape}: target ours growth <= {growth['limit']}x per 4x nodes: worst {fmt_x(growth['worst'])} "
+              f"-> {_verdict(growth['met'])}")
+        rss = t["peak_rss_ours_over_occ"]
+        if rss["value"] is not None:
+            print(f"{shape}: target peak RSS ours/occ <= {rss['limit']} at {rss['size']}: {fmt_x(rss['value'])} "
+                  f"-> {_verdict(rss['met'])}")
 
 
 def _fmt_ratio(ratio: dict) -> str:
@@ -269,11 +424,12 @@ def _verdict(met: bool | None) -> str:
 
 
 def print_profiles(result: dict) -> None:
-    for r in result["rows"]:
+    for r in (r for data in result["shapes"].values() for r in data["rows"]):
         if "profile" not in r:
             continue
         total = r["profile"]["total_s"]
-        print(f"\ncProfile of onnxmp.convert at {r['size']} ({r['nodes']} nodes), {total:.1f} s under the profiler")
+        print(f"\ncProfile of onnxmp.convert on {r['shape']} at {r['size']} ({r['nodes']} nodes), "
+              f"{total:.1f} s under the profiler")
         print("  by cumulative time:  share  cumtime     calls  function")
         for p in r["profile"]["top_cumulative"]:
             print(f"{100 * p['cum_share']:26.1f}%  {p['cumtime_s']:6.2f}s  {p['calls']:>8}  {p['function']}")
@@ -283,19 +439,30 @@ def print_profiles(result: dict) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    if argv is None and sys.argv[1:2] == ["--rss-child"]:  # internal: one measured child process
+        rss_child(sys.argv[2], sys.argv[3])
+        return 0
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--shape", default="both", choices=("both", *SHAPES),
+                    help="graph shape (default: %(default)s)")
     ap.add_argument("--sizes", default="1k,5k,20k,80k", help="node counts, e.g. 1k,5k (default: %(default)s)")
     ap.add_argument("--repeat", type=int, default=3, help="repetitions per size (default: %(default)s)")
     ap.add_argument("--timeout", type=float, default=None, help="stop any single call after this many seconds")
     ap.add_argument("--profile", type=int, default=0, metavar="N",
                     help="also cProfile one onnxmp.convert per size and print the top N functions")
+    ap.add_argument("--rss", metavar="SIZE", default=None,
+                    help="measure peak RSS at this size (default: the largest; 'none' to skip)")
     ap.add_argument("--json", type=Path, help="write the table as JSON here")
     args = ap.parse_args(argv)
     sizes = [s.strip() for s in args.sizes.split(",") if s.strip()]
     if not sizes or args.repeat < 1:
         ap.error("need at least one size and --repeat >= 1")
+    rss_size = None if args.rss == "none" else (args.rss or sizes[-1])
+    if rss_size is not None and rss_size not in sizes:
+        ap.error(f"--rss {rss_size} is not one of --sizes")
     guard_arguments(ap, {"--json": args.json})
-    result = bench(sizes, args.repeat, args.timeout, args.profile)
+    shapes = list(SHAPES) if args.shape == "both" else [args.shape]
+    result = bench(shapes, sizes, args.repeat, args.timeout, args.profile, rss_size)
     print_table(result)
     print_profiles(result)
     if args.json:

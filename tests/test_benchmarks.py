@@ -25,17 +25,20 @@ def run(cmd: list[str], timeout: float) -> subprocess.CompletedProcess:
 def test_bench_convert_smallest(tmp_path):
     out = tmp_path / "convert.json"
     proc = run([sys.executable, str(SCRIPTS / "bench_convert.py"), "--sizes", "1k", "--repeat", "1",
-                "--json", str(out)], timeout=60)
+                "--json", str(out)], timeout=120)
     assert "ours/occ" in proc.stdout
     data = json.loads(out.read_text())
-    (row,) = data["rows"]
-    assert row["size"] == "1k" and 900 <= row["nodes"] <= 1100
-    for thing in ("ours", "occ", "floor"):
-        assert row[thing]["total"] > 0 and not row[thing]["timed_out"]
-    assert set(row["ours"]["stages"]) == {"load", "normalize", "color", "rewrite", "verify"}
-    assert row["ours_over_occ"]["value"] > 0
-    assert set(row["growth_per_4x"]) == {"ours", "occ", "floor"}
-    assert {"ours_over_occ_at_largest", "ours_growth_per_4x"} <= set(data["targets"])
+    assert set(data["shapes"]) == {"quadratic-occ", "linear-occ"}
+    for shape in data["shapes"].values():
+        (row,) = shape["rows"]
+        assert row["size"] == "1k" and 900 <= row["nodes"] <= 1100
+        for thing in ("ours", "occ", "floor"):
+            assert row[thing]["total"] > 0 and not row[thing]["timed_out"]
+        assert set(row["ours"]["stages"]) == {"load", "normalize", "color", "rewrite", "verify"}
+        assert row["ours_over_occ"]["value"] > 0
+        assert set(row["growth_per_4x"]) == {"ours", "occ", "floor"}
+        assert row["peak_rss_mb"]["ours"] > 0 and row["peak_rss_mb"]["occ"] > 0
+        assert {"ours_over_occ_at_largest", "ours_growth_per_4x", "peak_rss_ours_over_occ"} <= set(shape["targets"])
 
 
 def test_bench_models_two_models(tmp_path):

@@ -6,6 +6,7 @@ import logging
 import sys
 
 from onnxmp.cli import EXIT_ERROR, add_verbosity_flags, at_least, report_error
+from onnxmp.precision import PRECISIONS
 
 log = logging.getLogger("onnxmp.cli.parity")
 
@@ -17,7 +18,7 @@ def register(subparsers) -> None:
                     "(Cast to the low type and back after each producer).")
     p.add_argument("model", metavar="IN", help="input .onnx model")
     p.add_argument("-o", "--output", required=True, metavar="OUT", help="emulated .onnx model to write")
-    p.add_argument("--precision", choices=("float16", "bfloat16"), default=None,
+    p.add_argument("--precision", choices=PRECISIONS, default=None,
                    help="low-precision type to emulate (default: the one the model holds)")
     p.add_argument("--float-io", action="store_true",
                    help="make low-precision graph inputs/outputs float32 (default: keep their dtypes)")

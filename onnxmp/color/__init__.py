@@ -2,11 +2,9 @@
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Iterable, Mapping
 
-import onnx
-import onnx_graphsurgeon as gs
 
 from onnxmp.color.rules import (
     ALLOW, DENY, FP32, Coloring, Reason,
@@ -18,15 +16,16 @@ from onnxmp.color.seeds import (
     DEFAULT_THRESHOLD, DEFAULT_UNDERFLOW_SHARE, seed_deny_forced, seed_deny_from_calibration, seed_deny_from_initializer_range,
 )
 from onnxmp.color.vertices import TypeView, Vertex, build_type_view
+from onnxmp.graphs import ModelGraph
 from onnxmp.kernels import KernelTable
 from onnxmp.passes import PassResult
+from onnxmp.precision import BFLOAT16, low_precision
 
 __all__ = ["ALLOW", "DENY", "FP32", "Coloring", "Reason", "TypeView", "Vertex", "ColorOptions", "color",
-           "LOW_TYPES"]
+           ]
 
 log = logging.getLogger("onnxmp.color")
 
-LOW_TYPES = {"float16": onnx.TensorProto.FLOAT16, "bfloat16": onnx.TensorProto.BFLOAT16}
 PROVIDERS = {"cuda": "CUDAExecutionProvider", "cpu": "CPUExecutionProvider"}
 
 
@@ -35,6 +34,7 @@ class ColorOptions:
     lists: Mapping[str, frozenset[str]]
     target: str = "cuda"
     precision: str = "float16"
+    level: str = "default"
     block_nodes: Iterable[str] = ()
     keep_io_types: bool = True
     underflow_share: float = DEFAULT_UNDERFLOW_SHARE
@@ -48,12 +48,11 @@ class ColorOptions:
 @dataclass
 class ColorResult:
     coloring: Coloring
-    passes: list[tuple[str, PassResult]] = field(default_factory=list)
 
 
-def color(graph: gs.Graph, options: ColorOptions) -> ColorResult:
+def color(graph: ModelGraph, options: ColorOptions) -> ColorResult:
     kernels = options.kernels or KernelTable.default()
-    view = build_type_view(graph, options.lists, low_type=LOW_TYPES[options.precision],
+    view = build_type_view(graph, options.lists, low=low_precision(options.precision),
                            provider=PROVIDERS[options.target], kernels=kernels,
                            block_nodes=options.block_nodes, keep_io_types=options.keep_io_types,
                            initializer_inputs=options.initializer_inputs)
@@ -62,7 +61,6 @@ def color(graph: gs.Graph, options: ColorOptions) -> ColorResult:
 
     def run(name: str, fn, *args, **kwargs) -> PassResult:
         outcome = fn(state, *args, **kwargs)
-        result.passes.append((name, outcome))
         log.debug("%s: %s", name, outcome.details)
         return outcome
 
@@ -78,7 +76,7 @@ def color(graph: gs.Graph, options: ColorOptions) -> ColorResult:
         return result
     run("propagate_deny_forward_through_clear_and_infer", propagate_deny_forward_through_clear_and_infer)
     run("add_clear_and_infer_to_allow_if_between_allow", add_clear_and_infer_to_allow_if_between_allow)
-    if options.precision == "bfloat16":
+    if options.precision == BFLOAT16.name:
         run("add_infer_to_allow_if_follow_allow", add_infer_to_allow_if_follow_allow)
     run("propagate_allow_through_clear", propagate_allow_through_clear)
     run("remove_allow_set_with_fp32", remove_allow_set_with_fp32)

@@ -11,20 +11,17 @@ from typing import Mapping
 
 import ml_dtypes
 import numpy as np
-import onnx_graphsurgeon as gs
+import onnx
 
 from onnxmp.color.rules import DENY, Coloring
-from onnxmp.external import constant_array
-from onnxmp.graphs import iter_graphs
+from onnxmp.external import tensor_array
+from onnxmp.graphs import ModelGraph
 from onnxmp.passes import PassResult
+from onnxmp.precision import low_precision
 
 DEFAULT_UNDERFLOW_SHARE = 0.5     # share of an initializer's values that may flush or turn subnormal
 DEFAULT_THRESHOLD = 65504.0 / 4   # calibration: |x| above which an intermediate's node is denied
 
-LOW_LIMITS = {
-    "float16": (float(np.finfo(np.float16).max), np.float16),
-    "bfloat16": (float(ml_dtypes.finfo(ml_dtypes.bfloat16).max), ml_dtypes.bfloat16),
-}
 
 
 @dataclass(frozen=True)
@@ -47,7 +44,7 @@ CHECK_CHUNK = 1 << 22  # elements per step: big initializers are scanned with bo
 
 def check_values(values: np.ndarray, low_dtype) -> RangeCheck:
     flat = np.asarray(values).reshape(-1)
-    tiny = ml_dtypes.finfo(low_dtype).tiny  # smallest normal number
+    tiny = ml_dtypes.finfo(low_dtype).tiny  # smallest normal number (check_values takes any dtype)
     max_abs, nonzero, flushed = 0.0, 0, 0
     for start in range(0, flat.size, CHECK_CHUNK):
         a = flat[start:start + CHECK_CHUNK].astype(np.float32, copy=False)
@@ -64,50 +61,116 @@ def check_values(values: np.ndarray, low_dtype) -> RangeCheck:
     return RangeCheck(max_abs, flushed / nonzero if nonzero else 0.0, int(flat.size))
 
 
-def _constant_values(tensor: gs.Tensor) -> np.ndarray | None:
-    if isinstance(tensor, gs.Constant):
-        return constant_array(tensor)
-    if isinstance(tensor, gs.Variable) and tensor.inputs and tensor.inputs[0].op == "Constant":
-        value = tensor.inputs[0].attrs.get("value")
-        if isinstance(value, gs.Constant):
-            return np.asarray(value.values)
-        for attr in ("value_float", "value_floats"):
-            if attr in tensor.inputs[0].attrs:
-                return np.asarray(tensor.inputs[0].attrs[attr], dtype=np.float32)
+BATCH_BELOW = 1 << 16  # elements: smaller constants are range-checked together in one vectorized sweep
+
+
+def check_many(arrays: list[np.ndarray], low_dtype) -> list[RangeCheck]:
+    """:func:`check_values` of each array; small ones in one vectorized pass (models carry
+    thousands of tiny biases and scalars, and numpy's per-call overhead would dominate)."""
+    results: list[RangeCheck | None] = [None] * len(arrays)
+    small = [i for i, a in enumerate(arrays) if 0 < a.size < BATCH_BELOW]
+    for i, a in enumerate(arrays):
+        if not 0 < a.size < BATCH_BELOW:
+            results[i] = check_values(a, low_dtype)
+    if small:
+        flat = np.concatenate([arrays[i].reshape(-1).astype(np.float32, copy=False) for i in small])
+        sizes = np.array([arrays[i].size for i in small])
+        starts = np.concatenate(([0], np.cumsum(sizes)[:-1]))
+        finite = np.isfinite(flat)
+        magnitude = np.where(finite, np.abs(flat), np.float32(0))
+        max_abs = np.maximum.reduceat(magnitude, starts)
+        nonzero = finite & (flat != 0)
+        tiny = ml_dtypes.finfo(low_dtype).tiny
+        floor = np.repeat(np.where(sizes > 1, np.float32(tiny), np.float32(0)), sizes)
+        with np.errstate(over="ignore"):  # overflow is reported through max_abs, not here
+            flushed = nonzero & (np.abs(flat.astype(low_dtype)).astype(np.float32) <= floor)
+        nonzero_counts = np.add.reduceat(nonzero, starts)
+        flushed_counts = np.add.reduceat(flushed, starts)
+        for j, i in enumerate(small):
+            nz = int(nonzero_counts[j])
+            results[i] = RangeCheck(float(max_abs[j]), int(flushed_counts[j]) / nz if nz else 0.0,
+                                    int(sizes[j]))
+    return results
+
+
+def constant_values(graph: ModelGraph, name: str, producers: Mapping[str, onnx.NodeProto]) -> np.ndarray | None:
+    """Values of an initializer, or of a tensor a Constant node makes; None otherwise."""
+    info = graph.tensors.get(name)
+    if info is not None and info.init is not None:
+        return tensor_array(info.init)
+    node = producers.get(name)
+    if node is None or node.op_type != "Constant":
+        return None
+    for attr in node.attribute:
+        if attr.name == "value" and attr.type == onnx.AttributeProto.TENSOR:
+            return tensor_array(attr.t)
+    for attr in node.attribute:
+        if attr.name == "value_float":
+            return np.asarray(attr.f, dtype=np.float32)
+        if attr.name == "value_floats":
+            return np.asarray(list(attr.floats), dtype=np.float32)
     return None
 
 
-def seed_deny_from_initializer_range(state: Coloring, graph: gs.Graph, *,
+def seed_deny_from_initializer_range(state: Coloring, graph: ModelGraph, *,
                                      underflow_share: float = DEFAULT_UNDERFLOW_SHARE
                                      ) -> PassResult:
     """A list node fed by a float32 initializer or Constant whose finite |value| exceeds the
     low-precision maximum (65504 for fp16), or whose non-zero values mostly flush to zero or
     turn subnormal (below 6.1e-5 in fp16), is painted DENY: it stays float32 and taints
     downstream as a deny op does."""
-    limit, low_dtype = LOW_LIMITS[state.low_name]
+    low = low_precision(state.low_name)
+    limit, low_dtype = low.max, low.numpy
     view = state.view
-    painted = 0
-    checked: dict[str, str | None] = {}
-    for _, g, _ in iter_graphs(graph):
-        for node in g.nodes:
-            keys = [k for k in view.node_vertices.get(node.name, []) if view.vertices[k].float32]
-            if not keys or view.vertices[keys[0]].list not in ("allow", "infer", "clear"):
+    vertices = view.vertices
+    producers = {out: node for scope in graph.scopes for node in scope.graph.node if node.op_type == "Constant"
+                 for out in node.output}
+    candidates: list[tuple[list[str], list[str]]] = []  # (vertex keys, float inputs in input order)
+    causes: dict[str, str | None] = {}
+    small: dict[str, np.ndarray] = {}  # checked together at the end; big ones at once, one at a time
+    listed = ("allow", "infer", "clear")
+    node_vertices = view.node_vertices
+    for scope in graph.scopes:
+        for node in scope.graph.node:
+            keys = node_vertices.get(node.name)
+            if not keys:
                 continue
-            if not any(view.vertices[k].processed for k in keys):
+            keys = [k for k in keys if vertices[k].float32]
+            if not keys or vertices[keys[0]].list not in listed:
                 continue
-            float_inputs = {t for k in keys for _, t in view.vertices[k].inputs}
-            for tensor in node.inputs:
-                if tensor.name not in float_inputs:
+            if not any(vertices[k].processed for k in keys):
+                continue
+            float_inputs = {t for k in keys for _, t in vertices[k].inputs}
+            names = [t for t in node.input if t in float_inputs]
+            for name in names:
+                if name in causes or name in small:
                     continue
-                if tensor.name not in checked:
-                    values = _constant_values(tensor)
-                    checked[tensor.name] = None if values is None else \
-                        check_values(values, low_dtype).describe(tensor.name, limit, underflow_share)
-                cause = checked[tensor.name]
-                if cause:
-                    for k in keys:
-                        painted += state.paint(k, DENY, "seed_deny_from_initializer_range", cause)
-                    break
+                values = constant_values(graph, name, producers)
+                if values is not None and 0 < values.size < BATCH_BELOW:
+                    small[name] = values
+                else:
+                    causes[name] = None if values is None else \
+                        check_values(values, low_dtype).describe(name, limit, underflow_share)
+                del values
+            candidates.append((keys, names))
+    for name, check in zip(small, check_many(list(small.values()), low_dtype)):
+        causes[name] = check.describe(name, limit, underflow_share)
+    # A node's inputs are read in order up to the first one with a cause; Constant-node values read
+    # that way are written back as raw data (see Coloring.read_constants).
+    for _, names in candidates:
+        for name in names:
+            node = producers.get(name)
+            if node is not None and any(a.name == "value" and a.type == onnx.AttributeProto.TENSOR
+                                        for a in node.attribute):
+                state.read_constants.add(node.name)
+            if causes.get(name):
+                break
+    painted = 0
+    for keys, names in candidates:
+        cause = next((causes[n] for n in names if causes.get(n)), None)
+        if cause:
+            for k in keys:
+                painted += state.paint(k, DENY, "seed_deny_from_initializer_range", cause)
     return PassResult(painted > 0, {"painted": painted})
 
 
@@ -117,10 +180,10 @@ def seed_deny_from_calibration(state: Coloring, magnitudes: Mapping[str, float],
     view = state.view
     painted = 0
     for tensor, observed in magnitudes.items():
-        key = view.producer_of.get(tensor)
-        if key is None or not observed > threshold:
+        vid = view.producer_of.get(tensor)
+        if vid is None or not observed > threshold:
             continue
-        node = view.vertices[key].node
+        node = view.by_id[vid].node
         for k in view.node_vertices.get(node, []):
             if view.vertices[k].float32:
                 painted += state.paint(k, DENY, "seed_deny_from_calibration",

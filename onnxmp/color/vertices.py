@@ -14,10 +14,10 @@ from dataclasses import dataclass, field
 from typing import Iterable, Mapping, Sequence
 
 import onnx
-import onnx_graphsurgeon as gs
 
-from onnxmp.graphs import is_tensor, iter_graphs, onnx_dtype, opset_of, outer_references
+from onnxmp.graphs import GRAPH, TENSOR_KIND, ModelGraph
 from onnxmp.lists import list_of, op_key
+from onnxmp.precision import Precision
 
 log = logging.getLogger("onnxmp.color")
 
@@ -28,7 +28,7 @@ _WHOLE_NODE = "*"  # param of the single vertex of an op with no known schema
 NOT_A_TENSOR = -1  # dtype marker for sequence/optional/map values
 
 
-@dataclass
+@dataclass(slots=True)
 class Vertex:
     key: str                 # "<node name>:<param>"
     node: str
@@ -38,6 +38,7 @@ class Vertex:
     opset: int
     param: str
     graph: str               # graph id (see onnxmp.graphs.MAIN)
+    id: int = -1             # index into TypeView.by_id; the passes work on these
     inputs: list[tuple[int, str]] = field(default_factory=list)   # (input index, tensor name)
     outputs: list[tuple[int, str]] = field(default_factory=list)  # (output index, tensor name)
     float32: bool = False
@@ -79,18 +80,28 @@ class ColorGroup:
 
 @dataclass
 class TypeView:
-    """Vertices of every graph plus fan-in/fan-out over float32 tensors."""
+    """Vertices of every graph plus fan-in/fan-out over float32 tensors.
 
-    vertices: dict[str, Vertex]
-    fanin: dict[str, list[str]]
-    fanout: dict[str, list[str]]
+    TF's GraphTypeTopologyView: vertices are ints (``Vertex.id``), fan-in and fan-out
+    int lists, control-flow groups add explicit edges.  ``vertices`` maps the
+    readable key to the same records for reports and callers.
+    """
+
+    by_id: list[Vertex]
+    fanin: list[list[int]]
+    fanout: list[list[int]]
     node_vertices: dict[str, list[str]]       # node name -> its vertex keys (float or not)
-    producer_of: dict[str, str]               # tensor name -> producing vertex key
-    consumers_of: dict[str, list[str]]        # tensor name -> consuming vertex keys (same graph)
+    producer_of: dict[str, int]               # tensor name -> producing float32 vertex id
+    consumers_of: dict[str, list[int]]        # tensor name -> consuming float32 vertex ids (same graph)
     pinned: dict[str, str]                    # tensor name -> why its dtype may not change
     graph_of_node: dict[str, str]
     unknown_schema: dict[str, str]            # node name -> op key, for the report
     groups: list[ColorGroup] = field(default_factory=list)
+    vertices: dict[str, Vertex] = field(default_factory=dict)
+
+    def __post_init__(self):
+        if not self.vertices:
+            self.vertices = {v.key: v for v in self.by_id}
 
 
 @functools.lru_cache(maxsize=None)
@@ -135,201 +146,242 @@ def allows_type(schema: onnx.defs.OpSchema | None, param: str, type_str: str) ->
 
 
 def build_type_view(
-    graph: gs.Graph,
+    graph: ModelGraph,
     lists: Mapping[str, frozenset[str]],
     *,
-    low_type: int,
+    low: Precision,
     provider: str,
     kernels,
     block_nodes: Iterable[str] = (),
     keep_io_types: bool = True,
     initializer_inputs: Iterable[str] = (),
 ) -> TypeView:
-    """Build vertices and edges for the main graph and all bodies."""
+    """Build vertices and edges for the main graph and all bodies, in one pass over the nodes."""
     block = [re.compile(p) for p in block_nodes]
-    low_name = onnx.helper.tensor_dtype_to_np_dtype(low_type).name if low_type != onnx.TensorProto.BFLOAT16 \
-        else "bfloat16"
-    low_type_str = f"tensor({low_name})"
-    vertices: dict[str, Vertex] = {}
+    low_name, low_type_str = low.name, low.type_str
+    by_id: list[Vertex] = []
     node_vertices: dict[str, list[str]] = {}
     graph_of_node: dict[str, str] = {}
     pinned: dict[str, str] = {}
     unknown_schema: dict[str, str] = {}
-    tensor_dtype: dict[str, int | None] = {}
+    tensor_dtype: dict[str, object] = {}
+    tensors = graph.tensors
+    FLOAT = onnx.TensorProto.FLOAT
+    ops: dict[tuple[str, str], _OpInfo] = {}
     block_hits: set[str] = set()
+    capable_cache: dict[tuple, tuple[bool, str]] = {}
+
+    def capability(vertex: Vertex, op: _OpInfo) -> tuple[bool, str]:
+        key = (op.op_type, op.domain, vertex.param)
+        found = capable_cache.get(key)
+        if found is None:
+            found = capable_cache[key] = _capability(vertex, op, provider, kernels, low_name, low_type_str)
+        return found
+
+    def dtype_of(name: str):
+        info = tensors[name]
+        # Sequences/optionals of float are not float32 tensors: they never change type.
+        if info.init is None and info.kind != TENSOR_KIND:
+            return NOT_A_TENSOR
+        return info.dtype
 
     for name in initializer_inputs:
         # IR < 4 style (keep_initializers_as_inputs): callers may feed it, so its type is fixed.
         pinned[name] = "graph input that is also an initializer"
-    for graph_id, g, _parent in iter_graphs(graph):
-        scope = "graph" if graph_id == "" else f"body {graph_id}"
+    for scope_index, scope in enumerate(graph.scopes):
+        graph_id, g = scope.gid, scope.graph
+        scope_name = "graph" if graph_id == "" else f"body {graph_id}"
         if graph_id != "" or keep_io_types:
-            for t in g.inputs:
-                pinned.setdefault(t.name, f"input of {scope}")
-            for t in g.outputs:
-                pinned.setdefault(t.name, f"output of {scope}")
-        for node in g.nodes:
-            for value in node.attrs.values():
-                if isinstance(value, gs.Graph):
-                    for t in outer_references(value):
-                        pinned.setdefault(t.name, f"read by a subgraph of {node.name}")
-        for node in g.nodes:
-            graph_of_node[node.name] = graph_id
-            domain = node.domain or ""
-            opset = opset_of(g, domain)
-            key = op_key(node.op, domain)
-            schema = _schema(node.op, domain, opset)
-            if schema is None:
-                unknown_schema[node.name] = key
+            init_names = {t.name for t in g.initializer}
+            for t in g.input:
+                if t.name not in init_names:
+                    pinned.setdefault(t.name, f"input of {scope_name}")
+            for t in g.output:
+                pinned.setdefault(t.name, f"output of {scope_name}")
+        for node in g.node:
+            for attr in node.attribute:
+                if attr.type == GRAPH:
+                    for t in graph.outer_references(graph.scope_of_graph(attr.g)):
+                        pinned.setdefault(t, f"read by a subgraph of {node.name}")
+        for node in g.node:
+            node_name, op_type, domain = node.name, node.op_type, node.domain or ""
+            graph_of_node[node_name] = graph_id
+            op = ops.get((op_type, domain))
+            if op is None:
+                op = ops[(op_type, domain)] = _OpInfo(op_type, domain, graph.opset_of(domain), lists)
+            if op.schema is None:
+                unknown_schema[node_name] = op.key
             groups: dict[str, Vertex] = {}
-            in_params = _params(schema, schema.inputs if schema else (), len(node.inputs))
-            out_params = _params(schema, schema.outputs if schema else (), len(node.outputs))
-            for side, tensors, params in (("in", node.inputs, in_params), ("out", node.outputs, out_params)):
-                for index, (tensor, param) in enumerate(zip(tensors, params)):
-                    if param is None or not tensor.name:
+            node_inputs, node_outputs = node.input, node.output
+            in_params, out_params = op.params(len(node_inputs), len(node_outputs))
+            for side, names, params in ((False, node_inputs, in_params), (True, node_outputs, out_params)):
+                for index, (tensor, param) in enumerate(zip(names, params)):
+                    if param is None or not tensor:
                         continue
                     vertex = groups.get(param)
                     if vertex is None:
-                        vertex = groups[param] = Vertex(
-                            key=f"{node.name}:{param}", node=node.name, op=key, op_type=node.op,
-                            domain=domain, opset=opset, param=param, graph=graph_id)
-                    (vertex.inputs if side == "in" else vertex.outputs).append((index, tensor.name))
-                    # Sequences/optionals of float are not float32 tensors: they never change type.
-                    tensor_dtype[tensor.name] = onnx_dtype(tensor) if is_tensor(tensor) else NOT_A_TENSOR
-            hits = [p.pattern for p in block if p.search(node.name)]
-            block_hits.update(hits)
-            blocked = hits[0] if hits else None
-            node_list = list_of(key, lists)
+                        vertex = groups[param] = Vertex(f"{node_name}:{param}", node_name, op.key, op_type, domain,
+                                                        op.opset, param, graph_id)
+                    (vertex.outputs if side else vertex.inputs).append((index, tensor))
+                    if tensor not in tensor_dtype:
+                        tensor_dtype[tensor] = dtype_of(tensor)
+            blocked = None
+            if block:
+                hits = [p.pattern for p in block if p.search(node_name)]
+                block_hits.update(hits)
+                blocked = hits[0] if hits else None
+            keys = []
             for vertex in groups.values():
-                dtypes = [tensor_dtype[t] for t in vertex.tensors]
-                known = [d for d in dtypes if d is not None]
-                vertex.type_known = bool(known)
-                vertex.float32 = bool(known) and all(d == onnx.TensorProto.FLOAT for d in known)
-                if NOT_A_TENSOR in known:
-                    vertex.why_not = "a sequence or optional value, not a tensor"
-                if schema is None and not vertex.float32:
+                dtypes = [tensor_dtype[t] for _, t in vertex.inputs]
+                dtypes += [tensor_dtype[t] for _, t in vertex.outputs]
+                if None in dtypes:
+                    dtypes = [d for d in dtypes if d is not None]
+                if dtypes:
+                    vertex.type_known = True
+                    vertex.float32 = dtypes.count(FLOAT) == len(dtypes)
+                    if NOT_A_TENSOR in dtypes:
+                        vertex.why_not = "a sequence or optional value, not a tensor"
+                if op.schema is None and not vertex.float32:
                     # An op without schema: its float tensors only form the vertex (spec §1).
-                    floats = [t for t in vertex.tensors if tensor_dtype[t] == onnx.TensorProto.FLOAT]
+                    floats = [t for t in vertex.tensors if tensor_dtype[t] == FLOAT]
                     if floats:
                         vertex.inputs = [(i, t) for i, t in vertex.inputs if t in floats]
                         vertex.outputs = [(i, t) for i, t in vertex.outputs if t in floats]
                         vertex.float32 = True
-                vertex.list = node_list
-                _decide_processing(vertex, schema, node, node_list, blocked, provider, kernels,
-                                   low_name, low_type_str)
-                vertices[vertex.key] = vertex
-            node_vertices[node.name] = [v.key for v in groups.values()]
+                vertex.list = op.list
+                _decide_processing(vertex, op, blocked, capability)
+                vertex.id = len(by_id)
+                by_id.append(vertex)
+                keys.append(vertex.key)
+            node_vertices[node_name] = keys
 
     for pattern in block:
         if pattern.pattern not in block_hits:
             log.warning("block pattern %r matches no node name; nothing is blocked by it", pattern.pattern)
-    # Dicts serve as ordered sets while edges are collected: a tensor read by every layer
-    # (an attention mask) would make list membership tests quadratic.
-    producer_of: dict[str, str] = {}
-    consumer_sets: dict[str, dict[str, None]] = {}
-    for v in vertices.values():
+    # Edges run producer -> consumer over float32 tensors; dicts serve as ordered sets while
+    # they are collected (a tensor read by every layer would make list membership quadratic).
+    producer_of: dict[str, int] = {}
+    consumer_sets: dict[str, dict[int, None]] = {}
+    for v in by_id:
         if v.float32:
             for _, t in v.outputs:
-                producer_of[t] = v.key
-    for v in vertices.values():
+                producer_of[t] = v.id
+    for v in by_id:
         if v.float32:
             for _, t in v.inputs:
-                consumer_sets.setdefault(t, {})[v.key] = None
-    fanin_sets: dict[str, dict[str, None]] = {k: {} for k in vertices}
-    fanout_sets: dict[str, dict[str, None]] = {k: {} for k in vertices}
+                consumer_sets.setdefault(t, {})[v.id] = None
+    fanin_sets: list[dict[int, None]] = [{} for _ in by_id]
+    fanout_sets: list[dict[int, None]] = [{} for _ in by_id]
     for t, consumers in consumer_sets.items():
         src = producer_of.get(t)
         if src is None:
             continue
+        src_graph = by_id[src].graph
         for dst in consumers:
             # Bodies are colored on their own: no edge crosses a graph boundary.
-            if vertices[src].graph == vertices[dst].graph:
+            if by_id[dst].graph == src_graph:
                 fanout_sets[src][dst] = None
                 fanin_sets[dst][src] = None
-    groups = [g for g in control_flow_groups(graph) if all(tensor_dtype.get(t, _float_of(graph, gid, t))
-                                                           == onnx.TensorProto.FLOAT for gid, t in g.members)]
+
+    def member_dtype(name: str):
+        return tensor_dtype[name] if name in tensor_dtype else graph.dtype(name)
+
+    groups = [g for g in control_flow_groups(graph) if all(member_dtype(t) == FLOAT for _, t in g.members)]
     for group in groups:
         # TF colors one flat graph where NextIteration/Merge edges close the loop; here the
-        # group's producers are linked to the group's consumers so the passes see through
-        # the boundary (a body Add between this iteration's MatMul and the next one's is
-        # "between allow ops").  force_color_match settles the group afterwards.
+        # group's producers are linked to the group's consumers (ephemeral edges) so the passes
+        # see through the boundary (a body Add between this iteration's MatMul and the next
+        # one's is "between allow ops").  force_color_match settles the group afterwards.
         producers = [producer_of[t] for t in group.must_allow + group.must_not_deny if t in producer_of]
         consumers = [c for _, t in group.members for c in consumer_sets.get(t, {})
-                     if vertices[c].op_type not in ("If", "Loop", "Scan")]
+                     if by_id[c].op_type not in ("If", "Loop", "Scan")]
         for src in producers:
             for dst in consumers:
                 fanout_sets[src][dst] = None
                 fanin_sets[dst][src] = None
     consumers_of = {t: list(c) for t, c in consumer_sets.items()}
-    fanin = {k: list(v) for k, v in fanin_sets.items()}
-    fanout = {k: list(v) for k, v in fanout_sets.items()}
-    return TypeView(vertices, fanin, fanout, node_vertices, producer_of, consumers_of, pinned,
-                    graph_of_node, unknown_schema, groups)
+    return TypeView(by_id, [list(d) for d in fanin_sets], [list(d) for d in fanout_sets], node_vertices,
+                    producer_of, consumers_of, pinned, graph_of_node, unknown_schema, groups)
 
 
-def _float_of(graph: gs.Graph, graph_id: str, name: str) -> int | None:
-    for gid, g, _ in iter_graphs(graph):
-        if gid == graph_id:
-            for t in g.inputs + g.outputs:
-                if t.name == name:
-                    return onnx_dtype(t)
-    return None
+class _OpInfo:
+    """What every node of one (op type, domain) shares: schema, list, type parameters by arity."""
+
+    __slots__ = ("op_type", "domain", "opset", "key", "schema", "list", "_params")
+
+    def __init__(self, op_type: str, domain: str, opset: int, lists: Mapping[str, frozenset[str]]):
+        self.op_type, self.domain, self.opset = op_type, domain, opset
+        self.key = op_key(op_type, domain)
+        self.schema = _schema(op_type, domain, opset)
+        self.list = list_of(self.key, lists)
+        self._params: dict[tuple[int, int], tuple[list, list]] = {}
+
+    def params(self, n_in: int, n_out: int) -> tuple[list, list]:
+        found = self._params.get((n_in, n_out))
+        if found is None:
+            schema = self.schema
+            found = self._params[(n_in, n_out)] = (_params(schema, schema.inputs if schema else (), n_in),
+                                                   _params(schema, schema.outputs if schema else (), n_out))
+        return found
 
 
-def control_flow_groups(graph: gs.Graph) -> list[ColorGroup]:
+def control_flow_groups(graph: ModelGraph) -> list[ColorGroup]:
     """Loop carried values and scan outputs, If outputs, Scan state and scan outputs."""
     groups: list[ColorGroup] = []
-    for graph_id, g, _ in iter_graphs(graph):
-        for node in g.nodes:
-            if node.op == "If" and isinstance(node.attrs.get("then_branch"), gs.Graph):
-                then_g, else_g = node.attrs["then_branch"], node.attrs["else_branch"]
-                for i, out in enumerate(node.outputs):
-                    if i >= len(then_g.outputs) or i >= len(else_g.outputs):
+    for scope in graph.scopes:
+        for node in scope.graph.node:
+            bodies = {a.name: a.g for a in node.attribute if a.type == GRAPH}
+            if node.op_type == "If" and "then_branch" in bodies and "else_branch" in bodies:
+                then_g, else_g = bodies["then_branch"], bodies["else_branch"]
+                for i, out in enumerate(node.output):
+                    if i >= len(then_g.output) or i >= len(else_g.output):
                         continue
-                    t, e = then_g.outputs[i].name, else_g.outputs[i].name
-                    groups.append(ColorGroup("If output", node.name, i, out.name,
-                                             [(graph_id, out.name), (f"{node.name}/then_branch", t),
+                    t, e = then_g.output[i].name, else_g.output[i].name
+                    groups.append(ColorGroup("If output", node.name, i, out,
+                                             [(scope.gid, out), (f"{node.name}/then_branch", t),
                                               (f"{node.name}/else_branch", e)], must_allow=[t, e]))
-            elif node.op in ("Loop", "Scan") and isinstance(node.attrs.get("body"), gs.Graph):
-                groups += _loop_or_scan_groups(graph_id, node)
+            elif node.op_type in ("Loop", "Scan") and "body" in bodies:
+                groups += _loop_or_scan_groups(scope.gid, node, bodies["body"])
     return groups
 
 
-def _loop_or_scan_groups(graph_id: str, node: gs.Node) -> list[ColorGroup]:
-    body: gs.Graph = node.attrs["body"]
+def _loop_or_scan_groups(graph_id: str, node: onnx.NodeProto, body: onnx.GraphProto) -> list[ColorGroup]:
     body_id = f"{node.name}/body"
-    if node.op == "Loop":
-        n_state = len(node.inputs) - 2
+    inputs, outputs = list(node.input), list(node.output)
+    inits = {t.name for t in body.initializer}
+    body_inputs = [t.name for t in body.input if t.name not in inits]  # GS's graph inputs
+    if node.op_type == "Loop":
+        n_state = len(inputs) - 2
         first_in, first_body_in, first_body_out = 2, 2, 1
     else:
         # Scan-8 reads a leading sequence_lens (possibly "") that its body does not see; Scan-9+ has none.
-        first_in = max(0, len(node.inputs) - len(body.inputs))
-        n_state = len(node.inputs) - first_in - int(node.attrs.get("num_scan_inputs", 0))
+        scan_inputs = next((a.i for a in node.attribute if a.name == "num_scan_inputs"), 0)
+        first_in = max(0, len(inputs) - len(body_inputs))
+        n_state = len(inputs) - first_in - int(scan_inputs)
         first_body_in, first_body_out = 0, 0
     groups = []
     for i in range(n_state):
-        outer_in = node.inputs[first_in + i]
-        body_in = body.inputs[first_body_in + i]
-        body_out = body.outputs[first_body_out + i]
-        if not outer_in.name or i >= len(node.outputs):
+        outer_in = inputs[first_in + i]
+        body_in = body_inputs[first_body_in + i]
+        body_out = body.output[first_body_out + i].name
+        if not outer_in or i >= len(outputs):
             continue
-        groups.append(ColorGroup(f"{node.op} carried value", node.name, i, node.outputs[i].name,
-                                 [(graph_id, outer_in.name), (body_id, body_in.name), (body_id, body_out.name),
-                                  (graph_id, node.outputs[i].name)],
-                                 must_allow=[body_out.name], must_not_deny=[outer_in.name],
+        groups.append(ColorGroup(f"{node.op_type} carried value", node.name, i, outputs[i],
+                                 [(graph_id, outer_in), (body_id, body_in), (body_id, body_out),
+                                  (graph_id, outputs[i])],
+                                 must_allow=[body_out], must_not_deny=[outer_in],
                                  low_inputs=[(node.name, first_in + i)]))
-    for k, body_out in enumerate(body.outputs[first_body_out + n_state:]):
+    for k, body_out in enumerate(body.output[first_body_out + n_state:]):
         out_index = n_state + k
-        if out_index >= len(node.outputs):
+        if out_index >= len(outputs):
             break
-        groups.append(ColorGroup(f"{node.op} scan output", node.name, out_index, node.outputs[out_index].name,
-                                 [(body_id, body_out.name), (graph_id, node.outputs[out_index].name)],
+        groups.append(ColorGroup(f"{node.op_type} scan output", node.name, out_index, outputs[out_index],
+                                 [(body_id, body_out.name), (graph_id, outputs[out_index])],
                                  must_allow=[body_out.name]))
     return groups
 
 
-def _decide_processing(vertex: Vertex, schema, node: gs.Node, node_list: str | None, blocked: str | None,
-                       provider: str, kernels, low_name: str, low_type_str: str) -> None:
+def _decide_processing(vertex: Vertex, op: _OpInfo, blocked: str | None, capability) -> None:
     """TF's ShouldProcess (node level) and SupportsF16 (vertex level)."""
     if not vertex.type_known:
         vertex.why_not = "type unknown (shape inference could not type its tensors)"
@@ -340,22 +392,29 @@ def _decide_processing(vertex: Vertex, schema, node: gs.Node, node_list: str | N
     if blocked is not None:
         vertex.why_not = f"node name matches block pattern {blocked!r}"
         return
-    retargetable = node.op in RETARGETABLE and any(True for _ in vertex.outputs) and not vertex.inputs
-    if node_list is None and not retargetable:
+    retargetable = op.op_type in RETARGETABLE and bool(vertex.outputs) and not vertex.inputs
+    if op.list is None and not retargetable:
         vertex.why_not = f"op {vertex.op} is on no list"
         return
     vertex.processed = True
-    if schema is not None and allows_type(schema, vertex.param, low_type_str) is False:
-        vertex.why_not = f"the ONNX schema of {vertex.op} (opset {vertex.opset}) does not allow {low_name} for {vertex.param}"
-        return
-    if node.op == "Constant":
-        vertex.capable = True  # folded at session creation; needs no kernel
-        return
+    vertex.capable, why_not = capability(vertex, op)
+    if why_not:
+        vertex.why_not = why_not
+
+
+def _capability(vertex: Vertex, op: _OpInfo, provider: str, kernels, low_name: str, low_type_str: str
+                ) -> tuple[bool, str]:
+    """Whether the schema and the provider's kernel take the low-precision type (same for every
+    vertex of one op type and type parameter)."""
+    if op.schema is not None and allows_type(op.schema, vertex.param, low_type_str) is False:
+        return False, (f"the ONNX schema of {vertex.op} (opset {vertex.opset}) does not allow {low_name} "
+                       f"for {vertex.param}")
+    if op.op_type == "Constant":
+        return True, ""  # folded at session creation; needs no kernel
     param = None if vertex.param == _WHOLE_NODE else vertex.param.split("#")[0]
-    supported = kernels.supports(provider, vertex.domain, node.op, vertex.opset, param, low_name)
+    supported = kernels.supports(provider, vertex.domain, op.op_type, vertex.opset, param, low_name)
     if supported is None:
-        vertex.why_not = f"no {provider} kernel for {vertex.op} at opset {vertex.opset}"
-    elif not supported:
-        vertex.why_not = f"no {provider} {low_name} kernel for {vertex.op} ({vertex.param}) at opset {vertex.opset}"
-    else:
-        vertex.capable = True
+        return False, f"no {provider} kernel for {vertex.op} at opset {vertex.opset}"
+    if not supported:
+        return False, f"no {provider} {low_name} kernel for {vertex.op} ({vertex.param}) at opset {vertex.opset}"
+    return True, ""

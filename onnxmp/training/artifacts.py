@@ -34,13 +34,15 @@ from onnx import TensorProto, helper, numpy_helper
 
 from onnxmp.errors import OnnxMPError
 from onnxmp.naming import FreshNames, proto_names
+from onnxmp.precision import FLOAT32
+from onnxmp.precision import PRECISIONS as LOW_PRECISIONS
 from onnxmp.training import _ort
 from onnxmp.training.labels import output_shape
 from onnxmp.training.prepare import describe, deterministic_gather_grads, prepare_for_gradient, promote_constants
 
 log = logging.getLogger("onnxmp.training.artifacts")
 
-PRECISIONS = ("float16", "bfloat16", "float32")
+PRECISIONS = (*LOW_PRECISIONS, FLOAT32.name)  # float32: train without mixed precision
 TARGETS = ("cpu", "cuda")
 OPTIMIZERS = ("adamw", "sgd")
 # loss name -> (onnxblock.loss class, onnxblock's default name for the label input)
@@ -56,6 +58,10 @@ GRAD_WEIGHT = "grad_weight"
 LOSS = "loss"
 LOSS_SCALED = "loss_scaled"
 ALL_FINITE = "all_finite"
+# ORT names each parameter's accumulation buffer <param>_grad.accumulation.buffer.
+ACCUMULATION_BUFFER = "_grad.accumulation.buffer"
+# Prefix of the node that checks a gradient has its parameter's shape.
+GRAD_SHAPE = "onnxmp/gradient_shape_of/"
 _RESERVED = (LOSS_SCALE, GRAD_WEIGHT, LOSS, LOSS_SCALED, ALL_FINITE)
 
 # onnxruntime-training 1.19.2, the last training build, loads nothing newer.
@@ -328,7 +334,8 @@ def _ort_reason(text: str) -> str:
 
 
 def add_loss_scaling(training: onnx.ModelProto) -> None:
-    """Unscale each gradient before its accumulator and add the ``all_finite`` output.
+    """Unscale each gradient before its accumulator (checking it has the parameter's shape)
+    and add the ``all_finite`` output.
 
     The accumulators move to the end of the node list: they now read the
     unscaled gradients, which are computed after every gradient exists.
@@ -349,9 +356,16 @@ def add_loss_scaling(training: onnx.ModelProto) -> None:
     ]
     sums = []
     for acc in accumulators:
-        grad = acc.input[1]
-        unscaled = names(f"{grad}.unscaled")
-        added.append(helper.make_node("Mul", [grad, unscale], [unscaled], name=names(f"onnxmp/unscale/{grad}")))
+        grad, buffer = acc.input[1], acc.input[0]
+        scaled = names(f"{grad}.unscaled_any_shape")
+        added.append(helper.make_node("Mul", [grad, unscale], [scaled], name=names(f"onnxmp/unscale/{grad}")))
+        # InPlaceAccumulatorV2 does not check shapes: a gradient ORT did not sum back over a
+        # broadcast would be written past the end of the buffer (heap corruption).  The Reshape
+        # to the buffer's shape fails cleanly instead, in the node GRAD_SHAPE names.
+        shape, unscaled = names(f"{grad}.shape"), names(f"{grad}.unscaled")
+        param = buffer[:-len(ACCUMULATION_BUFFER)] if buffer.endswith(ACCUMULATION_BUFFER) else grad
+        added += [helper.make_node("Shape", [buffer], [shape], name=names(f"onnxmp/Shape/{grad}")),
+                  helper.make_node("Reshape", [scaled, shape], [unscaled], name=names(f"{GRAD_SHAPE}{param}"))]
         total = names(f"{grad}.unscaled.sum")
         added.append(helper.make_node("ReduceSum", [unscaled], [total], keepdims=0,
                                       name=names(f"onnxmp/ReduceSum/{grad}")))

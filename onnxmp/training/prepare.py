@@ -13,7 +13,14 @@ inference model the user exported is never changed):
   ``Gelu`` (opset 20, both ``approximate`` modes; ORT would differentiate the
   tanh form as the Erf form), ``Elu``, ``Selu``, ``Celu``, ``Softplus``,
   ``Softsign``, ``Mish``, ``HardSigmoid``, ``HardSwish``, ``PRelu``, and the
-  variadic ``Sum`` and ``Mean``.
+  variadic ``Sum`` and ``Mean``;
+* ``Where`` whose trainable ``X`` or ``Y`` input is broadcast (torch's dynamo
+  exporter stores an attention mask's ``0`` and ``float32.min`` fill as 0-d
+  initializers): ORT's Where gradient keeps the output's shape instead of
+  summing back to the input's, and ``InPlaceAccumulatorV2`` then writes that
+  full-size gradient into the parameter's one-element buffer (heap corruption:
+  a wrong Reshape error, a segfault, or silently wrong weights).  Such an input
+  is first ``Expand``-ed to the output's shape, whose gradient ORT reduces.
 
 Ops left without a gradient (:data:`NO_GRADIENT`) on a path from a trainable
 parameter to the loss raise :class:`OnnxMPError` naming the op and node, and
@@ -72,11 +79,13 @@ def prepare_for_gradient(model: onnx.ModelProto, requires_grad: Iterable[str]) -
     """A copy of ``model`` that ORT 1.19 can differentiate, and the list of what changed."""
     from onnxmp.emulate import _infer_types
 
+    requires_grad = list(requires_grad)
     result = onnx.ModelProto()
     result.CopyFrom(model)
     graph = result.graph
     names = FreshNames(proto_names(graph))
     types = _infer_types(result)
+    trainable = _downstream(graph, requires_grad)
     done: list[Preparation] = []
     nodes: list[onnx.NodeProto] = []
     for node in graph.node:
@@ -87,7 +96,7 @@ def prepare_for_gradient(model: onnx.ModelProto, requires_grad: Iterable[str]) -
         if rewrite is None:
             nodes.append(node)
             continue
-        replacement = rewrite(node, _Builder(names, node, types), types)
+        replacement = rewrite(node, _Builder(names, node, types, trainable), types)
         if replacement is None:
             nodes.append(node)
             continue
@@ -96,7 +105,7 @@ def prepare_for_gradient(model: onnx.ModelProto, requires_grad: Iterable[str]) -
         done.append(Preparation(node.op_type, node.name, action))
     graph.ClearField("node")
     graph.node.extend(nodes)
-    _check_differentiable(result, list(requires_grad), _infer_types(result))
+    _check_differentiable(result, requires_grad, _infer_types(result))
     counts = Counter(p.op_type for p in done)
     if counts:
         log.info("prepared for onnxruntime's gradient builder: %s",
@@ -138,8 +147,10 @@ def promote_constants(model: onnx.ModelProto, names: Iterable[str]) -> tuple[onn
 class _Builder:
     """Emits the nodes replacing one node, with names derived from it."""
 
-    def __init__(self, names: FreshNames, node: onnx.NodeProto, types: dict[str, onnx.TypeProto]):
+    def __init__(self, names: FreshNames, node: onnx.NodeProto, types: dict[str, onnx.TypeProto],
+                 trainable: frozenset[str] = frozenset()):
         self.names, self.node, self.nodes = names, node, []
+        self.trainable = trainable  # tensors that depend on a trainable parameter
         self.scope = node.name or f"{node.op_type}_{node.output[0]}"
         elem = types.get(node.input[0]) if node.input else None
         self.elem = elem.tensor_type.elem_type if elem is not None and elem.HasField("tensor_type") else 0
@@ -307,11 +318,54 @@ def _variadic(node, b, types):
     return b.nodes, "decomposed into a chain of Add" + (" and a Div" if node.op_type == "Mean" else "")
 
 
+def _where(node, b, types):
+    cond, out = node.input[0], node.output[0]
+    out_shape = _static_shape(types.get(out))
+    broadcast = [i for i in (1, 2) if node.input[i] in b.trainable
+                 and (out_shape is None or _static_shape(types.get(node.input[i])) != out_shape)]
+    if not broadcast:
+        return None
+    new = onnx.NodeProto()
+    new.CopyFrom(node)
+    for i in broadcast:
+        # Expand to the shapes of the condition and the other branch: the output's shape,
+        # without computing the Where twice.  Shape inputs carry no gradient.
+        other = node.input[3 - i]
+        wide = b.op("Expand", [node.input[i], b.op("Shape", [cond])])
+        new.input[i] = b.op("Expand", [wide, b.op("Shape", [other])])
+    b.nodes.append(new)
+    return b.nodes, "expanded a broadcast trainable branch to the output's shape, so its gradient is summed back"
+
+
+def _static_shape(tp: onnx.TypeProto | None) -> tuple | None:
+    """The shape as a tuple of ints and dim_param names; None if any part is unknown."""
+    if tp is None or not tp.HasField("tensor_type") or not tp.tensor_type.HasField("shape"):
+        return None
+    dims = []
+    for d in tp.tensor_type.shape.dim:
+        if d.HasField("dim_value"):
+            dims.append(d.dim_value)
+        elif d.dim_param:
+            dims.append(d.dim_param)
+        else:
+            return None
+    return tuple(dims)
+
+
+def _downstream(graph: onnx.GraphProto, sources: Iterable[str]) -> frozenset[str]:
+    """Every tensor of ``graph`` computed from one of ``sources`` (the sources included)."""
+    reached = set(sources)
+    for node in graph.node:  # graph.node is topologically sorted
+        if any(i in reached for i in node.input):
+            reached.update(o for o in node.output if o)
+    return frozenset(reached)
+
+
 _REWRITES: dict[str, Callable] = {
     "LayerNormalization": _layer_norm, "Dropout": _dropout, "Transpose": _transpose, "Gelu": _gelu,
     "Softplus": _softplus, "Mish": _mish, "Softsign": _softsign, "Elu": _elu, "Celu": _celu, "Selu": _selu,
     "HardSigmoid": _hard_sigmoid, "HardSwish": _hard_swish, "PRelu": _prelu, "Sum": _variadic,
-    "Mean": _variadic,
+    "Mean": _variadic, "Where": _where,
 }
 
 

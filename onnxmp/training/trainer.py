@@ -18,6 +18,7 @@ import json
 import logging
 import math
 import os
+import re
 import shutil
 import tempfile
 from dataclasses import asdict, dataclass, field
@@ -32,6 +33,7 @@ from onnxmp.errors import OnnxMPError
 from onnxmp.training import _ort
 from onnxmp.training.artifacts import (
     ALL_FINITE,
+    GRAD_SHAPE,
     GRAD_WEIGHT,
     LOSSES,
     LOSS,
@@ -421,11 +423,30 @@ class Trainer:
     def _run(self, input_names: list[str], feeds: Mapping[str, np.ndarray]) -> tuple:
         try:
             outputs = self._module(*[feeds[name] for name in input_names])
-        except RuntimeError as exc:  # ORT's InvalidArgument/Fail: wrong shapes or dtypes in the batch
-            raise OnnxMPError(f"onnxruntime rejected the batch: {_ort_reason(str(exc))}",
-                              f"inputs are {', '.join(self.artifacts.inputs)} "
-                              f"with dtypes {self.artifacts.manifest['input_dtypes']}") from None
+        except RuntimeError as exc:
+            raise self._run_error(str(exc), "training" if input_names is self._train_inputs else "eval") from None
         return outputs if isinstance(outputs, tuple) else (outputs,)
+
+    def _run_error(self, text: str, graph: str) -> OnnxMPError:
+        """ORT's run error as a one-line OnnxMPError.  ORT checks the feeds against the graph's
+        inputs before it runs a node: only such an error is the batch's fault for sure.  One
+        from a node may still come from the batch (labels the loss rejects), or from the graph."""
+        inputs = (f"inputs are {', '.join(self.artifacts.inputs)} "
+                  f"with dtypes {self.artifacts.manifest['input_dtypes']}")
+        node = re.search(r"while running (\S+) node\. Name:'([^']*)'", text)
+        if node is None:
+            return OnnxMPError(f"onnxruntime rejected the batch: {_ort_reason(text)}", inputs)
+        op_type, name = node.groups()
+        if name.startswith(GRAD_SHAPE):
+            param = name[len(GRAD_SHAPE):]
+            return OnnxMPError(f"onnxruntime computed a gradient of the wrong shape for parameter {param!r}: "
+                               f"{_ort_reason(text)}",
+                               f"one of its gradient builders did not sum it back over a broadcast; train without "
+                               f"it (frozen=[{param!r}]) and report the model")
+        where = f"{op_type} node {name!r}" if name else f"a {op_type} node onnxruntime added"
+        return OnnxMPError(f"onnxruntime failed in {where} of the {graph} graph: {_ort_reason(text)}",
+                           f"if the batch is right ({inputs}), the artifacts are at fault: rebuild them "
+                           "with this onnxmp version, and report the model if it persists")
 
 
 def _metric_functions(metrics: Sequence[str | tuple[str, Metric]]) -> list[tuple[str, Metric]]:

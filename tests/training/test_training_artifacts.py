@@ -39,7 +39,7 @@ def test_training_model_holds_the_loss_scaling_contract(which, request):
     assert inputs["loss_scale"].type.tensor_type.elem_type == TensorProto.FLOAT
     assert graph.output[2].type.tensor_type.elem_type == TensorProto.BOOL
 
-    # Every accumulator reads Mul(grad, grad_weight * Reciprocal(loss_scale)).
+    # Every accumulator reads Reshape(Mul(grad, grad_weight * Reciprocal(loss_scale)), Shape(its buffer)).
     accumulators = [n for n in graph.node if n.op_type == "InPlaceAccumulatorV2"]
     assert len(accumulators) == len(artifacts.manifest["requires_grad"])
     reciprocals = [n for n in graph.node if n.op_type == "Reciprocal" and list(n.input) == ["loss_scale"]]
@@ -47,7 +47,9 @@ def test_training_model_holds_the_loss_scaling_contract(which, request):
     unscale = producers[next(o for o in reciprocals[0].output)]
     assert unscale.op_type == "Reciprocal"
     for acc in accumulators:
-        mul = producers[acc.input[1]]
+        reshape = producers[acc.input[1]]
+        assert reshape.op_type == "Reshape" and list(producers[reshape.input[1]].input) == [acc.input[0]]
+        mul = producers[reshape.input[0]]
         assert mul.op_type == "Mul"
         factor = producers[mul.input[1]]
         assert factor.op_type == "Mul" and reciprocals[0].output[0] in factor.input

@@ -50,3 +50,18 @@ def test_ort_run_errors_lead_with_ort_reason(fp32_artifacts, monkeypatch):
         trainer.train_step(X, np.array([0, 1, 2]))
     first = str(info.value).splitlines()[0]
     assert "shape of logit and label does not match" in first and "onnxruntime_src" not in first
+
+
+def test_ort_errors_inside_the_graph_are_not_blamed_on_the_batch(fp32_artifacts):
+    # What a broken graph gave (ORT's DivGrad, inlined into unnamed nodes, fed a mis-shaped gradient).
+    text = ("[ONNXRuntimeError] : 1 : FAIL : Non-zero status code returned while running Reshape node. Name:'' "
+            "Status Message: /onnxruntime_src/onnxruntime/core/providers/cpu/tensor/reshape_helper.h:45 "
+            "onnxruntime::ReshapeHelper::ReshapeHelper(const onnxruntime::TensorShape&, "
+            "onnxruntime::TensorShapeVector&, bool) input_shape_size == size was false. The input tensor cannot "
+            "be reshaped to the requested shape. Input shape:{1,32,1536}, requested shape:{}")
+    error = Trainer(fp32_artifacts)._run_error(text, "training")
+    first = str(error).splitlines()[0]
+    assert "rejected the batch" not in first and "Reshape node" in first and "training graph" in first
+    assert "cannot be reshaped" in first and "onnxruntime_src" not in first and "rebuild" in error.hint
+    named = Trainer(fp32_artifacts)._run_error(text.replace("Name:''", "Name:'head/Gemm'"), "eval")
+    assert "Reshape node 'head/Gemm' of the eval graph" in str(named)

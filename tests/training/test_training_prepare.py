@@ -3,7 +3,7 @@ import numpy as np
 import onnx
 import onnxruntime as ort
 import pytest
-from onnx import numpy_helper
+from onnx import helper, numpy_helper
 
 from onnxmp.errors import OnnxMPError
 from onnxmp.training import build_artifacts
@@ -216,3 +216,143 @@ g (int64[N,3] ids) => (float[N,3,4] y) {{
     expected_grad = np.zeros_like(e)
     np.add.at(expected_grad, ids.ravel(), (dy @ w.T).reshape(-1, 4))
     np.testing.assert_allclose(e - trainer.parameters()["E"], expected_grad, rtol=1e-5, atol=1e-7)
+
+
+# torch's dynamo exporter writes an attention mask's 0 and float32-min fill as 0-d initializers.
+MASKED_ATTENTION = """<ir_version: 8, opset_import: ["" : 18]>
+g (float[N,3,4] x, int64[N,3] mask) => (float[N,2] y) {
+  h = MatMul(x, W)
+  ht = Transpose<perm=[0,2,1]>(h)
+  scores = MatMul(h, ht)
+  one = Constant<value=int64[1] {1}>()
+  m = Unsqueeze(mask, one)
+  keep = Cast<to=9>(m)
+  bias = Where(keep, zero, fill)
+  masked = Add(scores, bias)
+  p = Sigmoid(masked)
+  o = MatMul(p, h)
+  z = MatMul(o, V)
+  y = ReduceMean<keepdims=0>(z, one)
+}"""
+MASK_FEEDS = {"x": np.random.default_rng(2).normal(size=(3, 3, 4)).astype(np.float32),
+              "mask": np.array([[1, 1, 0], [1, 0, 0], [1, 1, 1]], np.int64)}
+
+
+def _masked_attention() -> onnx.ModelProto:
+    model = onnx.parser.parse_model(MASKED_ATTENTION)
+    rng = np.random.default_rng(0)
+    for name, value in (("W", rng.normal(size=(4, 4))), ("V", rng.normal(size=(4, 2))), ("zero", 0.0),
+                        ("fill", np.finfo(np.float32).min)):
+        model.graph.initializer.append(numpy_helper.from_array(np.asarray(value, np.float32), name))
+    return model
+
+
+def test_broadcast_where_branch_is_expanded_only_when_trainable():
+    model = _masked_attention()
+    prepared, done = prepare_for_gradient(model, ["W", "V", "zero", "fill"])
+    assert [p.op_type for p in done] == ["Where"]
+    assert sum(n.op_type == "Expand" for n in prepared.graph.node) == 4
+    session = ort.InferenceSession(prepared.SerializeToString(), providers=["CPUExecutionProvider"])
+    want = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, MASK_FEEDS)
+    np.testing.assert_array_equal(session.run(None, MASK_FEEDS)[0], want[0])
+    assert prepare_for_gradient(model, ["W", "V"])[1] == []  # the fill is frozen: no gradient to sum back
+    # Branches that already have the output's shape need nothing.
+    full = _model("s = MatMul(x, V)\n c = Greater(h, s)\n y = Where(c, h, s)")
+    assert prepare_for_gradient(full, ["W", "V"])[1] == []
+
+
+def _gradients(artifacts, model, feeds) -> dict[str, np.ndarray]:
+    """Each parameter's gradient from one run of the training graph, as it would be accumulated."""
+    training = onnx.load(artifacts.training_model)
+    accumulate = [n for n in training.graph.node if n.op_type == "InPlaceAccumulatorV2"]
+    param_of = {n.input[1]: n.input[0].split("_grad.accumulation.buffer")[0] for n in accumulate}
+    # Left out: an accumulator handed a gradient of the wrong shape writes past its buffer.
+    kept = [n for n in training.graph.node if n.op_type != "InPlaceAccumulatorV2"]
+    training.graph.ClearField("node")
+    training.graph.node.extend(kept)
+    training.graph.ClearField("output")
+    training.graph.output.extend(helper.make_empty_tensor_value_info(g) for g in param_of)
+    weights = {t.name: t for t in model.graph.initializer}
+    inputs = [i for i in training.graph.input if i.name not in weights and i.name != "lazy_reset_grad"]
+    training.graph.ClearField("input")
+    training.graph.input.extend(inputs)
+    training.graph.initializer.extend(weights[p] for p in param_of.values())
+    session = ort.InferenceSession(training.SerializeToString(), providers=["CPUExecutionProvider"])
+    scalars = {"loss_scale": np.array(1.0, np.float32), "grad_weight": np.array(1.0, np.float32)}
+    scalars.update({n.input[0]: np.zeros(tuple(weights[p].dims), np.float32)
+                    for n, p in zip(accumulate, param_of.values())})
+    run = {i.name: {**feeds, **scalars}[i.name] for i in session.get_inputs()}
+    return {param_of[g]: value for g, value in zip(param_of, session.run(None, run))}
+
+
+@pytest.mark.parametrize("precision", ["float32", "float16"])
+def test_gradient_of_a_broadcast_where_branch_has_the_parameter_shape(precision, tmp_path):
+    # ORT 1.19's Where gradient keeps the output's shape: unprepared, the 0-d mask fill got a
+    # [N, 1, 3] gradient, which InPlaceAccumulatorV2 wrote past its one-element buffer (a Reshape
+    # error, a segfault or wrong weights, depending on the heap).
+    model = _masked_attention()
+    names = ["W", "V", "zero", "fill"]
+    artifacts = build_artifacts(model, requires_grad=names, precision=precision, out_dir=tmp_path / "a")
+    labels = np.array([0, 1, 1], np.int64)
+    grads = _gradients(artifacts, model, {**MASK_FEEDS, "labels": labels})
+    assert {p: g.shape for p, g in grads.items()} == {t.name: tuple(t.dims) for t in model.graph.initializer}
+    if precision == "float32":  # the value: a central difference of the cross-entropy in the zero
+        def loss(zero: float) -> float:
+            changed = onnx.ModelProto()
+            changed.CopyFrom(model)
+            for t in changed.graph.initializer:
+                if t.name == "zero":
+                    t.CopyFrom(numpy_helper.from_array(np.array(zero, np.float32), "zero"))
+            logits = ort.InferenceSession(changed.SerializeToString(),
+                                          providers=["CPUExecutionProvider"]).run(None, MASK_FEEDS)[0]
+            logits = logits.astype(np.float64) - logits.max(axis=1, keepdims=True)  # softmax of the loss
+            log_p = logits - np.log(np.exp(logits).sum(axis=1, keepdims=True))
+            return float(-log_p[np.arange(len(labels)), labels].mean())
+
+        numeric = (loss(1e-2) - loss(-1e-2)) / 2e-2
+        assert abs(numeric) > 1e-3
+        np.testing.assert_allclose(grads["zero"], numeric, rtol=1e-2)
+
+
+def test_a_gradient_of_the_wrong_shape_fails_cleanly(tmp_path, monkeypatch):
+    # Without the Where preparation ORT hands the 0-d parameters a [N, 1, 3] gradient: the
+    # training graph must refuse it, never let InPlaceAccumulatorV2 write it past the buffer.
+    import onnxmp.training.artifacts as artifacts
+    from onnxmp.training import Trainer
+
+    monkeypatch.setattr(artifacts, "prepare_for_gradient", lambda m, r: (m, []))
+    built = build_artifacts(_masked_attention(), requires_grad=["W", "V", "zero", "fill"], precision="float32",
+                            out_dir=tmp_path)
+    with pytest.raises(OnnxMPError, match="wrong shape for parameter '(zero|fill)'") as info:
+        Trainer(built).train_step(MASK_FEEDS["x"], MASK_FEEDS["mask"], np.array([0, 1, 1]))
+    assert "frozen=" in info.value.hint
+
+
+def test_dynamo_style_scalar_initializers_all_train_in_float16(tmp_path):
+    # The bundled classifier as torch's dynamo exporter writes it: every float constant (the
+    # attention scale, GELU's sqrt(2), 1 and 0.5, the mask's 1 and float32.min
+    # fill) an initializer, and all of them trainable.
+    from models import zoo
+    from onnxmp.training import Trainer
+    from onnxmp.training.models import trainable
+    from onnxmp.training.prepare import promote_constants, without_gradient
+
+    base = zoo.transformer_classifier(mask_fill="where")
+    floats = [n.output[0] for n in base.graph.node
+              if n.op_type == "Constant" and n.attribute[0].t.data_type == onnx.TensorProto.FLOAT]
+    model, promoted = promote_constants(base, floats)
+    scalars = [t.name for t in model.graph.initializer if t.name in promoted and not t.dims]
+    assert len(scalars) >= 5
+    names = trainable(model)
+    frozen = list(without_gradient(model, names))
+    requires = [n for n in names if n not in frozen]
+    assert set(scalars) - set(frozen)  # 0-d parameters really are trained
+    artifacts = build_artifacts(model, requires_grad=requires, frozen=frozen, precision="float16",
+                                out_dir=tmp_path / "a")
+    data = zoo.classifier_task(8, seed=0)
+    feeds = {k: data[k] for k in ("input_ids", "attention_mask", "labels")}
+    grads = _gradients(artifacts, model, feeds)
+    shapes = {t.name: tuple(t.dims) for t in model.graph.initializer}
+    assert {p: g.shape for p, g in grads.items()} == {p: shapes[p] for p in requires}
+    step = Trainer(artifacts).train_step(*feeds.values())
+    assert np.isfinite(step.loss)

@@ -1,0 +1,468 @@
+"""Write the converted model: the normalized model plus the rewrite's edits.
+
+The output is byte for byte what onnxmp wrote when the rewrite went through an
+onnx-graphsurgeon import and export (``gs.import_onnx`` -> edit -> ``cleanup`` ->
+``gs.export_onnx``), without building GS's object graph for every node: the
+per-node cost of that round trip made conversion slower than onnxconverter-common.
+So this module keeps GS's export conventions:
+
+* nodes lose their doc strings, attributes of kinds GS does not model move to the end,
+  and subgraphs are written the same way, recursively;
+* sequences, optionals and maps are written untyped by GS; their declared types are put back;
+* nodes nothing reads towards a graph output are dropped (GS ``cleanup``);
+* initializers and value_info follow GS's tensor order (graph inputs, then each
+  node's inputs and outputs, then graph outputs); a body lists the outer
+  initializers and typed values it reads, as GS writes them;
+* inputs, outputs and value_info are rebuilt from (dtype, shape) as
+  ``onnx.helper.make_tensor_value_info`` makes them;
+* model functions still go through GS (they are few and small).
+"""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import onnx
+from onnx.external_data_helper import uses_external_data
+
+from onnxmp.external import converted_external, tensor_array
+from onnxmp.graphs import GRAPH, TENSOR_KIND, ModelGraph, TensorInfo, iter_proto_graphs, may_hold_graphs
+from onnxmp.rewrite import Edits, NewCast
+
+A = onnx.AttributeProto
+_SIMPLE = (A.INT, A.FLOAT, A.STRING, A.TENSOR)
+_LISTS = (A.INTS, A.FLOATS, A.STRINGS)
+_DROPPED_NODE_FIELDS = ("doc_string", "overload", "metadata_props", "device_configurations")
+
+
+def emit(graph: ModelGraph, edits: Edits, original: onnx.ModelProto) -> onnx.ModelProto:
+    model = onnx.ModelProto()
+    model.ir_version = original.ir_version
+    emitter = _Emitter(graph, edits)
+    main, _ = emitter.graph(0)
+    model.graph.CopyFrom(main)
+    _restore_non_tensor_types(model.graph, _non_tensor_types(original.graph))
+    model.opset_import.extend(original.opset_import)
+    if original.functions:
+        model.functions.extend(_functions_through_gs(original))
+    for field_name in ("producer_name", "producer_version", "domain", "model_version", "doc_string"):
+        setattr(model, field_name, getattr(original, field_name))
+    model.metadata_props.extend(original.metadata_props)
+    restore_initializer_inputs(model, original)
+    return model
+
+
+def initializer_inputs(model: onnx.ModelProto) -> tuple[str, ...]:
+    """Graph inputs that are also initializers (exports with keep_initializers_as_inputs)."""
+    inits = {t.name for t in model.graph.initializer}
+    return tuple(i.name for i in model.graph.input if i.name in inits)
+
+
+def restore_initializer_inputs(model: onnx.ModelProto, original: onnx.ModelProto) -> None:
+    """Initializers that were also graph inputs go back into the inputs, where they were."""
+    names = set(initializer_inputs(original))
+    if not names:
+        return
+    exported = {i.name: i for i in model.graph.input}
+    ordered = [exported.get(i.name, i) for i in original.graph.input if i.name in names or i.name in exported]
+    del model.graph.input[:]
+    model.graph.input.extend(ordered)
+
+
+class _Emitter:
+    def __init__(self, graph: ModelGraph, edits: Edits):
+        self.model_graph = graph
+        self.edits = edits
+        self.tensors = graph.tensors
+        self.sparse = {s.values.name: s for scope in graph.scopes for s in scope.graph.sparse_initializer}
+        self.scope_of = {id(s.graph): i for i, s in enumerate(graph.scopes)}
+        self.ready: dict[str, onnx.TensorProto] = {}  # converted initializers, made in batches
+
+    # -- tensors -----------------------------------------------------------------------------
+    def info(self, name: str) -> TensorInfo | None:
+        return self.edits.new_tensors.get(name) or self.tensors.get(name)
+
+    def is_constant(self, name: str) -> bool:
+        if name in self.edits.twins:
+            return True
+        info = self.tensors.get(name)
+        return info is not None and info.init is not None
+
+    def dtype(self, name: str):
+        """GS's dtype at export; sequences, optionals and maps are exported untyped (see
+        :func:`_restore_non_tensor_types`)."""
+        if name in self.edits.dtypes:
+            return self.edits.dtypes[name]
+        info = self.info(name)
+        if info is None or (info.init is None and info.kind != TENSOR_KIND):
+            return None
+        return info.dtype
+
+    def value_info(self, name: str) -> onnx.ValueInfoProto:
+        """GS's export_value_info_proto."""
+        info = self.info(name)
+        dtype = self.dtype(name)
+        if dtype is None:
+            vi = onnx.ValueInfoProto()
+            vi.name = name
+            return vi
+        return _tensor_value_info(name, dtype, info.shape)
+
+    def _convert_small(self, names: list[str]) -> None:
+        """Convert small raw float32 initializers in one numpy call (thousands of biases and
+        scalars would each pay numpy's per-call overhead); results wait in ``self.ready``."""
+        edits = self.edits
+        sources = []
+        for name in names:
+            source = self.tensors[edits.twins.get(name, name)].init
+            if source.data_type == onnx.TensorProto.FLOAT and source.data_location != onnx.TensorProto.EXTERNAL \
+                    and source.ByteSize() < 1 << 16 and len(source.raw_data) == 4 * math.prod(source.dims):
+                sources.append((name, source))
+        if not sources:
+            return
+        raws = [source.raw_data for _, source in sources]
+        low = np.frombuffer(b"".join(raws), dtype="<f4").astype(edits.low_np)
+        start = 0
+        for (name, source), raw in zip(sources, raws):
+            count = len(raw) // 4
+            tensor = onnx.TensorProto()
+            tensor.name = name
+            tensor.data_type = edits.low_enum
+            tensor.dims.extend(source.dims)
+            tensor.raw_data = low[start:start + count].tobytes()
+            self.ready[name] = tensor
+            start += count
+
+    def initializer(self, name: str) -> onnx.TensorProto:
+        ready = self.ready.pop(name, None)
+        if ready is not None:
+            return ready
+        edits = self.edits
+        source = edits.twins.get(name)
+        if source is not None:
+            values = tensor_array(self.tensors[source].init).astype(edits.low_np)
+            return _raw_tensor(name, edits.low_enum, values)
+        init = self.tensors[name].init
+        if name in edits.converted:
+            low_np, low_enum = edits.converted[name]
+            if uses_external_data(init):
+                return converted_external(init, low_np, low_enum)
+            return _raw_tensor(name, low_enum, tensor_array(init).astype(low_np))
+        return init
+
+    # -- graphs ----------------------------------------------------------------------------
+    def graph(self, scope_index: int) -> tuple[onnx.GraphProto, set[str]]:
+        """The exported graph after GS's cleanup, and the outer names its kept nodes read."""
+        scope = self.model_graph.scopes[scope_index]
+        g = scope.graph
+        edits = self.edits
+        new_inputs, new_outputs = edits.inputs, edits.outputs
+        items = []  # (item, inputs, outputs)
+        bodies: dict[str, dict[str, tuple[onnx.GraphProto, set[str]]]] = {}
+        for item in edits.order[scope.gid]:
+            if isinstance(item, NewCast):
+                items.append((item, (item.src,), (item.dst,)))
+                continue
+            name = item.name
+            items.append((item, new_inputs.get(name) or item.input, new_outputs.get(name) or item.output))
+            if may_hold_graphs(item):
+                for attr in item.attribute:
+                    if attr.type == GRAPH:
+                        bodies.setdefault(name, {})[attr.name] = self.graph(self.scope_of[id(attr.g)])
+        kept = self._used(items, g, bodies)
+        init_names = {t.name for t in g.initializer}
+        if g.sparse_initializer:
+            init_names.update(t.values.name for t in g.sparse_initializer)
+        gs_inputs = [t.name for t in g.input if t.name not in init_names]
+        outputs = [t.name for t in g.output]
+
+        tensor_order: dict[str, None] = dict.fromkeys(gs_inputs)
+        for _, ins, outs in kept:
+            tensor_order.update(dict.fromkeys(ins))
+            tensor_order.update(dict.fromkeys(outs))
+        tensor_order.update(dict.fromkeys(outputs))
+        tensor_order.pop("", None)
+
+        out = onnx.GraphProto()
+        out.node.extend([self.node(item, ins, outs, bodies) for item, ins, outs in kept])
+        out.name = g.name
+        out.input.extend([self.value_info(n) for n in gs_inputs])
+        out.output.extend([self.value_info(n) for n in outputs])
+        constants = [n for n in tensor_order if self.is_constant(n)]
+        self._convert_small([n for n in constants if n in self.edits.converted or n in self.edits.twins])
+        out.initializer.extend([self.initializer(n) for n in constants if n not in self.sparse])
+        if self.sparse:
+            out.sparse_initializer.extend([self.sparse[n] for n in constants if n in self.sparse])
+        skip = set(gs_inputs)
+        skip.update(outputs)
+        skip.update(constants)
+        out.value_info.extend([vi for vi in (self.value_info_if_known(n) for n in tensor_order if n not in skip)
+                               if vi is not None])
+        if g.doc_string:
+            out.doc_string = g.doc_string
+
+        local = set(gs_inputs)
+        read: set[str] = set()
+        for item, ins, outs in kept:
+            local.update(outs)
+            read.update(ins)
+            for _, foreign in bodies.get(getattr(item, "name", None), {}).values():
+                read.update(foreign)
+        foreign = {n for n in read - local if n and not self.is_constant(n)}
+        return out, foreign
+
+    def value_info_if_known(self, name: str) -> onnx.ValueInfoProto | None:
+        """GS writes value_info for a variable with a dtype or a shape."""
+        edits = self.edits
+        info = edits.new_tensors.get(name)
+        new = info is not None
+        if not new:
+            info = self.tensors.get(name)
+            if info is None or (info.decl is None and name not in edits.dtypes):
+                return None
+        decl = info.decl
+        if decl is not None and not info.merged and _canonical(decl):
+            # Exactly what GS rebuilds from (dtype, shape): copy it, with the new name and dtype.
+            if not new and name not in edits.dtypes:
+                return decl
+            vi = onnx.ValueInfoProto()
+            vi.CopyFrom(decl)
+            vi.name = name
+            vi.type.tensor_type.elem_type = self.dtype(name)
+            return vi
+        if self.dtype(name) is None and info.shape is None:
+            return None
+        return self.value_info(name)
+
+    def _used(self, items: list, g: onnx.GraphProto, bodies) -> list:
+        """GS cleanup: keep the nodes something reads on the way to a graph output."""
+        producer: dict[str, int] = {}
+        for index, (_, _, outs) in enumerate(items):
+            for name in outs:
+                producer[name] = index
+        used = bytearray(len(items))
+        seen: set[str] = set()
+        queue = [t.name for t in g.output]
+        seen.update(queue)
+        while queue:
+            index = producer.get(queue.pop())
+            if index is None or used[index]:
+                continue
+            used[index] = 1
+            item, ins, _ = items[index]
+            deps = list(ins)
+            if bodies and not isinstance(item, NewCast):
+                for _, foreign in bodies.get(item.name, {}).values():
+                    deps.extend(foreign)
+            for dep in deps:
+                if dep not in seen:
+                    seen.add(dep)
+                    queue.append(dep)
+        if all(used):
+            return items
+        return [entry for entry, keep in zip(items, used) if keep]
+
+    # -- nodes -----------------------------------------------------------------------------
+    def node(self, item, inputs, outputs, bodies) -> onnx.NodeProto:
+        if isinstance(item, NewCast):
+            node = onnx.NodeProto(op_type="Cast", name=item.name)
+            node.input.append(item.src)
+            node.output.append(item.dst)
+            attr = node.attribute.add()
+            attr.name, attr.type, attr.i = "to", A.INT, item.to
+            return node
+        name = item.name
+        edits = self.edits
+        if (name not in edits.inputs and name not in edits.outputs and name not in edits.retargeted
+                and name not in bodies and name not in edits.raw_constants and _clean(item)):
+            return item
+        node = onnx.NodeProto()
+        node.op_type = item.op_type
+        node.input.extend(inputs)
+        node.output.extend(outputs)
+        if item.name:
+            node.name = item.name
+        if item.HasField("domain"):
+            node.domain = item.domain
+        skipped = []
+        for attr in item.attribute:
+            exported = self.attribute(attr, bodies.get(name, {}))
+            if exported is not None:
+                node.attribute.append(exported)
+            elif not attr.ref_attr_name:
+                skipped.append(attr)
+        for attr in skipped:
+            # Kinds GS does not model (TYPE_PROTO, SPARSE_TENSOR, TENSORS, GRAPHS...) were handed
+            # back to it as Python values, so they come last, remade by make_attribute.
+            node.attribute.append(onnx.helper.make_attribute(attr.name, onnx.helper.get_attribute_value(attr)))
+        if name in edits.retargeted:
+            _retarget(node, edits.low_enum, edits.low_np)
+        elif name in edits.raw_constants:
+            for attr in node.attribute:
+                if attr.name == "value" and attr.type == A.TENSOR:
+                    source = attr.t
+                    raw = _raw_tensor(source.name, source.data_type, tensor_array(source))
+                    if source.HasField("data_location"):
+                        raw.data_location = source.data_location
+                    attr.t.CopyFrom(raw)
+        return node
+
+    @staticmethod
+    def attribute(attr: onnx.AttributeProto, bodies) -> onnx.AttributeProto | None:
+        if attr.type == GRAPH:
+            out = onnx.AttributeProto(name=attr.name, type=GRAPH)
+            out.g.CopyFrom(bodies[attr.name][0])
+            return out
+        if attr.type in _LISTS and not (attr.ints or attr.floats or attr.strings):
+            return onnx.helper.make_attribute(attr.name, [])  # GS export fails here too (ValueError)
+        if attr.type in _SIMPLE or attr.type in _LISTS:
+            out = onnx.AttributeProto()
+            out.CopyFrom(attr)
+            out.ClearField("doc_string")
+            if attr.type == A.TENSOR:
+                out.t.name = out.t.name  # GS names every tensor it writes, even with ""
+            return out
+        return None  # sparse tensors, tensor/graph lists, type protos: GS does not import them
+
+
+def _clean(node: onnx.NodeProto) -> bool:
+    """True when GS would write the node back unchanged (the common case)."""
+    if node.doc_string or node.HasField("doc_string") or node.HasField("overload") or node.metadata_props \
+            or node.device_configurations:
+        return False
+    for attr in node.attribute:
+        t = attr.type
+        if t in _SIMPLE:
+            if attr.HasField("doc_string") or (t == A.TENSOR and not attr.t.HasField("name")):
+                return False
+        elif t in _LISTS:
+            if attr.HasField("doc_string") or not (attr.ints or attr.floats or attr.strings):
+                return False
+        else:
+            return False
+    return True
+
+
+def _canonical(vi: onnx.ValueInfoProto) -> bool:
+    """A declaration GS would write back unchanged: a tensor type with only elem_type and plain dims."""
+    if len(vi.ListFields()) != 2:
+        return False  # doc_string, metadata, or no type
+    t = vi.type
+    if len(t.ListFields()) != 1 or not t.HasField("tensor_type"):
+        return False
+    tensor_type = t.tensor_type
+    if not tensor_type.HasField("elem_type"):
+        return False
+    for dim in tensor_type.shape.dim:
+        if dim.denotation:  # dim_value and dim_param share a oneof: only a denotation can differ
+            return False
+    return True
+
+
+def _tensor_value_info(name: str, dtype: int, shape) -> onnx.ValueInfoProto:
+    """``onnx.helper.make_tensor_value_info``, without its per-call overhead."""
+    vi = onnx.ValueInfoProto()
+    vi.name = name
+    tensor_type = vi.type.tensor_type
+    tensor_type.elem_type = dtype
+    if shape is not None:
+        dims = tensor_type.shape.dim
+        tensor_type.shape.SetInParent()
+        for d in shape:
+            dim = dims.add()
+            if d is None:
+                continue
+            if isinstance(d, str):
+                dim.dim_param = d
+            else:
+                dim.dim_value = d
+    return vi
+
+
+def _raw_tensor(name: str, data_type: int, values: np.ndarray) -> onnx.TensorProto:
+    tensor = onnx.TensorProto()
+    tensor.name = name
+    tensor.data_type = data_type
+    tensor.dims.extend(values.shape)
+    tensor.raw_data = values.tobytes()
+    return tensor
+
+
+def _retarget(node: onnx.NodeProto, low_enum: int, low_np) -> None:
+    """Spec §5.8: an op whose float32 output type comes from an attribute now makes low precision."""
+    attrs = {a.name: a for a in node.attribute}
+    if node.op_type == "Cast":
+        attrs["to"].i = int(low_enum)
+        return
+    values, name = None, None
+    if "value" in attrs:
+        values, name = tensor_array(attrs["value"].t), attrs["value"].t.name
+    elif node.op_type == "Constant":
+        for key in ("value_float", "value_floats"):
+            if key in attrs:
+                attr = attrs[key]
+                values = np.asarray(attr.f if key == "value_float" else list(attr.floats), dtype=np.float32)
+                name = node.output[0] + "_value"
+                node.attribute.remove(attr)
+    if values is None:  # ConstantOfShape defaults to a float32 zero
+        values, name = np.zeros((1,), dtype=np.float32), node.output[0] + "_value"
+    tensor = _raw_tensor(name, low_enum, np.asarray(values).astype(low_np))
+    if "value" in attrs:
+        attrs["value"].t.CopyFrom(tensor)
+    else:
+        attr = node.attribute.add()
+        attr.name, attr.type = "value", A.TENSOR
+        attr.t.CopyFrom(tensor)
+
+
+def _value_infos(graph: onnx.GraphProto):
+    for g in iter_proto_graphs(graph):
+        yield from g.input
+        yield from g.output
+        yield from g.value_info
+
+
+def _non_tensor_types(graph: onnx.GraphProto) -> dict[str, onnx.TypeProto]:
+    """Sequence, optional and map types by value name, over all scopes.  A name that two sibling
+    scopes use with different types is left out: which one a value had is then unknown."""
+    types: dict[str, onnx.TypeProto] = {}
+    ambiguous: set[str] = set()
+    for value in _value_infos(graph):
+        which = value.type.WhichOneof("value")
+        if which in (None, "tensor_type"):
+            continue
+        known = types.setdefault(value.name, value.type)
+        if known != value.type:
+            ambiguous.add(value.name)
+    for name in ambiguous:
+        del types[name]
+    return types
+
+
+def _restore_non_tensor_types(graph: onnx.GraphProto, types: dict[str, onnx.TypeProto]) -> None:
+    """Values that are not plain tensors never change type: they get their declared types back."""
+    if not types:
+        return
+    for value in _value_infos(graph):
+        original = types.get(value.name)
+        if original is not None:
+            value.type.CopyFrom(original)
+
+
+def _functions_through_gs(original: onnx.ModelProto) -> list[onnx.FunctionProto]:
+    """Model functions as GS writes them after its cleanup (onnxmp does not edit functions)."""
+    import onnx_graphsurgeon as gs
+    from onnx_graphsurgeon.exporters.onnx_exporter import OnnxExporter
+    from onnx_graphsurgeon.logger import G_LOGGER
+
+    shell = onnx.ModelProto()
+    shell.ir_version = original.ir_version
+    shell.opset_import.extend(original.opset_import)
+    shell.functions.extend(original.functions)
+    shell.graph.name = "functions"
+    with G_LOGGER.suppress(G_LOGGER.ERROR):
+        graph = gs.import_onnx(shell)
+        for func in graph.functions:
+            func.cleanup(remove_unused_node_outputs=False, recurse_subgraphs=True, remove_unused_graph_inputs=False,
+                         recurse_functions=False)
+        return [OnnxExporter.export_function(func) for func in graph.functions]
