@@ -62,7 +62,7 @@ def samples_from(model: onnx.ModelProto, calibration) -> list[Sample]:
 
     samples = as_samples(calibration, what="calibration")
     # As validate does: a training file's labels are no reason to refuse it.
-    return [check_inputs(model, s) for s in drop_extra_inputs(model, samples)]
+    return [check_inputs(model, s, flag="--calibrate") for s in drop_extra_inputs(model, samples)]
 
 
 def split_holdout(samples: Sequence[Sample], holdout: int | None) -> tuple[list[Sample], list[Sample]]:

@@ -25,7 +25,7 @@ log = logging.getLogger("onnxmp.inputs")
 
 Sample = dict[str, np.ndarray]
 
-_INPUTS_HINT = "pass real inputs with --inputs sample.npz (one array per graph input name)"
+_INPUTS_HINT = "pass real inputs with {flag} sample.npz (one array per graph input name)"
 # Symbolic dims that are (almost always) the batch axis: the default batch size
 # is right for them, so they are filled without a warning.
 _BATCH_DIM = re.compile(r"^(n|b|bs)$|batch", re.IGNORECASE)
@@ -154,16 +154,18 @@ def generate_inputs(model: onnx.ModelProto | str | os.PathLike, dims: Mapping[st
             sample[value.name] = rng.random(shape) < 0.5
         else:
             raise OnnxMPError(f"cannot generate values for {dtype.name} input {value.name!r}: "
-                              "its valid range is unknown", _INPUTS_HINT)
+                              "its valid range is unknown", _INPUTS_HINT.format(flag="--inputs"))
     return sample
 
 
-def check_inputs(model: onnx.ModelProto | str | os.PathLike, sample: Mapping[str, np.ndarray]) -> Sample:
+def check_inputs(model: onnx.ModelProto | str | os.PathLike, sample: Mapping[str, np.ndarray],
+                 flag: str = "--inputs") -> Sample:
     """Check ``sample`` against the model's inputs; return it with floats cast to the declared dtype.
 
     Float arrays of another width are cast (an .npz saved in float64 is
     fine); a float/int/bool kind mismatch, a wrong rank, a fixed dim that
-    differs, or one symbolic dim bound to two sizes is an error.
+    differs, or one symbolic dim bound to two sizes is an error.  ``flag``
+    is the option a hint tells the user to pass inputs with.
     """
     model = as_model(model)
     declared = {v.name: v for v in model_inputs(model)}
@@ -173,7 +175,8 @@ def check_inputs(model: onnx.ModelProto | str | os.PathLike, sample: Mapping[str
                           f"model inputs: {', '.join(declared)}")
     missing = [name for name in declared if name not in sample]
     if missing:
-        raise OnnxMPError(f"no value for model input(s) {', '.join(map(repr, missing))}", _INPUTS_HINT)
+        raise OnnxMPError(f"no value for model input(s) {', '.join(map(repr, missing))}",
+                          _INPUTS_HINT.format(flag=flag))
 
     bound: dict[str, tuple[int, str]] = {}
     checked: Sample = {}

@@ -167,8 +167,9 @@ def test_calibration_judges_sequence_and_optional_outputs(ragged):
 
 def test_calibration_input_errors_are_clear():
     model = _chain(2)
-    with pytest.raises(onnxmp.OnnxMPError, match="no value for model input"):
+    with pytest.raises(onnxmp.OnnxMPError, match="no value for model input") as info:
         onnxmp.convert(model, calibration={"nope": np.zeros((2, 16), np.float32)})
+    assert "--calibrate sample.npz" in info.value.hint  # was validate's "--inputs"
     with pytest.raises(onnxmp.OnnxMPError, match="tolerance must be positive"):
         onnxmp.convert(model, calibration={"x": np.zeros((2, 16), np.float32)}, tolerance=0)
     with pytest.raises(onnxmp.OnnxMPError, match="leaves no sample to tune on"):
