@@ -160,7 +160,7 @@ class ParityReport:
         header = ("output", "shape", "max|err|", "rel err", "cosine", "top-1", "result")
         rows = [header]
         for o in self.outputs:
-            if o.exact:
+            if o.exact or not o.compared:  # nothing finite compared: no figure to show
                 metrics = ("-", "-", "-", "-")
             else:
                 metrics = (_fmt(o.max_abs_err, ".3e"), _fmt(o.max_rel_err, ".3e"), _fmt(o.cosine, ".8f"),

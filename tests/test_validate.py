@@ -156,6 +156,8 @@ def test_an_output_inf_nan_everywhere_in_both_models_is_no_pass():
     report = validate(nan_model(1.0), nan_model(1.0), nan_inputs)
     assert not report.passed and report.outputs[0].compared == 0
     assert "no element is finite in both models" in report.outputs[0].failures[0]
+    row = report.summary().splitlines()[1].split()
+    assert row[2:6] == ["-", "-", "-", "-"]  # not "0.000e+00 ... 1.00000000 100.0%" for nothing compared
     one_row = {"x": np.array([[np.nan] * 4, [1, 2, 3, 4]], np.float32)}
     assert validate(nan_model(1.0), nan_model(1.0), one_row).passed  # the finite row still compares
 
