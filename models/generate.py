@@ -47,7 +47,10 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", type=Path, default=HERE, help="output directory (default: models/)")
     args = ap.parse_args(argv)
-    args.out.mkdir(parents=True, exist_ok=True)
+    try:
+        args.out.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:  # a file of that name, a read-only parent
+        ap.error(f"cannot create --out {args.out}: {exc.strerror or exc}")
 
     print(f"{'model':<20}{'nodes':>7}{'(+sub)':>8}{'bytes':>10}  inputs")
     for name in zoo.COMMITTED:

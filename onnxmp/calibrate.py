@@ -29,7 +29,6 @@ caller decides (the CLI writes the model and exits 3).
 from __future__ import annotations
 
 import logging
-import os
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -38,10 +37,10 @@ import numpy as np
 import onnx
 
 from onnxmp.color.seeds import DEFAULT_THRESHOLD, DEFAULT_UNDERFLOW_SHARE
-from onnxmp.errors import OnnxMPError
+from onnxmp.errors import OnnxMPError, first_line
 from onnxmp.graphs import proto_nodes
 from onnxmp.load import load
-from onnxmp.metrics import MetricPlan, metric_plan, relative_error  # noqa: F401  (relative_error: public here)
+from onnxmp.metrics import MetricPlan, as_output_array, metric_plan, relative_error  # noqa: F401  (relative_error: public here)
 from onnxmp.report import TENSOR_CORE_OPS, Report, head
 from onnxmp.search import (
     BudgetExhausted, LowNode, Oracle, RunBar, Switchboard, find_fp32_set, run_bound, segment_ranking,
@@ -58,21 +57,12 @@ Sample = dict[str, np.ndarray]
 
 
 def samples_from(model: onnx.ModelProto, calibration) -> list[Sample]:
-    """A dict of arrays, a list of dicts, one .npz path or a list of them."""
-    from onnxmp.inputs import check_inputs, load_npz
+    """A dict of arrays, an .npz path or a list of either, checked against the model."""
+    from onnxmp.inputs import as_samples, check_inputs, drop_extra_inputs
 
-    if isinstance(calibration, Mapping):
-        samples = [dict(calibration)]
-    elif isinstance(calibration, (str, os.PathLike)):
-        samples = load_npz([calibration])
-    elif isinstance(calibration, Sequence) and calibration and all(isinstance(s, Mapping) for s in calibration):
-        samples = [dict(s) for s in calibration]
-    elif isinstance(calibration, Sequence) and calibration:
-        samples = load_npz(list(calibration))
-    else:
-        raise OnnxMPError("calibration needs sample inputs",
-                          hint="pass a dict of input arrays, a list of them, or .npz paths")
-    return [check_inputs(model, s) for s in samples]
+    samples = as_samples(calibration, what="calibration")
+    # As validate does: a training file's labels are no reason to refuse it.
+    return [check_inputs(model, s, flag="--calibrate") for s in drop_extra_inputs(model, samples)]
 
 
 def split_holdout(samples: Sequence[Sample], holdout: int | None) -> tuple[list[Sample], list[Sample]]:
@@ -109,7 +99,7 @@ def _session(model: onnx.ModelProto, what: str):
     try:
         return ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
     except Exception as exc:  # onnxruntime's exceptions share no public base class
-        raise OnnxMPError(f"onnxruntime cannot load the {what} for calibration: {str(exc).splitlines()[0][:300]}",
+        raise OnnxMPError(f"onnxruntime cannot load the {what} for calibration: {first_line(exc)}",
                           hint="check that the float32 model runs on onnxruntime CPU") from None
 
 
@@ -120,9 +110,21 @@ def _run(session, samples: Sequence[Sample], outputs: Sequence[str] | None = Non
         try:
             values = session.run(names, {k: v for k, v in sample.items() if k in allowed})
         except Exception as exc:  # onnxruntime's exceptions share no public base class
-            raise OnnxMPError(f"calibration run failed: {str(exc).splitlines()[0][:300]}",
+            raise OnnxMPError(f"calibration run failed: {first_line(exc)}",
                               hint="check the calibration inputs' shapes and dtypes") from None
-        yield dict(zip(names, values))
+        yield {name: as_output_array(value) for name, value in zip(names, values)}
+
+
+def _check_references(references: Sequence[dict[str, np.ndarray]]) -> None:
+    """Refuse a sample on which the float32 model's output is inf/NaN everywhere: any candidate would
+    'match' it, so calibration would report success without having measured anything."""
+    for index, outputs in enumerate(references, 1):
+        for name, value in outputs.items():
+            value = np.asarray(value)
+            if value.size and value.dtype.kind == "f" and not np.isfinite(value).any():
+                raise OnnxMPError(f"the float32 model's output {name!r} is inf/NaN in every element on "
+                                  f"calibration sample {index}; it cannot judge accuracy",
+                                  hint="check that sample's inputs (NaN or inf in them?)")
 
 
 def run_with_intermediates(model: onnx.ModelProto, samples: Sequence[Sample]) -> list[dict[str, np.ndarray]]:
@@ -352,6 +354,7 @@ class _Calibration:
             _fold_magnitudes(self.magnitudes, run)
             self.ref_tune.append({name: run[name] for name in self.outputs})
         self.ref_held = list(_run(_session(self.original, "model"), self.held, self.outputs)) if self.held else []
+        _check_references(self.ref_tune + self.ref_held)
         self.runs = 0
         self.report = CalibrationReport(
             tolerance=tolerance, metric=self.plan.describe(), threshold=calibration_threshold,

@@ -6,6 +6,12 @@ never as a stack trace from deep inside onnx or onnxruntime.
 """
 from __future__ import annotations
 
+import re
+
+# onnxruntime prefixes its reason with the C++ source location and signature:
+# "/onnxruntime_src/onnxruntime/core/graph/model.cc:180 onnxruntime::Model::Model(onnx::ModelProto&&, ...) <reason>"
+_ORT_LOCATION = re.compile(r"/onnxruntime_src/\S+:\d+ [\w:~<>]+\((?:[^()]|\([^()]*\))*\)\s*")
+
 
 class OnnxMPError(Exception):
     """A user-facing error: ``message`` says what is wrong, ``hint`` what to do."""
@@ -30,3 +36,16 @@ class UsageError(OnnxMPError):
     def __init__(self, message: str, hint: str | None = None, prog: str | None = None):
         super().__init__(message, hint)
         self.prog = prog or "onnxmp"
+
+
+def first_line(exc: BaseException, limit: int = 400) -> str:
+    """A third-party exception (onnx's checker, onnxruntime) as one line that keeps its reason.
+
+    The checker spreads one sentence over several lines, and onnxruntime puts
+    its C++ source location and signature in front of the reason: both are
+    folded or dropped rather than cut at the first newline.
+    """
+    text = " ".join(_ORT_LOCATION.sub(" ", str(exc)).split())
+    if not text:
+        return type(exc).__name__
+    return text if len(text) <= limit else text[:limit - 1] + "…"

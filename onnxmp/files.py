@@ -13,6 +13,8 @@ mode the user's umask gives (0644 under umask 022), not ``mkstemp``'s 0600.
 from __future__ import annotations
 
 import contextlib
+import contextvars
+import mmap
 import os
 import shutil
 import tempfile
@@ -28,6 +30,9 @@ PathLike = Union[str, os.PathLike]
 Inputs = Mapping[str, Union[PathLike, Iterable[PathLike], None]]
 
 _UMASK_LOCK = threading.Lock()
+# Inside all_or_nothing(): (temporary, destination) pairs whose rename waits for the end of the block.
+_PENDING: contextvars.ContextVar[list[tuple[Path, Path]] | None] = contextvars.ContextVar("onnxmp_pending",
+                                                                                          default=None)
 
 
 def umask() -> int:
@@ -65,6 +70,36 @@ def _paths(value) -> list[Path]:
     return [Path(v) for v in value if v is not None]
 
 
+def _external_data_files(path: Path) -> list[Path]:
+    """The files an ``.onnx`` input keeps its weights in: writing one destroys the model as surely.
+
+    Anything that does not parse as a model has none (loading it reports the problem).
+    """
+    if path.suffix.lower() != ".onnx" or not path.is_file() or not _mentions_location(path):
+        return []
+    import onnx
+
+    from onnxmp.external import all_tensors, info
+
+    try:
+        model = onnx.load_model(str(path), load_external_data=False)
+    except Exception:  # noqa: BLE001 (protobuf's decode errors share no base class)
+        return []
+    locations = {info(t).get("location") for t in all_tensors(model)
+                 if t.data_location == onnx.TensorProto.EXTERNAL}
+    return [path.parent / location for location in sorted(locations - {None, ""})]
+
+
+def _mentions_location(path: Path) -> bool:
+    """Whether the file holds the bytes of an external-data ``location`` key at all: a scan of the
+    mapped file, so a 2 GB model with its weights inside is never parsed (or held) a second time."""
+    try:
+        with open(path, "rb") as file, mmap.mmap(file.fileno(), 0, access=mmap.ACCESS_READ) as data:
+            return data.find(b"location") != -1
+    except (OSError, ValueError):  # unreadable, or empty (mmap refuses length 0)
+        return False
+
+
 def _same(a: Path, b: Path) -> bool:
     if os.path.realpath(a) == os.path.realpath(b):
         return True
@@ -87,14 +122,19 @@ def guard_outputs(outputs: Mapping[str, PathLike | None], inputs: Inputs = {},  
     ``outputs`` and ``inputs`` map a human label (``"-o"``, ``"--report"``,
     ``"model"``) to a path; ``None`` entries are skipped and an input may be a
     list of paths.  Raises :class:`OnnxMPError` when an output resolves
-    (symlinks followed, hard links recognised) to an input or to another
-    output, would take an input with it (an output folder holding one), or
+    (symlinks followed, hard links recognised) to an input, to the external
+    data file of an ``.onnx`` input, or to another output, would take an
+    input with it (an output folder holding one), is a device or pipe, or
     its folder is missing or not writable.  An existing folder is refused as a
     destination unless its label is in ``folders`` (outputs written with
     :func:`atomic_directory`, which replaces a folder whole).
     """
     folders = set(folders)
     given_inputs = [(label, path) for label, value in inputs.items() for path in _paths(value)]
+    # Only an existing path can be (or hold) an input's external data: the model is parsed only then.
+    if any(Path(v).exists() for v in outputs.values() if v is not None):
+        given_inputs += [(f"external data of the {label}", data) for label, path in list(given_inputs)
+                         for data in _external_data_files(path)]
     seen: list[tuple[str, Path]] = []
     for label, value in outputs.items():
         if value is None:
@@ -117,6 +157,10 @@ def guard_outputs(outputs: Mapping[str, PathLike | None], inputs: Inputs = {},  
                 raise OnnxMPError(f"{label} {path} exists and is not a folder", hint=f"choose another {label}")
         elif path.is_dir():
             raise OnnxMPError(f"{label} {path} is an existing folder", hint=f"give {label} a file name")
+        elif path.exists() and not path.is_file():
+            # The rename that makes a write atomic would replace the device or pipe itself.
+            raise OnnxMPError(f"{label} {path} is not a regular file (a device, pipe or socket)",
+                              hint=f"give {label} the path of a file")
         folder = _folder(path)
         if not folder.is_dir():
             raise OnnxMPError(f"the folder of {label} {path} does not exist: {folder}",
@@ -124,6 +168,19 @@ def guard_outputs(outputs: Mapping[str, PathLike | None], inputs: Inputs = {},  
         if not os.access(folder, os.W_OK | os.X_OK):
             raise OnnxMPError(f"cannot write {label} {path}: folder {folder} is not writable",
                               hint=f"check the folder's permissions or choose another {label}")
+
+
+def guard_arguments(parser, outputs: Mapping[str, PathLike | None], inputs: Inputs = {},  # noqa: B006
+                    *, folders: Iterable[str] = ()) -> None:
+    """:func:`guard_outputs` for a script's ``argparse`` parser: an unsafe destination is a usage error.
+
+    ``parser.error`` prints one line and exits 2 before any work, as every
+    script does for its other argument errors; never a traceback.
+    """
+    try:
+        guard_outputs(outputs, inputs, folders=folders)
+    except OnnxMPError as exc:
+        parser.error(exc.one_line())
 
 
 def _temp_name_error(path: Path, exc: OSError) -> OnnxMPError:
@@ -136,6 +193,7 @@ def atomic_write(path: PathLike, write: Callable[[Path], None]) -> Path:
 
     The file gets the umask's mode.  On any error the temporary file is removed
     and ``path`` is left as it was; an OSError becomes an :class:`OnnxMPError`.
+    Inside :func:`all_or_nothing` the rename waits for the end of that block.
     """
     path = Path(path)
     try:
@@ -143,16 +201,55 @@ def atomic_write(path: PathLike, write: Callable[[Path], None]) -> Path:
         os.close(fd)
     except OSError as exc:
         raise _temp_name_error(path, exc) from None
-    tmp = Path(name)
+    tmp: Path | None = Path(name)
+    pending = _PENDING.get()
     try:
         write(tmp)
         os.chmod(tmp, file_mode())
-        os.replace(tmp, path)
+        if pending is not None:
+            pending.append((tmp, path))
+            tmp = None  # all_or_nothing() renames or removes it
+        else:
+            os.replace(tmp, path)
     except OSError as exc:
         raise _temp_name_error(path, exc) from None
     finally:
-        tmp.unlink(missing_ok=True)
+        if tmp is not None:
+            tmp.unlink(missing_ok=True)
     return path
+
+
+@contextlib.contextmanager
+def all_or_nothing() -> Iterator[None]:
+    """The files written with :func:`atomic_write` inside the block land together, when it succeeds.
+
+    A command with several outputs (a model and its report, a report and a
+    plot) would otherwise leave the first ones behind when a later step fails
+    or is interrupted.  Each file is still filled beside its destination; only
+    the renames wait, so the window where some outputs are new and others not
+    is a few renames long.  Nested blocks join the outermost one.
+    """
+    if _PENDING.get() is not None:
+        yield
+        return
+    pending: list[tuple[Path, Path]] = []
+    token = _PENDING.set(pending)
+    try:
+        yield
+        _PENDING.reset(token)
+        token = None
+        while pending:
+            tmp, path = pending[0]
+            try:
+                os.replace(tmp, path)
+            except OSError as exc:
+                raise _temp_name_error(path, exc) from None
+            pending.pop(0)
+    finally:
+        if token is not None:
+            _PENDING.reset(token)
+        for tmp, _ in pending:
+            tmp.unlink(missing_ok=True)
 
 
 def write_text_atomic(path: PathLike, text: str, encoding: str = "utf-8") -> Path:

@@ -25,7 +25,7 @@ log = logging.getLogger("onnxmp.inputs")
 
 Sample = dict[str, np.ndarray]
 
-_INPUTS_HINT = "pass real inputs with --inputs sample.npz (one array per graph input name)"
+_INPUTS_HINT = "pass real inputs with {flag} sample.npz (one array per graph input name)"
 # Symbolic dims that are (almost always) the batch axis: the default batch size
 # is right for them, so they are filled without a warning.
 _BATCH_DIM = re.compile(r"^(n|b|bs)$|batch", re.IGNORECASE)
@@ -37,27 +37,44 @@ def model_inputs(model: onnx.ModelProto) -> list[onnx.ValueInfoProto]:
     return [v for v in model.graph.input if v.name not in initializers]
 
 
+def read_npz(path: str | os.PathLike, hint: str = "save with np.savez(path, input_name=array, ...)") -> Sample:
+    """Every array of one ``.npz`` file, by name, with one clear error for any file that is not one."""
+    try:
+        if not zipfile.is_zipfile(path):  # numpy would try it as a pickle and talk about allow_pickle
+            with open(path, "rb") as head:
+                single = head.read(6) == b"\x93NUMPY"
+            raise OnnxMPError(f"{path} holds a single array, not an .npz of named arrays" if single
+                              else f"{path} is not an .npz file (a zip of named .npy arrays)", hint)
+        with np.load(os.fspath(path), allow_pickle=False) as data:
+            return {name: data[name] for name in data.files}
+    except FileNotFoundError:
+        raise OnnxMPError(f"cannot read {path}: file not found", "check the path") from None
+    except (OSError, ValueError, zipfile.BadZipFile) as exc:
+        raise OnnxMPError(f"cannot read {path}: {exc}", hint) from None
+
+
 def load_npz(paths: str | os.PathLike | Iterable[str | os.PathLike]) -> list[Sample]:
     """Load one sample per ``.npz`` file, in the order given."""
     if isinstance(paths, (str, os.PathLike)):
         paths = [paths]
-    samples = []
-    for path in paths:
-        try:
-            data = np.load(os.fspath(path), allow_pickle=False)
-            if not isinstance(data, np.lib.npyio.NpzFile):
-                raise OnnxMPError(f"{path} holds a single array, not an .npz of named inputs",
-                                  "save with np.savez(path, input_name=array, ...)")
-            with data:
-                samples.append({name: data[name] for name in data.files})
-        except FileNotFoundError:
-            raise OnnxMPError(f"input file not found: {path}") from None
-        except (OSError, ValueError, zipfile.BadZipFile) as exc:
-            raise OnnxMPError(f"cannot read inputs from {path}: {exc}",
-                              "save with np.savez(path, input_name=array, ...)") from None
+    samples = [read_npz(path) for path in paths]
     if not samples:
         raise OnnxMPError("no input files given")
     return samples
+
+
+def as_samples(inputs, what: str = "inputs") -> list[Sample]:
+    """Samples from what a caller passes: a dict of arrays, an ``.npz`` path, or a list of either
+    (each dict or file is one sample)."""
+    if isinstance(inputs, Mapping):
+        return [dict(inputs)]
+    if isinstance(inputs, (str, os.PathLike)):
+        return [read_npz(inputs)]
+    items = list(inputs) if isinstance(inputs, Iterable) else []
+    if not items or not all(isinstance(i, (Mapping, str, os.PathLike)) for i in items):
+        raise OnnxMPError(f"{what} must be a dict of input arrays, an .npz path, or a list of them",
+                          hint="e.g. [{'x': array}, 'sample2.npz']")
+    return [dict(i) if isinstance(i, Mapping) else read_npz(i) for i in items]
 
 
 def drop_extra_inputs(model: onnx.ModelProto | str | os.PathLike, samples: list[Sample]) -> list[Sample]:
@@ -137,16 +154,18 @@ def generate_inputs(model: onnx.ModelProto | str | os.PathLike, dims: Mapping[st
             sample[value.name] = rng.random(shape) < 0.5
         else:
             raise OnnxMPError(f"cannot generate values for {dtype.name} input {value.name!r}: "
-                              "its valid range is unknown", _INPUTS_HINT)
+                              "its valid range is unknown", _INPUTS_HINT.format(flag="--inputs"))
     return sample
 
 
-def check_inputs(model: onnx.ModelProto | str | os.PathLike, sample: Mapping[str, np.ndarray]) -> Sample:
+def check_inputs(model: onnx.ModelProto | str | os.PathLike, sample: Mapping[str, np.ndarray],
+                 flag: str = "--inputs") -> Sample:
     """Check ``sample`` against the model's inputs; return it with floats cast to the declared dtype.
 
     Float arrays of another width are cast (an .npz saved in float64 is
     fine); a float/int/bool kind mismatch, a wrong rank, a fixed dim that
-    differs, or one symbolic dim bound to two sizes is an error.
+    differs, or one symbolic dim bound to two sizes is an error.  ``flag``
+    is the option a hint tells the user to pass inputs with.
     """
     model = as_model(model)
     declared = {v.name: v for v in model_inputs(model)}
@@ -156,7 +175,8 @@ def check_inputs(model: onnx.ModelProto | str | os.PathLike, sample: Mapping[str
                           f"model inputs: {', '.join(declared)}")
     missing = [name for name in declared if name not in sample]
     if missing:
-        raise OnnxMPError(f"no value for model input(s) {', '.join(map(repr, missing))}", _INPUTS_HINT)
+        raise OnnxMPError(f"no value for model input(s) {', '.join(map(repr, missing))}",
+                          _INPUTS_HINT.format(flag=flag))
 
     bound: dict[str, tuple[int, str]] = {}
     checked: Sample = {}

@@ -216,24 +216,29 @@ def resolve_lists(
     _check_choice("level", level, LEVELS)
     result = default_lists(target, precision)
     api = lists if isinstance(lists, ListOverrides) else ListOverrides.from_mapping(lists)
+    added: dict[str, set[str]] = {name: set() for name in LIST_NAMES}
     for overrides in (ListOverrides.from_env(environ), api):
         for name in LIST_NAMES:
             result[name] |= overrides.add[name]
+            added[name] |= overrides.add[name]
         for name in LIST_NAMES:
             result[name] -= overrides.remove[name]
-    _check_disjoint(result)
+    _check_disjoint(result, added)
     return {name: frozenset(ops) for name, ops in apply_level(result, level).items()}
 
 
-def _check_disjoint(result: Mapping[str, set[str]]) -> None:
+def _check_disjoint(result: Mapping[str, set[str]], added: Mapping[str, set[str]]) -> None:
     for i, a in enumerate(LIST_NAMES):
         for b in LIST_NAMES[i + 1:]:
             both = sorted(result[a] & result[b])
             if both:
+                op = both[0]
+                # Point at the list the user did not add it to: `--deny-add MatMul` means "take it out of allow".
+                other = a if op in added[b] and op not in added[a] else b
                 raise OnnxMPError(
-                    f"op {both[0]} is in both the {a} and the {b} list",
-                    hint=f"remove it from one, e.g. --{b}-remove {both[0]} "
-                    f"(or ONNXMP_{b.upper()}LIST_REMOVE={both[0]})",
+                    f"op {op} is in both the {a} and the {b} list",
+                    hint=f"remove it from one, e.g. --{other}-remove {op} "
+                    f"(or ONNXMP_{other.upper()}LIST_REMOVE={op})",
                 )
 
 

@@ -124,7 +124,8 @@ class Report:
     def to_json(self, indent: int | None = 2) -> str:
         return json.dumps(json_safe(self.to_dict()), indent=indent, default=_json_default)
 
-    def summary(self) -> str:
+    def summary(self, full: str = "see --report JSON") -> str:
+        """The human summary; ``full`` says where a cut list is whole (explain prints it below)."""
         lines = [f"onnxmp: target={self.target} precision={self.precision} level={self.level} "
                  f"nodes={self.node_count}"]
         if not self.changed:
@@ -152,7 +153,7 @@ class Report:
             shown, rest = head(list(first.values()), 20)
             lines.extend(f"  {v.node} ({v.op}): {v.cause}" for v in shown)
             if rest:
-                lines.append(f"  {rest} (see --report JSON)")
+                lines.append(f"  {rest} ({full})")
         if self.groups:
             lines.append("")
             lines.append("control-flow groups:")

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import onnx
 
-from onnxmp.external import has_external_data, write_with_external_data
+from onnxmp.external import has_external_data, read_locations, write_with_external_data
 from onnxmp.files import atomic_write, guard_outputs
 
 log = logging.getLogger("onnxmp.save")
@@ -23,14 +23,15 @@ def save(model: onnx.ModelProto, path: str | os.PathLike, *, external_data: bool
 
     The destination is checked before anything is written (see
     :func:`onnxmp.files.guard_outputs`); ``source``, the file the model was
-    read from, is refused as the destination, through symlinks and hard links.
+    read from, is refused as the destination, through symlinks and hard links,
+    and so is any file the model still reads its weights from, ``source`` given or not.
     """
     path = Path(path)
     if external_data is None:
         external_data = has_external_data(model) or model.ByteSize() > EXTERNAL_DATA_THRESHOLD
     data_path = path.with_name(f"{path.name}.data") if external_data else None
     guard_outputs({"output": path, "external data": data_path},
-                  {"source model": source})
+                  {"source model": source, "weights file the model reads": read_locations(model)})
     if external_data:
         # Tensor by tensor into a temporary data file, so neither the weights nor the serialized
         # proto are ever whole in memory; the data is renamed into place first, then the model

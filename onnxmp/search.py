@@ -51,8 +51,9 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper
 
-from onnxmp.errors import OnnxMPError
+from onnxmp.errors import OnnxMPError, first_line
 from onnxmp.graphs import proto_subgraphs
+from onnxmp.metrics import as_output_array
 from onnxmp.naming import FreshNames, proto_names
 from onnxmp.precision import low_precision
 
@@ -107,7 +108,7 @@ class Switchboard:
             self.session = ort.InferenceSession(proto.SerializeToString(), options,
                                                 providers=["CPUExecutionProvider"])
         except Exception as exc:  # onnxruntime's exceptions share no public base class
-            raise OnnxMPError(f"onnxruntime cannot load the calibration model: {str(exc).splitlines()[0][:300]}",
+            raise OnnxMPError(f"onnxruntime cannot load the calibration model: {first_line(exc)}",
                               hint="check that the float32 model runs on onnxruntime CPU") from None
         self._index = {name: i for i, name in enumerate(self.nodes)}
 
@@ -192,9 +193,9 @@ class Switchboard:
             try:
                 values = self.session.run(self.outputs, feeds)
             except Exception as exc:  # onnxruntime's exceptions share no public base class
-                raise OnnxMPError(f"calibration run failed: {str(exc).splitlines()[0][:300]}",
+                raise OnnxMPError(f"calibration run failed: {first_line(exc)}",
                                   hint="check the calibration inputs' shapes and dtypes") from None
-            results.append(dict(zip(self.outputs, values)))
+            results.append({name: as_output_array(value) for name, value in zip(self.outputs, values)})
         return results
 
 

@@ -53,10 +53,11 @@ import numpy as np
 import onnx
 
 from onnxmp.emulate import as_model, emulate, low_precision_types
-from onnxmp.errors import OnnxMPError
+from onnxmp.errors import OnnxMPError, first_line
+from onnxmp.inputs import Sample, as_samples, check_inputs, drop_extra_inputs, generate_inputs
+from onnxmp.metrics import as_output_array
 from onnxmp.naming import json_safe
 from onnxmp.precision import BFLOAT16, FLOAT16, FLOAT32
-from onnxmp.inputs import Sample, check_inputs, drop_extra_inputs, generate_inputs, load_npz
 
 log = logging.getLogger("onnxmp.validate")
 
@@ -118,6 +119,7 @@ class OutputParity:
     cosine: float | None = None
     top1: float | None = None
     nonfinite_mismatches: int = 0  # elements finite in one model only (or different inf/NaN)
+    compared: int = 0  # elements finite in both models, which the error metrics are computed over
     mismatches: int = 0  # unequal elements of an exactly compared output
     histogram: ErrorHistogram = field(default_factory=ErrorHistogram)
     failures: list[str] = field(default_factory=list)
@@ -158,7 +160,7 @@ class ParityReport:
         header = ("output", "shape", "max|err|", "rel err", "cosine", "top-1", "result")
         rows = [header]
         for o in self.outputs:
-            if o.exact:
+            if o.exact or not o.compared:  # nothing finite compared: no figure to show
                 metrics = ("-", "-", "-", "-")
             else:
                 metrics = (_fmt(o.max_abs_err, ".3e"), _fmt(o.max_rel_err, ".3e"), _fmt(o.cosine, ".8f"),
@@ -208,6 +210,7 @@ def _compare(result: OutputParity, ref: np.ndarray, cand: np.ndarray, metrics: s
     finite = np.isfinite(r) & np.isfinite(c)
     same_special = (np.isnan(r) & np.isnan(c)) | (~finite & (r == c))
     result.nonfinite_mismatches += int(np.count_nonzero(~finite & ~same_special))
+    result.compared += int(np.count_nonzero(finite))
 
     r_f, c_f = r[finite], c[finite]
     errors = np.abs(r_f - c_f)
@@ -241,6 +244,10 @@ def _judge(result: OutputParity, limits: Thresholds) -> None:
     if result.nonfinite_mismatches:
         result.failures.append(f"{result.nonfinite_mismatches} elements are inf/NaN in one model only "
                                "(overflow or NaN in the candidate?)")
+    elif not result.compared and math.prod(result.shape) > 0:
+        # Both inf/NaN everywhere: the metrics would read as a perfect match of nothing.
+        result.failures.append("no element is finite in both models (the reference is inf/NaN everywhere: "
+                               "NaN or inf in the inputs?)")
     checks = [
         (result.cosine, limits.cosine_min, lambda v, t: v < t, "cosine {v:.6f} < {t}"),
         (result.max_rel_err, limits.rel_err_max, lambda v, t: v > t, "max rel err {v:.3e} > {t}"),
@@ -292,16 +299,12 @@ def _session(model: onnx.ModelProto, provider: str, role: str, stack: contextlib
     try:
         session = ort.InferenceSession(source, options, providers=providers)
     except Exception as exc:  # onnxruntime's exceptions share no public base class
-        raise OnnxMPError(f"onnxruntime cannot load the {role} model: {_first_line(exc)}",
+        raise OnnxMPError(f"onnxruntime cannot load the {role} model: {first_line(exc)}",
                           "check the model with onnx.checker.check_model") from None
     if ep not in session.get_providers():
         raise OnnxMPError(f"{ep} failed to initialize for the {role} model",
                           "check the CUDA and cuDNN libraries onnxruntime needs")
     return session
-
-
-def _first_line(exc: Exception) -> str:
-    return (str(exc).strip().splitlines() or [type(exc).__name__])[0]
 
 
 def _run(session, model: onnx.ModelProto, sample: Sample, role: str) -> dict[str, np.ndarray]:
@@ -316,8 +319,8 @@ def _run(session, model: onnx.ModelProto, sample: Sample, role: str) -> dict[str
     try:
         values = session.run(None, feeds)
     except Exception as exc:  # onnxruntime's exceptions share no public base class
-        raise OnnxMPError(f"the {role} model failed to run: {_first_line(exc)}") from None
-    return {o.name: np.asarray(v) for o, v in zip(session.get_outputs(), values)}
+        raise OnnxMPError(f"the {role} model failed to run: {first_line(exc)}") from None
+    return {o.name: as_output_array(v) for o, v in zip(session.get_outputs(), values)}
 
 
 def _samples(model: onnx.ModelProto, inputs, dims, seed: int) -> list[Sample]:
@@ -325,16 +328,7 @@ def _samples(model: onnx.ModelProto, inputs, dims, seed: int) -> list[Sample]:
         return [generate_inputs(model, dims, seed=seed)]
     if dims:
         log.warning("--dims is ignored: the inputs given fix every shape")
-    if isinstance(inputs, Mapping):
-        return [dict(inputs)]
-    if isinstance(inputs, (str, os.PathLike)):
-        return load_npz(inputs)
-    inputs = list(inputs)
-    if all(isinstance(i, (str, os.PathLike)) for i in inputs):
-        return load_npz(inputs)
-    if not inputs or not all(isinstance(i, Mapping) for i in inputs):
-        raise OnnxMPError("inputs must be a dict of arrays, a list of them, or .npz paths")
-    return [dict(i) for i in inputs]
+    return as_samples(inputs)
 
 
 def _thresholds(thresholds: Thresholds | Mapping[str, float | None] | None, precision: str) -> Thresholds:

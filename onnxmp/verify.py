@@ -10,7 +10,7 @@ import tempfile
 
 import onnx
 
-from onnxmp.errors import OnnxMPError
+from onnxmp.errors import OnnxMPError, first_line
 from onnxmp.external import check_skeleton, has_external_data, skeleton
 from onnxmp.graphs import iter_proto_graphs, may_hold_graphs
 
@@ -39,11 +39,24 @@ def verify(model: onnx.ModelProto, *, original: onnx.ModelProto | None = None, k
             log.debug("the model passes the checker once function ops' attribute defaults are written out")
     except Exception as exc:  # ValidationError, or InferenceError from full_check
         # full_check runs type inference with check_type and strict mode: a type error lands here too.
-        raise OnnxMPError(f"converted model fails onnx.checker / strict type inference: {_first_line(exc)}",
+        _blame_an_invalid_input(original)
+        raise OnnxMPError(f"converted model fails onnx.checker / strict type inference: {first_line(exc)}",
                           hint=_HINT) from None
     check_topological(model.graph, "main")
     if original_io is not None and keep_io_types:
         _check_io_signatures(original_io, io_signature(model))
+
+
+def _blame_an_invalid_input(original: onnx.ModelProto | None) -> None:
+    """A model that was invalid before conversion is the export's problem, not a converter bug to report."""
+    if original is None:
+        return
+    try:
+        full_check(original)
+    except Exception as exc:  # noqa: BLE001 (the checker's exception types vary)
+        raise OnnxMPError(f"the input model is invalid (onnx.checker, strict type inference): {first_line(exc)}",
+                          hint="fix or re-export the model; onnx.checker.check_model(model, full_check=True) "
+                               "shows the problem") from None
 
 
 def full_check(model: onnx.ModelProto) -> None:
@@ -89,11 +102,6 @@ def with_function_defaults(model: onnx.ModelProto) -> onnx.ModelProto | None:
                     node.attribute.append(default)
                     changed = True
     return copy if changed else None
-
-
-def _first_line(exc: Exception) -> str:
-    lines = [line for line in str(exc).splitlines() if line.strip()]
-    return (lines[0] if lines else type(exc).__name__)[:400]
 
 
 def check_topological(graph: onnx.GraphProto, where: str, outer: frozenset[str] = frozenset()) -> None:

@@ -30,7 +30,7 @@ from models import hard_cases  # noqa: E402
 from models.zoo import COMMITTED, build  # noqa: E402
 from onnxmp.calibrate import run_with_intermediates  # noqa: E402
 from onnxmp.emulate import emulate  # noqa: E402
-from onnxmp.files import guard_outputs, write_text_atomic  # noqa: E402
+from onnxmp.files import guard_arguments, write_text_atomic  # noqa: E402
 from onnxmp.metrics import relative_error  # noqa: E402
 from onnxmp.naming import json_safe  # noqa: E402
 from onnxmp.search import RUNS_C, run_bound  # noqa: E402
@@ -69,14 +69,14 @@ def _share(value) -> str:
     return "-" if value is None else f"{value:.0%}"
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--models", default=",".join([*COMMITTED, *hard_cases.BUILDERS]))
     parser.add_argument("--tolerance", type=float, default=1e-2)
     parser.add_argument("--samples", type=int, default=4, help="samples per model; the last one is held out")
     parser.add_argument("--json", metavar="FILE")
-    args = parser.parse_args()
-    guard_outputs({"--json": args.json})
+    args = parser.parse_args(argv)
+    guard_arguments(parser, {"--json": args.json})
     rows = []
     header = (f"{'model':<26}{'nodes':>6}{'plain err':>11}{'calib err':>11}{'met':>5}{'fp16 share':>13}"
               f"{'moved':>6}{'runs':>6}{'bound':>7}{'s':>7}")

@@ -62,8 +62,7 @@ import onnx  # noqa: E402
 from onnx import TensorProto, helper  # noqa: E402
 
 import onnxmp  # noqa: E402
-from onnxmp.errors import OnnxMPError  # noqa: E402
-from onnxmp.files import guard_outputs, write_text_atomic  # noqa: E402
+from onnxmp.files import guard_arguments, write_text_atomic  # noqa: E402
 from models import zoo  # noqa: E402
 
 STAGES = ("load", "normalize", "color", "rewrite", "verify")
@@ -461,10 +460,7 @@ def main(argv: list[str] | None = None) -> int:
     rss_size = None if args.rss == "none" else (args.rss or sizes[-1])
     if rss_size is not None and rss_size not in sizes:
         ap.error(f"--rss {rss_size} is not one of --sizes")
-    try:
-        guard_outputs({"--json": args.json})
-    except OnnxMPError as exc:
-        ap.error(exc.one_line())
+    guard_arguments(ap, {"--json": args.json})
     shapes = list(SHAPES) if args.shape == "both" else [args.shape]
     result = bench(shapes, sizes, args.repeat, args.timeout, args.profile, rss_size)
     print_table(result)

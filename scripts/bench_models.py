@@ -32,8 +32,7 @@ import onnx  # noqa: E402
 
 from onnxmp.naming import json_safe
 import onnxmp  # noqa: E402
-from onnxmp.errors import OnnxMPError  # noqa: E402
-from onnxmp.files import guard_outputs, write_text_atomic  # noqa: E402
+from onnxmp.files import guard_arguments, write_text_atomic  # noqa: E402
 # Imported by module path: onnxmp.validate may resolve to the submodule once imported.
 from onnxmp.validate import validate  # noqa: E402
 
@@ -241,10 +240,10 @@ def main(argv: list[str] | None = None) -> int:
     paths = zoo + [p.resolve() for p in args.paths]
     if not paths:
         ap.error("no models to compare")
-    try:
-        guard_outputs({"--json": args.json}, {"model": paths})
-    except OnnxMPError as exc:
-        ap.error(exc.one_line())
+    missing = [str(p) for p in paths if not p.is_file()]
+    if missing:
+        ap.error(f"no such model file: {', '.join(missing)}")
+    guard_arguments(ap, {"--json": args.json}, {"model": paths})
     rows = []
     for path in paths:
         print(f"  {path.name} ...", file=sys.stderr, flush=True)

@@ -23,7 +23,7 @@ from pathlib import Path
 import numpy as np
 
 from onnxmp.training import DynamicLossScaler, Trainer, build_artifacts
-from onnxmp.files import guard_outputs, write_text_atomic
+from onnxmp.files import guard_arguments, write_text_atomic
 from onnxmp.training.models import mlp, trainable
 
 
@@ -57,7 +57,7 @@ def main(argv=None) -> int:
                         help="the mixed precision to compare with float32")
     parser.add_argument("--json", type=Path, help="write the figures here")
     args = parser.parse_args(argv)
-    guard_outputs({"--json": args.json})
+    guard_arguments(parser, {"--json": args.json})
 
     model = mlp(args.sizes, seed=0)
     params = sum(int(np.prod(t.dims)) for t in model.graph.initializer)

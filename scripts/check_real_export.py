@@ -97,6 +97,9 @@ def main(argv=None) -> int:
     ap.add_argument("--same-process", action="store_true",
                     help="train float32 then float16 in this process (the order the issue saw NaN in)")
     args = ap.parse_args(argv)
+    from onnxmp.files import guard_arguments, write_text_atomic
+
+    guard_arguments(ap, {"--json": args.json}, {"model": args.folder / "minilm_cls.onnx"})
     if args.precision:
         args.work = args.work or tempfile.mkdtemp(prefix="onnxmp-real-")
         print(json.dumps(train_one(args.folder, args.precision, args)))
@@ -125,7 +128,7 @@ def main(argv=None) -> int:
         for row in results[0]["prepared"]:
             print(f"  {row['op_type']:<20} x{row['nodes']:<4} {row['action']}")
     if args.json:
-        args.json.write_text(json.dumps(results, indent=2))
+        write_text_atomic(args.json, json.dumps(results, indent=2) + "\n")
     return 0
 
 

@@ -23,8 +23,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import onnxmp  # noqa: E402
-from onnxmp.errors import OnnxMPError  # noqa: E402
-from onnxmp.files import guard_outputs, write_text_atomic  # noqa: E402
+from onnxmp.files import guard_arguments, write_text_atomic  # noqa: E402
 from tests.strategies import random_graph  # noqa: E402
 from tests.test_fuzz import check_idempotent, check_valid, error_ratios  # noqa: E402
 
@@ -73,10 +72,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", type=Path, help="write the summary and failing graphs here")
     args = parser.parse_args(argv)
-    try:
-        guard_outputs({"--json": args.json})
-    except OnnxMPError as exc:
-        parser.error(exc.one_line())
+    guard_arguments(parser, {"--json": args.json})
 
     rng = random.Random(args.seed)
     stats: dict = {"examples": []}

@@ -23,8 +23,7 @@ from pathlib import Path
 REPO_ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO_ROOT))
 
-from onnxmp.errors import OnnxMPError  # noqa: E402
-from onnxmp.files import guard_outputs, write_text_atomic  # noqa: E402
+from onnxmp.files import guard_arguments, write_text_atomic  # noqa: E402
 
 DEFAULT_SOURCE = REPO_ROOT.parent / "shared" / "reference" / "onnxruntime-OperatorKernels.md"
 DEFAULT_OUTPUT = REPO_ROOT / "onnxmp" / "data" / "ort_kernels.json"
@@ -151,10 +150,7 @@ def main(argv: list[str] | None = None) -> int:
     if not args.source.is_file():
         parser.error(f"{args.source} not found")
     args.output.parent.mkdir(parents=True, exist_ok=True)
-    try:
-        guard_outputs({"-o": args.output}, {"source": args.source})
-    except OnnxMPError as exc:
-        parser.error(exc.one_line())
+    guard_arguments(parser, {"-o": args.output}, {"source": args.source})
     write_text_atomic(args.output, dump_table(build_table(args.source)))
     sys.stderr.write(f"wrote {args.output} ({args.output.stat().st_size} bytes)\n")
     return 0

@@ -39,8 +39,7 @@ from onnx import TensorProto, helper, numpy_helper  # noqa: E402
 
 from onnxmp.naming import json_safe
 import onnxmp  # noqa: E402
-from onnxmp.errors import OnnxMPError  # noqa: E402
-from onnxmp.files import guard_outputs, write_text_atomic  # noqa: E402
+from onnxmp.files import guard_arguments, write_text_atomic  # noqa: E402
 from models import zoo  # noqa: E402
 from onnxmp.emulate import emulate  # noqa: E402
 from onnxmp.validate import validate  # noqa: E402
@@ -312,10 +311,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--skip-latency", action="store_true")
     ap.add_argument("--json", type=Path, help="write the results here")
     args = ap.parse_args(argv)
-    try:
-        guard_outputs({"--json": args.json})
-    except OnnxMPError as exc:
-        ap.error(exc.one_line())
+    guard_arguments(ap, {"--json": args.json})
     provider = "cpu" if args.dry_run else "cuda"
     iters = args.iters or (3 if args.dry_run else 50)
     warmup = args.warmup if args.warmup is not None else (1 if args.dry_run else 10)

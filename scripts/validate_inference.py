@@ -45,7 +45,7 @@ from tqdm.contrib.logging import logging_redirect_tqdm  # noqa: E402
 from onnxmp.naming import json_safe
 import onnxmp  # noqa: E402
 from onnxmp.inputs import generate_inputs, load_npz  # noqa: E402
-from onnxmp.files import guard_outputs, write_bytes_atomic  # noqa: E402
+from onnxmp.files import guard_arguments, write_bytes_atomic  # noqa: E402
 from onnxmp.plots import plot_errors  # noqa: E402
 from onnxmp.report import head  # noqa: E402
 from onnxmp.validate import PROVIDERS, validate  # noqa: E402
@@ -89,7 +89,7 @@ class Row:
         return data
 
 
-def parse_args(argv: list[str] | None) -> argparse.Namespace:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("paths", nargs="*", metavar="PATH", help="extra .onnx models to check")
     parser.add_argument("--models-dir", type=Path, default=ROOT / "models",
@@ -105,7 +105,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--calibrate", action="store_true",
                         help="convert with the model's inputs as calibration data")
     parser.add_argument("-v", "--verbose", action="store_true", help="log onnxmp's INFO messages")
-    return parser.parse_args(argv)
+    return parser
 
 
 def find_models(args: argparse.Namespace) -> list[Path]:
@@ -242,7 +242,8 @@ def markdown_report(rows: list[Row], args: argparse.Namespace, header, cells, se
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
                         format="[%(levelname)s] %(name)s: %(message)s", stream=sys.stderr)
     paths = find_models(args)
@@ -256,12 +257,11 @@ def main(argv: list[str] | None = None) -> int:
             print("error: this onnxruntime build has no CUDAExecutionProvider "
                   "(install onnxruntime-gpu, or use --provider cpu)", file=sys.stderr)
             return 2
-    args.out.mkdir(parents=True, exist_ok=True)
     try:
-        guard_outputs({"--json": args.json, "report": args.out / "report.md"}, {"model": paths})
-    except onnxmp.OnnxMPError as exc:
-        print(f"error: {exc.one_line()}", file=sys.stderr)
-        return 2
+        args.out.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:  # a file of that name, a read-only parent
+        parser.error(f"cannot create --out {args.out}: {exc.strerror or exc}")
+    guard_arguments(parser, {"--json": args.json, "report": args.out / "report.md"}, {"model": paths})
 
     start = time.perf_counter()
     rows = []

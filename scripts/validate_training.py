@@ -50,7 +50,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from models import zoo  # noqa: E402
-from onnxmp.files import atomic_write, guard_outputs, write_text_atomic  # noqa: E402
+from onnxmp.files import atomic_write, guard_arguments, write_text_atomic  # noqa: E402
 from onnxmp.training import DynamicLossScaler, Trainer, build_artifacts  # noqa: E402
 from onnxmp.training.models import mlp, trainable  # noqa: E402
 
@@ -191,7 +191,7 @@ def main(argv=None) -> int:
         args.transformer_epochs = 1 if args.quick else 4
     if args.plot.parent == Path("reports"):
         args.plot.parent.mkdir(exist_ok=True)  # the default location
-    guard_outputs({"--plot": args.plot, "--json": args.json})
+    guard_arguments(parser, {"--plot": args.plot, "--json": args.json})
 
     x_train, x_test, y_train, y_test = load_data(args.seed)
     data = ((x_train, y_train), (x_test, y_test))

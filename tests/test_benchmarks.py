@@ -72,3 +72,48 @@ def test_gpu_check_dry_run(tmp_path):
         assert "error" not in row, row
         assert row["fp32_ms"] > 0 and row["ours_ms"] > 0 and row["occ_ms"] > 0
         assert row["parity_ours"]["passed"]
+
+
+def load_script(name: str):
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(f"_script_{name}", SCRIPTS / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up there
+    try:
+        spec.loader.exec_module(module)
+    except ImportError as exc:  # the training build or scikit-learn, where not installed
+        sys.modules.pop(spec.name)
+        pytest.skip(f"{name}: {exc}")
+    return module
+
+
+@pytest.mark.parametrize("name, argv", [
+    ("bench_calibrate", []), ("bench_convert", []), ("bench_models", []), ("bench_training", []),
+    ("fuzz_convert", []), ("gpu_check", []), ("validate_inference", ["--out", "{tmp}"]),
+    ("validate_training", []), ("check_real_export", ["{tmp}"]),
+])
+def test_scripts_refuse_an_unwritable_json_before_any_work_in_one_line(tmp_path, capsys, monkeypatch, name, argv):
+    """Three scripts ended in a traceback, one printed its own format: all are usage errors now."""
+    main = load_script(name).main
+    monkeypatch.setattr(sys, "argv", [str(SCRIPTS / f"{name}.py")])  # argparse names the script by it
+    with pytest.raises(SystemExit) as info:
+        main([a.format(tmp=tmp_path) for a in argv] + ["--json", str(tmp_path / "nodir" / "x.json")])
+    err = capsys.readouterr().err
+    assert info.value.code == 2 and "Traceback" not in err
+    assert err.splitlines()[-1].startswith(f"{name}.py: error: the folder of --json "), err
+
+
+@pytest.mark.parametrize("name, argv, message", [
+    ("validate_inference", ["--out", "{tmp}/file"], "cannot create --out {tmp}/file: File exists"),
+    ("bench_models", ["{tmp}/missing.onnx", "--only", "mlp"], "no such model file: {tmp}/missing.onnx"),
+])
+def test_scripts_bad_paths_are_usage_errors_not_tracebacks(tmp_path, capsys, monkeypatch, name, argv, message):
+    (tmp_path / "file").write_text("a file, not a folder")
+    main = load_script(name).main
+    monkeypatch.setattr(sys, "argv", [str(SCRIPTS / f"{name}.py")])
+    with pytest.raises(SystemExit) as info:
+        main([a.format(tmp=tmp_path) for a in argv])
+    err = capsys.readouterr().err
+    assert info.value.code == 2 and "Traceback" not in err
+    assert err.splitlines()[-1] == f"{name}.py: error: {message.format(tmp=tmp_path)}", err

@@ -1,6 +1,7 @@
 """Calibration seeds, the switchboard, the bisection search and its run bound, hold-out, CLI contract."""
 from __future__ import annotations
 
+import logging
 import math
 
 import numpy as np
@@ -117,10 +118,58 @@ def test_calibration_that_already_passes_changes_nothing_in_the_coloring():
     assert calibrated.model.SerializeToString() == plain.model.SerializeToString()
 
 
+def test_calibration_ignores_npz_arrays_that_are_no_model_input(tmp_path, caplog):
+    """A training file holds the labels too; validate ignores them, calibration refused them."""
+    sample = _samples(1)[0]
+    np.savez(tmp_path / "train.npz", **sample, y=np.arange(4))
+    with caplog.at_level(logging.INFO, logger="onnxmp"):
+        result = onnxmp.convert(_chain(2), calibration=[str(tmp_path / "train.npz")])
+    assert result.report.calibration.met
+    assert "not model inputs: y" in caplog.text
+
+
+def test_a_sample_with_an_all_nan_reference_is_refused_not_met():
+    """NaN inputs made the fp32 output NaN everywhere; calibration reported MET at error 0."""
+    nan = {"x": np.full((4, 16), np.nan, np.float32)}
+    with pytest.raises(onnxmp.OnnxMPError, match="inf/NaN in every element on calibration sample 2"):
+        onnxmp.convert(_chain(2), calibration=[_samples(1)[0], nan], holdout=1)
+    partly = _samples(1)[0]
+    partly["x"][0] = np.nan  # one row NaN: the other rows still judge
+    assert onnxmp.convert(_chain(2), calibration=partly).report.calibration.met
+
+
+def _with_sequence_and_optional_outputs(ragged: bool) -> onnx.ModelProto:
+    """_chain(2) plus the sequence and optional outputs tf2onnx/torch exports can carry."""
+    from onnx import helper
+
+    model = _chain(2)
+    out = model.graph.output[0].name
+    second = "row" if ragged else out
+    model.graph.node.extend([
+        helper.make_node("ReduceSum", [out], ["row"], keepdims=1, name="row_sum"),
+        helper.make_node("SequenceConstruct", [out, second], ["seq"], name="seq"),
+        helper.make_node("Optional", [out], ["opt"], name="opt")])
+    model.graph.output.extend([
+        helper.make_tensor_sequence_value_info("seq", onnx.TensorProto.FLOAT, None),
+        helper.make_value_info("opt", helper.make_optional_type_proto(
+            helper.make_tensor_type_proto(onnx.TensorProto.FLOAT, None)))])
+    model.opset_import[0].version = max(model.opset_import[0].version, 18)
+    return model
+
+
+@pytest.mark.parametrize("ragged", [False, True])
+def test_calibration_judges_sequence_and_optional_outputs(ragged):
+    """A sequence output arrived as a list: AttributeError 'list' object has no attribute 'dtype'."""
+    result = onnxmp.convert(_with_sequence_and_optional_outputs(ragged), calibration=_samples(2), holdout=1)
+    cal = result.report.calibration
+    assert cal.met and set(cal.final.holdout) == {result.model.graph.output[0].name, "seq", "opt"}
+
+
 def test_calibration_input_errors_are_clear():
     model = _chain(2)
-    with pytest.raises(onnxmp.OnnxMPError, match="not inputs of the model"):
+    with pytest.raises(onnxmp.OnnxMPError, match="no value for model input") as info:
         onnxmp.convert(model, calibration={"nope": np.zeros((2, 16), np.float32)})
+    assert "--calibrate sample.npz" in info.value.hint  # was validate's "--inputs"
     with pytest.raises(onnxmp.OnnxMPError, match="tolerance must be positive"):
         onnxmp.convert(model, calibration={"x": np.zeros((2, 16), np.float32)}, tolerance=0)
     with pytest.raises(onnxmp.OnnxMPError, match="leaves no sample to tune on"):

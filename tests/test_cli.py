@@ -121,11 +121,23 @@ def test_outputs_get_the_umask_mode(work, capsys):
     (["convert", "m.onnx"], "the following arguments are required: -o/--output", "see `onnxmp convert --help`"),
     (["emulate", "m.onnx", "-o", "x.onnx", "--precision", "fp8"], "argument --precision: invalid choice 'fp8'",
      "choose from: float16, bfloat16"),
-    (["validate", "m.onnx", "b.onnx", "--seed", "x"], "argument --seed: invalid int value: 'x'",
+    (["validate", "m.onnx", "b.onnx", "--seed", "x"], "argument --seed: expected an integer, got 'x'",
      "see `onnxmp validate --help`"),
     (["convert", "m.onnx", "-o", "x.onnx", "--tolerance", "0.1"], "--tolerance needs --calibrate",
      "pass sample inputs"),
     (["lists", "--nope"], "unrecognized arguments: --nope", "see `onnxmp lists --help`"),
+    # Out-of-range numbers are usage errors too, found before any work (--seed -1 was an internal error).
+    (["validate", "m.onnx", "b.onnx", "--seed", "-1"], "argument --seed: must be at least 0, got -1",
+     "see `onnxmp validate --help`"),
+    (["lists", "--opset", "-3"], "argument --opset: must be at least 1, got -3", "see `onnxmp lists --help`"),
+    (["convert", "m.onnx", "-o", "x.onnx", "--calibrate", "s.npz", "--max-runs", "0"],
+     "argument --max-runs: must be at least 1, got 0", "see `onnxmp convert --help`"),
+    (["convert", "m.onnx", "-o", "x.onnx", "--calibrate", "s.npz", "--holdout", "-1"],
+     "argument --holdout: must be at least 0, got -1", "see `onnxmp convert --help`"),
+    (["convert", "m.onnx", "-o", "x.onnx", "--calibrate", "s.npz", "--tolerance", "-0.1"],
+     "argument --tolerance: must be a positive number, got -0.1", "see `onnxmp convert --help`"),
+    (["convert", "m.onnx", "-o", "x.onnx", "--calibrate", "s.npz", "--tolerance", "nan"],
+     "argument --tolerance: must be a positive number, got nan", "see `onnxmp convert --help`"),
 ])
 def test_usage_errors_exit_2_with_one_line_and_a_hint(work, capsys, argv, message, hint):
     assert main(argv) == EXIT_USAGE
@@ -173,7 +185,7 @@ def test_bad_input_files_are_one_line_errors(work, capsys):
     (work / "bad.npz").write_bytes(b"not a zip")
     (work / "bad.onnx").write_bytes((work / "m.onnx").read_bytes()[:100])
     assert main(["validate", "m.onnx", "b.onnx", "--inputs", "bad.npz"]) == EXIT_ERROR
-    assert "cannot read inputs from bad.npz" in one_error(capsys.readouterr().err, "validate")
+    assert "bad.npz is not an .npz file" in one_error(capsys.readouterr().err, "validate")
     assert main(["emulate", "bad.onnx", "-o", "e.onnx"]) == EXIT_ERROR
     assert "not a readable ONNX model" in one_error(capsys.readouterr().err, "emulate")
     assert main(["validate", "m.onnx", "b.onnx", "--inputs", "missing.npz"]) == EXIT_ERROR
@@ -188,3 +200,127 @@ def test_validate_without_matplotlib_fails_before_the_comparison(work, monkeypat
     assert main(["validate", "m.onnx", "b.onnx", "--plot", "p.png"]) == EXIT_ERROR
     out, err = capsys.readouterr()
     assert "plotting needs matplotlib" in one_error(err, "validate") and out == ""
+
+
+# --- a command's outputs land together: a failure in a later step leaves none of them -------------
+
+
+def test_ctrl_c_while_convert_writes_its_report_leaves_no_model(work, monkeypatch, capsys):
+    from onnxmp.report import Report
+
+    def interrupted(self):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(Report, "to_json", interrupted)
+    (work / "r.json").write_text("old report")
+    before = snapshot(work)
+    assert main(["convert", "m.onnx", "-o", "out.onnx", "--report", "r.json"]) == 130
+    assert "interrupted" in capsys.readouterr().err
+    assert sorted(p.name for p in work.iterdir()) == sorted(before) and snapshot(work) == before
+
+
+def test_a_failed_plot_leaves_no_validate_report(work, monkeypatch, capsys):
+    from matplotlib.figure import Figure
+
+    def no_space(self, *args, **kwargs):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(Figure, "savefig", no_space)
+    before = snapshot(work)
+    assert main(["validate", "m.onnx", "b.onnx", "--report", "r.json", "--plot", "p.png"]) == EXIT_ERROR
+    assert "No space left" in one_error(capsys.readouterr().err, "validate")
+    assert sorted(p.name for p in work.iterdir()) == sorted(before)
+
+
+
+def test_an_output_on_the_input_models_external_data_is_refused(work, capsys):
+    import onnx
+
+    onnx.save(onnx.load("m.onnx"), "ext.onnx", save_as_external_data=True, location="ext.weights", size_threshold=0)
+    # A converted model renamed after its conversion still reads the data file it was saved with.
+    onnx.save(onnx.load("m.onnx"), "old.onnx", save_as_external_data=True, location="new.onnx.data",
+              size_threshold=0)
+    before = snapshot(work)
+    for argv, clash in ((["convert", "ext.onnx", "-o", "ext.weights"], "-o ext.weights is the external data"),
+                        (["emulate", "ext.onnx", "-o", "ext.weights"], "-o ext.weights is the external data"),
+                        (["convert", "old.onnx", "-o", "new.onnx"], "new.onnx.data is the external data")):
+        assert main(argv) == EXIT_ERROR
+        assert clash in one_error(capsys.readouterr().err, argv[0])
+    assert snapshot(work) == before
+
+
+@pytest.mark.parametrize("flag, op, hint", [
+    ("--deny-add", "MatMul", "--allow-remove MatMul"),  # was "--deny-remove MatMul": undo what was asked
+    ("--allow-add", "Exp", "--deny-remove Exp"),
+    ("--clear-add", "MatMul", "--allow-remove MatMul"),
+])
+def test_an_op_added_to_a_second_list_hints_removing_it_from_the_other(work, capsys, flag, op, hint):
+    assert main(["convert", "m.onnx", "-o", "x.onnx", flag, op]) == EXIT_ERROR
+    err = capsys.readouterr().err
+    assert "is in both the" in one_error(err, "convert") and f"  hint: remove it from one, e.g. {hint} " in err
+
+
+def test_explain_does_not_point_at_a_report_flag_it_lacks(work, capsys):
+    """explain's summary said '… N more (see --report JSON)'; explain has no --report."""
+    import onnx
+    from onnx import helper
+
+    import numpy as np
+    from onnx import numpy_helper
+
+    nodes, outputs, weights = [], [], []
+    for i in range(25):  # 25 MatMul -> Exp pairs: 25 denied Exps
+        weights.append(numpy_helper.from_array(np.full((3, 3), 0.1, np.float32), f"w{i}"))
+        nodes += [helper.make_node("MatMul", ["x", f"w{i}"], [f"m{i}"], name=f"mm{i}"),
+                  helper.make_node("Exp", [f"m{i}"], [f"e{i}"], name=f"exp{i}")]
+        outputs.append(helper.make_tensor_value_info(f"e{i}", onnx.TensorProto.FLOAT, [4, 3]))
+    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, [4, 3])],
+                              outputs, weights)
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8), "exps.onnx")
+    capsys.readouterr()
+    assert main(["explain", "exps.onnx"]) == 0
+    out = capsys.readouterr().out
+    assert "  … 5 more (every vertex is listed below)" in out and "--report" not in out
+
+
+def test_v_is_onnxmp_debug_not_every_librarys(work):
+    """`validate --plot -v` printed 2,200 lines, nearly all matplotlib's font-manager debug."""
+    import subprocess
+    import sys
+
+    proc = subprocess.run([sys.executable, "-m", "onnxmp", "validate", "m.onnx", "b.onnx", "--plot", "p.png", "-v"],
+                          capture_output=True, text=True, timeout=120,
+                          env=dict(os.environ, PYTHONPATH=str(Path(onnxmp.__file__).parent.parent)))
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    debug = [line for line in proc.stderr.splitlines() if line.startswith("[DEBUG]")]
+    assert debug and all(line.startswith("[DEBUG] onnxmp") for line in debug), debug[:5]
+
+
+def test_an_invalid_input_model_is_blamed_on_the_input_not_reported_as_our_bug(work, capsys):
+    """It said 'converted model fails onnx.checker ... of node:' (cut at the checker's first newline) and
+    'onnxmp produced an invalid model; please report it'."""
+    import onnx
+    from onnx import helper
+
+    x = helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, [2, 2])
+    y = helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, [2, 2])
+    graph = helper.make_graph([helper.make_node("MatMul", ["x", "nope"], ["y"], name="mm")], "g", [x], [y])
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8), "bad.onnx")
+    assert main(["convert", "bad.onnx", "-o", "out.onnx"]) == EXIT_ERROR
+    err = capsys.readouterr().err
+    line = one_error(err, "convert")
+    assert "the input model is invalid" in line and "'nope'" in line and "is not output of any previous nodes" in line
+    assert "please report" not in err and not (work / "out.onnx").exists()
+
+
+def test_onnxruntime_errors_keep_their_reason_not_the_cpp_signature(work, capsys):
+    import onnx
+    from onnx import helper
+
+    x = helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, [2, 2])
+    graph = helper.make_graph([helper.make_node("Relu", ["x"], ["y"])], "g", [x],
+                              [helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, [2, 2])])
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=99), "future.onnx")
+    assert main(["validate", "future.onnx", "future.onnx"]) == EXIT_ERROR
+    line = one_error(capsys.readouterr().err, "validate")
+    assert "Unsupported model IR version: 99" in line and "onnxruntime_src" not in line and "::" not in line

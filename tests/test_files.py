@@ -2,14 +2,17 @@
 from __future__ import annotations
 
 import os
+import shutil
 import stat
+import tempfile
 from contextlib import contextmanager
+from pathlib import Path
 
 import pytest
 
 from onnxmp.errors import OnnxMPError
-from onnxmp.files import (atomic_directory, atomic_write, file_mode, guard_outputs, umask, write_bytes_atomic,
-                          write_text_atomic)
+from onnxmp.files import (all_or_nothing, atomic_directory, atomic_write, file_mode, guard_outputs, umask,
+                          write_bytes_atomic, write_text_atomic)
 
 
 @contextmanager
@@ -76,6 +79,54 @@ def test_atomic_write_replaces_a_symlink_not_its_target(tmp_path):
     assert other.read_text() == "keep" and link.read_text() == "new" and not link.is_symlink()
 
 
+def test_all_or_nothing_lands_every_file_together(tmp_path):
+    (tmp_path / "b.txt").write_text("old")
+    with all_or_nothing():
+        write_text_atomic(tmp_path / "a.txt", "a")
+        with all_or_nothing():  # joins the outer block
+            write_text_atomic(tmp_path / "b.txt", "b")
+        assert not (tmp_path / "a.txt").exists() and (tmp_path / "b.txt").read_text() == "old"
+    assert (tmp_path / "a.txt").read_text() == "a" and (tmp_path / "b.txt").read_text() == "b"
+    assert leftovers(tmp_path) == [] and mode(tmp_path / "a.txt") == file_mode()
+
+
+@pytest.mark.parametrize("failure", [KeyboardInterrupt, ValueError])
+def test_all_or_nothing_failure_leaves_no_new_file_and_the_old_ones(tmp_path, failure):
+    (tmp_path / "b.txt").write_text("old")
+    with pytest.raises(failure):
+        with all_or_nothing():
+            write_text_atomic(tmp_path / "a.txt", "a")
+            write_text_atomic(tmp_path / "b.txt", "b")
+            raise failure()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["b.txt"] and (tmp_path / "b.txt").read_text() == "old"
+    write_text_atomic(tmp_path / "c.txt", "c")  # outside the block, writes land at once again
+    assert (tmp_path / "c.txt").read_text() == "c"
+
+
+def test_all_or_nothing_takes_a_models_external_data_with_it(tmp_path):
+    import numpy as np
+    import onnx
+    from onnx import helper, numpy_helper
+
+    from onnxmp.save import save
+
+    weight = numpy_helper.from_array(np.ones((4, 4), np.float32), "w")
+    graph = helper.make_graph([helper.make_node("MatMul", ["x", "w"], ["y"])], "g",
+                              [helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, [1, 4])],
+                              [helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, [1, 4])], [weight])
+    model = helper.make_model(graph)
+    with pytest.raises(KeyboardInterrupt):
+        with all_or_nothing():
+            save(model, tmp_path / "m.onnx", external_data=True)
+            raise KeyboardInterrupt
+    assert list(tmp_path.iterdir()) == []
+    with all_or_nothing():
+        save(model, tmp_path / "m.onnx", external_data=True)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["m.onnx", "m.onnx.data"]
+    loaded = onnx.load(tmp_path / "m.onnx")
+    assert numpy_helper.to_array(loaded.graph.initializer[0]).sum() == 16
+
+
 # --- guard -------------------------------------------------------------------------
 
 
@@ -126,22 +177,104 @@ def test_guard_refuses_two_outputs_on_one_path(tmp_path, model):
         guard_outputs({"-o": out, "--report": tmp_path / "." / "out.onnx"}, {"model": model})
 
 
+def _model_with_external_data(folder, location="weights.bin"):
+    import numpy as np
+    import onnx
+    from onnx import helper, numpy_helper
+
+    weight = numpy_helper.from_array(np.ones((4, 4), np.float32), "w")
+    graph = helper.make_graph([helper.make_node("MatMul", ["x", "w"], ["y"])], "g",
+                              [helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, [1, 4])],
+                              [helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, [1, 4])], [weight])
+    path = folder / "ext.onnx"
+    onnx.save(helper.make_model(graph), path, save_as_external_data=True, location=location, size_threshold=0)
+    return path
+
+
+@pytest.mark.parametrize("location", ["weights.bin", "out.onnx.data"])
+def test_guard_refuses_the_external_data_of_an_input(tmp_path, location):
+    """`convert ext.onnx -o weights.bin` wrote the converted model over the input's weights."""
+    model = _model_with_external_data(tmp_path, location)
+    data = (tmp_path / location).read_bytes()
+    with pytest.raises(OnnxMPError, match=rf"{location.replace('.', '.')} is the external data of the model"):
+        guard_outputs({"-o": tmp_path / location}, {"model": model})
+    with pytest.raises(OnnxMPError, match="is the external data of the model"):  # through the output's own data
+        guard_outputs({"-o": tmp_path / "out.onnx", "external data": tmp_path / location}, {"model": model})
+    guard_outputs({"-o": tmp_path / "other.bin"}, {"model": model})
+    assert (tmp_path / location).read_bytes() == data
+
+
+def test_guard_does_not_parse_a_model_that_keeps_its_weights_inside(tmp_path, monkeypatch):
+    """Re-running a conversion over its old output must not load a 2 GB input model once more."""
+    import onnx
+
+    (tmp_path / "old.onnx").write_bytes(b"old output")
+    model = _model_with_external_data(tmp_path)
+    inside = tmp_path / "inside.onnx"
+    onnx.save(onnx.load(model), inside, save_as_external_data=False)
+    monkeypatch.setattr(onnx, "load_model", lambda *a, **k: pytest.fail("parsed a model without external data"))
+    guard_outputs({"-o": tmp_path / "old.onnx"}, {"model": inside})
+
+
 def test_guard_refuses_a_missing_folder(tmp_path):
     with pytest.raises(OnnxMPError, match="folder of --report .* does not exist") as info:
         guard_outputs({"--report": tmp_path / "nodir" / "r.json"})
     assert "mkdir -p" in info.value.hint
 
 
-@pytest.mark.skipif(hasattr(os, "geteuid") and os.geteuid() == 0, reason="root writes anywhere")
-def test_guard_refuses_a_read_only_folder(tmp_path):
-    folder = tmp_path / "ro"
+@pytest.fixture
+def read_only_folder():
+    """A folder with mode 0555 in a folder anyone may write (the unprivileged user must reach both)."""
+    base = Path(tempfile.mkdtemp())
+    base.chmod(0o777)  # writable for the unprivileged user too: only "ro" is read-only
+    folder = base / "ro"
     folder.mkdir()
     folder.chmod(0o555)
+    yield folder
+    folder.chmod(0o755)
+    shutil.rmtree(base)
+
+
+@contextmanager
+def unprivileged():
+    """Run the block as a user the file modes apply to.
+
+    Root writes anywhere, and CI runs as root, so there the real and effective
+    uid become 65534 (nobody) for the block: the folder is really read-only to
+    the process, nothing is simulated.  The saved uid stays 0, which is what
+    allows the switch back.
+    """
+    if not hasattr(os, "setresuid") or os.geteuid() != 0:
+        yield
+        return
+    os.setresuid(65534, 65534, 0)
     try:
-        with pytest.raises(OnnxMPError, match="not writable"):
-            guard_outputs({"--plot": folder / "p.png"})
+        yield
     finally:
-        folder.chmod(0o755)
+        os.setresuid(0, 0, 0)
+
+
+def test_guard_refuses_a_read_only_folder(read_only_folder):
+    with unprivileged():
+        assert not os.access(read_only_folder, os.W_OK)  # the premise: this user really cannot write there
+        with pytest.raises(OnnxMPError, match="not writable"):
+            guard_outputs({"--plot": read_only_folder / "p.png"})
+        guard_outputs({"--plot": read_only_folder.parent / "p.png"})  # its writable parent is fine
+    assert os.geteuid() == os.getuid()  # back to the test's own user
+    assert list(read_only_folder.iterdir()) == []
+
+
+def test_guard_refuses_a_device_or_pipe_it_would_replace(tmp_path):
+    """`-o /dev/null` passed the guard, and as root the rename would have replaced the device node."""
+    fifo = tmp_path / "pipe"
+    os.mkfifo(fifo)
+    link = tmp_path / "to-pipe"
+    link.symlink_to(fifo)
+    for path in (fifo, link, "/dev/null"):
+        with pytest.raises(OnnxMPError, match="is not a regular file") as info:
+            guard_outputs({"--report": path})
+        assert "regular file" in info.value.message and info.value.hint
+    assert stat.S_ISFIFO(os.stat(fifo).st_mode) and os.path.exists("/dev/null")
 
 
 def test_guard_refuses_an_existing_folder_as_a_file_output(tmp_path):
@@ -217,3 +350,31 @@ def test_save_refuses_its_source_and_writes_the_umask_mode(tmp_path):
     with process_umask(0o022):
         onnxmp.save(onnx.load(src), tmp_path / "out.onnx", source=src)
     assert mode(tmp_path / "out.onnx") == 0o644 and leftovers(tmp_path) == []
+
+
+def test_save_refuses_the_weights_file_the_model_reads_without_being_told_the_source(tmp_path):
+    """onnxmp.save(convert('ext.onnx').model, 'weights.bin') overwrote the input's weights (no source= given)."""
+    import onnx
+
+    import onnxmp
+
+    import numpy as np
+    from onnx import helper, numpy_helper
+
+    weights = [numpy_helper.from_array(np.ones((4, 4), np.float32), "w"),
+               numpy_helper.from_array(np.full(4, 2.0, np.float32), "e")]  # Pow is denied: e stays float32
+    nodes = [helper.make_node("MatMul", ["x", "w"], ["m"]), helper.make_node("Pow", ["m", "e"], ["y"])]
+    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, [1, 4])],
+                              [helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, [1, 4])], weights)
+    model_path = tmp_path / "ext.onnx"
+    onnx.save(helper.make_model(graph), model_path, save_as_external_data=True, location="new.onnx.data",
+              size_threshold=0)
+    data = (tmp_path / "new.onnx.data").read_bytes()
+    result = onnxmp.convert(str(model_path))  # e is still read lazily from new.onnx.data
+    with pytest.raises(OnnxMPError, match="new.onnx.data is the weights file the model reads"):
+        onnxmp.save(result.model, tmp_path / "new.onnx.data")
+    with pytest.raises(OnnxMPError, match="weights file the model reads"):  # nor through the output's .data
+        onnxmp.save(result.model, tmp_path / "new.onnx", external_data=True)
+    assert (tmp_path / "new.onnx.data").read_bytes() == data
+    onnxmp.save(result.model, tmp_path / "out.onnx")
+    onnx.checker.check_model(str(tmp_path / "out.onnx"), full_check=True)

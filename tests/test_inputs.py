@@ -11,7 +11,7 @@ from onnx import TensorProto as TP
 from onnx import helper
 
 from onnxmp.errors import OnnxMPError
-from onnxmp.inputs import check_inputs, generate_inputs, load_npz, model_inputs
+from onnxmp.inputs import as_samples, check_inputs, generate_inputs, load_npz, model_inputs
 
 
 def model_with_inputs(*inputs: onnx.ValueInfoProto, initializers=()) -> onnx.ModelProto:
@@ -103,6 +103,25 @@ def test_load_several_files_one_sample_each(tmp_path):
     assert load_npz(tmp_path / "s1.npz")[0]["x"][0] == 1
 
 
+def test_a_model_given_as_inputs_is_named_not_an_npz(tmp_path):
+    """numpy takes any non-zip file for a pickle and talked about allow_pickle."""
+    onnx.save(onnx.helper.make_model(onnx.helper.make_graph([], "g", [], [])), tmp_path / "m.onnx")
+    with pytest.raises(OnnxMPError, match=r"m\.onnx is not an \.npz file") as info:
+        load_npz(tmp_path / "m.onnx")
+    assert "pickle" not in str(info.value)
+
+
+def test_samples_from_dicts_paths_or_a_mix(tmp_path):
+    """validate refused a list mixing dicts and paths, which calibration's copy of this parser took."""
+    np.savez(tmp_path / "a.npz", x=np.ones(2))
+    mixed = as_samples([{"x": np.zeros(2)}, tmp_path / "a.npz"])
+    assert [s["x"][0] for s in mixed] == [0, 1]
+    assert as_samples(str(tmp_path / "a.npz"))[0]["x"][0] == 1 and as_samples({"x": 3})[0]["x"] == 3
+    for bad in ([], [1, 2], 7):
+        with pytest.raises(OnnxMPError, match="calibration must be a dict of input arrays, an .npz path"):
+            as_samples(bad, what="calibration")
+
+
 def test_load_errors(tmp_path):
     with pytest.raises(OnnxMPError, match="not found"):
         load_npz(tmp_path / "missing.npz")
@@ -110,8 +129,15 @@ def test_load_errors(tmp_path):
     with pytest.raises(OnnxMPError, match="single array"):
         load_npz(tmp_path / "single.npy")
     (tmp_path / "junk.npz").write_bytes(b"not a zip at all")
-    with pytest.raises(OnnxMPError, match="cannot read"):
+    with pytest.raises(OnnxMPError, match="junk.npz is not an .npz file"):
         load_npz(tmp_path / "junk.npz")
+    np.savez(tmp_path / "cut.npz", x=np.zeros(1000))
+    (tmp_path / "cut.npz").write_bytes((tmp_path / "cut.npz").read_bytes()[:-30])
+    with pytest.raises(OnnxMPError, match="cut.npz is not an .npz file|cannot read"):
+        load_npz(tmp_path / "cut.npz")
+    np.savez(tmp_path / "obj.npz", x=np.array([None, 1], dtype=object))
+    with pytest.raises(OnnxMPError, match="cannot read .*obj.npz"):
+        load_npz(tmp_path / "obj.npz")
     with pytest.raises(OnnxMPError, match="no input files"):
         load_npz([])
 

@@ -131,3 +131,13 @@ def test_transformer_stack_custom_dims():
     feeds = zoo.inputs_for("transformer_stack", batch=3, seq=8, hidden=32)
     y = _session(model).run(None, feeds)[0]
     assert y.shape == (3, 8, 32) and np.isfinite(y).all()
+
+
+def test_generate_into_a_file_is_a_usage_error(tmp_path, capsys):
+    from models.generate import main
+
+    (tmp_path / "file").write_text("not a folder")
+    with pytest.raises(SystemExit) as info:
+        main(["--out", str(tmp_path / "file")])
+    err = capsys.readouterr().err
+    assert info.value.code == 2 and "Traceback" not in err and "cannot create --out" in err

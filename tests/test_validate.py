@@ -150,6 +150,29 @@ def test_nan_output_fails_even_with_all_else_equal():
     assert validate(nan_model(np.nan), nan_model(np.nan), x).passed
 
 
+def test_an_output_inf_nan_everywhere_in_both_models_is_no_pass():
+    """NaN inputs made both outputs NaN everywhere: PASSED with max|err| 0 and cosine 1, comparing nothing."""
+    nan_inputs = {"x": np.full((2, 4), np.nan, np.float32)}
+    report = validate(nan_model(1.0), nan_model(1.0), nan_inputs)
+    assert not report.passed and report.outputs[0].compared == 0
+    assert "no element is finite in both models" in report.outputs[0].failures[0]
+    row = report.summary().splitlines()[1].split()
+    assert row[2:6] == ["-", "-", "-", "-"]  # not "0.000e+00 ... 1.00000000 100.0%" for nothing compared
+    one_row = {"x": np.array([[np.nan] * 4, [1, 2, 3, 4]], np.float32)}
+    assert validate(nan_model(1.0), nan_model(1.0), one_row).passed  # the finite row still compares
+
+
+def test_a_ragged_sequence_output_is_compared_not_an_internal_error():
+    """np.asarray of a ragged sequence raised ValueError ('inhomogeneous shape')."""
+    nodes = [helper.make_node("Mul", ["x", "k"], ["y"]), helper.make_node("ReduceSum", ["y"], ["r"], keepdims=1),
+             helper.make_node("SequenceConstruct", ["y", "r"], ["s"])]
+    reference = make_model(nodes, [helper.make_tensor_value_info("x", TP.FLOAT, [2, 4])],
+                           [helper.make_tensor_sequence_value_info("s", TP.FLOAT, None)],
+                           [numpy_helper.from_array(np.full(4, 1.001, np.float32), "k")])
+    report = validate(reference, reference, {"x": np.ones((2, 4), np.float32)})
+    assert report.passed and report.outputs[0].shape == [9]  # 2x4 and 1x1, end to end
+
+
 def test_fp16_overflow_to_inf_fails():
     nodes = [helper.make_node("Mul", ["x", "k"], ["y"])]
     reference = make_model(nodes, [helper.make_tensor_value_info("x", TP.FLOAT, [3])],

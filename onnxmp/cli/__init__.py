@@ -60,6 +60,32 @@ class ArgumentParser(argparse.ArgumentParser):
         raise UsageError(message, hint=hint, prog=self.prog)
 
 
+def at_least(minimum: int):
+    """argparse ``type=`` for an integer flag with a lower bound: a bad value is a usage error (exit 2)."""
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"must be at least {minimum}, got {value}")
+        return value
+
+    parse.__name__ = f"integer >= {minimum}"
+    return parse
+
+
+def positive_float(text: str) -> float:
+    """argparse ``type=`` for a flag that must be a finite number above 0."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not (0 < value < float("inf")):
+        raise argparse.ArgumentTypeError(f"must be a positive number, got {text}")
+    return value
+
+
 def add_verbosity_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("-v", "--verbose", action="count", default=0,
                         help="more log output (repeatable); shows the traceback of an error")
@@ -68,8 +94,17 @@ def add_verbosity_flags(parser: argparse.ArgumentParser) -> None:
 
 def _configure_logging(verbose: int, quiet: int) -> None:
     level = logging.INFO - 10 * verbose + 10 * quiet
+    root = logging.getLogger()
+    ours = not root.handlers  # basicConfig adds a handler only to an unconfigured process
     logging.basicConfig(level=max(logging.DEBUG, min(logging.CRITICAL, level)),
                         format="[%(levelname)s] %(name)s: %(message)s", stream=sys.stderr)
+    if ours:
+        # -v is about onnxmp: other libraries (matplotlib's font manager: 2,000 lines) keep to warnings.
+        root.handlers[0].addFilter(_onnxmp_or_warning)
+
+
+def _onnxmp_or_warning(record: logging.LogRecord) -> bool:
+    return record.levelno >= logging.WARNING or record.name == "onnxmp" or record.name.startswith("onnxmp.")
 
 
 def build_parser() -> ArgumentParser:
@@ -90,7 +125,12 @@ def build_parser() -> ArgumentParser:
     return parser
 
 
-def _error(prog: str, message: str, hint: str | None = None) -> None:
+def report_error(prog: str, message: str, hint: str | None = None) -> None:
+    """The contract's format: ``<prog>: error: <first line>`` and at most one ``  hint:`` line.
+
+    For a command that prints its result and still fails (parity failed,
+    tolerance missed); everything else raises and ``main`` calls this.
+    """
     lines = str(message).strip().splitlines() or ["error"]
     sys.stderr.write(f"{prog}: error: {lines[0]}\n")
     if hint:
@@ -110,7 +150,7 @@ def main(argv: list[str] | None = None) -> int:
             raise UsageError(f"unrecognized arguments: {' '.join(unknown)}",
                              hint=f"see `onnxmp {args.command} --help`", prog=f"onnxmp {args.command}")
     except UsageError as exc:
-        _error(exc.prog, exc.message, exc.hint)
+        report_error(exc.prog, exc.message, exc.hint)
         return EXIT_USAGE
     _configure_logging(getattr(args, "verbose", 0), getattr(args, "quiet", 0))
     prog = f"onnxmp {args.command}"
@@ -127,12 +167,12 @@ def main(argv: list[str] | None = None) -> int:
         if verbose:
             traceback.print_exc()
         if isinstance(exc, OnnxMPError):
-            _error(prog, exc.message, exc.hint)
+            report_error(prog, exc.message, exc.hint)
             return EXIT_USAGE if isinstance(exc, UsageError) else EXIT_ERROR
         if isinstance(exc, OSError):
-            _error(prog, _os_error_line(exc), "check the path and its permissions")
+            report_error(prog, _os_error_line(exc), "check the path and its permissions")
         else:
-            _error(prog, f"{type(exc).__name__}: {exc}",
+            report_error(prog, f"{type(exc).__name__}: {exc}",
                    None if verbose else "run again with -v for the traceback, and please report it")
         return EXIT_ERROR
 

@@ -6,9 +6,9 @@ import json
 import logging
 import sys
 
-from onnxmp.cli import EXIT_TOLERANCE
+from onnxmp.cli import EXIT_TOLERANCE, at_least, positive_float, report_error
 from onnxmp.errors import OnnxMPError, UsageError
-from onnxmp.files import guard_outputs, write_text_atomic
+from onnxmp.files import all_or_nothing, guard_outputs, write_text_atomic
 from onnxmp.lists import LEVELS, LIST_NAMES, PRECISIONS, TARGETS
 
 log = logging.getLogger("onnxmp.cli")
@@ -26,17 +26,17 @@ def register(sub) -> None:
     p.add_argument("--calibrate", nargs="+", metavar="NPZ", default=None,
                    help="sample inputs (.npz): deny nodes whose intermediates overflow and fall back to fp32 "
                         "where the converted model misses --tolerance")
-    p.add_argument("--tolerance", type=float, default=None,
+    p.add_argument("--tolerance", type=positive_float, default=None,
                    help="with --calibrate: the largest error allowed per output, in the metric's units "
                         "(default 0.01)")
     p.add_argument("--metric", action="append", default=None, metavar="[OUTPUT=]METRIC",
                    help="with --calibrate: rel (default, max|err|/max|ref|), max_abs, cosine (1 - cosine), "
                         "argmax (share of rows whose last-axis argmax differs) or binary:T (share of elements "
                         "where x > T differs); OUTPUT=METRIC for one output (repeatable)")
-    p.add_argument("--holdout", type=int, default=None, metavar="K",
+    p.add_argument("--holdout", type=at_least(0), default=None, metavar="K",
                    help="with --calibrate: tune on all but the last K samples and report on those "
                         "(default: a quarter of them once there are two or more)")
-    p.add_argument("--max-runs", type=int, default=None, metavar="N",
+    p.add_argument("--max-runs", type=at_least(1), default=None, metavar="N",
                    help="with --calibrate: emulated runs before the search stops with the best model found "
                         "(default 2000)")
     p.add_argument("--report", metavar="FILE.json", help="write the full per-vertex explanation as JSON")
@@ -54,7 +54,7 @@ def register(sub) -> None:
     p.add_argument("--target", choices=TARGETS, default="cuda")
     p.add_argument("--precision", choices=PRECISIONS, default="float16")
     p.add_argument("--level", choices=LEVELS, default="default")
-    p.add_argument("--opset", type=int, default=17, help="opset at which kernel coverage is shown (default 17)")
+    p.add_argument("--opset", type=at_least(1), default=17, help="opset at which kernel coverage is shown (default 17)")
     p.add_argument("--json", action="store_true", help="machine-readable output")
     add_verbosity_flags(p)
     p.set_defaults(func=_lists)
@@ -102,22 +102,23 @@ def _convert(args) -> int:
         given = [f"--{k.replace('_', '-')}" for k, v in calibration_flags.items() if v is not None]
         if given:
             raise UsageError(f"{given[0]} needs --calibrate", hint="pass sample inputs: --calibrate inputs.npz")
-    guard_outputs({"-o": args.output, "--report": args.report},
+    # -o's external data (`OUT.data`, written for large models) is checked now too, not after the work.
+    guard_outputs({"-o": args.output, "--report": args.report, "external data of -o": f"{args.output}.data"},
                   {"input model": args.model, "--calibrate": args.calibrate})
     result = onnxmp.convert(args.model, **kwargs)
     calibration = result.report.calibration
-    onnxmp.save(result.model, args.output, source=args.model)
-    if args.report:
-        write_text_atomic(args.report, result.report.to_json())
+    with all_or_nothing():  # a failed report takes the model with it, not the user's old files
+        onnxmp.save(result.model, args.output, source=args.model)
+        if args.report:
+            write_text_atomic(args.report, result.report.to_json())
     sys.stdout.write(result.report.summary() + "\n")
     sys.stdout.write(f"wrote {args.output}\n")
     if calibration is not None and not calibration.met:
         # The best model found is written: minutes of search are never thrown away.
-        sys.stderr.write(f"onnxmp convert: error: calibration missed the tolerance: best error "
-                         f"{calibration.error:.3g} > {calibration.tolerance:g} "
-                         f"({calibration.error - calibration.tolerance:.3g} above); the best model found was "
-                         f"written\n  hint: raise --tolerance or --max-runs, or --block-node the parts "
-                         f"named above\n")
+        report_error("onnxmp convert", f"calibration missed the tolerance: best error {calibration.error:.3g} > "
+                     f"{calibration.tolerance:g} ({calibration.error - calibration.tolerance:.3g} above); the best "
+                     "model found was written",
+                     "raise --tolerance or --max-runs, or --block-node the parts named above")
         return EXIT_TOLERANCE
     return 0
 
@@ -129,7 +130,7 @@ def _explain(args) -> int:
     if args.json:
         sys.stdout.write(report.to_json() + "\n")
         return 0
-    sys.stdout.write(report.summary() + "\n\n")
+    sys.stdout.write(report.summary(full="every vertex is listed below") + "\n\n")
     sys.stdout.write(f"{'vertex':<48}{'color':<7}{'rule':<48}cause\n")
     for v in report.vertices:
         sys.stdout.write(f"{v.vertex:<48}{v.color:<7}{v.rule:<48}{v.cause}\n")

@@ -5,7 +5,7 @@ import argparse
 import logging
 import sys
 
-from onnxmp.cli import add_verbosity_flags
+from onnxmp.cli import EXIT_ERROR, add_verbosity_flags, at_least, report_error
 from onnxmp.precision import PRECISIONS
 
 log = logging.getLogger("onnxmp.cli.parity")
@@ -36,7 +36,7 @@ def register(subparsers) -> None:
                    help=".npz files, one sample each (default: one random sample)")
     p.add_argument("--dims", nargs="+", default=[], metavar="NAME=SIZE", type=_dim,
                    help="sizes of symbolic input dims for generated inputs, e.g. N=2")
-    p.add_argument("--seed", type=int, default=0, help="seed for generated inputs (default: 0)")
+    p.add_argument("--seed", type=at_least(0), default=0, help="seed for generated inputs (default: 0)")
     p.add_argument("--provider", choices=("cpu", "cuda"), default="cpu",
                    help="cpu emulates low precision; cuda runs it for real (default: cpu)")
     p.add_argument("--report", metavar="JSON", help="write the full report as JSON")
@@ -70,7 +70,7 @@ def run_emulate(args: argparse.Namespace) -> int:
 
 
 def run_validate(args: argparse.Namespace) -> int:
-    from onnxmp.files import guard_outputs, write_text_atomic
+    from onnxmp.files import all_or_nothing, guard_outputs, write_text_atomic
     from onnxmp.plots import plot_errors, require_matplotlib
     from onnxmp.report import head
     from onnxmp.validate import validate
@@ -84,12 +84,13 @@ def run_validate(args: argparse.Namespace) -> int:
     report = validate(args.reference, args.candidate, args.inputs, provider=args.provider,
                       thresholds=overrides, dims=dict(args.dims), seed=args.seed)
     sys.stdout.write(report.summary() + "\n")
-    if args.report:
-        write_text_atomic(args.report, report.to_json() + "\n")
-    if args.plot:
-        plot_errors(report, args.plot)
+    with all_or_nothing():
+        if args.report:
+            write_text_atomic(args.report, report.to_json() + "\n")
+        if args.plot:
+            plot_errors(report, args.plot)
     if not report.passed:
         (first,), rest = head(report.failures(), 1)
-        sys.stderr.write(f"onnxmp validate: error: parity failed: {first}" + (f" ({rest})" if rest else "") + "\n")
-        return 1
+        report_error("onnxmp validate", f"parity failed: {first}" + (f" ({rest})" if rest else ""))
+        return EXIT_ERROR
     return 0

@@ -2,7 +2,8 @@
 
 Layout of ``--out DIR``:
 
-* ``artifacts/``: what :func:`onnxmp.training.build_artifacts` wrote;
+* ``artifacts/``: what :func:`onnxmp.training.build_artifacts` wrote (a fresh run only: a resumed
+  run replaces the folder without it, and its ``state/`` holds the same graphs);
 * ``state/``: the trainer saved after every epoch (``--resume DIR/state``);
 * ``history.json``: per-epoch summaries of this run;
 * ``model.onnx`` (float32) and, for mixed precision, ``model.<precision>.onnx``
@@ -32,7 +33,7 @@ _METRICS = {"cross_entropy": ["accuracy"], "bce_with_logits": ["binary_accuracy"
 
 
 def register(sub) -> None:
-    from onnxmp.cli import add_verbosity_flags
+    from onnxmp.cli import add_verbosity_flags, at_least, positive_float
     from onnxmp.training.artifacts import LOSSES, OPTIMIZERS, PRECISIONS
 
     p = sub.add_parser("train", help="train an ONNX model with mixed precision and dynamic loss scaling",
@@ -47,19 +48,20 @@ def register(sub) -> None:
     p.add_argument("--labels", required=True, metavar="KEY", help="npz key holding the labels/targets")
     p.add_argument("--loss", choices=list(LOSSES), default="cross_entropy")
     p.add_argument("--optimizer", choices=OPTIMIZERS, default="adamw")
-    p.add_argument("--epochs", type=int, required=True, help="total epochs (a resumed run continues up to it)")
-    p.add_argument("--batch-size", type=int, required=True)
-    p.add_argument("--lr", type=float, default=1e-3,
+    p.add_argument("--epochs", type=at_least(1), required=True, help="total epochs (a resumed run continues up to it)")
+    p.add_argument("--batch-size", type=at_least(1), required=True)
+    p.add_argument("--lr", type=positive_float, default=1e-3,
                    help="learning rate (default 1e-3; a resumed run keeps its saved rate)")
     p.add_argument("--out", required=True, metavar="DIR", help="output folder")
     p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     p.add_argument("--precision", choices=PRECISIONS, default="float16")
     p.add_argument("--resume", metavar="DIR", help="continue from a saved state folder (DIR or DIR/state)")
     p.add_argument("--frozen", nargs="+", default=[], metavar="NAME", help="initializers not to train")
-    p.add_argument("--grad-accum-steps", type=int, default=1, metavar="K")
-    p.add_argument("--clip-global-norm", type=float, default=None, metavar="C")
-    p.add_argument("--seed", type=int, default=0, help="shuffling seed (default 0)")
-    p.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bar")
+    p.add_argument("--grad-accum-steps", type=at_least(1), default=1, metavar="K")
+    p.add_argument("--clip-global-norm", type=positive_float, default=None, metavar="C")
+    p.add_argument("--seed", type=at_least(0), default=0, help="shuffling seed (default 0)")
+    p.add_argument("--no-progress", dest="progress", action="store_false",
+                   help="no progress bar (there is none when stderr is not a terminal either)")
     add_verbosity_flags(p)
     p.set_defaults(func=_train)
 
@@ -69,8 +71,6 @@ def _train(args) -> int:
     from onnxmp.training import Trainer, build_artifacts
     from onnxmp.training.artifacts import check_replaceable
 
-    if args.epochs < 1 or args.batch_size < 1:
-        raise OnnxMPError("--epochs and --batch-size must be positive")
     out = Path(args.out)
     resume = _state_folder(Path(args.resume)) if args.resume else None
     inputs = {"model": None if resume else args.model, "--data": args.data, "--eval": args.eval_data}
@@ -79,7 +79,7 @@ def _train(args) -> int:
     if resume is not None and not str(resume.resolve()).startswith(str(out.resolve())):
         inputs["--resume"] = resume
     guard_outputs({"--out": out}, inputs, folders=["--out"])
-    check_replaceable(out, marker="history.json", what="`onnxmp train` output folder")
+    check_replaceable(out, marker="history.json", what="train output folder")
 
     if resume is not None:
         trainer = Trainer.resume(resume, device=args.device)
@@ -139,7 +139,9 @@ def _fit_and_export(trainer, train, evaluation, args, folder: Path) -> tuple[lis
         n = len(evaluation[0])
         eval_batches = [tuple(a[i:i + args.batch_size] for a in evaluation) for i in range(0, n, args.batch_size)]
 
-    history = trainer.fit(epoch_batches, args.epochs, eval_batches, metrics, progress=args.progress,
+    # As convert's bars: none in a log file or a pipe, where it is only noise.
+    progress = args.progress and sys.stderr.isatty()
+    history = trainer.fit(epoch_batches, args.epochs, eval_batches, metrics, progress=progress,
                           on_epoch_end=lambda t, _: t.save(folder / "state"))
     if not (folder / "state").exists():  # nothing left to train: keep the state resumable
         trainer.save(folder / "state")
@@ -188,21 +190,18 @@ class _DataSpec:
 
 def _read_arrays(path: str, inputs: list[str], labels: str, spec: _DataSpec) -> list[np.ndarray]:
     """The arrays of one .npz file in the order a batch needs (model inputs, then labels), checked."""
+    from onnxmp.inputs import read_npz
     from onnxmp.training.labels import check_labels
 
     if len(inputs) != len(spec.model_inputs):
         raise OnnxMPError(f"--inputs names {len(inputs)} arrays but the model has "
                           f"{len(spec.model_inputs)} inputs ({', '.join(spec.model_inputs)})")
-    try:
-        with np.load(path) as data:
-            missing = [key for key in [*inputs, labels] if key not in data]
-            if missing:
-                raise OnnxMPError(f"{path} has no array {', '.join(missing)}",
-                                  f"it holds: {', '.join(data.files)}")
-            arrays = [data[key] for key in [*inputs, labels]]
-    except (OSError, ValueError) as exc:
-        raise OnnxMPError(f"cannot read {path}: {exc}", "pass an .npz file written by numpy.savez") from None
+    data = read_npz(path, hint="pass an .npz file written by numpy.savez")
     keys = [*inputs, labels]
+    missing = [key for key in keys if key not in data]
+    if missing:
+        raise OnnxMPError(f"{path} has no array {', '.join(missing)}", f"it holds: {', '.join(data)}")
+    arrays = [data[key] for key in keys]
     if any(a.ndim == 0 for a in arrays):
         raise OnnxMPError(f"{path}: {', '.join(k for k, a in zip(keys, arrays) if a.ndim == 0)} "
                           "are scalars, not rows of data")

@@ -137,3 +137,32 @@ g (float[N,8] x) => (float[N,4] y) {
     assert main(_args(files, files / "out", 1, "--precision", "float32")) == 0
     manifest = json.loads((files / "out" / "state" / "manifest.json").read_text())
     assert manifest["requires_grad"] == ["W"] and manifest["frozen"] == ["lo"]
+
+
+@pytest.mark.parametrize("flag, value, message", [
+    ("--lr", "-1", "argument --lr: must be a positive number, got -1"),  # trained uphill, exit 0
+    ("--grad-accum-steps", "0", "argument --grad-accum-steps: must be at least 1, got 0"),  # after the build
+    ("--clip-global-norm", "-1", "argument --clip-global-norm: must be a positive number"),  # after the build
+    ("--epochs", "0", "argument --epochs: must be at least 1, got 0"),
+])
+def test_out_of_range_numbers_are_usage_errors_before_any_work(files, capsys, flag, value, message):
+    assert main(_args(files, files / "out", 1, flag, value)) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"onnxmp train: error: {message}") and "Traceback" not in err
+    assert sorted(p.name for p in files.iterdir()) == ["eval.npz", "model.onnx", "train.npz"]
+
+
+def test_an_unrelated_out_folder_is_refused_and_kept(files, capsys):
+    (files / "mine").mkdir()
+    (files / "mine" / "notes.txt").write_text("precious")
+    assert main(_args(files, files / "mine", 1)) == 1
+    err = capsys.readouterr().err
+    assert "mine exists and is not an onnxmp train output folder;" in err  # was "an onnxmp `onnxmp train` ..."
+    assert (files / "mine" / "notes.txt").read_text() == "precious"
+
+
+def test_no_progress_bar_when_stderr_is_not_a_terminal(files, capsys):
+    """A log file got tqdm's bars ('epoch 1/1: 100%|...') unless --no-progress was given."""
+    argv = [a for a in _args(files, files / "out", 1) if a != "--no-progress"]
+    assert main(argv) == 0
+    assert "it/s" not in capsys.readouterr().err
