@@ -244,7 +244,8 @@ def _convert_loaded(model: ModelLike, handover: list[onnx.ModelProto], timings: 
     # freeing them now lowers the peak the checker's copies reach.
     del original, normalized, edits
     with _timed(timings, "verify"):
-        verify(converted, original_io=original_io, keep_io_types=options.keep_io_types)
+        verify(converted, original_io=original_io, keep_io_types=options.keep_io_types,
+               reload_original=lambda: normalize(load(model, lazy_external=True)).graph.model)
     report.changed = result.modified
     # The emitter drops restore Casts nobody ended up reading; count what is really there.
     report.cast_nodes = [name for name in stats.casts if name in emitted_casts]

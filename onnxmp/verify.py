@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import logging
 import tempfile
+from typing import Callable
 
 import onnx
 
@@ -23,9 +24,11 @@ _HINT = ("onnxmp produced an invalid model; please report it. Meanwhile, --block
 
 
 def verify(model: onnx.ModelProto, *, original: onnx.ModelProto | None = None, keep_io_types: bool = True,
-           original_io: tuple[list, list] | None = None) -> None:
-    """``original_io`` (``io_signature(original)``) stands in for ``original``: callers pass it to let
-    the original model go before the checker makes its own copies of the converted one."""
+           original_io: tuple[list, list] | None = None,
+           reload_original: Callable[[], onnx.ModelProto] | None = None) -> None:
+    """``original_io`` (``io_signature(original)``) and ``reload_original`` (which makes ``original``
+    again, for the rare failure) stand in for ``original``: callers pass them to let the original model
+    go before the checker makes its own copies of the converted one."""
     if original is not None:
         original_io = io_signature(original)
     try:
@@ -39,6 +42,8 @@ def verify(model: onnx.ModelProto, *, original: onnx.ModelProto | None = None, k
             log.debug("the model passes the checker once function ops' attribute defaults are written out")
     except Exception as exc:  # ValidationError, or InferenceError from full_check
         # full_check runs type inference with check_type and strict mode: a type error lands here too.
+        if original is None and reload_original is not None:
+            original = reload_original()
         _blame_an_invalid_input(original)
         raise OnnxMPError(f"converted model fails onnx.checker / strict type inference: {first_line(exc)}",
                           hint=_HINT) from None
