@@ -29,7 +29,7 @@ import numpy as np
 import onnx
 from onnx import numpy_helper
 
-from onnxmp.errors import OnnxMPError
+from onnxmp.errors import OnnxMPError, first_line
 from onnxmp.training import _ort
 from onnxmp.training.artifacts import (
     ALL_FINITE,
@@ -136,7 +136,7 @@ class Trainer:
             raise
         except Exception as exc:
             raise OnnxMPError(f"onnxruntime cannot load the artifacts in {self.artifacts.directory}: "
-                              f"{_first_line(exc)}", "rebuild them with this onnxmp version") from None
+                              f"{first_line(exc)}", "rebuild them with this onnxmp version") from None
         if lr is not None:
             self._optimizer.set_learning_rate(float(lr))
 
@@ -487,7 +487,3 @@ def _session_options():
     options.use_deterministic_compute = True
     return options
 
-
-def _first_line(exc: BaseException) -> str:
-    text = str(exc).strip()
-    return text.splitlines()[0][:500] if text else type(exc).__name__

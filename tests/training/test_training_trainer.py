@@ -293,3 +293,18 @@ def test_fit_shows_a_progress_bar(fp16_artifacts, batches, capsys):
     Trainer(fp16_artifacts).fit(batches[:3], epochs=1, progress=True)
     err = capsys.readouterr().err
     assert "epoch 1/1" in err and "scale=" in err and "skipped=" in err
+
+
+def test_unloadable_artifacts_give_one_line_without_ort_source_location(fp32_artifacts, tmp_path):
+    """onnxruntime prefixes its reason with a C++ file and signature; the error keeps the reason only."""
+    import shutil
+
+    copy = tmp_path / "artifacts"
+    shutil.copytree(fp32_artifacts.directory, copy)
+    training = copy / fp32_artifacts.training_model.name
+    training.write_bytes(training.read_bytes()[:100])
+    with pytest.raises(OnnxMPError) as info:
+        Trainer(copy)
+    message = info.value.message
+    assert "cannot load the artifacts" in message and "\n" not in message
+    assert "onnxruntime_src" not in message and "::" not in message
