@@ -33,6 +33,7 @@ import onnx.version_converter
 from onnx import TensorProto, helper, numpy_helper
 
 from onnxmp.errors import OnnxMPError, first_line
+from onnxmp.files import destination
 from onnxmp.naming import FreshNames, proto_names
 from onnxmp.precision import FLOAT32
 from onnxmp.precision import PRECISIONS as LOW_PRECISIONS
@@ -227,7 +228,7 @@ def build_artifacts(
     out = Path(out_dir)
     write_artifacts(out, manifest, training=training, evaluation=evaluation,
                     optimizer_model=optimizer_model, forward=forward, parameters=parameters)
-    log.info("training artifacts (%s, %s) written to %s", precision, target, out)
+    log.info("training artifacts (%s, %s) written to %s", precision, target, destination(out))
     return Artifacts(out, manifest)
 
 

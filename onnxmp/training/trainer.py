@@ -311,7 +311,7 @@ class Trainer:
             raise OnnxMPError("cannot save in the middle of an accumulated batch",
                               f"save after a multiple of grad_accum_steps={self.grad_accum_steps} steps, "
                               "or call flush() first")
-        from onnxmp.files import atomic_directory, atomic_write, guard_outputs, write_text_atomic
+        from onnxmp.files import atomic_directory, atomic_write, destination, guard_outputs, write_text_atomic
 
         path = Path(path)
         check_replaceable(path)
@@ -339,7 +339,8 @@ class Trainer:
             _ort.api().CheckpointState.save_checkpoint(self._state, str(folder / manifest["files"]["checkpoint"]),
                                                        include_optimizer_state=True)
             write_text_atomic(folder / MANIFEST, json.dumps(manifest, indent=2) + "\n")
-        log.info("saved trainer state (%d updates, epoch %d) to %s", self.optimizer_steps, self.epoch, path)
+        log.info("saved trainer state (%d updates, epoch %d) to %s", self.optimizer_steps, self.epoch,
+                 destination(path))
         return path
 
     @classmethod
