@@ -5,7 +5,7 @@ import pytest
 
 from onnxmp.errors import OnnxMPError
 from onnxmp.training import DynamicLossScaler, Trainer, build_artifacts
-from onnxmp.training.models import trainable
+from onnxmp.training.models import scaled_cross_entropy, trainable
 
 
 def with_nan(batch, value=np.nan):
@@ -173,25 +173,9 @@ def _feeds(trainer, batch):
 def test_emulated_fp16_underflow_needs_loss_scaling(tmp_path, model, batches):
     """A loss scaled by 2**-20 has gradients below fp16's range: with scale 1
     the emulated fp16 backward flushes them to zero, a large scale keeps them."""
-    from onnx import TensorProto, helper
-
-    from onnxmp.training import _ort
-
-    ob = _ort.onnxblock()
-
-    class TinyLoss(ob.Block):
-        def __init__(self):
-            super().__init__()
-            self.ce = ob.loss.CrossEntropyLoss()
-            self.mul = ob.blocks.Mul()
-
-        def build(self, output, labels):
-            self.base.graph.initializer.append(helper.make_tensor("tiny", TensorProto.FLOAT, [], [2.0**-20]))
-            return self.mul(self.ce(output, labels), "tiny")
-
     def build(precision):
-        return build_artifacts(model, requires_grad=trainable(model), loss=TinyLoss(), optimizer="sgd",
-                               precision=precision, target="cpu", out_dir=tmp_path / precision)
+        return build_artifacts(model, requires_grad=trainable(model), loss=scaled_cross_entropy(2.0**-20),
+                               optimizer="sgd", precision=precision, target="cpu", out_dir=tmp_path / precision)
 
     def first_layer_grad(artifacts, scale):
         trainer = Trainer(artifacts, scaler=DynamicLossScaler.static(scale))
