@@ -121,8 +121,8 @@ def run(args) -> int:
             results.append(train_one(args.folder, precision, args))
             print({k: v for k, v in results[-1].items() if k not in ("losses", "prepared")}, flush=True)
             continue
-        cmd = [sys.executable, __file__, str(args.folder), "--precision", precision, "--work", args.work, "--batch-size",
-               str(args.batch_size), "--lr", str(args.lr)] + (["--build-only"] if args.build_only else []) + (
+        cmd = [sys.executable, __file__, str(args.folder), "--precision", precision, "--work", args.work,
+               "--batch-size", str(args.batch_size), "--lr", str(args.lr)] + (["--build-only"] if args.build_only else []) + (
                    ["--initial-scale", str(args.initial_scale)] if args.initial_scale else []) + (
                    ["--freeze-scalars"] if args.freeze_scalars else [])
         proc = subprocess.run(cmd, capture_output=True, text=True)
