@@ -33,6 +33,9 @@ _UMASK_LOCK = threading.Lock()
 # Inside all_or_nothing(): (temporary, destination) pairs whose rename waits for the end of the block.
 _PENDING: contextvars.ContextVar[list[tuple[Path, Path]] | None] = contextvars.ContextVar("onnxmp_pending",
                                                                                           default=None)
+# Inside atomic_directory(): (temporary folder, destination) pairs, innermost last, for destination().
+_FOLDERS: contextvars.ContextVar[tuple[tuple[Path, Path], ...]] = contextvars.ContextVar("onnxmp_folders",
+                                                                                          default=())
 
 
 def umask() -> int:
@@ -275,6 +278,7 @@ def atomic_directory(path: PathLike) -> Iterator[Path]:
         os.chmod(tmp, 0o777 & ~umask())
     except OSError as exc:
         raise _temp_name_error(path, exc) from None
+    token = _FOLDERS.set((*_FOLDERS.get(), (tmp, path)))
     try:
         yield tmp
         try:
@@ -282,8 +286,23 @@ def atomic_directory(path: PathLike) -> Iterator[Path]:
         except OSError as exc:
             raise _temp_name_error(path, exc) from None
     finally:
+        _FOLDERS.reset(token)
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
+
+
+def destination(path: PathLike) -> Path:
+    """Where ``path`` will be once the open :func:`atomic_directory` folders are renamed into place.
+
+    Logs name this: a temporary folder's name means nothing to the user and is gone after the run.
+    """
+    path = Path(path)
+    for tmp, final in reversed(_FOLDERS.get()):  # innermost first: its destination lies in the outer folder
+        try:
+            path = final / Path(os.path.abspath(path)).relative_to(os.path.abspath(tmp))
+        except ValueError:
+            continue
+    return path
 
 
 def _replace_folder(new: Path, path: Path) -> None:

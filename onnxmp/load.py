@@ -8,7 +8,7 @@ from typing import Union
 
 import onnx
 
-from onnxmp.errors import OnnxMPError
+from onnxmp.errors import OnnxMPError, first_line
 
 log = logging.getLogger("onnxmp.load")
 
@@ -42,7 +42,7 @@ def load(model: ModelLike, *, lazy_external: bool = False) -> onnx.ModelProto:
         proto = onnx.load(str(path), load_external_data=False)
     except Exception as exc:  # protobuf raises DecodeError or RuntimeError depending on the build
         raise OnnxMPError(
-            f"{path} is not a readable ONNX model ({type(exc).__name__}: {str(exc)[:200]})",
+            f"{path} is not a readable ONNX model ({type(exc).__name__}: {first_line(exc, 200)})",
             hint="the file may be truncated or not an ONNX protobuf; re-export it",
         ) from None
     _check_not_empty(proto, str(path))

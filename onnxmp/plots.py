@@ -10,7 +10,7 @@ import os
 import numpy as np
 
 from onnxmp.errors import OnnxMPError
-from onnxmp.files import write_bytes_atomic
+from onnxmp.files import destination, write_bytes_atomic
 from onnxmp.validate import OutputParity, ParityReport
 
 log = logging.getLogger("onnxmp.plots")
@@ -44,7 +44,7 @@ def plot_errors(report: ParityReport, path: str | os.PathLike) -> None:
     buffer = io.BytesIO()
     fig.savefig(buffer, format="png", dpi=100)
     write_bytes_atomic(path, buffer.getvalue())
-    log.info("wrote error histograms to %s", path)
+    log.info("wrote error histograms to %s", destination(path))
 
 
 def _plot_output(ax, output: OutputParity) -> None:

@@ -9,7 +9,7 @@ from pathlib import Path
 import onnx
 
 from onnxmp.external import has_external_data, read_locations, write_with_external_data
-from onnxmp.files import atomic_write, guard_outputs
+from onnxmp.files import atomic_write, destination, guard_outputs
 
 log = logging.getLogger("onnxmp.save")
 
@@ -42,5 +42,5 @@ def save(model: onnx.ModelProto, path: str | os.PathLike, *, external_data: bool
         atomic_write(path, write_model)
     else:
         atomic_write(path, lambda tmp: onnx.save_model(model, tmp))
-    log.info("saved %s%s", path, " (+ external data)" if external_data else "")
+    log.info("saved %s%s", destination(path), " (+ external data)" if external_data else "")
     return path

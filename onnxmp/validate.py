@@ -376,6 +376,13 @@ def validate(reference: onnx.ModelProto | str | os.PathLike, candidate: onnx.Mod
     ref_model = as_model(reference)
     cand_model = as_model(candidate)
     cand_precisions = low_precision_types(cand_model)
+    ref_precisions = low_precision_types(ref_model)
+    if ref_precisions and not cand_precisions:
+        # Not an error: comparing two precisions either way round is legitimate, but the float32
+        # thresholds then apply to a low-precision model, and that is almost always a slip.
+        log.warning("the reference holds %s tensors and the candidate none: are they swapped? "
+                    "The reference comes first, the converted model second",
+                    " and ".join(ref_precisions))
     precision = next((p for p in (BFLOAT16.name, FLOAT16.name) if p in cand_precisions), FLOAT32.name)
     limits = _thresholds(thresholds, precision)
 

@@ -32,6 +32,7 @@ import onnx  # noqa: E402
 
 from onnxmp.naming import json_safe
 import onnxmp  # noqa: E402
+from onnxmp.errors import first_line  # noqa: E402
 from onnxmp.files import guard_arguments, write_text_atomic  # noqa: E402
 # Imported by module path: onnxmp.validate may resolve to the submodule once imported.
 from onnxmp.validate import validate  # noqa: E402
@@ -129,7 +130,7 @@ def measure(tool: str, path: Path, inputs: Path | None, original_casts: int, fp3
     try:
         model = convert(path)
     except Exception as exc:  # a failing converter is a result, not a crash of the benchmark
-        return {"error": f"conversion failed: {type(exc).__name__}: {str(exc)[:200]}"}
+        return {"error": f"conversion failed: {type(exc).__name__}: {first_line(exc, 200)}"}
     seconds = time.perf_counter() - start
     share, heavy = heavy_fp16_share(model)
     entry = {"convert_s": seconds, "casts": cast_count(model) - original_casts, "heavy_fp16_share": share,
@@ -138,7 +139,7 @@ def measure(tool: str, path: Path, inputs: Path | None, original_casts: int, fp3
         entry["parity"] = parity(path, model, inputs)
     except Exception as exc:
         entry["parity"] = None
-        entry["error"] = f"parity run failed: {type(exc).__name__}: {str(exc)[:200]}"
+        entry["error"] = f"parity run failed: {type(exc).__name__}: {first_line(exc, 200)}"
     return entry
 
 

@@ -97,23 +97,32 @@ def main(argv=None) -> int:
     ap.add_argument("--same-process", action="store_true",
                     help="train float32 then float16 in this process (the order the issue saw NaN in)")
     args = ap.parse_args(argv)
-    from onnxmp.files import guard_arguments, write_text_atomic
+    from onnxmp.files import guard_arguments
 
     guard_arguments(ap, {"--json": args.json}, {"model": args.folder / "minilm_cls.onnx"})
+    if args.work:
+        return run(args)
+    # The artifacts (several copies of the model) are scratch: they go when the run ends, even on error.
+    with tempfile.TemporaryDirectory(prefix="onnxmp-real-") as work:
+        args.work = work
+        return run(args)
+
+
+def run(args) -> int:
+    from onnxmp.files import write_text_atomic
+
     if args.precision:
-        args.work = args.work or tempfile.mkdtemp(prefix="onnxmp-real-")
         print(json.dumps(train_one(args.folder, args.precision, args)))
         return 0
     results = []
     precisions = ("float32", "float16", "bfloat16") if args.build_only else ("float32", "float16")
     for precision in precisions:
         if args.same_process:
-            args.work = args.work or tempfile.mkdtemp(prefix="onnxmp-real-")
             results.append(train_one(args.folder, precision, args))
             print({k: v for k, v in results[-1].items() if k not in ("losses", "prepared")}, flush=True)
             continue
-        cmd = [sys.executable, __file__, str(args.folder), "--precision", precision, "--batch-size",
-               str(args.batch_size), "--lr", str(args.lr)] + (["--build-only"] if args.build_only else []) + (
+        cmd = [sys.executable, __file__, str(args.folder), "--precision", precision, "--work", args.work,
+               "--batch-size", str(args.batch_size), "--lr", str(args.lr)] + (["--build-only"] if args.build_only else []) + (
                    ["--initial-scale", str(args.initial_scale)] if args.initial_scale else []) + (
                    ["--freeze-scalars"] if args.freeze_scalars else [])
         proc = subprocess.run(cmd, capture_output=True, text=True)

@@ -39,6 +39,7 @@ from onnx import TensorProto, helper, numpy_helper  # noqa: E402
 
 from onnxmp.naming import json_safe
 import onnxmp  # noqa: E402
+from onnxmp.errors import first_line  # noqa: E402
 from onnxmp.files import guard_arguments, write_text_atomic  # noqa: E402
 from models import zoo  # noqa: E402
 from onnxmp.emulate import emulate  # noqa: E402
@@ -210,7 +211,7 @@ def convert_occ(model: onnx.ModelProto) -> onnx.ModelProto:
 
 
 def error_text(exc: Exception) -> str:
-    return f"{type(exc).__name__}: {' / '.join(str(exc).splitlines())[:300]}"
+    return f"{type(exc).__name__}: {first_line(exc, 300)}"
 
 
 def parity_cell(report) -> dict:

@@ -44,6 +44,7 @@ from tqdm.contrib.logging import logging_redirect_tqdm  # noqa: E402
 
 from onnxmp.naming import json_safe
 import onnxmp  # noqa: E402
+from onnxmp.errors import first_line  # noqa: E402
 from onnxmp.inputs import generate_inputs, load_npz  # noqa: E402
 from onnxmp.files import guard_arguments, write_bytes_atomic  # noqa: E402
 from onnxmp.plots import plot_errors  # noqa: E402
@@ -175,8 +176,7 @@ def check_model(path: Path, name: str, args: argparse.Namespace) -> Row:
         row.error = f"{stage}: {exc.one_line()}"
     except Exception as exc:  # a bug on one model should not hide the results of the others
         log.error("%s: unexpected error during %s\n%s", name, stage, traceback.format_exc())
-        first_line = (str(exc).splitlines() or [""])[0]
-        row.error = f"{stage}: internal error: {type(exc).__name__}: {first_line}"
+        row.error = f"{stage}: internal error: {type(exc).__name__}: {first_line(exc)}"
     return row
 
 

@@ -52,7 +52,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from models import zoo  # noqa: E402
 from onnxmp.files import atomic_write, guard_arguments, write_text_atomic  # noqa: E402
 from onnxmp.training import DynamicLossScaler, Trainer, build_artifacts  # noqa: E402
-from onnxmp.training.models import mlp, trainable  # noqa: E402
+from onnxmp.training.models import mlp, scaled_cross_entropy, trainable  # noqa: E402
 
 UNDERFLOW_MULTIPLIER = 2.0**-20
 TRANSFORMER_ROWS = (1024, 256)  # train, test
@@ -66,28 +66,6 @@ def load_data(seed: int):
     x = (digits.data / 16.0).astype(np.float32)
     y = digits.target.astype(np.int64)
     return train_test_split(x, y, test_size=0.2, random_state=seed, stratify=y)
-
-
-def scaled_cross_entropy(multiplier: float):
-    """An onnxblock loss: cross entropy times ``multiplier`` (a graph constant)."""
-    from onnx import TensorProto, helper
-
-    from onnxmp.training import _ort
-
-    ob = _ort.onnxblock()
-
-    class ScaledCrossEntropy(ob.Block):
-        def __init__(self):
-            super().__init__()
-            self.cross_entropy = ob.loss.CrossEntropyLoss()
-            self.mul = ob.blocks.Mul()
-
-        def build(self, output, labels):
-            self.base.graph.initializer.append(
-                helper.make_tensor("loss_multiplier", TensorProto.FLOAT, [], [multiplier]))
-            return self.mul(self.cross_entropy(output, labels), "loss_multiplier")
-
-    return ScaledCrossEntropy()
 
 
 def run(name, model, data, *, precision, scaler, optimizer, lr, loss, args, workdir, epochs=None):

@@ -117,3 +117,31 @@ def test_scripts_bad_paths_are_usage_errors_not_tracebacks(tmp_path, capsys, mon
     err = capsys.readouterr().err
     assert info.value.code == 2 and "Traceback" not in err
     assert err.splitlines()[-1] == f"{name}.py: error: {message.format(tmp=tmp_path)}", err
+
+
+@pytest.mark.parametrize("fails", [False, True])
+def test_check_real_export_leaves_no_scratch_folder(tmp_path, monkeypatch, fails):
+    """Each run built its artifacts in a fresh /tmp/onnxmp-real-* folder and never removed it."""
+    import tempfile
+
+    script = load_script("check_real_export")
+    scratch = tmp_path / "tmp"
+    scratch.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(scratch))
+    seen = []
+
+    def train_one(folder, precision, args):
+        (Path(args.work) / precision).mkdir()
+        seen.append(precision)
+        if fails:
+            raise RuntimeError("training crashed")
+        return {"precision": precision}
+
+    monkeypatch.setattr(script, "train_one", train_one)
+    if fails:
+        with pytest.raises(RuntimeError):
+            script.main([str(tmp_path), "--same-process"])
+    else:
+        assert script.main([str(tmp_path), "--same-process"]) == 0
+    assert seen == (["float32"] if fails else ["float32", "float16"])
+    assert list(scratch.iterdir()) == []

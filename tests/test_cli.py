@@ -324,3 +324,51 @@ def test_onnxruntime_errors_keep_their_reason_not_the_cpp_signature(work, capsys
     assert main(["validate", "future.onnx", "future.onnx"]) == EXIT_ERROR
     line = one_error(capsys.readouterr().err, "validate")
     assert "Unsupported model IR version: 99" in line and "onnxruntime_src" not in line and "::" not in line
+
+
+_INVALID = {
+    "undefined tensor": """
+        g (float[2,4] x) => (float[2,4] y) {
+          a = MatMul(x, w)
+          y = Relu(a)
+        }""",
+    "mismatched types": """
+        g (float[2,4] x, int64[2,4] k) => (float[2,4] y) {
+          a = Relu(x)
+          y = Add(a, k)
+        }""",
+}
+
+
+def _parsed(body: str):
+    import onnx.parser
+
+    return onnx.parser.parse_model('<ir_version: 8, opset_import: ["" : 17]>' + body)
+
+
+@pytest.mark.parametrize("case", sorted(_INVALID))
+def test_explain_refuses_an_invalid_input_model_as_convert_does(work, capsys, case):
+    """explain printed colors for a model onnx.checker rejects and exited 0."""
+    import onnx
+
+    onnx.save(_parsed(_INVALID[case]), "bad.onnx")
+    assert main(["explain", "bad.onnx"]) == EXIT_ERROR
+    captured = capsys.readouterr()
+    assert "the input model is invalid" in one_error(captured.err, "explain") and captured.out == ""
+
+
+def test_explain_takes_a_valid_model_whose_nodes_are_out_of_order(work, capsys):
+    """convert sorts the nodes of an unsorted export; explain must not call it invalid."""
+    import onnx
+
+    model = _parsed("""
+        g (float[2,4] x, float[4,4] w) => (float[2,4] y) {
+          a = MatMul(x, w)
+          y = Relu(a)
+        }""")
+    nodes = list(model.graph.node)
+    del model.graph.node[:]
+    model.graph.node.extend(reversed(nodes))
+    onnx.save(model, "unsorted.onnx")
+    assert main(["explain", "unsorted.onnx"]) == 0
+    assert "allow=2" in capsys.readouterr().out

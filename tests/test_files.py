@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 
 from onnxmp.errors import OnnxMPError
-from onnxmp.files import (all_or_nothing, atomic_directory, atomic_write, file_mode, guard_outputs, umask,
-                          write_bytes_atomic, write_text_atomic)
+from onnxmp.files import (all_or_nothing, atomic_directory, atomic_write, destination, file_mode, guard_outputs,
+                          umask, write_bytes_atomic, write_text_atomic)
 
 
 @contextmanager
@@ -325,6 +325,23 @@ def test_atomic_directory_keeps_the_old_folder_on_error(tmp_path):
         with atomic_directory(target):
             raise RuntimeError("boom")
     assert (target / "keep.bin").read_text() == "old" and leftovers(tmp_path) == []
+
+
+def test_destination_names_the_final_path_inside_nested_atomic_directories(tmp_path, monkeypatch):
+    """Logs named `.run.x1y2.tmp/.artifacts.z3.tmp/model.onnx`, a folder gone after the run."""
+    monkeypatch.chdir(tmp_path)
+    elsewhere = tmp_path / "other" / "file.onnx"
+    assert destination("run/model.onnx") == Path("run/model.onnx")  # no folder open: unchanged
+    with atomic_directory("run") as outer:
+        assert destination(outer / "state") == Path("run/state")
+        with atomic_directory(outer / "artifacts") as inner:
+            assert destination(inner / "model.onnx") == Path("run/artifacts/model.onnx")
+            assert destination(tmp_path / inner / "model.onnx") == Path("run/artifacts/model.onnx")
+            assert destination(elsewhere) == elsewhere
+        assert destination(inner / "model.onnx") == Path("run", inner.name, "model.onnx")  # inner closed
+    with atomic_directory(tmp_path / "abs") as folder:
+        assert destination(folder / "x.json") == tmp_path / "abs" / "x.json"
+    assert destination(folder / "x.json") == folder / "x.json"
 
 
 # --- save goes through the same guard and writer -------------------------------------

@@ -375,3 +375,33 @@ def test_cli_validate_missing_npz_key_is_still_an_error(mlp_files, capsys):
     assert main(["validate", str(ref), str(cand), "--inputs", str(folder / "labels.npz")]) == 1
     err = capsys.readouterr().err
     assert "no value for model input(s) 'x'" in err and "Traceback" not in err
+
+
+def _swap_warnings(caplog) -> list[str]:
+    return [r.getMessage() for r in caplog.records if r.levelname == "WARNING" and "swapped" in r.getMessage()]
+
+
+@pytest.mark.parametrize("order, warned", [
+    ("fp16 fp32", True),   # swapped: the low-precision model given as the reference
+    ("fp32 fp16", False),
+    ("fp16 fp16", False),  # comparing two low-precision models is deliberate
+    ("fp32 fp32", False),
+])
+def test_a_low_precision_reference_against_a_float32_candidate_warns(caplog, order, warned):
+    """REF and CAND swapped passed silently, judged by float32's tight thresholds."""
+    models = {"fp32": small_mlp(), "fp16": to_fp16(small_mlp())}
+    reference, candidate = (models[k] for k in order.split())
+    caplog.set_level("WARNING", logger="onnxmp.validate")
+    validate(reference, candidate, batch(4), thresholds={"rel_err_max": 1.0, "abs_err_max": 1.0})
+    warnings_seen = _swap_warnings(caplog)
+    assert len(warnings_seen) == (1 if warned else 0), warnings_seen
+    if warned:
+        assert warnings_seen[0].startswith("the reference holds float16 tensors and the candidate none")
+
+
+def test_cli_validate_swapped_models_warn_but_still_compare(mlp_files, capsys, caplog):
+    folder, ref, cand = mlp_files
+    caplog.set_level("WARNING", logger="onnxmp.validate")
+    main(["validate", str(cand), str(ref), "--inputs", str(folder / "a.npz")])
+    assert "logits" in capsys.readouterr().out
+    assert len(_swap_warnings(caplog)) == 1

@@ -32,7 +32,8 @@ import onnx
 import onnx.version_converter
 from onnx import TensorProto, helper, numpy_helper
 
-from onnxmp.errors import OnnxMPError
+from onnxmp.errors import OnnxMPError, first_line
+from onnxmp.files import destination
 from onnxmp.naming import FreshNames, proto_names
 from onnxmp.precision import FLOAT32
 from onnxmp.precision import PRECISIONS as LOW_PRECISIONS
@@ -227,7 +228,7 @@ def build_artifacts(
     out = Path(out_dir)
     write_artifacts(out, manifest, training=training, evaluation=evaluation,
                     optimizer_model=optimizer_model, forward=forward, parameters=parameters)
-    log.info("training artifacts (%s, %s) written to %s", precision, target, out)
+    log.info("training artifacts (%s, %s) written to %s", precision, target, destination(out))
     return Artifacts(out, manifest)
 
 
@@ -525,7 +526,7 @@ def _supported_versions(model: onnx.ModelProto) -> onnx.ModelProto:
             model = onnx.version_converter.convert_version(model, MAX_OPSET)
         except Exception as exc:
             raise OnnxMPError(f"the model uses opset {opset}; onnxruntime-training 1.19 loads at most {MAX_OPSET} "
-                              f"and the conversion failed: {str(exc).strip()[:300]}",
+                              f"and the conversion failed: {first_line(exc, 300)}",
                               f"export the model at opset <= {MAX_OPSET}") from None
     _cap_ir_version(model)
     return model

@@ -43,3 +43,27 @@ def mlp(sizes: Sequence[int], *, seed: int = 0, opset: int = 17, ir_version: int
 def trainable(model: onnx.ModelProto) -> list[str]:
     """Names of the float32 initializers: what to pass as ``requires_grad`` to train them all."""
     return [t.name for t in model.graph.initializer if t.data_type == TensorProto.FLOAT]
+
+
+def scaled_cross_entropy(multiplier: float):
+    """An onnxblock loss for ``build_artifacts(loss=...)``: cross entropy times ``multiplier``.
+
+    A custom loss block as users write one; a small ``multiplier`` makes float16
+    gradients underflow without loss scaling.  Needs onnxruntime-training.
+    """
+    from onnxmp.training import _ort
+
+    ob = _ort.onnxblock()
+
+    class ScaledCrossEntropy(ob.Block):
+        def __init__(self):
+            super().__init__()
+            self.cross_entropy = ob.loss.CrossEntropyLoss()
+            self.mul = ob.blocks.Mul()
+
+        def build(self, output, labels):
+            self.base.graph.initializer.append(
+                helper.make_tensor("loss_multiplier", TensorProto.FLOAT, [], [multiplier]))
+            return self.mul(self.cross_entropy(output, labels), "loss_multiplier")
+
+    return ScaledCrossEntropy()

@@ -29,7 +29,7 @@ import numpy as np
 import onnx
 from onnx import numpy_helper
 
-from onnxmp.errors import OnnxMPError
+from onnxmp.errors import OnnxMPError, first_line
 from onnxmp.training import _ort
 from onnxmp.training.artifacts import (
     ALL_FINITE,
@@ -136,7 +136,7 @@ class Trainer:
             raise
         except Exception as exc:
             raise OnnxMPError(f"onnxruntime cannot load the artifacts in {self.artifacts.directory}: "
-                              f"{_first_line(exc)}", "rebuild them with this onnxmp version") from None
+                              f"{first_line(exc)}", "rebuild them with this onnxmp version") from None
         if lr is not None:
             self._optimizer.set_learning_rate(float(lr))
 
@@ -311,7 +311,7 @@ class Trainer:
             raise OnnxMPError("cannot save in the middle of an accumulated batch",
                               f"save after a multiple of grad_accum_steps={self.grad_accum_steps} steps, "
                               "or call flush() first")
-        from onnxmp.files import atomic_directory, atomic_write, guard_outputs, write_text_atomic
+        from onnxmp.files import atomic_directory, atomic_write, destination, guard_outputs, write_text_atomic
 
         path = Path(path)
         check_replaceable(path)
@@ -339,7 +339,8 @@ class Trainer:
             _ort.api().CheckpointState.save_checkpoint(self._state, str(folder / manifest["files"]["checkpoint"]),
                                                        include_optimizer_state=True)
             write_text_atomic(folder / MANIFEST, json.dumps(manifest, indent=2) + "\n")
-        log.info("saved trainer state (%d updates, epoch %d) to %s", self.optimizer_steps, self.epoch, path)
+        log.info("saved trainer state (%d updates, epoch %d) to %s", self.optimizer_steps, self.epoch,
+                 destination(path))
         return path
 
     @classmethod
@@ -487,7 +488,3 @@ def _session_options():
     options.use_deterministic_compute = True
     return options
 
-
-def _first_line(exc: BaseException) -> str:
-    text = str(exc).strip()
-    return text.splitlines()[0][:500] if text else type(exc).__name__

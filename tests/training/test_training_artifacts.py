@@ -4,11 +4,11 @@ import json
 import numpy as np
 import onnx
 import pytest
-from onnx import TensorProto, helper
+from onnx import TensorProto
 
 from onnxmp.errors import OnnxMPError
 from onnxmp.training import Artifacts, Trainer, build_artifacts
-from onnxmp.training.models import mlp, trainable
+from onnxmp.training.models import mlp, scaled_cross_entropy, trainable
 
 
 def _producers(graph):
@@ -138,22 +138,7 @@ def test_other_losses_train(tmp_path, model, batches, loss, labels):
 
 
 def test_custom_loss_block(tmp_path, model, batches):
-    from onnxmp.training import _ort
-
-    ob = _ort.onnxblock()
-
-    class DoubledCrossEntropy(ob.Block):
-        def __init__(self):
-            super().__init__()
-            self.ce = ob.loss.CrossEntropyLoss()
-            self.mul = ob.blocks.Mul()
-
-        def build(self, output, labels):
-            two = "two"
-            self.base.graph.initializer.append(helper.make_tensor(two, TensorProto.FLOAT, [], [2.0]))
-            return self.mul(self.ce(output, labels), two)
-
-    artifacts = build_artifacts(model, requires_grad=trainable(model), loss=DoubledCrossEntropy(),
+    artifacts = build_artifacts(model, requires_grad=trainable(model), loss=scaled_cross_entropy(2.0),
                                 precision="float32", out_dir=tmp_path / "custom")
     plain = build_artifacts(model, requires_grad=trainable(model), precision="float32", out_dir=tmp_path / "plain")
     x, y = batches[0]

@@ -166,3 +166,18 @@ def test_no_progress_bar_when_stderr_is_not_a_terminal(files, capsys):
     argv = [a for a in _args(files, files / "out", 1) if a != "--no-progress"]
     assert main(argv) == 0
     assert "it/s" not in capsys.readouterr().err
+
+
+def test_log_names_the_final_paths_not_the_temporary_folder(files, capsys, caplog):
+    """The INFO lines named `.out.x1y2.tmp/...`, a folder renamed away before the run ends."""
+    import logging
+
+    caplog.set_level(logging.INFO, logger="onnxmp")
+    out = files / "out"
+    assert main(_args(files, out, 1)) == 0
+    messages = [r.getMessage() for r in caplog.records]
+    assert not [m for m in messages if ".tmp" in m], messages
+    assert f"saved {out / 'artifacts' / 'training_model.onnx'}" in messages
+    assert any(m.endswith(f"written to {out / 'artifacts'}") for m in messages)
+    assert any(m.endswith(f"to {out / 'state'}") and "trainer state" in m for m in messages)
+    assert f"saved {out / 'model.onnx'}" in messages

@@ -5,7 +5,7 @@ import pytest
 
 from onnxmp.errors import OnnxMPError
 from onnxmp.training import DynamicLossScaler, Trainer, build_artifacts
-from onnxmp.training.models import trainable
+from onnxmp.training.models import scaled_cross_entropy, trainable
 
 
 def with_nan(batch, value=np.nan):
@@ -173,25 +173,9 @@ def _feeds(trainer, batch):
 def test_emulated_fp16_underflow_needs_loss_scaling(tmp_path, model, batches):
     """A loss scaled by 2**-20 has gradients below fp16's range: with scale 1
     the emulated fp16 backward flushes them to zero, a large scale keeps them."""
-    from onnx import TensorProto, helper
-
-    from onnxmp.training import _ort
-
-    ob = _ort.onnxblock()
-
-    class TinyLoss(ob.Block):
-        def __init__(self):
-            super().__init__()
-            self.ce = ob.loss.CrossEntropyLoss()
-            self.mul = ob.blocks.Mul()
-
-        def build(self, output, labels):
-            self.base.graph.initializer.append(helper.make_tensor("tiny", TensorProto.FLOAT, [], [2.0**-20]))
-            return self.mul(self.ce(output, labels), "tiny")
-
     def build(precision):
-        return build_artifacts(model, requires_grad=trainable(model), loss=TinyLoss(), optimizer="sgd",
-                               precision=precision, target="cpu", out_dir=tmp_path / precision)
+        return build_artifacts(model, requires_grad=trainable(model), loss=scaled_cross_entropy(2.0**-20),
+                               optimizer="sgd", precision=precision, target="cpu", out_dir=tmp_path / precision)
 
     def first_layer_grad(artifacts, scale):
         trainer = Trainer(artifacts, scaler=DynamicLossScaler.static(scale))
@@ -293,3 +277,18 @@ def test_fit_shows_a_progress_bar(fp16_artifacts, batches, capsys):
     Trainer(fp16_artifacts).fit(batches[:3], epochs=1, progress=True)
     err = capsys.readouterr().err
     assert "epoch 1/1" in err and "scale=" in err and "skipped=" in err
+
+
+def test_unloadable_artifacts_give_one_line_without_ort_source_location(fp32_artifacts, tmp_path):
+    """onnxruntime prefixes its reason with a C++ file and signature; the error keeps the reason only."""
+    import shutil
+
+    copy = tmp_path / "artifacts"
+    shutil.copytree(fp32_artifacts.directory, copy)
+    training = copy / fp32_artifacts.training_model.name
+    training.write_bytes(training.read_bytes()[:100])
+    with pytest.raises(OnnxMPError) as info:
+        Trainer(copy)
+    message = info.value.message
+    assert "cannot load the artifacts" in message and "\n" not in message
+    assert "onnxruntime_src" not in message and "::" not in message
