@@ -19,7 +19,7 @@ from onnxmp.calibrate import DEFAULT_TOLERANCE, MAX_RUNS, convert_with_calibrati
 from onnxmp.color import ColorOptions, ColorResult, color
 from onnxmp.color.seeds import DEFAULT_THRESHOLD, DEFAULT_UNDERFLOW_SHARE
 from onnxmp.emit import emit, initializer_inputs
-from onnxmp.errors import OnnxMPError
+from onnxmp.errors import OnnxMPError, first_line
 from onnxmp.lists import TARGETS, ListOverrides, resolve_lists
 from onnxmp.load import ModelLike, load
 from onnxmp.normalize import normalize
@@ -236,7 +236,7 @@ def _convert_loaded(model: ModelLike, handover: list[onnx.ModelProto], timings: 
         except OnnxMPError:
             raise
         except Exception as exc:  # keep deep stack traces away from users
-            raise OnnxMPError(f"rewrite failed: {type(exc).__name__}: {str(exc)[:300]}",
+            raise OnnxMPError(f"rewrite failed: {type(exc).__name__}: {first_line(exc)}",
                               hint="please report this model; --block-node or --deny-add can route around "
                                    "the failing node meanwhile") from exc
     original_io, emitted_casts = io_signature(original), edits.emitted_casts

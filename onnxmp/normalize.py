@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import onnx
 
-from onnxmp.errors import OnnxMPError
+from onnxmp.errors import OnnxMPError, first_line
 from onnxmp.external import SKELETON_TENSOR_BYTES, skeleton
 from onnxmp.graphs import ModelGraph, iter_proto_graphs, iter_graphs, may_hold_graphs
 from onnxmp.passes import PassResult, require
@@ -37,7 +37,7 @@ def infer_types(model: onnx.ModelProto) -> tuple[onnx.ModelProto, str | None]:
     try:
         inferred = onnx.shape_inference.infer_shapes(_weightless(model), data_prop=True)
     except Exception as exc:  # onnx raises InferenceError, ValidationError or RuntimeError
-        message = str(exc).splitlines()[0][:300]
+        message = first_line(exc)
         log.warning("shape inference failed (%s); types not declared in the model stay unknown", message)
         return model, message
     _copy_value_info(inferred.graph, model.graph)
@@ -165,7 +165,7 @@ def toposort_all(model: onnx.ModelProto) -> bool:
             graph = gs.import_onnx(model)
     except Exception as exc:
         raise OnnxMPError(
-            f"onnx-graphsurgeon cannot import the model: {str(exc).splitlines()[0][:300]}",
+            f"onnx-graphsurgeon cannot import the model: {first_line(exc)}",
             hint="run onnx.checker.check_model on it; the model may be malformed",
         ) from None
     protos = {node.name: node for _, g, _ in iter_graphs(model.graph) for node in g.node}
@@ -176,7 +176,7 @@ def toposort_all(model: onnx.ModelProto) -> bool:
             g.toposort(recurse_subgraphs=False)
         except Exception as exc:
             raise OnnxMPError(
-                f"graph {graph_id or 'main'!r} cannot be sorted topologically: {str(exc)[:200]}",
+                f"graph {graph_id or 'main'!r} cannot be sorted topologically: {first_line(exc)}",
                 hint="the graph has a cycle or a node reads a tensor nothing produces",
             ) from None
         after = [n.name for n in g.nodes]
