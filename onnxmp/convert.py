@@ -26,7 +26,7 @@ from onnxmp.normalize import normalize
 from onnxmp.precision import low_precision
 from onnxmp.report import Report, group_rows, head, tensor_core_advice, vertex_rows
 from onnxmp.rewrite import rewrite
-from onnxmp.verify import io_signature, verify
+from onnxmp.verify import check_input_model, io_signature, verify
 
 log = logging.getLogger("onnxmp.convert")
 
@@ -135,6 +135,7 @@ def explain(model: ModelLike, *, target: str = "cuda", precision: str = "float16
     timings: dict[str, float] = {}
     with _timed(timings, "load"):
         proto = load(model, lazy_external=True)
+    check_input_model(proto)  # refuse what convert would refuse, rather than color it
     magnitudes = None
     if calibration is not None:
         magnitudes = observe_magnitudes(model, calibration)

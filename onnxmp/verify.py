@@ -14,6 +14,7 @@ import onnx
 from onnxmp.errors import OnnxMPError, first_line
 from onnxmp.external import check_skeleton, has_external_data, skeleton
 from onnxmp.graphs import iter_proto_graphs, may_hold_graphs
+from onnxmp.normalize import make_node_names_unique, toposort_all
 
 SKELETON_ABOVE = 1 << 30  # bytes; well under protobuf's 2 GB serialization limit
 
@@ -44,7 +45,7 @@ def verify(model: onnx.ModelProto, *, original: onnx.ModelProto | None = None, k
         # full_check runs type inference with check_type and strict mode: a type error lands here too.
         if original is None and reload_original is not None:
             original = reload_original()
-        _blame_an_invalid_input(original)
+        reject_invalid_input(original)
         raise OnnxMPError(f"converted model fails onnx.checker / strict type inference: {first_line(exc)}",
                           hint=_HINT) from None
     check_topological(model.graph, "main")
@@ -52,8 +53,26 @@ def verify(model: onnx.ModelProto, *, original: onnx.ModelProto | None = None, k
         _check_io_signatures(original_io, io_signature(model))
 
 
-def _blame_an_invalid_input(original: onnx.ModelProto | None) -> None:
-    """A model that was invalid before conversion is the export's problem, not a converter bug to report."""
+def check_input_model(model: onnx.ModelProto) -> None:
+    """Raise :class:`OnnxMPError` when ``model`` is not one convert would accept as input.
+
+    Coloring does not need a valid model, so explain would otherwise print colors for a
+    model convert refuses (a tensor nothing produces, an Add of float and int).  ``model``
+    is not changed: the check runs on a weightless copy, named and sorted the way convert
+    prepares its input first (an unsorted export is valid input).
+    """
+    copy = skeleton(model)  # the checker needs types only
+    make_node_names_unique(copy.graph)
+    toposort_all(copy)
+    reject_invalid_input(with_function_defaults(copy) or copy)
+
+
+def reject_invalid_input(original: onnx.ModelProto | None) -> None:
+    """Raise :class:`OnnxMPError` blaming the input when ``original`` fails the full checker.
+
+    A model that was invalid before conversion is the export's problem, not a converter bug
+    to report; verify calls this before blaming itself.  ``None`` (no original at hand) passes.
+    """
     if original is None:
         return
     try:

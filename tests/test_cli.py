@@ -372,3 +372,18 @@ def test_explain_takes_a_valid_model_whose_nodes_are_out_of_order(work, capsys):
     onnx.save(model, "unsorted.onnx")
     assert main(["explain", "unsorted.onnx"]) == 0
     assert "allow=2" in capsys.readouterr().out
+
+
+def test_python_explain_refuses_an_invalid_input_model_as_convert_does():
+    """onnxmp.explain colored a model onnx.checker rejects; the library applies the CLI's input check."""
+    import onnxmp
+    from onnxmp.errors import OnnxMPError
+
+    with pytest.raises(OnnxMPError, match="the input model is invalid"):
+        onnxmp.explain(_parsed(_INVALID["mismatched types"]))
+    valid = _parsed("""
+        g (float[2,4] x, float[4,4] w) => (float[2,4] y) {
+          a = MatMul(x, w)
+          y = Relu(a)
+        }""")
+    assert onnxmp.explain(valid).changed

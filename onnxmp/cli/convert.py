@@ -126,7 +126,6 @@ def _convert(args) -> int:
 def _explain(args) -> int:
     import onnxmp
 
-    _check_input(args.model)
     report = onnxmp.explain(args.model, **_common_kwargs(args))
     if args.json:
         sys.stdout.write(report.to_json() + "\n")
@@ -136,22 +135,6 @@ def _explain(args) -> int:
     for v in report.vertices:
         sys.stdout.write(f"{v.vertex:<48}{v.color:<7}{v.rule:<48}{v.cause}\n")
     return 0
-
-
-def _check_input(path: str) -> None:
-    """Refuse a model the checker rejects, with convert's error: coloring does not need a valid
-    model, so explain printed colors for one convert would refuse (a tensor nothing produces, an
-    Add of float and int) and exited 0."""
-    from onnxmp.external import skeleton
-    from onnxmp.load import load
-    from onnxmp.normalize import make_node_names_unique, toposort_all
-    from onnxmp.verify import _blame_an_invalid_input, with_function_defaults
-
-    model = skeleton(load(path, lazy_external=True))  # the checker needs types only
-    # convert names and sorts the nodes before anything is checked: an unsorted export is valid input.
-    make_node_names_unique(model.graph)
-    toposort_all(model)
-    _blame_an_invalid_input(with_function_defaults(model) or model)
 
 
 def _lists(args) -> int:
