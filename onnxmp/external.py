@@ -13,6 +13,7 @@ serialized proto, in memory at once:
 from __future__ import annotations
 
 import atexit
+import itertools
 import os
 import shutil
 import tempfile
@@ -136,7 +137,7 @@ def converted_external(source: onnx.TensorProto, low_dtype: np.dtype, low_enum: 
     as long as the process (or until ``save`` copies them), so the converted model
     never holds its weights in memory.
     """
-    path = spill_folder() / f"{len(list(spill_folder().iterdir()))}.bin"
+    path = spill_folder() / f"{next(_SPILLED)}.bin"
     values = read_external(source).astype(low_dtype)
     values.tofile(path)
     proto = onnx.TensorProto(name=source.name, data_type=low_enum, dims=source.dims)
@@ -145,6 +146,7 @@ def converted_external(source: onnx.TensorProto, low_dtype: np.dtype, low_enum: 
 
 
 _SPILL: list[Path] = []
+_SPILLED = itertools.count()  # listing the folder for a fresh name made spilling quadratic
 
 
 def spill_folder() -> Path:
