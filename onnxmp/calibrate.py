@@ -50,6 +50,7 @@ log = logging.getLogger("onnxmp.calibrate")
 
 DEFAULT_TOLERANCE = 1e-2  # per output, in the metric's units (rel: max |out - ref| / max |ref|)
 MAX_RUNS = 2000           # emulated runs before the search gives up and returns the best model found
+ACCURACY_FALLBACK = "accuracy fallback"  # cause prefix of the nodes calibration forces to float32
 MAX_CYCLES = 4            # search + confirm cycles before the all-float32 fallback
 SUMMARY_ROWS = 10
 
@@ -411,10 +412,10 @@ class _Calibration:
                     break
                 for item in found:
                     moved[item.node] = item
-                    forced[item.node] = (f"accuracy fallback: measured on calibration data, the output error is "
+                    forced[item.node] = (f"{ACCURACY_FALLBACK}: measured on calibration data, the output error is "
                                          f"{item.error_with:.3g} with this node in {self.precision} and "
                                          f"{item.error_without:.3g} without" if item.error_with is not None
-                                         else f"accuracy fallback: {REASONS[item.reason]}")
+                                         else f"{ACCURACY_FALLBACK}: {REASONS[item.reason]}")
                 current = self.convert(forced)
                 current_m = self.measure(current)
                 best, best_m = self._better(best, best_m, current, current_m)
@@ -477,7 +478,7 @@ class _Calibration:
             if not low:
                 break
             for name, node in low.items():
-                forced[name] = "accuracy fallback: the search could not land; all-float32 fallback"
+                forced[name] = f"{ACCURACY_FALLBACK}: the search could not land; all-float32 fallback"
                 moved[name] = MovedNode(name, node.op, "all-float32 fallback", None, None)
             current = self.convert(forced)
         current_m = self.measure(current)

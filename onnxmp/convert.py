@@ -15,7 +15,7 @@ from typing import Iterable, Mapping
 
 import onnx
 
-from onnxmp.calibrate import DEFAULT_TOLERANCE, MAX_RUNS, convert_with_calibration, observe_magnitudes
+from onnxmp.calibrate import ACCURACY_FALLBACK, DEFAULT_TOLERANCE, MAX_RUNS, convert_with_calibration, observe_magnitudes
 from onnxmp.color import ColorOptions, ColorResult, color
 from onnxmp.color.seeds import DEFAULT_THRESHOLD, DEFAULT_UNDERFLOW_SHARE
 from onnxmp.emit import emit, initializer_inputs
@@ -261,5 +261,10 @@ def _unchanged_reason(report: Report) -> str:
                                                       "GRU", "RNN")]
     if not heavy:
         return "no allow-list op (Conv/MatMul/Gemm/...) with float32 tensors"
+    # Calibration forces only nodes an earlier run had in low precision: they could run there.
+    moved = sum(v.rule == "seed_deny_forced" and v.cause.startswith(ACCURACY_FALLBACK) for v in heavy)
+    if moved:
+        return (f"calibration kept every node in float32 to meet the tolerance "
+                f"({moved} allow-list vertices moved back by the accuracy fallback)")
     shown, rest = head(sorted({v.cause for v in heavy}), 3)
     return "no allow-list op can run in low precision: " + "; ".join([*shown, rest] if rest else shown)
