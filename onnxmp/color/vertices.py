@@ -15,7 +15,7 @@ from typing import Iterable, Mapping, Sequence
 
 import onnx
 
-from onnxmp.graphs import GRAPH, TENSOR_KIND, ModelGraph
+from onnxmp.graphs import GRAPH, TENSOR_KIND, ModelGraph, may_hold_graphs
 from onnxmp.lists import list_of, op_key
 from onnxmp.precision import Precision
 
@@ -343,6 +343,8 @@ def control_flow_groups(graph: ModelGraph) -> list[ColorGroup]:
     groups: list[ColorGroup] = []
     for scope in graph.scopes:
         for node in scope.graph.node:
+            if not may_hold_graphs(node):
+                continue
             bodies = {a.name: a.g for a in node.attribute if a.type == GRAPH}
             if node.op_type == "If" and "then_branch" in bodies and "else_branch" in bodies:
                 then_g, else_g = bodies["then_branch"], bodies["else_branch"]
