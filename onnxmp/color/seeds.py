@@ -157,20 +157,23 @@ def seed_deny_from_initializer_range(state: Coloring, graph: ModelGraph, *,
         causes[name] = check.describe(name, limit, underflow_share)
     # A node's inputs are read in order up to the first one with a cause; Constant-node values read
     # that way are written back as raw data (see Coloring.read_constants).
-    for _, names in candidates:
-        for name in names:
-            node = producers.get(name)
-            if node is not None and any(a.name == "value" and a.type == onnx.AttributeProto.TENSOR
-                                        for a in node.attribute):
-                state.read_constants.add(node.name)
-            if causes.get(name):
-                break
+    # Both walks below find nothing to do in the common model: no Constant nodes, no cause.
+    if producers:
+        for _, names in candidates:
+            for name in names:
+                node = producers.get(name)
+                if node is not None and any(a.name == "value" and a.type == onnx.AttributeProto.TENSOR
+                                            for a in node.attribute):
+                    state.read_constants.add(node.name)
+                if causes.get(name):
+                    break
     painted = 0
-    for keys, names in candidates:
-        cause = next((causes[n] for n in names if causes.get(n)), None)
-        if cause:
-            for k in keys:
-                painted += state.paint(k, DENY, "seed_deny_from_initializer_range", cause)
+    if any(causes.values()):
+        for keys, names in candidates:
+            cause = next((causes[n] for n in names if causes.get(n)), None)
+            if cause:
+                for k in keys:
+                    painted += state.paint(k, DENY, "seed_deny_from_initializer_range", cause)
     return PassResult(painted > 0, {"painted": painted})
 
 
