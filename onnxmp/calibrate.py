@@ -41,6 +41,7 @@ from onnxmp.errors import OnnxMPError, first_line
 from onnxmp.graphs import proto_nodes
 from onnxmp.load import load
 from onnxmp.metrics import MetricPlan, as_output_array, metric_plan, relative_error  # noqa: F401  (relative_error: public here)
+from onnxmp.normalize import make_node_names_unique
 from onnxmp.report import TENSOR_CORE_OPS, Report, head
 from onnxmp.search import (
     BudgetExhausted, LowNode, Oracle, RunBar, Switchboard, find_fp32_set, run_bound, segment_ranking,
@@ -289,28 +290,6 @@ def _capped(lines: list[str]) -> list[str]:
 # --- the loop ---------------------------------------------------------------------------
 
 
-def _named(model: onnx.ModelProto) -> onnx.ModelProto:
-    """Give unnamed and duplicate-named nodes unique names, so the search and the coloring agree on names.
-
-    Same scheme as normalize (``<op>_<n>``; the first holder keeps its name), so a
-    model normalize would leave alone is not touched.
-    """
-    nodes = list(proto_nodes(model.graph))
-    taken = {n.name for n in nodes if n.name}
-    seen: set[str] = set()
-    counter = 0
-    for node in nodes:
-        if node.name and node.name not in seen:
-            seen.add(node.name)
-            continue
-        while f"{node.op_type}_{counter}" in taken:
-            counter += 1
-        node.name = f"{node.op_type}_{counter}"
-        taken.add(node.name)
-        seen.add(node.name)
-    return model
-
-
 def _low_nodes(model: onnx.ModelProto, report: Report) -> dict[str, LowNode]:
     """Nodes with a low-precision vertex, and which of their tensors are low precision (from the report)."""
     protos = {node.name: node for node in proto_nodes(model.graph)}
@@ -339,7 +318,9 @@ class _Calibration:
             raise OnnxMPError(f"max_runs must be at least 1, got {max_runs}")
         self.started = time.perf_counter()
         self.convert_pass = convert_pass
-        self.original = _named(load(model))
+        self.original = load(model)
+        # Unique names now, by normalize's own scheme, so the search and the coloring agree on names.
+        make_node_names_unique(self.original.graph)
         self.tolerance = tolerance
         self.max_runs = max_runs
         self.precision = convert_options.get("precision", "float16")

@@ -10,10 +10,11 @@ import pytest
 
 import onnxmp
 from onnxmp.calibrate import (
-    CalibrationReport, Measurement, SeededTensor, _low_nodes, _named, relative_error, run_with_intermediates,
+    CalibrationReport, Measurement, SeededTensor, _low_nodes, relative_error, run_with_intermediates,
     split_holdout,
 )
 from onnxmp.emulate import emulate
+from onnxmp.normalize import make_node_names_unique
 from onnxmp.search import RUNS_C, Oracle, Switchboard, find_fp32_set, run_bound
 
 pytest.importorskip("onnxruntime")
@@ -271,7 +272,8 @@ def test_search_alone_meets_the_bound_over_many_culprit_layouts():
 def test_switchboard_all_off_is_fp32_and_all_on_is_the_real_conversion():
     from models.zoo import build, inputs_for
 
-    model = _named(build("transformer_block"))
+    model = build("transformer_block")
+    make_node_names_unique(model.graph)
     sample = [inputs_for("transformer_block")]
     converted = onnxmp.convert(model)
     board = Switchboard(model, _low_nodes(model, converted.report))
@@ -433,3 +435,17 @@ def test_spread_error_stops_bisecting_node_by_node_and_returns_a_passing_prefix(
     assert any(c.score_with is None for c in found)  # prefix members, not measured one by one
     rounds = math.ceil(math.log2(n)) + 1
     assert oracle.runs <= rounds * (math.ceil(math.log2(n)) + 2) + 2
+
+
+def test_calibration_names_unnamed_nodes_as_plain_conversion_does():
+    from onnx import TensorProto, helper, numpy_helper
+
+    w = numpy_helper.from_array(np.random.default_rng(0).random((8, 8), np.float32), "w")
+    graph = helper.make_graph(
+        [helper.make_node("MatMul", ["x", "w"], ["h"]), helper.make_node("Relu", ["h"], ["y"])], "g",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 8])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2, 8])], [w])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8)
+    sample = {"x": np.random.default_rng(1).random((2, 8), np.float32)}
+    names = lambda m: sorted(n.name for n in m.graph.node if n.op_type in ("MatMul", "Relu"))  # noqa: E731
+    assert names(onnxmp.convert(model, calibration=[sample]).model) == names(onnxmp.convert(model).model)
