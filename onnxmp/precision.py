@@ -32,11 +32,6 @@ class Precision:
         """Largest finite value."""
         return float(ml_dtypes.finfo(self.numpy).max)
 
-    @property
-    def tiny(self):
-        """Smallest positive normal value (a numpy scalar of this type)."""
-        return ml_dtypes.finfo(self.numpy).tiny
-
 
 FLOAT16 = Precision("float16", onnx.TensorProto.FLOAT16, np.dtype(np.float16), "fp16", "f16")
 BFLOAT16 = Precision("bfloat16", onnx.TensorProto.BFLOAT16, np.dtype(ml_dtypes.bfloat16), "bf16", "bf16")
