@@ -43,7 +43,7 @@ from __future__ import annotations
 import logging
 import math
 import time
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -184,19 +184,24 @@ class Switchboard:
         return switches
 
     def run(self, fp32: Iterable[str], samples: Sequence[Mapping[str, np.ndarray]]) -> list[dict[str, np.ndarray]]:
-        switches = self.mask(fp32)
-        feeds_allowed = {i.name for i in self.session.get_inputs()}
-        results = []
-        for sample in samples:
-            feeds = {k: v for k, v in sample.items() if k in feeds_allowed}
-            feeds[SWITCH_INPUT] = switches
-            try:
-                values = self.session.run(self.outputs, feeds)
-            except Exception as exc:  # onnxruntime's exceptions share no public base class
-                raise OnnxMPError(f"calibration run failed: {first_line(exc)}",
-                                  hint="check the calibration inputs' shapes and dtypes") from None
-            results.append({name: as_output_array(value) for name, value in zip(self.outputs, values)})
-        return results
+        return list(run_samples(self.session, samples, self.outputs, {SWITCH_INPUT: self.mask(fp32)}))
+
+
+def run_samples(session, samples: Iterable[Mapping[str, np.ndarray]], outputs: Sequence[str] | None = None,
+                extra: Mapping[str, np.ndarray] | None = None) -> Iterator[dict[str, np.ndarray]]:
+    """``outputs`` (default: all) of ``session`` per sample; arrays that feed no input are left out
+    (a training file's labels), ``extra`` feeds are added to each sample."""
+    allowed = {i.name for i in session.get_inputs()}
+    names = [o.name for o in session.get_outputs()] if outputs is None else list(outputs)
+    for sample in samples:
+        feeds = {k: v for k, v in sample.items() if k in allowed}
+        feeds.update(extra or {})
+        try:
+            values = session.run(names, feeds)
+        except Exception as exc:  # onnxruntime's exceptions share no public base class
+            raise OnnxMPError(f"calibration run failed: {first_line(exc)}",
+                              hint="check the calibration inputs' shapes and dtypes") from None
+        yield {name: as_output_array(value) for name, value in zip(names, values)}
 
 
 # --- the search ------------------------------------------------------------------------
