@@ -180,10 +180,10 @@ class _DataSpec:
     def of_model(cls, model, loss: str) -> "_DataSpec":
         from onnx import helper
 
+        from onnxmp.inputs import model_inputs
         from onnxmp.training.labels import output_shape
 
-        initializers = {t.name for t in model.graph.initializer}
-        inputs = [v for v in model.graph.input if v.name not in initializers]
+        inputs = model_inputs(model)
         dtypes = {v.name: str(helper.tensor_dtype_to_np_dtype(v.type.tensor_type.elem_type)) for v in inputs}
         return cls([v.name for v in inputs], dtypes, loss, output_shape(model))
 
