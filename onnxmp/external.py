@@ -25,7 +25,7 @@ import onnx
 from onnx.external_data_helper import uses_external_data
 
 from onnxmp.errors import OnnxMPError
-from onnxmp.graphs import may_hold_graphs
+from onnxmp.graphs import may_hold_graphs, proto_subgraphs
 
 CHUNK = 64 << 20  # bytes copied per read when streaming external data
 SKELETON_DATA = "onnxmp-skeleton.bin"
@@ -52,10 +52,8 @@ def _subgraphs(attr: onnx.AttributeProto) -> list[onnx.GraphProto]:
 def _initializers(graph: onnx.GraphProto) -> Iterator[onnx.TensorProto]:
     yield from graph.initializer
     for node in graph.node:
-        if may_hold_graphs(node):
-            for attr in node.attribute:
-                for sub in _subgraphs(attr):
-                    yield from _initializers(sub)
+        for sub in proto_subgraphs(node):
+            yield from _initializers(sub)
 
 
 def _attribute_tensors(graph) -> Iterator[onnx.TensorProto]:
