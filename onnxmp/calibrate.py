@@ -37,14 +37,15 @@ import numpy as np
 import onnx
 
 from onnxmp.color.seeds import DEFAULT_THRESHOLD, DEFAULT_UNDERFLOW_SHARE
-from onnxmp.errors import OnnxMPError, first_line
+from onnxmp.errors import OnnxMPError
 from onnxmp.graphs import proto_nodes
 from onnxmp.load import load
 from onnxmp.metrics import MetricPlan, metric_plan, relative_error  # noqa: F401  (relative_error: public here)
 from onnxmp.normalize import make_node_names_unique
 from onnxmp.report import TENSOR_CORE_OPS, Report, head
 from onnxmp.search import (
-    BudgetExhausted, LowNode, Oracle, RunBar, Switchboard, find_fp32_set, run_bound, run_samples, segment_ranking,
+    BudgetExhausted, LowNode, Oracle, RunBar, Switchboard, cpu_session, find_fp32_set, run_bound, run_samples,
+    segment_ranking,
 )
 
 log = logging.getLogger("onnxmp.calibrate")
@@ -93,18 +94,6 @@ def _float_tensors(model: onnx.ModelProto) -> list[str]:
     return names
 
 
-def _session(model: onnx.ModelProto, what: str):
-    import onnxruntime as ort
-
-    options = ort.SessionOptions()
-    options.log_severity_level = 3
-    try:
-        return ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
-    except Exception as exc:  # onnxruntime's exceptions share no public base class
-        raise OnnxMPError(f"onnxruntime cannot load the {what} for calibration: {first_line(exc)}",
-                          hint="check that the float32 model runs on onnxruntime CPU") from None
-
-
 def _check_references(references: Sequence[dict[str, np.ndarray]]) -> None:
     """Refuse a sample on which the float32 model's output is inf/NaN everywhere: any candidate would
     'match' it, so calibration would report success without having measured anything."""
@@ -119,7 +108,7 @@ def _check_references(references: Sequence[dict[str, np.ndarray]]) -> None:
 
 def run_with_intermediates(model: onnx.ModelProto, samples: Sequence[Sample]) -> list[dict[str, np.ndarray]]:
     """Run on onnxruntime CPU with every float32 main-graph tensor exposed as an output."""
-    return list(run_samples(_session(_probe(model), "model"), samples))
+    return list(run_samples(cpu_session(_probe(model), "model"), samples))
 
 
 def _probe(model: onnx.ModelProto) -> onnx.ModelProto:
@@ -137,7 +126,7 @@ def observe_magnitudes(model: onnx.ModelProto, calibration) -> dict[str, float]:
     """max |x| over all samples of every float32 intermediate of the fp32 model."""
     model = load(model)
     magnitudes: dict[str, float] = {}
-    for run in run_samples(_session(_probe(model), "model"), samples_from(model, calibration)):
+    for run in run_samples(cpu_session(_probe(model), "model"), samples_from(model, calibration)):
         _fold_magnitudes(magnitudes, run)
     return magnitudes
 
@@ -320,10 +309,10 @@ class _Calibration:
         self.plan: MetricPlan = metric_plan(metric, self.outputs)
         self.magnitudes: dict[str, float] = {}
         self.ref_tune = []
-        for run in run_samples(_session(_probe(self.original), "model"), self.tune):
+        for run in run_samples(cpu_session(_probe(self.original), "model"), self.tune):
             _fold_magnitudes(self.magnitudes, run)
             self.ref_tune.append({name: run[name] for name in self.outputs})
-        self.ref_held = (list(run_samples(_session(self.original, "model"), self.held, self.outputs))
+        self.ref_held = (list(run_samples(cpu_session(self.original, "model"), self.held, self.outputs))
                          if self.held else [])
         _check_references(self.ref_tune + self.ref_held)
         self.runs = 0
@@ -342,7 +331,7 @@ class _Calibration:
         from onnxmp.emulate import emulate
 
         self.runs += 1
-        session = _session(emulate(result.model, self.precision, keep_io_types=False), "converted model")
+        session = cpu_session(emulate(result.model, self.precision, keep_io_types=False), "converted model")
         tune = self.plan.errors(self.ref_tune, list(run_samples(session, self.tune, self.outputs)))
         held = (self.plan.errors(self.ref_held, list(run_samples(session, self.held, self.outputs)))
                 if self.held else None)

@@ -99,17 +99,11 @@ class Switchboard:
         proto.graph.input.append(helper.make_tensor_value_info(SWITCH_INPUT, TensorProto.BOOL, [len(self.nodes)]))
         self.outputs = [o.name for o in proto.graph.output]
         options = ort.SessionOptions()
-        options.log_severity_level = 3
         # ORT's memory-reuse planner is superlinear in the number of values: it took 5 s of a
         # 4,500-node switchboard's 5.5 s start-up.  Runs are short; allocation is cheap by comparison.
         options.enable_mem_reuse = False
         options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
-        try:
-            self.session = ort.InferenceSession(proto.SerializeToString(), options,
-                                                providers=["CPUExecutionProvider"])
-        except Exception as exc:  # onnxruntime's exceptions share no public base class
-            raise OnnxMPError(f"onnxruntime cannot load the calibration model: {first_line(exc)}",
-                              hint="check that the float32 model runs on onnxruntime CPU") from None
+        self.session = cpu_session(proto, "switchboard model", options)
         self._index = {name: i for i, name in enumerate(self.nodes)}
 
     # -- building ---------------------------------------------------------------------
@@ -185,6 +179,20 @@ class Switchboard:
 
     def run(self, fp32: Iterable[str], samples: Sequence[Mapping[str, np.ndarray]]) -> list[dict[str, np.ndarray]]:
         return list(run_samples(self.session, samples, self.outputs, {SWITCH_INPUT: self.mask(fp32)}))
+
+
+def cpu_session(model: onnx.ModelProto, what: str, options=None):
+    """A quiet onnxruntime CPU session over ``model`` (``options``: a SessionOptions to start from);
+    a model it cannot load is an OnnxMPError naming ``what``."""
+    import onnxruntime as ort
+
+    options = options or ort.SessionOptions()
+    options.log_severity_level = 3
+    try:
+        return ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
+    except Exception as exc:  # onnxruntime's exceptions share no public base class
+        raise OnnxMPError(f"onnxruntime cannot load the {what} for calibration: {first_line(exc)}",
+                          hint="check that the float32 model runs on onnxruntime CPU") from None
 
 
 def run_samples(session, samples: Iterable[Mapping[str, np.ndarray]], outputs: Sequence[str] | None = None,
