@@ -7,7 +7,7 @@ import logging
 import sys
 
 from onnxmp.cli import EXIT_TOLERANCE, at_least, positive_float, report_error
-from onnxmp.errors import OnnxMPError, UsageError
+from onnxmp.errors import UsageError
 from onnxmp.files import all_or_nothing, guard_outputs, write_text_atomic
 from onnxmp.lists import LEVELS, LIST_NAMES, PRECISIONS, TARGETS
 
