@@ -24,14 +24,11 @@ _HINT = ("onnxmp produced an invalid model; please report it. Meanwhile, --block
          "--deny-add OP around the named node usually avoids the problem")
 
 
-def verify(model: onnx.ModelProto, *, original: onnx.ModelProto | None = None, keep_io_types: bool = True,
-           original_io: tuple[list, list] | None = None,
+def verify(model: onnx.ModelProto, *, keep_io_types: bool = True, original_io: tuple[list, list] | None = None,
            reload_original: Callable[[], onnx.ModelProto] | None = None) -> None:
-    """``original_io`` (``io_signature(original)``) and ``reload_original`` (which makes ``original``
-    again, for the rare failure) stand in for ``original``: callers pass them to let the original model
-    go before the checker makes its own copies of the converted one."""
-    if original is not None:
-        original_io = io_signature(original)
+    """``original_io`` (``io_signature`` of the model converted) and ``reload_original`` (which makes
+    that model again, for the rare failure) stand in for the original model itself: callers pass them
+    to let it go before the checker makes its own copies of the converted one."""
     try:
         try:
             full_check(model)
@@ -43,9 +40,7 @@ def verify(model: onnx.ModelProto, *, original: onnx.ModelProto | None = None, k
             log.debug("the model passes the checker once function ops' attribute defaults are written out")
     except Exception as exc:  # ValidationError, or InferenceError from full_check
         # full_check runs type inference with check_type and strict mode: a type error lands here too.
-        if original is None and reload_original is not None:
-            original = reload_original()
-        reject_invalid_input(original)
+        reject_invalid_input(reload_original() if reload_original is not None else None)
         raise OnnxMPError(f"converted model fails onnx.checker / strict type inference: {first_line(exc)}",
                           hint=_HINT) from None
     check_topological(model.graph, "main")
