@@ -79,10 +79,6 @@ def as_model(model: onnx.ModelProto | str | os.PathLike) -> onnx.ModelProto:
     return load(model)
 
 
-def precision_type(precision: str) -> int:
-    return low_precision(precision).onnx_type
-
-
 def low_precision_types(model: onnx.ModelProto | str | os.PathLike) -> list[str]:
     """Names of the low-precision float types (``"float16"``, ``"bfloat16"``) the model uses.
 
@@ -105,7 +101,7 @@ def emulated_precisions(model: onnx.ModelProto | str | os.PathLike, requested: s
     """
     found = low_precision_types(model)
     if requested is not None:
-        precision_type(requested)
+        low_precision(requested)  # an unknown name is an error of its own
         if requested not in found:
             held = " and ".join(found) + " tensors" if found else "no float16 or bfloat16 tensors"
             raise OnnxMPError(f"{requested} was asked for, but {name} holds {held}",
@@ -126,7 +122,7 @@ def emulate(model: onnx.ModelProto | str | os.PathLike, precision: str = "float1
     copy).  To emulate a model that mixes float16 and bfloat16, apply this once
     per precision.
     """
-    elem = precision_type(precision)
+    elem = low_precision(precision).onnx_type
     source = as_model(model)
     result = onnx.ModelProto()
     result.CopyFrom(source)
