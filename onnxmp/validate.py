@@ -343,13 +343,13 @@ def _thresholds(thresholds: Thresholds | Mapping[str, float | None] | None, prec
     return limits
 
 
-def _emulated(model: onnx.ModelProto) -> tuple[onnx.ModelProto, list[str]]:
-    precisions = low_precision_types(model)
+def _emulated(model: onnx.ModelProto, precisions: list[str]) -> onnx.ModelProto:
+    """``model`` with its ``precisions`` (``low_precision_types(model)``) emulated in float32."""
     for precision in precisions:
         # float32 I/O: onnxruntime's Python API cannot feed bfloat16, and
         # rounding on entry reproduces what a low-precision input would hold.
         model = emulate(model, precision, keep_io_types=False)
-    return model, precisions
+    return model
 
 
 def validate(reference: onnx.ModelProto | str | os.PathLike, candidate: onnx.ModelProto | str | os.PathLike,
@@ -393,10 +393,10 @@ def validate(reference: onnx.ModelProto | str | os.PathLike, candidate: onnx.Mod
                           "outputs are compared by name; the candidate must keep the reference's names")
     samples = drop_extra_inputs(ref_model, _samples(ref_model, inputs, dims, seed))
 
-    ref_model, _ = _emulated(ref_model)  # a reference with fp16 in it still runs on the CPU
+    ref_model = _emulated(ref_model, ref_precisions)  # a reference with fp16 in it still runs on the CPU
     emulated: list[str] = []
     if provider == "cpu":
-        cand_model, emulated = _emulated(cand_model)
+        cand_model, emulated = _emulated(cand_model, cand_precisions), cand_precisions
     else:
         _warn_if_no_tensor_cores()
     if emulated:
