@@ -72,11 +72,16 @@ def has_external_data(model: onnx.ModelProto) -> bool:
     return any(t.data_location == onnx.TensorProto.EXTERNAL for t in all_tensors(model))
 
 
+def locations(model: onnx.ModelProto) -> set[str]:
+    """The ``location`` of every external tensor, as recorded: relative to the model's folder in a
+    file, absolute in a model onnxmp loaded."""
+    return {info(t).get("location", "") for t in all_tensors(model) if uses_external_data(t)} - {""}
+
+
 def read_locations(model: onnx.ModelProto) -> list[Path]:
     """The files the model's external tensors are read from (absolute locations: a model onnxmp
     loaded).  Writing over one of them while the model streams from it destroys the weights."""
-    locations = {info(t).get("location", "") for t in all_tensors(model) if uses_external_data(t)}
-    return sorted(Path(loc) for loc in locations if loc and os.path.isabs(loc))
+    return sorted(Path(loc) for loc in locations(model) if os.path.isabs(loc))
 
 
 def info(tensor: onnx.TensorProto) -> dict[str, str]:

@@ -82,15 +82,13 @@ def _external_data_files(path: Path) -> list[Path]:
         return []
     import onnx
 
-    from onnxmp.external import all_tensors, info
+    from onnxmp.external import locations
 
     try:
         model = onnx.load_model(str(path), load_external_data=False)
     except Exception:  # noqa: BLE001 (protobuf's decode errors share no base class)
         return []
-    locations = {info(t).get("location") for t in all_tensors(model)
-                 if t.data_location == onnx.TensorProto.EXTERNAL}
-    return [path.parent / location for location in sorted(locations - {None, ""})]
+    return [path.parent / location for location in sorted(locations(model))]
 
 
 def _mentions_location(path: Path) -> bool:
