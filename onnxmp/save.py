@@ -17,6 +17,12 @@ log = logging.getLogger("onnxmp.save")
 EXTERNAL_DATA_THRESHOLD = 1 << 30
 
 
+def external_data_path(path: str | os.PathLike) -> Path:
+    """Where :func:`save` puts the initializers of a large model saved to ``path``: ``<name>.data`` beside it."""
+    path = Path(path)
+    return path.with_name(f"{path.name}.data")
+
+
 def save(model: onnx.ModelProto, path: str | os.PathLike, *, external_data: bool | None = None,
          source: str | os.PathLike | None = None) -> Path:
     """Write ``model`` to ``path``; large models put initializers in ``<name>.data`` beside it.
@@ -29,7 +35,7 @@ def save(model: onnx.ModelProto, path: str | os.PathLike, *, external_data: bool
     path = Path(path)
     if external_data is None:
         external_data = has_external_data(model) or model.ByteSize() > EXTERNAL_DATA_THRESHOLD
-    data_path = path.with_name(f"{path.name}.data") if external_data else None
+    data_path = external_data_path(path) if external_data else None
     guard_outputs({"output": path, "external data": data_path},
                   {"source model": source, "weights file the model reads": read_locations(model)})
     if external_data:

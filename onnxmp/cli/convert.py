@@ -91,6 +91,7 @@ def _common_kwargs(args) -> dict:
 
 def _convert(args) -> int:
     import onnxmp
+    from onnxmp.save import external_data_path
 
     kwargs = _common_kwargs(args)
     calibration_flags = {"tolerance": args.tolerance, "metric": args.metric, "holdout": args.holdout,
@@ -103,7 +104,8 @@ def _convert(args) -> int:
         if given:
             raise UsageError(f"{given[0]} needs --calibrate", hint="pass sample inputs: --calibrate inputs.npz")
     # -o's external data (`OUT.data`, written for large models) is checked now too, not after the work.
-    guard_outputs({"-o": args.output, "--report": args.report, "external data of -o": f"{args.output}.data"},
+    guard_outputs({"-o": args.output, "--report": args.report,
+                   "external data of -o": external_data_path(args.output)},
                   {"input model": args.model, "--calibrate": args.calibrate})
     result = onnxmp.convert(args.model, **kwargs)
     calibration = result.report.calibration
