@@ -56,7 +56,7 @@ from typing import Iterable
 import numpy as np
 import onnx
 
-from onnxmp.color.seeds import DEFAULT_UNDERFLOW_SHARE, constant_values
+from onnxmp.color.seeds import DEFAULT_UNDERFLOW_SHARE, constant_producers, constant_values
 from onnxmp.convert import convert_once
 from onnxmp.graphs import ModelGraph
 from onnxmp.lists import is_known_op_type, is_onnx_op, list_of, op_key, resolve_lists, unknown_op
@@ -120,8 +120,7 @@ def _out_of_range_readers(graph: ModelGraph, lists, min_positive_val: float, max
                           ) -> dict[str, str]:
     """Node name -> cause, for list nodes reading a float32 constant outside the given range."""
     resolved = resolve_lists("cuda", "float16", "default", lists)
-    producers = {out: node for scope in graph.scopes for node in scope.graph.node if node.op_type == "Constant"
-                 for out in node.output}
+    producers = constant_producers(graph)
     causes: dict[str, str | None] = {}
     forced: dict[str, str] = {}
     for scope in graph.scopes:

@@ -93,6 +93,12 @@ def check_many(arrays: list[np.ndarray], low_dtype) -> list[RangeCheck]:
     return results
 
 
+def constant_producers(graph: ModelGraph) -> dict[str, onnx.NodeProto]:
+    """Tensor -> the Constant node that makes it, across all graphs (what :func:`constant_values` reads)."""
+    return {out: node for scope in graph.scopes for node in scope.graph.node if node.op_type == "Constant"
+            for out in node.output}
+
+
 def constant_values(graph: ModelGraph, name: str, producers: Mapping[str, onnx.NodeProto]) -> np.ndarray | None:
     """Values of an initializer, or of a tensor a Constant node makes; None otherwise."""
     info = graph.tensors.get(name)
@@ -123,8 +129,7 @@ def seed_deny_from_initializer_range(state: Coloring, graph: ModelGraph, *,
     limit, low_dtype = low.max, low.numpy
     view = state.view
     vertices = view.vertices
-    producers = {out: node for scope in graph.scopes for node in scope.graph.node if node.op_type == "Constant"
-                 for out in node.output}
+    producers = constant_producers(graph)
     candidates: list[tuple[list[str], list[str]]] = []  # (vertex keys, float inputs in input order)
     causes: dict[str, str | None] = {}
     small: dict[str, np.ndarray] = {}  # checked together at the end; big ones at once, one at a time
