@@ -614,7 +614,7 @@ def build(name: str) -> onnx.ModelProto:
     return BUILDERS[name]()
 
 
-def _padded_mask(batch: int, seq: int) -> np.ndarray:
+def padded_mask(batch: int, seq: int) -> np.ndarray:
     # Row 0 unpadded, later rows lose a growing tail, like a right-padded batch.
     mask = np.ones((batch, seq), dtype=np.float32)
     for i in range(1, batch):
@@ -638,7 +638,7 @@ def inputs_for(name: str, batch: int = 2, *, seq: int = 16, hidden: int = 64) ->
     if name in ("transformer_block", "transformer_stack"):
         return {
             "x": rng.standard_normal((batch, seq, hidden)).astype(f32),
-            "mask": _padded_mask(batch, seq),
+            "mask": padded_mask(batch, seq),
         }
     if name == "transformer_classifier":
         task = classifier_task(batch, seed=1)
