@@ -76,7 +76,7 @@ def _train(args) -> int:
     inputs = {"model": None if resume else args.model, "--data": args.data, "--eval": args.eval_data}
     # Resuming in place (--resume OUT/state --out OUT) is fine: OUT is replaced only once the new
     # one is complete, and the state is read before that.
-    if resume is not None and not str(resume.resolve()).startswith(str(out.resolve())):
+    if resume is not None and not resume.resolve().is_relative_to(out.resolve()):
         inputs["--resume"] = resume
     guard_outputs({"--out": out}, inputs, folders=["--out"])
     check_replaceable(out, marker="history.json", what="train output folder")
