@@ -79,6 +79,17 @@ def prepare_for_gradient(model: onnx.ModelProto, requires_grad: Iterable[str]) -
                                                                                        list[Preparation]]:
     """A copy of ``model`` that ORT 1.19 can differentiate, and the list of what changed."""
     requires_grad = list(requires_grad)
+    result, done = _rewritten(model, requires_grad)
+    _check_differentiable(result, requires_grad, infer_tensor_types(result))
+    counts = Counter(p.op_type for p in done)
+    if counts:
+        log.info("prepared for onnxruntime's gradient builder: %s",
+                 ", ".join(f"{n} x{c}" for n, c in sorted(counts.items())))
+    return result, done
+
+
+def _rewritten(model: onnx.ModelProto, requires_grad: list[str]) -> tuple[onnx.ModelProto, list[Preparation]]:
+    """The rewrites of :func:`prepare_for_gradient`, without its checks."""
     result = onnx.ModelProto()
     result.CopyFrom(model)
     graph = result.graph
@@ -104,11 +115,6 @@ def prepare_for_gradient(model: onnx.ModelProto, requires_grad: Iterable[str]) -
         done.append(Preparation(node.op_type, node.name, action))
     graph.ClearField("node")
     graph.node.extend(nodes)
-    _check_differentiable(result, requires_grad, infer_tensor_types(result))
-    counts = Counter(p.op_type for p in done)
-    if counts:
-        log.info("prepared for onnxruntime's gradient builder: %s",
-                 ", ".join(f"{n} x{c}" for n, c in sorted(counts.items())))
     return result, done
 
 
@@ -412,7 +418,8 @@ def without_gradient(model: onnx.ModelProto, names: Iterable[str]) -> dict[str, 
     torch's dynamo exporter store constants (a clamp's minimum, a mask fill) as
     initializers, and ORT computes no gradient for them.
     """
-    model, _ = prepare_for_gradient(model, [])
+    # The checks of prepare_for_gradient have nothing to check with no trainable parameter.
+    model, _ = _rewritten(model, [])
     paths = _GradientPaths(model, infer_tensor_types(model))
     result = {}
     for name in names:
