@@ -39,11 +39,13 @@ def train_one(folder: Path, precision: str, args) -> dict:
     from onnxmp.training.prepare import without_gradient
 
     # Constants an exporter stored as initializers (dynamo: a clamp minimum) cannot have a gradient.
-    constant = without_gradient(model, trainable(model))
+    weights = trainable(model)
+    constant = without_gradient(model, weights)
     if args.freeze_scalars:  # torch's dynamo exporter stores scalar constants as initializers
+        float_weights = set(weights)
         constant.update({t.name: "a scalar constant" for t in model.graph.initializer
-                         if t.name in trainable(model) and not t.dims})
-    artifacts = build_artifacts(model, requires_grad=[n for n in trainable(model) if n not in constant],
+                         if not t.dims and t.name in float_weights})
+    artifacts = build_artifacts(model, requires_grad=[n for n in weights if n not in constant],
                                 frozen=list(constant), precision=precision, target="cpu",
                                 out_dir=Path(args.work) / precision)
     build_s = time.perf_counter() - start
