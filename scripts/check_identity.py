@@ -194,7 +194,7 @@ def convert_all(root: Path, cases: list[dict], folder: Path, tag: str) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     sys.path.insert(0, str(ROOT))
-    from onnxmp.files import guard_outputs, write_text_atomic
+    from onnxmp.files import guard_arguments, write_text_atomic
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--base", default="main", help="git revision to compare against (default: %(default)s)")
@@ -202,7 +202,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--save", type=Path, help="write both hash tables as JSON here")
     ap.add_argument("--keep", type=Path, help="build the cases in this (new) folder and keep it")
     args = ap.parse_args(argv)
-    guard_outputs({"--save": args.save})
+    guard_arguments(ap, {"--save": args.save})
     with tempfile.TemporaryDirectory(prefix="onnxmp-identity-") as tmp:
         folder = args.keep or Path(tmp)
         folder.mkdir(parents=True, exist_ok=True)
