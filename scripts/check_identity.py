@@ -154,26 +154,23 @@ from onnxmp.convert import convert_once, explain
 assert onnxmp.__file__.startswith(sys.argv[1]), onnxmp.__file__
 with open(sys.argv[2], "rb") as f:
     cases = pickle.load(f)
+def report_hash(report):
+    report = report.to_dict()
+    report.pop("timings", None)
+    return hashlib.sha256(json.dumps(report, sort_keys=True, default=str).encode()).hexdigest()
 out = {}
 for case in cases:
     model = onnx.load(case["file"])
     try:
         if case.get("explain"):
-            report = explain(model, **case["kwargs"]).to_dict()
-            report.pop("timings", None)
-            out[case["name"]] = {"report": hashlib.sha256(
-                json.dumps(report, sort_keys=True, default=str).encode()).hexdigest()}
+            out[case["name"]] = {"report": report_hash(explain(model, **case["kwargs"]))}
             continue
         result = convert_once(model, **case["kwargs"])
     except Exception as exc:
         out[case["name"]] = {"error": f"{type(exc).__name__}: {str(exc)[:200]}"}
         continue
-    report = result.report.to_dict()
-    report.pop("timings", None)
-    out[case["name"]] = {
-        "model": hashlib.sha256(result.model.SerializeToString()).hexdigest(),
-        "report": hashlib.sha256(json.dumps(report, sort_keys=True, default=str).encode()).hexdigest(),
-    }
+    out[case["name"]] = {"model": hashlib.sha256(result.model.SerializeToString()).hexdigest(),
+                         "report": report_hash(result.report)}
 with open(sys.argv[3], "w") as f:
     json.dump(out, f, indent=1, sort_keys=True)
 '''
