@@ -43,10 +43,8 @@ OPTIONS = [
 
 def build_cases(folder: Path, with_tests: bool) -> list[dict]:
     sys.path.insert(0, str(ROOT))
-    sys.path.insert(0, str(ROOT / "scripts"))
     import onnx
 
-    from bench_convert import linear_occ_stack
     from models import zoo
     from tests.strategies import random_graph
 
@@ -54,7 +52,7 @@ def build_cases(folder: Path, with_tests: bool) -> list[dict]:
     for path in sorted((ROOT / "models").glob("*.onnx")):
         models[path.stem] = onnx.load(path)
     models["transformer_stack_3"] = zoo.transformer_stack(3, hidden=8, seq=4, heads=2)
-    models["linear_occ_stack_3"] = linear_occ_stack(3)
+    models["linear_occ_stack_3"] = zoo.linear_occ_stack(3)
     for seed in range(12):
         graph, _ = random_graph(random.Random(seed))
         models[f"random_{seed}"] = graph.model
