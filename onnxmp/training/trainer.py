@@ -380,17 +380,19 @@ class Trainer:
 
         model = load(self.artifacts.path("forward_model"))
         trained = self.parameters()
-        for i, init in enumerate(model.graph.initializer):
+
+        def refill(tensor: onnx.TensorProto, values: np.ndarray) -> None:  # keeps its name and dtype
+            dtype = onnx.helper.tensor_dtype_to_np_dtype(tensor.data_type)
+            tensor.CopyFrom(numpy_helper.from_array(values.astype(dtype), tensor.name))
+
+        for init in model.graph.initializer:
             if init.name in trained:
-                dtype = onnx.helper.tensor_dtype_to_np_dtype(init.data_type)
-                model.graph.initializer[i].CopyFrom(numpy_helper.from_array(trained[init.name].astype(dtype),
-                                                                            init.name))
+                refill(init, trained[init.name])
         for node in model.graph.node:  # weights the exporter wrote as Constant nodes
             if node.op_type == "Constant" and node.output[0] in trained:
                 for attr in node.attribute:
                     if attr.name == "value":
-                        dtype = onnx.helper.tensor_dtype_to_np_dtype(attr.t.data_type)
-                        attr.t.CopyFrom(numpy_helper.from_array(trained[node.output[0]].astype(dtype), attr.t.name))
+                        refill(attr.t, trained[node.output[0]])
         if precision != "float32":
             import onnxmp
 
