@@ -24,8 +24,6 @@ from pathlib import Path
 
 import numpy as np
 
-KEYS = ("input_ids", "attention_mask", "token_type_ids")
-
 
 def train_one(folder: Path, precision: str, args) -> dict:
     import onnx
@@ -34,7 +32,7 @@ def train_one(folder: Path, precision: str, args) -> dict:
     from onnxmp.training.models import trainable
 
     model = onnx.load(folder / "minilm_cls.onnx")
-    names = [v.name for v in model.graph.input]
+    columns = [v.name for v in model.graph.input]
     start = time.perf_counter()
     from onnxmp.training.prepare import without_gradient
 
@@ -53,7 +51,6 @@ def train_one(folder: Path, precision: str, args) -> dict:
         return {"precision": precision, "build_s": build_s, "frozen": constant,
                 "prepared": artifacts.manifest["prepared_for_gradient"]}
     train, evaluation = np.load(folder / "train.npz"), np.load(folder / "eval.npz")
-    columns = list(names)
     scaler = None
     if args.initial_scale and precision == "float16":
         from onnxmp.training import DynamicLossScaler
