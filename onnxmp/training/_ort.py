@@ -30,24 +30,13 @@ def _training_package() -> types.ModuleType:
     name = "onnxruntime.training"
     if name in sys.modules:
         return sys.modules[name]
-    if sys.version_info >= (3, 12):
-        # onnxruntime-training 1.19.2 (the last training build) has wheels up to Python 3.11 only.
-        missing = OnnxMPError(
-            f"the training build needs Python <= 3.11 (onnxruntime-training 1.19.2 has no wheels for "
-            f"Python {sys.version_info[0]}.{sys.version_info[1]})",
-            'use a Python 3.11 environment for training: python3.11 -m venv .venv && '
-            '. .venv/bin/activate && pip install -e ".[train-cpu]"')
     try:
         import onnxruntime
     except ImportError as exc:
-        if sys.version_info >= (3, 12):
-            raise missing from exc
-        raise OnnxMPError("onnxruntime is not installed", _INSTALL_HINT) from exc
+        raise _no_training("onnxruntime is not installed") from exc
     spec = importlib.util.find_spec(name)
     if spec is None or spec.submodule_search_locations is None:
-        if sys.version_info >= (3, 12):
-            raise missing
-        raise OnnxMPError(f"onnxruntime {onnxruntime.__version__} has no training support", _INSTALL_HINT)
+        raise _no_training(f"onnxruntime {onnxruntime.__version__} has no training support")
     if importlib.util.find_spec("torch") is not None:
         return importlib.import_module(name)
     package = types.ModuleType(name)
@@ -57,6 +46,17 @@ def _training_package() -> types.ModuleType:
     sys.modules[name] = package
     onnxruntime.training = package
     return package
+
+
+def _no_training(reason: str) -> OnnxMPError:
+    if sys.version_info >= (3, 12):
+        # onnxruntime-training 1.19.2 (the last training build) has wheels up to Python 3.11 only.
+        return OnnxMPError(
+            f"the training build needs Python <= 3.11 (onnxruntime-training 1.19.2 has no wheels for "
+            f"Python {sys.version_info[0]}.{sys.version_info[1]})",
+            'use a Python 3.11 environment for training: python3.11 -m venv .venv && '
+            '. .venv/bin/activate && pip install -e ".[train-cpu]"')
+    return OnnxMPError(reason, _INSTALL_HINT)
 
 
 def onnxblock() -> types.ModuleType:
