@@ -401,7 +401,7 @@ def build_optimizer_model(kind: str, *, opset: int, clip_global_norm: float | No
     ``clip_grad_norm_``).
 
     The norm is computed in the graph in a fixed order (one ReduceSumSquare per
-    gradient, summed in parameter order), not by ORT's CPU ``InplaceClipGradNorm``,
+    gradient, the squares summed sorted by value), not by ORT's CPU ``InplaceClipGradNorm``,
     whose threads add partial sums in whatever order they finish: identical runs
     would drift apart.  ``parameters`` (how many gradients the sequence holds) is
     required with clipping.
