@@ -26,6 +26,8 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
+from models.zoo import inputs_for, padded_mask, transformer_stack
+
 OPSET = 17
 IR_VERSION = 8
 FLOAT = TensorProto.FLOAT
@@ -127,8 +129,6 @@ def correlated_rounding(width: int = 32, layers: int = 10) -> onnx.ModelProto:
 
 
 def transformer_cancellation(layers: int = 15) -> onnx.ModelProto:
-    from models.zoo import transformer_stack
-
     model = transformer_stack(layers)
     g = model.graph
     idx, node = next((i, n) for i, n in enumerate(g.node) if n.name == f"layer{layers // 2}/ffn/fc1/MatMul")
@@ -211,8 +211,6 @@ def samples(name: str, count: int = 4, batch: int = 2) -> list[dict[str, np.ndar
     out = []
     for i in range(count):
         if name not in BUILDERS:
-            from models.zoo import inputs_for
-
             base = inputs_for(name, batch)
             out.append({k: v if i == 0 or v.dtype != np.float32 or k == "mask"
                         else (v + 0.1 * np.abs(v).mean() * rng.standard_normal(v.shape)).astype(np.float32)
@@ -224,10 +222,8 @@ def samples(name: str, count: int = 4, batch: int = 2) -> list[dict[str, np.ndar
             tone = (np.sin(2 * np.pi * f * t[None, :, None] / 64) * rng.uniform(0.2, 1.0, (batch, 1, 3))).sum(-1)
             out.append({"audio": (1e-4 * tone + 1e-6 * rng.standard_normal((batch, 64))).astype(np.float32)})
         elif name == "transformer_cancellation":
-            from models.zoo import _padded_mask
-
             out.append({"x": rng.standard_normal((batch, 16, 64)).astype(np.float32),
-                        "mask": _padded_mask(batch, 16)})
+                        "mask": padded_mask(batch, 16)})
         elif name == "db_head":
             out.append({"image": rng.standard_normal((batch, 3, 32, 32)).astype(np.float32)})
         else:

@@ -348,6 +348,76 @@ def _transformer(name: str, n_layers: int, hidden: int, seq: int, heads: int) ->
     )
 
 
+def linear_occ_stack(n_layers: int, hidden: int = 8, seq: int = 4, heads: int = 2) -> onnx.ModelProto:
+    """Pre-LN encoder layers over x[N,seq,hidden] with an additive mask[N,seq] input.
+
+    One LayerNormalization node per norm, Q/K/V/out/FFN as MatMul+Add, scaled dot-product
+    attention with Reshape/Transpose heads, GELU as x * 0.5 * (1 + Erf(x / sqrt 2)).  Weights
+    are initializers; no value_info, so every type comes from shape inference.
+    """
+    rng = np.random.default_rng(12)
+    dh, ffn = hidden // heads, 4 * hidden
+    nodes, inits = [], []
+
+    def init(name, array):
+        inits.append(numpy_helper.from_array(np.asarray(array), name))
+        return name
+
+    def weight(name, shape):
+        return init(name, (rng.standard_normal(shape) / math.sqrt(shape[0])).astype(np.float32))
+
+    def op(op_type, inputs, name, **attrs):
+        nodes.append(helper.make_node(op_type, inputs, [name], name=name, **attrs))
+        return name
+
+    heads_shape = init("shape_heads", np.array([0, seq, heads, dh], np.int64))
+    merge_shape = init("shape_merge", np.array([0, seq, hidden], np.int64))
+    scale = init("attn_scale", np.array(math.sqrt(dh), np.float32))
+    sqrt2 = init("gelu_sqrt2", np.array(math.sqrt(2.0), np.float32))
+    one = init("gelu_one", np.array(1.0, np.float32))
+    half = init("gelu_half", np.array(0.5, np.float32))
+    # Read once from the graph input: occ Casts a float input once per reader and appends the Casts
+    # after every node, so a mask input read by every layer makes its topological sort quadratic.
+    x = op("Identity", ["x"], "input/Identity")
+    mask = op("Unsqueeze", ["mask", init("mask_axes", np.array([1, 2], np.int64))], "mask/Unsqueeze")
+    for i in range(n_layers):
+        p = f"layer{i}"
+
+        def linear(src, name, n_in, n_out):
+            w = weight(f"{p}/{name}.weight", (n_in, n_out))
+            b = init(f"{p}/{name}.bias", np.zeros(n_out, np.float32))
+            return op("Add", [op("MatMul", [src, w], f"{p}/{name}/MatMul"), b], f"{p}/{name}/Add")
+
+        def norm(src, name):
+            g = init(f"{p}/{name}.weight", np.ones(hidden, np.float32))
+            b = init(f"{p}/{name}.bias", np.zeros(hidden, np.float32))
+            return op("LayerNormalization", [src, g, b], f"{p}/{name}", axis=-1, epsilon=1e-5)
+
+        h = norm(x, "ln1")
+        q, k, v = (op("Transpose", [op("Reshape", [linear(h, n, hidden, hidden), heads_shape], f"{p}/{n}/Reshape")],
+                      f"{p}/{n}/Transpose", perm=perm)
+                   for n, perm in (("q", [0, 2, 1, 3]), ("k", [0, 2, 3, 1]), ("v", [0, 2, 1, 3])))
+        scores = op("Div", [op("MatMul", [q, k], f"{p}/scores/MatMul"), scale], f"{p}/scores/Div")
+        probs = op("Softmax", [op("Add", [scores, mask], f"{p}/mask/Add")], f"{p}/Softmax", axis=-1)
+        ctx = op("MatMul", [probs, v], f"{p}/ctx/MatMul")
+        ctx = op("Reshape", [op("Transpose", [ctx], f"{p}/ctx/Transpose", perm=[0, 2, 1, 3]), merge_shape],
+                 f"{p}/ctx/Reshape")
+        x = op("Add", [x, linear(ctx, "out", hidden, hidden)], f"{p}/residual1")
+        h = linear(norm(x, "ln2"), "fc1", hidden, ffn)
+        erf = op("Erf", [op("Div", [h, sqrt2], f"{p}/gelu/Div")], f"{p}/gelu/Erf")
+        gelu = op("Mul", [op("Mul", [h, op("Add", [erf, one], f"{p}/gelu/Add")], f"{p}/gelu/Mul"), half],
+                  f"{p}/gelu/Mul2")
+        x = op("Add", [x, linear(gelu, "fc2", ffn, hidden)], f"{p}/residual2")
+    nodes[-1].output[0] = "y"
+    graph = helper.make_graph(
+        nodes, f"linear_occ_stack_{n_layers}",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", seq, hidden]),
+         helper.make_tensor_value_info("mask", TensorProto.FLOAT, ["N", seq])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["N", seq, hidden])], inits)
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8,
+                             producer_name="bench_convert")
+
+
 # ---------------------------------------------------------------------------
 # Transformer classifier (BERT-style, as torch.onnx.export writes one)
 # ---------------------------------------------------------------------------
@@ -614,7 +684,7 @@ def build(name: str) -> onnx.ModelProto:
     return BUILDERS[name]()
 
 
-def _padded_mask(batch: int, seq: int) -> np.ndarray:
+def padded_mask(batch: int, seq: int) -> np.ndarray:
     # Row 0 unpadded, later rows lose a growing tail, like a right-padded batch.
     mask = np.ones((batch, seq), dtype=np.float32)
     for i in range(1, batch):
@@ -638,7 +708,7 @@ def inputs_for(name: str, batch: int = 2, *, seq: int = 16, hidden: int = 64) ->
     if name in ("transformer_block", "transformer_stack"):
         return {
             "x": rng.standard_normal((batch, seq, hidden)).astype(f32),
-            "mask": _padded_mask(batch, seq),
+            "mask": padded_mask(batch, seq),
         }
     if name == "transformer_classifier":
         task = classifier_task(batch, seed=1)

@@ -132,7 +132,7 @@ def emulate(model: onnx.ModelProto | str | os.PathLike, precision: str = "float1
         # Function bodies are typed at each call site; inlining lets the plain
         # per-node rewrite see the concrete types.
         result = onnx.inliner.inline_local_functions(result)
-    types = _infer_types(result)
+    types = infer_tensor_types(result)
     _Emulator(elem, types, FreshNames(proto_names(result.graph))).main_graph(result.graph, keep_io_types)
     return result
 
@@ -196,7 +196,7 @@ def _uses(model: onnx.ModelProto, elem: int) -> bool:
 # --- types and names -----------------------------------------------------------
 
 
-def _infer_types(model: onnx.ModelProto) -> dict[str, onnx.TypeProto]:
+def infer_tensor_types(model: onnx.ModelProto) -> dict[str, onnx.TypeProto]:
     """Type of every tensor, from ONNX type inference on a weightless copy of the model.
 
     Initializers are declared as graph inputs instead of copied, so models over

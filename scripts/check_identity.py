@@ -43,10 +43,8 @@ OPTIONS = [
 
 def build_cases(folder: Path, with_tests: bool) -> list[dict]:
     sys.path.insert(0, str(ROOT))
-    sys.path.insert(0, str(ROOT / "scripts"))
     import onnx
 
-    from bench_convert import linear_occ_stack
     from models import zoo
     from tests.strategies import random_graph
 
@@ -54,7 +52,7 @@ def build_cases(folder: Path, with_tests: bool) -> list[dict]:
     for path in sorted((ROOT / "models").glob("*.onnx")):
         models[path.stem] = onnx.load(path)
     models["transformer_stack_3"] = zoo.transformer_stack(3, hidden=8, seq=4, heads=2)
-    models["linear_occ_stack_3"] = linear_occ_stack(3)
+    models["linear_occ_stack_3"] = zoo.linear_occ_stack(3)
     for seed in range(12):
         graph, _ = random_graph(random.Random(seed))
         models[f"random_{seed}"] = graph.model
@@ -154,26 +152,23 @@ from onnxmp.convert import convert_once, explain
 assert onnxmp.__file__.startswith(sys.argv[1]), onnxmp.__file__
 with open(sys.argv[2], "rb") as f:
     cases = pickle.load(f)
+def report_hash(report):
+    report = report.to_dict()
+    report.pop("timings", None)
+    return hashlib.sha256(json.dumps(report, sort_keys=True, default=str).encode()).hexdigest()
 out = {}
 for case in cases:
     model = onnx.load(case["file"])
     try:
         if case.get("explain"):
-            report = explain(model, **case["kwargs"]).to_dict()
-            report.pop("timings", None)
-            out[case["name"]] = {"report": hashlib.sha256(
-                json.dumps(report, sort_keys=True, default=str).encode()).hexdigest()}
+            out[case["name"]] = {"report": report_hash(explain(model, **case["kwargs"]))}
             continue
         result = convert_once(model, **case["kwargs"])
     except Exception as exc:
         out[case["name"]] = {"error": f"{type(exc).__name__}: {str(exc)[:200]}"}
         continue
-    report = result.report.to_dict()
-    report.pop("timings", None)
-    out[case["name"]] = {
-        "model": hashlib.sha256(result.model.SerializeToString()).hexdigest(),
-        "report": hashlib.sha256(json.dumps(report, sort_keys=True, default=str).encode()).hexdigest(),
-    }
+    out[case["name"]] = {"model": hashlib.sha256(result.model.SerializeToString()).hexdigest(),
+                         "report": report_hash(result.report)}
 with open(sys.argv[3], "w") as f:
     json.dump(out, f, indent=1, sort_keys=True)
 '''
@@ -194,7 +189,7 @@ def convert_all(root: Path, cases: list[dict], folder: Path, tag: str) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     sys.path.insert(0, str(ROOT))
-    from onnxmp.files import guard_outputs, write_text_atomic
+    from onnxmp.files import guard_arguments, write_text_atomic
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--base", default="main", help="git revision to compare against (default: %(default)s)")
@@ -202,7 +197,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--save", type=Path, help="write both hash tables as JSON here")
     ap.add_argument("--keep", type=Path, help="build the cases in this (new) folder and keep it")
     args = ap.parse_args(argv)
-    guard_outputs({"--save": args.save})
+    guard_arguments(ap, {"--save": args.save})
     with tempfile.TemporaryDirectory(prefix="onnxmp-identity-") as tmp:
         folder = args.keep or Path(tmp)
         folder.mkdir(parents=True, exist_ok=True)

@@ -24,8 +24,6 @@ from pathlib import Path
 
 import numpy as np
 
-KEYS = ("input_ids", "attention_mask", "token_type_ids")
-
 
 def train_one(folder: Path, precision: str, args) -> dict:
     import onnx
@@ -34,16 +32,18 @@ def train_one(folder: Path, precision: str, args) -> dict:
     from onnxmp.training.models import trainable
 
     model = onnx.load(folder / "minilm_cls.onnx")
-    names = [v.name for v in model.graph.input]
+    columns = [v.name for v in model.graph.input]
     start = time.perf_counter()
     from onnxmp.training.prepare import without_gradient
 
     # Constants an exporter stored as initializers (dynamo: a clamp minimum) cannot have a gradient.
-    constant = without_gradient(model, trainable(model))
+    weights = trainable(model)
+    constant = without_gradient(model, weights)
     if args.freeze_scalars:  # torch's dynamo exporter stores scalar constants as initializers
+        float_weights = set(weights)
         constant.update({t.name: "a scalar constant" for t in model.graph.initializer
-                         if t.name in trainable(model) and not t.dims})
-    artifacts = build_artifacts(model, requires_grad=[n for n in trainable(model) if n not in constant],
+                         if not t.dims and t.name in float_weights})
+    artifacts = build_artifacts(model, requires_grad=[n for n in weights if n not in constant],
                                 frozen=list(constant), precision=precision, target="cpu",
                                 out_dir=Path(args.work) / precision)
     build_s = time.perf_counter() - start
@@ -51,7 +51,6 @@ def train_one(folder: Path, precision: str, args) -> dict:
         return {"precision": precision, "build_s": build_s, "frozen": constant,
                 "prepared": artifacts.manifest["prepared_for_gradient"]}
     train, evaluation = np.load(folder / "train.npz"), np.load(folder / "eval.npz")
-    columns = list(names)
     scaler = None
     if args.initial_scale and precision == "float16":
         from onnxmp.training import DynamicLossScaler

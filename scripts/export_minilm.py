@@ -105,9 +105,8 @@ def main(argv=None) -> int:
             types = np.zeros_like(ids)
         np.savez(args.out / f"{name}.npz", input_ids=ids.astype(np.int64), attention_mask=mask.astype(np.int64),
                  token_type_ids=types.astype(np.int64), labels=labels)
-    dummy = tuple(torch.from_numpy(np.load(args.out / "train.npz")[k][:2])
-                  for k in ("input_ids", "attention_mask", "token_type_ids"))
     names = ("input_ids", "attention_mask", "token_type_ids")
+    dummy = tuple(torch.from_numpy(np.load(args.out / "train.npz")[k][:2]) for k in names)
     if args.dynamo:
         batch = torch.export.Dim("batch")
         torch.onnx.export(model, dummy, str(args.out / "minilm_cls.onnx"), opset_version=18, dynamo=True,

@@ -76,7 +76,7 @@ def _train(args) -> int:
     inputs = {"model": None if resume else args.model, "--data": args.data, "--eval": args.eval_data}
     # Resuming in place (--resume OUT/state --out OUT) is fine: OUT is replaced only once the new
     # one is complete, and the state is read before that.
-    if resume is not None and not str(resume.resolve()).startswith(str(out.resolve())):
+    if resume is not None and not resume.resolve().is_relative_to(out.resolve()):
         inputs["--resume"] = resume
     guard_outputs({"--out": out}, inputs, folders=["--out"])
     check_replaceable(out, marker="history.json", what="train output folder")
@@ -101,14 +101,14 @@ def _train(args) -> int:
 
             from onnxmp.training.prepare import without_gradient
 
-            frozen = list(args.frozen)
+            frozen = set(args.frozen)
+            candidates = [n for n in trainable(model) if n not in frozen]
             # Constants some exporters store as initializers (a clamp minimum...) have no gradient.
-            constant = without_gradient(model, [n for n in trainable(model) if n not in set(frozen)])
+            constant = without_gradient(model, candidates)
             for name, reason in constant.items():
                 log.info("not training %s: %s", name, reason)
-            frozen += list(constant)
-            artifacts = build_artifacts(model, requires_grad=[n for n in trainable(model) if n not in set(frozen)],
-                                        frozen=frozen, loss=args.loss, optimizer=args.optimizer,
+            artifacts = build_artifacts(model, requires_grad=[n for n in candidates if n not in constant],
+                                        frozen=[*args.frozen, *constant], loss=args.loss, optimizer=args.optimizer,
                                         precision=args.precision, target=args.device, out_dir=folder / "artifacts")
             trainer = Trainer(artifacts, device=args.device, lr=args.lr, grad_accum_steps=args.grad_accum_steps,
                               clip_global_norm=args.clip_global_norm)

@@ -15,6 +15,7 @@ import importlib
 import importlib.util
 import logging
 import os
+import re
 import sys
 import tempfile
 import types
@@ -29,24 +30,13 @@ def _training_package() -> types.ModuleType:
     name = "onnxruntime.training"
     if name in sys.modules:
         return sys.modules[name]
-    if sys.version_info >= (3, 12):
-        # onnxruntime-training 1.19.2 (the last training build) has wheels up to Python 3.11 only.
-        missing = OnnxMPError(
-            f"the training build needs Python <= 3.11 (onnxruntime-training 1.19.2 has no wheels for "
-            f"Python {sys.version_info[0]}.{sys.version_info[1]})",
-            'use a Python 3.11 environment for training: python3.11 -m venv .venv && '
-            '. .venv/bin/activate && pip install -e ".[train-cpu]"')
     try:
         import onnxruntime
     except ImportError as exc:
-        if sys.version_info >= (3, 12):
-            raise missing from exc
-        raise OnnxMPError("onnxruntime is not installed", _INSTALL_HINT) from exc
+        raise _no_training("onnxruntime is not installed") from exc
     spec = importlib.util.find_spec(name)
     if spec is None or spec.submodule_search_locations is None:
-        if sys.version_info >= (3, 12):
-            raise missing
-        raise OnnxMPError(f"onnxruntime {onnxruntime.__version__} has no training support", _INSTALL_HINT)
+        raise _no_training(f"onnxruntime {onnxruntime.__version__} has no training support")
     if importlib.util.find_spec("torch") is not None:
         return importlib.import_module(name)
     package = types.ModuleType(name)
@@ -56,6 +46,17 @@ def _training_package() -> types.ModuleType:
     sys.modules[name] = package
     onnxruntime.training = package
     return package
+
+
+def _no_training(reason: str) -> OnnxMPError:
+    if sys.version_info >= (3, 12):
+        # onnxruntime-training 1.19.2 (the last training build) has wheels up to Python 3.11 only.
+        return OnnxMPError(
+            f"the training build needs Python <= 3.11 (onnxruntime-training 1.19.2 has no wheels for "
+            f"Python {sys.version_info[0]}.{sys.version_info[1]})",
+            'use a Python 3.11 environment for training: python3.11 -m venv .venv && '
+            '. .venv/bin/activate && pip install -e ".[train-cpu]"')
+    return OnnxMPError(reason, _INSTALL_HINT)
 
 
 def onnxblock() -> types.ModuleType:
@@ -89,3 +90,15 @@ def native_stderr_to_log(logger: logging.Logger):
             sink.seek(0)
             for line in sink.read().decode(errors="replace").splitlines():
                 logger.debug("onnxruntime: %s", line)
+
+
+def error_reason(text: str) -> str:
+    """The reason in an ORT error, without the C++ source location and signature in front of it
+    (which can run to hundreds of characters before the words that matter)."""
+    text = text.strip()
+    if " was false. " in text:
+        text = text.split(" was false. ", 1)[1]
+    elif "] : " in text:  # [ONNXRuntimeError] : 2 : INVALID_ARGUMENT : reason
+        text = text.rsplit("] : ", 1)[1]
+        text = re.sub(r"^\d+ : [A-Z_]+ : ", "", text)
+    return " ".join(line.strip() for line in text.splitlines())[:800]

@@ -318,20 +318,9 @@ def _gradient_error(exc: BaseException) -> OnnxMPError:
     if "couldn't find the consumer node" in text:
         return OnnxMPError("a trainable parameter does not reach the loss through differentiable ops",
                            "leave parameters the loss does not use out of requires_grad")
-    return OnnxMPError(f"onnxruntime could not build the gradient graph: {_ort_reason(text) or type(exc).__name__}",
+    reason = _ort.error_reason(text) or type(exc).__name__
+    return OnnxMPError(f"onnxruntime could not build the gradient graph: {reason}",
                        "run with -v -v to see onnxruntime's log")
-
-
-def _ort_reason(text: str) -> str:
-    """The reason in an ORT error, without the C++ source location and signature in front of it
-    (which can run to hundreds of characters before the words that matter)."""
-    text = text.strip()
-    if " was false. " in text:
-        text = text.split(" was false. ", 1)[1]
-    elif "] : " in text:  # [ONNXRuntimeError] : 2 : INVALID_ARGUMENT : reason
-        text = text.rsplit("] : ", 1)[1]
-        text = re.sub(r"^\d+ : [A-Z_]+ : ", "", text)
-    return " ".join(line.strip() for line in text.splitlines())[:800]
 
 
 def add_loss_scaling(training: onnx.ModelProto) -> None:
@@ -412,7 +401,7 @@ def build_optimizer_model(kind: str, *, opset: int, clip_global_norm: float | No
     ``clip_grad_norm_``).
 
     The norm is computed in the graph in a fixed order (one ReduceSumSquare per
-    gradient, summed in parameter order), not by ORT's CPU ``InplaceClipGradNorm``,
+    gradient, the squares summed sorted by value), not by ORT's CPU ``InplaceClipGradNorm``,
     whose threads add partial sums in whatever order they finish: identical runs
     would drift apart.  ``parameters`` (how many gradients the sequence holds) is
     required with clipping.

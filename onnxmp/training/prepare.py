@@ -41,6 +41,7 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
+from onnxmp.emulate import infer_tensor_types
 from onnxmp.errors import OnnxMPError
 from onnxmp.naming import FreshNames, proto_names
 
@@ -77,14 +78,23 @@ class Preparation:
 def prepare_for_gradient(model: onnx.ModelProto, requires_grad: Iterable[str]) -> tuple[onnx.ModelProto,
                                                                                        list[Preparation]]:
     """A copy of ``model`` that ORT 1.19 can differentiate, and the list of what changed."""
-    from onnxmp.emulate import _infer_types
-
     requires_grad = list(requires_grad)
+    result, done = _rewritten(model, requires_grad)
+    _check_differentiable(result, requires_grad, infer_tensor_types(result))
+    counts = Counter(p.op_type for p in done)
+    if counts:
+        log.info("prepared for onnxruntime's gradient builder: %s",
+                 ", ".join(f"{n} x{c}" for n, c in sorted(counts.items())))
+    return result, done
+
+
+def _rewritten(model: onnx.ModelProto, requires_grad: list[str]) -> tuple[onnx.ModelProto, list[Preparation]]:
+    """The rewrites of :func:`prepare_for_gradient`, without its checks."""
     result = onnx.ModelProto()
     result.CopyFrom(model)
     graph = result.graph
     names = FreshNames(proto_names(graph))
-    types = _infer_types(result)
+    types = infer_tensor_types(result)
     trainable = _downstream(graph, requires_grad)
     done: list[Preparation] = []
     nodes: list[onnx.NodeProto] = []
@@ -105,11 +115,6 @@ def prepare_for_gradient(model: onnx.ModelProto, requires_grad: Iterable[str]) -
         done.append(Preparation(node.op_type, node.name, action))
     graph.ClearField("node")
     graph.node.extend(nodes)
-    _check_differentiable(result, requires_grad, _infer_types(result))
-    counts = Counter(p.op_type for p in done)
-    if counts:
-        log.info("prepared for onnxruntime's gradient builder: %s",
-                 ", ".join(f"{n} x{c}" for n, c in sorted(counts.items())))
     return result, done
 
 
@@ -413,10 +418,9 @@ def without_gradient(model: onnx.ModelProto, names: Iterable[str]) -> dict[str, 
     torch's dynamo exporter store constants (a clamp's minimum, a mask fill) as
     initializers, and ORT computes no gradient for them.
     """
-    from onnxmp.emulate import _infer_types
-
-    model, _ = prepare_for_gradient(model, [])
-    paths = _GradientPaths(model, _infer_types(model))
+    # The checks of prepare_for_gradient have nothing to check with no trainable parameter.
+    model, _ = _rewritten(model, [])
+    paths = _GradientPaths(model, infer_tensor_types(model))
     result = {}
     for name in names:
         if name not in paths.needed:

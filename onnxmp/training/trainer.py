@@ -40,7 +40,6 @@ from onnxmp.training.artifacts import (
     LOSS_SCALE,
     MANIFEST,
     Artifacts,
-    _ort_reason,
     build_optimizer_model,
     check_replaceable,
 )
@@ -381,17 +380,19 @@ class Trainer:
 
         model = load(self.artifacts.path("forward_model"))
         trained = self.parameters()
-        for i, init in enumerate(model.graph.initializer):
+
+        def refill(tensor: onnx.TensorProto, values: np.ndarray) -> None:  # keeps its name and dtype
+            dtype = onnx.helper.tensor_dtype_to_np_dtype(tensor.data_type)
+            tensor.CopyFrom(numpy_helper.from_array(values.astype(dtype), tensor.name))
+
+        for init in model.graph.initializer:
             if init.name in trained:
-                dtype = onnx.helper.tensor_dtype_to_np_dtype(init.data_type)
-                model.graph.initializer[i].CopyFrom(numpy_helper.from_array(trained[init.name].astype(dtype),
-                                                                            init.name))
+                refill(init, trained[init.name])
         for node in model.graph.node:  # weights the exporter wrote as Constant nodes
             if node.op_type == "Constant" and node.output[0] in trained:
                 for attr in node.attribute:
                     if attr.name == "value":
-                        dtype = onnx.helper.tensor_dtype_to_np_dtype(attr.t.data_type)
-                        attr.t.CopyFrom(numpy_helper.from_array(trained[node.output[0]].astype(dtype), attr.t.name))
+                        refill(attr.t, trained[node.output[0]])
         if precision != "float32":
             import onnxmp
 
@@ -436,16 +437,16 @@ class Trainer:
                   f"with dtypes {self.artifacts.manifest['input_dtypes']}")
         node = re.search(r"while running (\S+) node\. Name:'([^']*)'", text)
         if node is None:
-            return OnnxMPError(f"onnxruntime rejected the batch: {_ort_reason(text)}", inputs)
+            return OnnxMPError(f"onnxruntime rejected the batch: {_ort.error_reason(text)}", inputs)
         op_type, name = node.groups()
         if name.startswith(GRAD_SHAPE):
             param = name[len(GRAD_SHAPE):]
             return OnnxMPError(f"onnxruntime computed a gradient of the wrong shape for parameter {param!r}: "
-                               f"{_ort_reason(text)}",
+                               f"{_ort.error_reason(text)}",
                                f"one of its gradient builders did not sum it back over a broadcast; train without "
                                f"it (frozen=[{param!r}]) and report the model")
         where = f"{op_type} node {name!r}" if name else f"a {op_type} node onnxruntime added"
-        return OnnxMPError(f"onnxruntime failed in {where} of the {graph} graph: {_ort_reason(text)}",
+        return OnnxMPError(f"onnxruntime failed in {where} of the {graph} graph: {_ort.error_reason(text)}",
                            f"if the batch is right ({inputs}), the artifacts are at fault: rebuild them "
                            "with this onnxmp version, and report the model if it persists")
 
