@@ -39,7 +39,9 @@ import numpy as np
 from onnxmp.errors import OnnxMPError
 
 DEFAULT_METRIC = "rel"
-NAMES = ("rel", "max_abs", "cosine", "argmax", "binary:T")
+# Metrics named by themselves; ``binary:T`` carries its threshold in the name.
+PLAIN = ("rel", "max_abs", "cosine", "argmax")
+NAMES = (*PLAIN, "binary:T")
 MODEL_LABEL = "<model>"  # the label of a whole-model callable's error
 
 Outputs = Mapping[str, np.ndarray]
@@ -158,7 +160,7 @@ def parse_metric(spec: str | Callable) -> Metric:
         raise OnnxMPError(f"a metric is a name or a callable, got {type(spec).__name__}",
                           hint=f"one of: {', '.join(NAMES)}")
     text = spec.strip()
-    if text in ("rel", "max_abs", "cosine", "argmax"):
+    if text in PLAIN:
         return Metric(text, text)
     if text.startswith("binary:"):
         try:
@@ -167,7 +169,7 @@ def parse_metric(spec: str | Callable) -> Metric:
             raise OnnxMPError(f"bad metric {spec!r}: the threshold is not a number",
                               hint="e.g. binary:0.5 (agreement of x > 0.5)") from None
         return Metric(text, "binary", threshold=threshold)
-    close = difflib.get_close_matches(text, ["rel", "max_abs", "cosine", "argmax", "binary:0.5"], n=1)
+    close = difflib.get_close_matches(text, [*PLAIN, "binary:0.5"], n=1)
     raise OnnxMPError(f"unknown metric {spec!r}",
                       hint=(f"did you mean {close[0]!r}? " if close else "") + f"known: {', '.join(NAMES)}")
 
