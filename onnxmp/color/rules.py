@@ -1,16 +1,17 @@
 """TensorFlow's AMP coloring passes over (node, type-parameter) vertices (spec §5).
 
 Each rule is one function named after TF's pass.  Colors are an analysis
-result, ``{vertex key: (color, Reason)}`` held by :class:`Coloring`; nothing is
+result, ``{vertex id: (color, rule, cause)}`` held by :class:`Coloring`; nothing is
 written into the graph here.  Every rule returns a :class:`PassResult` saying
-whether it painted anything, and checks its postcondition.
+whether it painted anything, and checks its postcondition.  The passes run on
+vertex ids and the view's flat arrays (see :class:`~onnxmp.color.vertices.TypeView`).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Callable, Iterable, NamedTuple
+from typing import Iterable, NamedTuple
 
-from onnxmp.color.vertices import TypeView, Vertex
+from onnxmp.color.vertices import CONTROL_FLOW, Adjacency, TypeView
 from onnxmp.passes import PassResult, require
 
 ALLOW = "allow"
@@ -26,10 +27,10 @@ class Reason(NamedTuple):
 @dataclass
 class Coloring:
     """Colors by vertex id (insertion-ordered: passes walk ALLOW vertices in the order they were
-    painted).  The ``*_key`` free methods take the readable "node:param" keys for callers."""
+    painted).  Methods take an id or, for callers, the readable "node:param" key."""
 
     view: TypeView
-    colors: dict[int, tuple[str, Reason]] = field(default_factory=dict)
+    colors: dict[int, tuple[str, str, str]] = field(default_factory=dict)  # id -> (color, rule, cause)
     low_name: str = "float16"
     low_groups: list = field(default_factory=list)          # ColorGroups that go low precision
     group_notes: dict[str, str] = field(default_factory=dict)  # group name -> why it stays as it is
@@ -38,7 +39,7 @@ class Coloring:
     read_constants: set[str] = field(default_factory=set)
 
     def _id(self, key: str | int) -> int:
-        return key if isinstance(key, int) else self.view.vertices[key].id
+        return key if isinstance(key, int) else self.view.id_of(key)
 
     def is_allow(self, key: str | int) -> bool:
         entry = self.colors.get(self._id(key))
@@ -54,76 +55,97 @@ class Coloring:
         entry = self.colors.get(vid)
         if entry is not None and entry[0] == color:
             return False
-        self.colors[vid] = (color, Reason(rule, cause))
+        self.colors[vid] = (color, rule, cause)
         return True
 
     def unpaint(self, key: str | int) -> None:
         self.colors.pop(self._id(key), None)
 
     def allow_ids(self) -> list[int]:
-        return [i for i, (c, _) in self.colors.items() if c == ALLOW]
+        return [i for i, entry in self.colors.items() if entry[0] == ALLOW]
+
+    def has_allow(self) -> bool:
+        return any(entry[0] == ALLOW for entry in self.colors.values())
 
     def allow_keys(self) -> list[str]:
-        by_id = self.view.by_id
-        return [by_id[i].key for i in self.allow_ids()]
+        key = self.view.key
+        return [key(i) for i in self.allow_ids()]
 
     def final(self, key: str | int) -> tuple[str, Reason]:
         vid = self._id(key)
-        if vid in self.colors:
-            return self.colors[vid]
-        v = self.view.by_id[vid]
-        if v.why_not:
-            return FP32, Reason("not_processed", v.why_not)
-        return FP32, Reason("not_promoted", _why_fp32(v))
+        entry = self.colors.get(vid)
+        if entry is not None:
+            return entry[0], Reason(entry[1], entry[2])
+        why_not = self.view.v_status[vid].why_not
+        if why_not:
+            return FP32, Reason("not_processed", why_not)
+        return FP32, Reason("not_promoted", _why_fp32(self.view.lst[vid], self.view.op_of(vid)))
+
+    def _marks(self, color: str) -> bytearray:
+        """1 for every vertex painted ``color``."""
+        marks = bytearray(len(self.view))
+        for vid, entry in self.colors.items():
+            if entry[0] == color:
+                marks[vid] = 1
+        return marks
 
 
-def _why_fp32(v: Vertex) -> str:
-    if v.list == "infer":
-        return f"infer op {v.op} is not between allow ops"
-    if v.list == "clear":
-        return f"clear op {v.op} has no allow neighbour"
-    if v.list == "allow":
-        return f"allow op {v.op} was not painted"
-    return f"op {v.op} keeps its type"
+def _why_fp32(list_name: str | None, op: str) -> str:
+    if list_name == "infer":
+        return f"infer op {op} is not between allow ops"
+    if list_name == "clear":
+        return f"clear op {op} has no allow neighbour"
+    if list_name == "allow":
+        return f"allow op {op} was not painted"
+    return f"op {op} keeps its type"
 
 
-def _dfs(view: TypeView, roots: Iterable[int], direction: str,
-         enter: Callable[[int], bool], visit: Callable[[int, int | None], None]) -> None:
-    """Depth-first traversal over float32 edges; ``enter`` guards every non-root vertex."""
-    seen: set[int] = set()
-    fanin = view.fanin if direction in ("in", "both") else None
-    fanout = view.fanout if direction in ("out", "both") else None
+def _dfs(adjacent: tuple[Adjacency, ...], roots: Iterable[int], enter: bytearray
+         ) -> tuple[list[int], list[int]]:
+    """Depth-first traversal over float32 edges (fan-in, fan-out or both); ``enter`` guards every
+    non-root vertex.  Returns the vertices in visit order and the parent of each (-1 for a root)."""
+    seen = bytearray(len(enter))
+    order: list[int] = []
+    parents: list[int] = []
+    if len(adjacent) == 2:
+        (in_start, in_flat), (out_start, out_flat) = ((a.start, a.flat) for a in adjacent)
+    else:
+        start, flat = adjacent[0].start, adjacent[0].flat
     for root in roots:
-        if root in seen:
+        if seen[root]:
             continue
-        seen.add(root)
-        visit(root, None)
+        seen[root] = 1
+        order.append(root)
+        parents.append(-1)
         stack = [root]
         while stack:
             current = stack.pop()
-            if fanin is not None and fanout is not None:
-                nexts = fanin[current] + fanout[current]
+            if len(adjacent) == 2:
+                nexts = (in_flat[in_start[current]:in_start[current + 1]]
+                         + out_flat[out_start[current]:out_start[current + 1]])
             else:
-                nexts = (fanin or fanout)[current]
+                nexts = flat[start[current]:start[current + 1]]
             for nxt in nexts:
-                if nxt in seen or not enter(nxt):
+                if seen[nxt] or not enter[nxt]:
                     continue
-                seen.add(nxt)
-                visit(nxt, current)
+                seen[nxt] = 1
+                order.append(nxt)
+                parents.append(current)
                 stack.append(nxt)
-
-
-def _ok_for_low(v: Vertex) -> bool:
-    return v.processed and v.float32 and v.capable
+    return order, parents
 
 
 def add_allow_ops(state: Coloring) -> PassResult:
     """Every vertex of a processed allow-list node joins ALLOW (unless a data seed denied it)."""
+    view = state.view
+    lst, ok, colors = view.lst, view.ok, state.colors
     painted = 0
-    for v in state.view.by_id:
-        if v.list == "allow" and _ok_for_low(v) and not state.is_deny(v.id):
-            painted += state.paint(v.id, ALLOW, "add_allow_ops", f"allow-list op {v.op}")
-    require(all(_ok_for_low(state.view.by_id[i]) for i in state.allow_ids()),
+    for k, list_name in enumerate(lst):
+        if list_name == "allow" and ok[k]:
+            entry = colors.get(k)
+            if entry is None or entry[0] != DENY:
+                painted += state.paint(k, ALLOW, "add_allow_ops", f"allow-list op {view.op_of(k)}")
+    require(all(ok[i] for i in state.allow_ids()),
             "add_allow_ops", "every ALLOW vertex is processed, float32 and low-precision capable")
     return PassResult(painted > 0, {"painted": painted})
 
@@ -139,40 +161,42 @@ def propagate_deny_forward_through_clear_and_infer(state: Coloring) -> PassResul
     feeds only the allow op and is left for the allow passes.
     """
     view = state.view
-    by_id = view.by_id
-    roots = [v.id for v in by_id if v.float32 and (v.list in ("deny", "infer") or state.is_deny(v.id))]
-    upstream: set[int] = set()
-    root_set = set(roots)
-    _dfs(view, roots, "in",
-         enter=lambda k: k in root_set or (k not in upstream and by_id[k].list == "clear"),
-         visit=lambda k, _p: upstream.add(k))
+    lst, f32 = view.lst, view.f32
+    rule = "propagate_deny_forward_through_clear_and_infer"
+    deny = state._marks(DENY)
+    roots = [k for k, list_name in enumerate(lst) if f32[k] and (list_name in ("deny", "infer") or deny[k])]
+    enter = bytearray(len(lst))
+    for k, list_name in enumerate(lst):
+        if list_name == "clear":
+            enter[k] = 1
+    for k in roots:
+        enter[k] = 1
+    upstream = bytearray(len(lst))
+    for k in _dfs((view.fanin,), roots, enter)[0]:
+        upstream[k] = 1
 
     painted = 0
-    for v in by_id:
-        if v.float32 and v.list == "deny" and not state.is_deny(v.id):
-            painted += state.paint(v.id, DENY, "propagate_deny_forward_through_clear_and_infer",
-                                   f"deny-list op {v.op}")
-    deny_roots = [v.id for v in by_id if v.float32 and state.is_deny(v.id)]
+    for k, list_name in enumerate(lst):
+        if f32[k] and list_name == "deny" and not deny[k]:
+            painted += state.paint(k, DENY, rule, f"deny-list op {view.op_of(k)}")
+            deny[k] = 1
+    deny_roots = [k for k in range(len(lst)) if f32[k] and deny[k]]
+    allow = state._marks(ALLOW)
+    for k in range(len(lst)):
+        if allow[k]:
+            upstream[k] = 0
     origin: dict[int, int] = {k: k for k in deny_roots}
-
-    def visit(k: int, parent: int | None) -> None:
-        nonlocal painted
-        if parent is None:
-            return
-        origin[k] = origin.get(parent, parent)
-        if state.is_deny(k):
-            return
-        src = by_id[origin[k]]
-        via = by_id[parent] if parent != origin[k] else None
-        cause = f"downstream of deny {src.op} `{src.node}`"
-        if via is not None:
-            cause += f" through {via.list or 'op'} {via.op} `{via.node}`"
-        painted += state.paint(k, DENY, "propagate_deny_forward_through_clear_and_infer", cause)
-
-    _dfs(view, deny_roots, "out",
-         enter=lambda k: k in upstream and not state.is_allow(k), visit=visit)
-    require(not any(state.is_deny(i) for i in state.allow_ids()),
-            "propagate_deny_forward_through_clear_and_infer", "no vertex is both ALLOW and DENY")
+    for k, parent in zip(*_dfs((view.fanout,), deny_roots, upstream)):
+        if parent < 0:
+            continue
+        source = origin[k] = origin.get(parent, parent)
+        if deny[k]:
+            continue
+        cause = f"downstream of deny {view.op_of(source)} `{view.node_of(source)}`"
+        if parent != source:
+            cause += f" through {lst[parent] or 'op'} {view.op_of(parent)} `{view.node_of(parent)}`"
+        painted += state.paint(k, DENY, rule, cause)
+    require(not any(state.is_deny(i) for i in state.allow_ids()), rule, "no vertex is both ALLOW and DENY")
     return PassResult(painted > 0, {"painted": painted})
 
 
@@ -184,30 +208,24 @@ def add_clear_and_infer_to_allow_if_between_allow(state: Coloring) -> PassResult
     vertices through that set.  Reached both ways means between allow ops.
     """
     view = state.view
-    by_id = view.by_id
-    allow_roots = [i for i in state.allow_ids() if by_id[i].list == "allow"]
-    root_set = set(allow_roots)
-    downstream: set[int] = set()
-
-    def passable(k: int) -> bool:
-        v = by_id[k]
-        return (v.list in ("clear", "infer") and _ok_for_low(v) and not state.is_deny(k))
-
-    _dfs(view, allow_roots, "out",
-         enter=lambda k: k not in root_set and k not in downstream and passable(k),
-         visit=lambda k, _p: downstream.add(k))
-    between: set[int] = set()
-
-    def visit(k: int, parent: int | None) -> None:
-        if parent is not None:  # the allow roots themselves are already ALLOW
-            between.add(k)
-
-    _dfs(view, allow_roots, "in", enter=lambda k: k in downstream, visit=visit)
+    lst, ok = view.lst, view.ok
+    allow_roots = [i for i in state.allow_ids() if lst[i] == "allow"]
+    deny = state._marks(DENY)
+    passable = bytearray(len(lst))
+    for k, list_name in enumerate(lst):
+        if (list_name == "clear" or list_name == "infer") and ok[k] and not deny[k]:
+            passable[k] = 1
+    for k in allow_roots:
+        passable[k] = 0
+    downstream = bytearray(len(lst))
+    for k in _dfs((view.fanout,), allow_roots, passable)[0]:
+        downstream[k] = 1
+    order, parents = _dfs((view.fanin,), allow_roots, downstream)
+    between = [k for k, parent in zip(order, parents) if parent >= 0]  # the roots are already ALLOW
     painted = 0
-    for k in sorted(between, key=lambda i: by_id[i].key):  # the readable order reports were painted in
-        v = by_id[k]
+    for k in sorted(between, key=view.key):  # the readable order reports were painted in
         painted += state.paint(k, ALLOW, "add_clear_and_infer_to_allow_if_between_allow",
-                               f"{v.list} op {v.op} lies between allow ops")
+                               f"{lst[k]} op {view.op_of(k)} lies between allow ops")
     return PassResult(painted > 0, {"painted": painted})
 
 
@@ -215,21 +233,21 @@ def add_infer_to_allow_if_follow_allow(state: Coloring) -> PassResult:
     """bfloat16 only (as in TF): in one sweep, an infer vertex with at least one ALLOW
     direct input and no DENY direct input becomes ALLOW."""
     view = state.view
-    by_id = view.by_id
+    lst, ok = view.lst, view.ok
+    deny, allow = state._marks(DENY), state._marks(ALLOW)
     promote = []
-    for v in by_id:
-        k = v.id
-        if v.list != "infer" or not _ok_for_low(v) or state.is_deny(k) or state.is_allow(k):
+    for k, list_name in enumerate(lst):
+        if list_name != "infer" or not ok[k] or deny[k] or allow[k]:
             continue
         fanin = view.fanin[k]
-        if any(state.is_deny(f) for f in fanin):
+        if any(deny[f] for f in fanin):
             continue
-        allow_in = [f for f in fanin if state.is_allow(f)]
+        allow_in = [f for f in fanin if allow[f]]
         if allow_in:
             promote.append((k, allow_in[0]))
     for k, src in promote:  # decided first, painted after: a single sweep, not a propagation
         state.paint(k, ALLOW, "add_infer_to_allow_if_follow_allow",
-                    f"infer op follows allow {by_id[src].op} `{by_id[src].node}`")
+                    f"infer op follows allow {view.op_of(src)} `{view.node_of(src)}`")
     return PassResult(bool(promote), {"painted": len(promote)})
 
 
@@ -237,37 +255,35 @@ def propagate_allow_through_clear(state: Coloring) -> PassResult:
     """Walk both ways from ALLOW vertices through processed, capable, float32 clear
     vertices that are not DENY; they join ALLOW.  Infer vertices are not crossed."""
     view = state.view
-    by_id = view.by_id
+    lst, ok = view.lst, view.ok
     roots = state.allow_ids()
-    root_set = set(roots)
+    deny = state._marks(DENY)
+    enter = bytearray(len(lst))
+    for k, list_name in enumerate(lst):
+        if list_name == "clear" and ok[k] and not deny[k]:
+            enter[k] = 1
+    for k in roots:
+        enter[k] = 0
     origin: dict[int, int] = {}  # reached clear vertex -> the allow vertex its walk started from
-
-    def visit(k: int, parent: int | None) -> None:
-        if parent is not None:
+    for k, parent in zip(*_dfs((view.fanin, view.fanout), roots, enter)):
+        if parent >= 0:
             origin[k] = origin.get(parent, parent)
-
-    def enter(k: int) -> bool:
-        v = by_id[k]
-        return (k not in root_set and v.list == "clear" and _ok_for_low(v) and not state.is_deny(k))
-
-    _dfs(view, roots, "both", enter=enter, visit=visit)
     painted = 0
     for k, root in origin.items():
-        src = by_id[root]
         painted += state.paint(k, ALLOW, "propagate_allow_through_clear",
-                               f"clear op connected to allow {src.op} `{src.node}`")
+                               f"clear op connected to allow {view.op_of(root)} `{view.node_of(root)}`")
     return PassResult(painted > 0, {"painted": painted})
 
 
 def remove_allow_set_with_fp32(state: Coloring) -> PassResult:
     """Remove from ALLOW any vertex whose schema or kernel cannot take the low-precision type."""
     removed = 0
-    by_id = state.view.by_id
+    ok = state.view.ok
     for k in state.allow_ids():
-        if not _ok_for_low(by_id[k]):
+        if not ok[k]:
             state.unpaint(k)
             removed += 1
-    require(all(_ok_for_low(by_id[k]) for k in state.allow_ids()),
+    require(all(ok[k] for k in state.allow_ids()),
             "remove_allow_set_with_fp32", "every ALLOW vertex can take the low-precision type")
     return PassResult(removed > 0, {"removed": removed})
 
@@ -285,12 +301,11 @@ def force_color_match(state: Coloring) -> PassResult:
     vertices themselves are never painted ALLOW.
     """
     view = state.view
-    by_id = view.by_id
     changed = False
     for k in state.allow_ids():
-        v = by_id[k]
-        if v.op_type in ("If", "Loop", "Scan"):
-            state.paint(k, DENY, "force_color_match", f"{v.op_type} inputs and outputs follow their color groups")
+        op_type = view.v_group[k].op.op_type
+        if op_type in CONTROL_FLOW:
+            state.paint(k, DENY, "force_color_match", f"{op_type} inputs and outputs follow their color groups")
             changed = True
     state.low_groups = []
     for group in view.groups:
@@ -303,7 +318,7 @@ def force_color_match(state: Coloring) -> PassResult:
         for tensor in group.must_not_deny:
             producer = view.producer_of.get(tensor)
             if blocker is None and producer is not None and state.is_deny(producer):
-                blocker = f"initial value `{tensor}` comes from deny {by_id[producer].op}"
+                blocker = f"initial value `{tensor}` comes from deny {view.op_of(producer)}"
         if blocker is None:
             state.low_groups.append(group)
             changed = True
@@ -316,14 +331,12 @@ def make_casts_allow_if_all_outputs_allow(state: Coloring) -> PassResult:
     """An existing Cast(to=FLOAT), ConstantOfShape or float Constant whose consumers are
     all ALLOW is retargeted to the low-precision type (its output vertex joins ALLOW)."""
     view = state.view
+    ok = view.ok
     painted = 0
-    for v in view.by_id:
-        k = v.id
-        if v.op_type not in ("Cast", "Constant", "ConstantOfShape") or not v.outputs or v.inputs:
+    for k in view.retargetable:
+        if not ok[k] or state.is_deny(k) or state.is_allow(k):
             continue
-        if not _ok_for_low(v) or state.is_deny(k) or state.is_allow(k):
-            continue
-        (_, tensor), = v.outputs
+        (_, tensor), = view.outputs(k)
         if tensor in view.pinned:
             continue
         consumers = view.consumers_of.get(tensor, [])

@@ -6,6 +6,7 @@ silently clamped the way plain converters do.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Mapping
 
@@ -74,22 +75,29 @@ def check_many(arrays: list[np.ndarray], low_dtype) -> list[RangeCheck]:
             results[i] = check_values(a, low_dtype)
     if small:
         flat = np.concatenate([arrays[i].reshape(-1).astype(np.float32, copy=False) for i in small])
-        sizes = np.array([arrays[i].size for i in small])
-        starts = np.concatenate(([0], np.cumsum(sizes)[:-1]))
-        finite = np.isfinite(flat)
-        magnitude = np.where(finite, np.abs(flat), np.float32(0))
-        max_abs = np.maximum.reduceat(magnitude, starts)
-        nonzero = finite & (flat != 0)
-        tiny = ml_dtypes.finfo(low_dtype).tiny
-        floor = np.repeat(np.where(sizes > 1, np.float32(tiny), np.float32(0)), sizes)
-        with np.errstate(over="ignore"):  # overflow is reported through max_abs, not here
-            flushed = nonzero & (np.abs(flat.astype(low_dtype)).astype(np.float32) <= floor)
-        nonzero_counts = np.add.reduceat(nonzero, starts)
-        flushed_counts = np.add.reduceat(flushed, starts)
-        for j, i in enumerate(small):
-            nz = int(nonzero_counts[j])
-            results[i] = RangeCheck(float(max_abs[j]), int(flushed_counts[j]) / nz if nz else 0.0,
-                                    int(sizes[j]))
+        for i, check in zip(small, _check_segments(flat, [arrays[i].size for i in small], low_dtype)):
+            results[i] = check
+    return results
+
+
+def _check_segments(flat: np.ndarray, sizes: list[int], low_dtype) -> list[RangeCheck]:
+    """:func:`check_values` of each consecutive segment of ``flat`` (float32), all at once."""
+    sizes = np.array(sizes)
+    starts = np.concatenate(([0], np.cumsum(sizes)[:-1]))
+    finite = np.isfinite(flat)
+    magnitude = np.where(finite, np.abs(flat), np.float32(0))
+    max_abs = np.maximum.reduceat(magnitude, starts)
+    nonzero = finite & (flat != 0)
+    tiny = ml_dtypes.finfo(low_dtype).tiny
+    floor = np.repeat(np.where(sizes > 1, np.float32(tiny), np.float32(0)), sizes)
+    with np.errstate(over="ignore"):  # overflow is reported through max_abs, not here
+        flushed = nonzero & (np.abs(flat.astype(low_dtype)).astype(np.float32) <= floor)
+    nonzero_counts = np.add.reduceat(nonzero, starts)
+    flushed_counts = np.add.reduceat(flushed, starts)
+    results = []
+    for j in range(len(sizes)):
+        nz = int(nonzero_counts[j])
+        results.append(RangeCheck(float(max_abs[j]), int(flushed_counts[j]) / nz if nz else 0.0, int(sizes[j])))
     return results
 
 
@@ -107,6 +115,10 @@ def constant_values(graph: ModelGraph, name: str, producers: Mapping[str, onnx.N
     node = producers.get(name)
     if node is None or node.op_type != "Constant":
         return None
+    return _constant_node_values(node)
+
+
+def _constant_node_values(node: onnx.NodeProto) -> np.ndarray | None:
     for attr in node.attribute:
         if attr.name == "value" and attr.type == onnx.AttributeProto.TENSOR:
             return tensor_array(attr.t)
@@ -116,6 +128,22 @@ def constant_values(graph: ModelGraph, name: str, producers: Mapping[str, onnx.N
         if attr.name == "value_floats":
             return np.asarray(list(attr.floats), dtype=np.float32)
     return None
+
+
+def _has_value_tensor(node: onnx.NodeProto) -> bool:
+    return any(a.name == "value" and a.type == onnx.AttributeProto.TENSOR for a in node.attribute)
+
+
+def _small_raw_float(tensor: onnx.TensorProto) -> bytes | None:
+    """The raw little-endian bytes of a small in-memory float32 tensor whose size matches its
+    dims (read without building an array per tensor); None for any other tensor."""
+    if tensor.data_type != onnx.TensorProto.FLOAT or tensor.data_location == onnx.TensorProto.EXTERNAL:
+        return None
+    raw = tensor.raw_data
+    size = math.prod(tensor.dims)
+    if not 0 < size < BATCH_BELOW or len(raw) != 4 * size:
+        return None
+    return raw
 
 
 def seed_deny_from_initializer_range(state: Coloring, graph: ModelGraph, *,
@@ -128,56 +156,81 @@ def seed_deny_from_initializer_range(state: Coloring, graph: ModelGraph, *,
     low = low_precision(state.low_name)
     limit, low_dtype = low.max, low.numpy
     view = state.view
-    vertices = view.vertices
-    producers = constant_producers(graph)
-    candidates: list[tuple[list[str], list[str]]] = []  # (vertex keys, float inputs in input order)
-    causes: dict[str, str | None] = {}
-    small: dict[str, np.ndarray] = {}  # checked together at the end; big ones at once, one at a time
+    tensors, constant_at = graph.tensors, view.constant_at
+    lst, f32, v_status, node_first = view.lst, view.f32, view.v_status, view.node_first
     listed = ("allow", "infer", "clear")
-    node_vertices = view.node_vertices
-    for scope in graph.scopes:
-        for node in scope.graph.node:
-            keys = node_vertices.get(node.name)
-            if not keys:
+    # Each candidate: (float32 vertex ids of a listed, processed node; its float inputs that hold
+    # constants, in input order).  Other inputs have no values, so no cause.
+    candidates: list[tuple[list[int], list[str]]] = []
+    causes: dict[str, str | None] = {}
+    raw_names: list[str] = []   # small float32 initializers, checked together from their raw bytes
+    raw_bytes: list[bytes] = []
+    small: dict[str, np.ndarray] = {}  # other small constants, checked together
+    for k, ins in enumerate(view.node_ins):
+        first, end = node_first[k], node_first[k + 1]
+        if first == end or lst[first] not in listed:
+            continue
+        vids = [v for v in range(first, end) if f32[v]]
+        if not vids or not any(v_status[v].processed for v in vids):
+            continue
+        float_inputs = {t for v in vids for _, t in view.inputs(v)}
+        names = []
+        for name in ins:
+            if name not in float_inputs:
                 continue
-            keys = [k for k in keys if vertices[k].float32]
-            if not keys or vertices[keys[0]].list not in listed:
+            info = tensors.get(name)
+            init = info.init if info is not None else None
+            if init is None and name not in constant_at:
                 continue
-            if not any(vertices[k].processed for k in keys):
+            names.append(name)
+            if name in causes or name in small:
                 continue
-            float_inputs = {t for k in keys for _, t in vertices[k].inputs}
-            names = [t for t in node.input if t in float_inputs]
-            for name in names:
-                if name in causes or name in small:
+            if init is not None:
+                raw = _small_raw_float(init)
+                if raw is not None:
+                    causes[name] = None  # decided with the other raw ones below
+                    raw_names.append(name)
+                    raw_bytes.append(raw)
                     continue
-                values = constant_values(graph, name, producers)
-                if values is not None and 0 < values.size < BATCH_BELOW:
-                    small[name] = values
-                else:
-                    causes[name] = None if values is None else \
-                        check_values(values, low_dtype).describe(name, limit, underflow_share)
-                del values
-            candidates.append((keys, names))
+                values = tensor_array(init)
+            else:
+                scope, position = constant_at[name]
+                values = _constant_node_values(graph.scopes[scope].graph.node[position])
+            if values is not None and 0 < values.size < BATCH_BELOW:
+                small[name] = values
+            else:
+                causes[name] = None if values is None else \
+                    check_values(values, low_dtype).describe(name, limit, underflow_share)
+            del values
+        if names:
+            candidates.append((vids, names))
+    if raw_bytes:
+        flat = np.frombuffer(b"".join(raw_bytes), dtype="<f4")
+        sizes = [len(raw) // 4 for raw in raw_bytes]
+        del raw_bytes
+        for name, check in zip(raw_names, _check_segments(flat, sizes, low_dtype)):
+            causes[name] = check.describe(name, limit, underflow_share)
     for name, check in zip(small, check_many(list(small.values()), low_dtype)):
         causes[name] = check.describe(name, limit, underflow_share)
     # A node's inputs are read in order up to the first one with a cause; Constant-node values read
     # that way are written back as raw data (see Coloring.read_constants).
     # Both walks below find nothing to do in the common model: no Constant nodes, no cause.
-    if producers:
+    if constant_at:
         for _, names in candidates:
             for name in names:
-                node = producers.get(name)
-                if node is not None and any(a.name == "value" and a.type == onnx.AttributeProto.TENSOR
-                                            for a in node.attribute):
-                    state.read_constants.add(node.name)
+                at = constant_at.get(name)
+                if at is not None:
+                    node = graph.scopes[at[0]].graph.node[at[1]]
+                    if _has_value_tensor(node):
+                        state.read_constants.add(node.name)
                 if causes.get(name):
                     break
     painted = 0
     if any(causes.values()):
-        for keys, names in candidates:
+        for vids, names in candidates:
             cause = next((causes[n] for n in names if causes.get(n)), None)
             if cause:
-                for k in keys:
+                for k in vids:
                     painted += state.paint(k, DENY, "seed_deny_from_initializer_range", cause)
     return PassResult(painted > 0, {"painted": painted})
 
@@ -191,9 +244,8 @@ def seed_deny_from_calibration(state: Coloring, magnitudes: Mapping[str, float],
         vid = view.producer_of.get(tensor)
         if vid is None or not observed > threshold:
             continue
-        node = view.by_id[vid].node
-        for k in view.node_vertices.get(node, []):
-            if view.vertices[k].float32:
+        for k in view.ids_of_node(view.node_of(vid)):
+            if view.f32[k]:
                 painted += state.paint(k, DENY, "seed_deny_from_calibration",
                                        f"output `{tensor}` reached |x| = {observed:.3g} > {threshold:g} "
                                        "on calibration data")
@@ -206,7 +258,7 @@ def seed_deny_forced(state: Coloring, causes: Mapping[str, str]) -> PassResult:
     view = state.view
     painted = 0
     for node, cause in causes.items():
-        for k in view.node_vertices.get(node, []):
-            if view.vertices[k].float32:
+        for k in view.ids_of_node(node):
+            if view.f32[k]:
                 painted += state.paint(k, DENY, "seed_deny_forced", cause)
     return PassResult(painted > 0, {"painted": painted})

@@ -4,18 +4,26 @@ All inputs and outputs of a node that share a type parameter in the op schema
 form one vertex and change dtype together.  Only vertices whose tensors are
 float32 take part; edges run producer vertex -> consumer vertex, one per
 float32 tensor that links them inside the same graph.
+
+The view follows TF's GraphTypeTopologyView: a vertex is an int, numbered in node
+order; what many vertices share (op, type parameter and position layout, and the
+status their dtypes and lists give) is one shared record; fan-in and fan-out are
+flat int arrays.  :class:`Vertex` reads one id for reports and callers; the
+view holds no object per vertex.
 """
 from __future__ import annotations
 
 import functools
 import logging
 import re
+from array import array
 from dataclasses import dataclass, field
-from typing import Iterable, Mapping, Sequence
+from typing import Iterable, Iterator, Mapping, Sequence
 
+import numpy as np
 import onnx
 
-from onnxmp.graphs import GRAPH, TENSOR_KIND, ModelGraph, may_hold_graphs
+from onnxmp.graphs import GRAPH, TENSOR_KIND, ModelGraph
 from onnxmp.lists import list_of, op_key
 from onnxmp.precision import Precision
 
@@ -23,34 +31,11 @@ log = logging.getLogger("onnxmp.color")
 
 # Ops that define their float output from an attribute; spec §5.8 may retarget them.
 RETARGETABLE = ("Cast", "Constant", "ConstantOfShape")
+CONTROL_FLOW = ("If", "Loop", "Scan")
 
 _WHOLE_NODE = "*"  # param of the single vertex of an op with no known schema
 NOT_A_TENSOR = -1  # dtype marker for sequence/optional/map values
-
-
-@dataclass(slots=True)
-class Vertex:
-    key: str                 # "<node name>:<param>"
-    node: str
-    op: str                  # list key: OpType or domain:OpType
-    op_type: str
-    domain: str
-    opset: int
-    param: str
-    graph: str               # graph id (see onnxmp.graphs.MAIN)
-    id: int = -1             # index into TypeView.by_id; the passes work on these
-    inputs: list[tuple[int, str]] = field(default_factory=list)   # (input index, tensor name)
-    outputs: list[tuple[int, str]] = field(default_factory=list)  # (output index, tensor name)
-    float32: bool = False
-    type_known: bool = False
-    list: str | None = None
-    processed: bool = False
-    capable: bool = False    # schema and kernel accept the low-precision type
-    why_not: str = ""        # why not processed / not capable
-
-    @property
-    def tensors(self) -> list[str]:
-        return [t for _, t in self.inputs] + [t for _, t in self.outputs]  # small; callers don't loop on it
+FLOAT = onnx.TensorProto.FLOAT
 
 
 @dataclass
@@ -78,30 +63,276 @@ class ColorGroup:
         return f"{self.kind} `{self.node}` #{self.index}"
 
 
-@dataclass
-class TypeView:
-    """Vertices of every graph plus fan-in/fan-out over float32 tensors.
+class _OpInfo:
+    """What every node of one (op type, domain) shares: schema and list."""
 
-    TF's GraphTypeTopologyView: vertices are ints (``Vertex.id``), fan-in and fan-out
-    int lists, control-flow groups add explicit edges.  ``vertices`` maps the
-    readable key to the same records for reports and callers.
+    __slots__ = ("op_type", "domain", "opset", "key", "schema", "list")
+
+    def __init__(self, op_type: str, domain: str, opset: int, lists: Mapping[str, frozenset[str]]):
+        self.op_type, self.domain, self.opset = op_type, domain, opset
+        self.key = op_key(op_type, domain)
+        self.schema = _schema(op_type, domain, opset)
+        self.list = list_of(self.key, lists)
+
+
+class _Group:
+    """One type parameter of one (op, arity): the input and output positions that share it."""
+
+    __slots__ = ("op", "param", "in_idx", "out_idx")
+
+    def __init__(self, op: _OpInfo, param: str, in_idx: tuple[int, ...], out_idx: tuple[int, ...]):
+        self.op, self.param, self.in_idx, self.out_idx = op, param, in_idx, out_idx
+
+
+class _Status:
+    """Type and processing facts of a vertex; shared by every vertex of one op, parameter,
+    dtype signature and block match."""
+
+    __slots__ = ("type_known", "float32", "processed", "capable", "why_not", "float_only")
+
+    def __init__(self):
+        self.type_known = self.float32 = self.processed = self.capable = False
+        self.why_not = ""
+        self.float_only = False  # an op without schema: only its float tensors form the vertex
+
+    def copy(self) -> _Status:
+        new = _Status()
+        for name in _Status.__slots__:
+            setattr(new, name, getattr(self, name))
+        return new
+
+
+class Adjacency:
+    """Fan-in or fan-out of every vertex as one flat int array (CSR): ``adj[v]`` is v's list."""
+
+    __slots__ = ("start", "flat")
+
+    def __init__(self, start: array, flat: array):
+        self.start, self.flat = start, flat
+
+    def __getitem__(self, vid: int) -> array:
+        return self.flat[self.start[vid]:self.start[vid + 1]]
+
+    def __len__(self) -> int:
+        return len(self.start) - 1
+
+
+class TypeView:
+    """Vertices of every graph plus fan-in/fan-out over float32 tensors (built by :func:`build_type_view`).
+
+    Per vertex (index = vertex id): ``v_node`` (node index), ``v_group`` (op, param and
+    positions), ``v_status`` (shared :class:`_Status`), and the arrays the passes read:
+    ``lst`` (list name), ``f32`` and ``ok`` (processed, float32 and low-precision capable).
+    Per node (index = node index, scopes in order, nodes in graph order): ``node_names``,
+    ``node_scope``, ``node_ins``/``node_outs`` (tensor names) and ``node_first`` (its first
+    vertex id; the node's vertices are ``node_first[k]:node_first[k + 1]``).
     """
 
-    by_id: list[Vertex]
-    fanin: list[list[int]]
-    fanout: list[list[int]]
-    node_vertices: dict[str, list[str]]       # node name -> its vertex keys (float or not)
-    producer_of: dict[str, int]               # tensor name -> producing float32 vertex id
-    consumers_of: dict[str, list[int]]        # tensor name -> consuming float32 vertex ids (same graph)
-    pinned: dict[str, str]                    # tensor name -> why its dtype may not change
-    graph_of_node: dict[str, str]
-    unknown_schema: dict[str, str]            # node name -> op key, for the report
-    groups: list[ColorGroup] = field(default_factory=list)
-    vertices: dict[str, Vertex] = field(default_factory=dict)
+    def __init__(self):
+        self.scope_gids: list[str] = []
+        self.node_names: list[str] = []
+        self.node_index: dict[str, int] = {}
+        self.node_scope = array("i")
+        self.node_ins: list[tuple[str, ...]] = []
+        self.node_outs: list[tuple[str, ...]] = []
+        self.node_first = array("i")
+        self.v_node = array("i")
+        self.v_group: list[_Group] = []
+        self.v_status: list[_Status] = []
+        self.lst: list[str | None] = []
+        self.f32 = bytearray()
+        self.ok = bytearray()
+        self.float_io: dict[int, tuple[list, list]] = {}  # schema-less vertices cut down to float tensors
+        self.retargetable: list[int] = []  # Cast/Constant/ConstantOfShape vertices with outputs only
+        self.constant_at: dict[str, tuple[int, int]] = {}  # tensor -> (scope, position) of its Constant node
+        self.fanin = self.fanout = Adjacency(array("i", [0]), array("i"))
+        self.producer_of: dict[str, int] = {}       # tensor name -> producing float32 vertex id
+        self.consumers_of: dict[str, list[int]] = {}  # tensor name -> consuming float32 vertex ids
+        self.pinned: dict[str, str] = {}            # tensor name -> why its dtype may not change
+        self.groups: list[ColorGroup] = []
 
-    def __post_init__(self):
-        if not self.vertices:
-            self.vertices = {v.key: v for v in self.by_id}
+    # -- readable views for reports and callers (made on access: a stored one would be a cycle) --
+    @property
+    def by_id(self) -> Sequence[Vertex]:
+        return _ById(self)
+
+    @property
+    def vertices(self) -> Mapping[str, Vertex]:
+        """Readable "node:param" key -> :class:`Vertex`."""
+        return _Vertices(self)
+
+    @property
+    def node_vertices(self) -> Mapping[str, list[str]]:
+        """Node name -> its vertex keys (float or not)."""
+        return _NodeVertices(self)
+
+    @property
+    def graph_of_node(self) -> Mapping[str, str]:
+        return _GraphOfNode(self)
+
+    # -- fast accessors by id ------------------------------------------------------------------
+    def __len__(self) -> int:
+        return len(self.lst)
+
+    def node_of(self, vid: int) -> str:
+        return self.node_names[self.v_node[vid]]
+
+    def op_of(self, vid: int) -> str:
+        return self.v_group[vid].op.key
+
+    def key(self, vid: int) -> str:
+        return f"{self.node_names[self.v_node[vid]]}:{self.v_group[vid].param}"
+
+    def inputs(self, vid: int) -> list[tuple[int, str]]:
+        """(input index, tensor name) of the vertex."""
+        cut = self.float_io.get(vid)
+        if cut is not None:
+            return list(cut[0])
+        names = self.node_ins[self.v_node[vid]]
+        return [(i, names[i]) for i in self.v_group[vid].in_idx if names[i]]
+
+    def outputs(self, vid: int) -> list[tuple[int, str]]:
+        """(output index, tensor name) of the vertex."""
+        cut = self.float_io.get(vid)
+        if cut is not None:
+            return list(cut[1])
+        names = self.node_outs[self.v_node[vid]]
+        return [(i, names[i]) for i in self.v_group[vid].out_idx if names[i]]
+
+    def ids_of_node(self, name: str) -> range:
+        """Vertex ids of a node (float or not); empty for an unknown name."""
+        k = self.node_index.get(name)
+        if k is None:
+            return range(0)
+        return range(self.node_first[k], self.node_first[k + 1])
+
+    def id_of(self, key: str) -> int:
+        """The id of a readable "node:param" key (KeyError when there is no such vertex)."""
+        node, _, param = key.rpartition(":")
+        for vid in self.ids_of_node(node):
+            if self.v_group[vid].param == param:
+                return vid
+        raise KeyError(key)
+
+    def set_status(self, vid: int, **facts) -> None:
+        """Change one vertex's facts (its shared status is copied first)."""
+        status = self.v_status[vid].copy()
+        for name, value in facts.items():
+            setattr(status, name, value)
+        self.v_status[vid] = status
+        self.f32[vid] = status.float32
+        self.ok[vid] = status.processed and status.float32 and status.capable
+
+
+def _status_field(name: str) -> property:
+    def get(self: Vertex):
+        return getattr(self.view.v_status[self.id], name)
+
+    def set_(self: Vertex, value) -> None:
+        self.view.set_status(self.id, **{name: value})
+    return property(get, set_)
+
+
+class Vertex:
+    """One vertex of a :class:`TypeView`, read through its id."""
+
+    __slots__ = ("view", "id")
+
+    def __init__(self, view: TypeView, vid: int):
+        self.view, self.id = view, vid
+
+    key = property(lambda self: self.view.key(self.id))         # "<node name>:<param>"
+    node = property(lambda self: self.view.node_of(self.id))
+    op = property(lambda self: self.view.v_group[self.id].op.key)  # list key: OpType or domain:OpType
+    op_type = property(lambda self: self.view.v_group[self.id].op.op_type)
+    domain = property(lambda self: self.view.v_group[self.id].op.domain)
+    opset = property(lambda self: self.view.v_group[self.id].op.opset)
+    param = property(lambda self: self.view.v_group[self.id].param)
+    graph = property(lambda self: self.view.scope_gids[self.view.node_scope[self.view.v_node[self.id]]])
+    inputs = property(lambda self: self.view.inputs(self.id))     # (input index, tensor name)
+    outputs = property(lambda self: self.view.outputs(self.id))   # (output index, tensor name)
+    list = property(lambda self: self.view.lst[self.id])
+    float32 = _status_field("float32")
+    type_known = _status_field("type_known")
+    processed = _status_field("processed")
+    capable = _status_field("capable")      # schema and kernel accept the low-precision type
+    why_not = _status_field("why_not")      # why not processed / not capable
+
+    @property
+    def tensors(self) -> list[str]:
+        return [t for _, t in self.inputs] + [t for _, t in self.outputs]
+
+
+class _ById(Sequence):
+    def __init__(self, view: TypeView):
+        self._view = view
+
+    def __len__(self) -> int:
+        return len(self._view.lst)
+
+    def __getitem__(self, vid):
+        if isinstance(vid, slice):
+            return [Vertex(self._view, i) for i in range(len(self))[vid]]
+        if not -len(self) <= vid < len(self):
+            raise IndexError(vid)
+        return Vertex(self._view, vid % len(self))
+
+    def __iter__(self) -> Iterator[Vertex]:
+        view = self._view
+        return (Vertex(view, i) for i in range(len(view.lst)))
+
+
+class _Vertices(Mapping):
+    """Readable "node:param" key -> :class:`Vertex`, resolved through the node index."""
+
+    def __init__(self, view: TypeView):
+        self._view = view
+
+    def __getitem__(self, key: str) -> Vertex:
+        return Vertex(self._view, self._view.id_of(key))
+
+    def __iter__(self) -> Iterator[str]:
+        view = self._view
+        return (view.key(i) for i in range(len(view.lst)))
+
+    def __len__(self) -> int:
+        return len(self._view.lst)
+
+
+class _NodeVertices(Mapping):
+    """Node name -> its vertex keys (float or not)."""
+
+    def __init__(self, view: TypeView):
+        self._view = view
+
+    def __getitem__(self, name: str) -> list[str]:
+        view = self._view
+        if name not in view.node_index:
+            raise KeyError(name)
+        return [view.key(i) for i in view.ids_of_node(name)]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._view.node_index)
+
+    def __len__(self) -> int:
+        return len(self._view.node_index)
+
+
+class _GraphOfNode(Mapping):
+    """Node name -> graph id of the graph holding it."""
+
+    def __init__(self, view: TypeView):
+        self._view = view
+
+    def __getitem__(self, name: str) -> str:
+        view = self._view
+        return view.scope_gids[view.node_scope[view.node_index[name]]]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._view.node_index)
+
+    def __len__(self) -> int:
+        return len(self._view.node_index)
 
 
 @functools.lru_cache(maxsize=None)
@@ -135,6 +366,35 @@ def _params(schema: onnx.defs.OpSchema | None, formals: Sequence, count: int) ->
     return out
 
 
+@functools.lru_cache(maxsize=None)
+def _layout(op_type: str, domain: str, opset: int, n_in: int, n_out: int
+            ) -> tuple[tuple[str, tuple[int, ...], tuple[int, ...]], ...]:
+    """The vertices of one (op, arity) in the order their first position appears (inputs, then
+    outputs): (param, input positions, output positions)."""
+    schema = _schema(op_type, domain, opset)
+    positions: dict[str, tuple[list[int], list[int]]] = {}
+    for side, formals, count in ((0, schema.inputs if schema else (), n_in),
+                                 (1, schema.outputs if schema else (), n_out)):
+        for i, param in enumerate(_params(schema, formals, count)):
+            if param is not None:
+                positions.setdefault(param, ([], []))[side].append(i)
+    return tuple((param, tuple(ins), tuple(outs)) for param, (ins, outs) in positions.items())
+
+
+def _present(groups: list[_Group], ins: Sequence[str], outs: Sequence[str]) -> list[_Group]:
+    """A node with empty (omitted) optional names: its vertices cover named positions only, in the
+    order their first named position appears."""
+    found = []
+    for g in groups:
+        in_idx = tuple(i for i in g.in_idx if ins[i])
+        out_idx = tuple(i for i in g.out_idx if outs[i])
+        if in_idx or out_idx:
+            first = in_idx[0] if in_idx else len(ins) + out_idx[0]
+            found.append((first, _Group(g.op, g.param, in_idx, out_idx)))
+    found.sort(key=lambda item: item[0])
+    return [g for _, g in found]
+
+
 def allows_type(schema: onnx.defs.OpSchema | None, param: str, type_str: str) -> bool | None:
     if schema is None:
         return None
@@ -158,32 +418,33 @@ def build_type_view(
 ) -> TypeView:
     """Build vertices and edges for the main graph and all bodies, in one pass over the nodes."""
     block = [re.compile(p) for p in block_nodes]
-    low_name, low_type_str = low.name, low.type_str
-    by_id: list[Vertex] = []
-    node_vertices: dict[str, list[str]] = {}
-    graph_of_node: dict[str, str] = {}
-    pinned: dict[str, str] = {}
-    unknown_schema: dict[str, str] = {}
-    tensor_dtype: dict[str, object] = {}
+    view = TypeView()
+    pinned = view.pinned
     tensors = graph.tensors
-    FLOAT = onnx.TensorProto.FLOAT
+    # Element type of every tensor, as the vertices see it: sequences/optionals of float are not
+    # float32 tensors (they never change type); None when unknown.
+    codes = {name: (NOT_A_TENSOR if info.init is None and info.kind != TENSOR_KIND else info.dtype)
+             for name, info in tensors.items()}
     ops: dict[tuple[str, str], _OpInfo] = {}
-    block_hits: set[str] = set()
+    layouts: dict[tuple[str, str, int, int], tuple[_OpInfo, list[_Group]]] = {}
+    statuses: dict[tuple, _Status] = {}
     capable_cache: dict[tuple, tuple[bool, str]] = {}
+    block_hits: set[str] = set()
+    control_flow: list[tuple[str, onnx.NodeProto]] = []
 
-    def capability(vertex: Vertex, op: _OpInfo) -> tuple[bool, str]:
-        key = (op.op_type, op.domain, vertex.param)
+    def capability(op: _OpInfo, param: str) -> tuple[bool, str]:
+        key = (op.op_type, op.domain, param)
         found = capable_cache.get(key)
         if found is None:
-            found = capable_cache[key] = _capability(vertex, op, provider, kernels, low_name, low_type_str)
+            found = capable_cache[key] = _capability(op, param, provider, kernels, low.name, low.type_str)
         return found
 
-    def dtype_of(name: str):
-        info = tensors[name]
-        # Sequences/optionals of float are not float32 tensors: they never change type.
-        if info.init is None and info.kind != TENSOR_KIND:
-            return NOT_A_TENSOR
-        return info.dtype
+    def layout(op_type: str, domain: str, n_in: int, n_out: int) -> tuple[_OpInfo, list[_Group]]:
+        op = ops.get((op_type, domain))
+        if op is None:
+            op = ops[(op_type, domain)] = _OpInfo(op_type, domain, graph.opset_of(domain), lists)
+        groups = [_Group(op, *g) for g in _layout(op_type, domain, op.opset, n_in, n_out)]
+        return op, groups
 
     for name in initializer_inputs:
         # IR < 4 style (keep_initializers_as_inputs): callers may feed it, so its type is fixed.
@@ -192,8 +453,15 @@ def build_type_view(
     for body_index, body in enumerate(graph.scopes):
         if body.parent_scope is not None:
             bodies_of.setdefault(body.parent_scope, []).append(body_index)
+
+    node_names, node_index, node_scope = view.node_names, view.node_index, view.node_scope
+    node_ins, node_outs, node_first = view.node_ins, view.node_outs, view.node_first
+    v_node, v_group, v_status, lst, f32, ok = (view.v_node, view.v_group, view.v_status, view.lst,
+                                               view.f32, view.ok)
+    producer_of, consumers = view.producer_of, view.consumers_of
     for scope_index, scope in enumerate(graph.scopes):
         graph_id, g = scope.gid, scope.graph
+        view.scope_gids.append(graph_id)
         scope_name = "graph" if graph_id == "" else f"body {graph_id}"
         if graph_id != "" or keep_io_types:
             init_names = {t.name for t in g.initializer}
@@ -206,157 +474,149 @@ def build_type_view(
         for body_index in bodies_of.get(scope_index, ()):
             for t in graph.outer_references(body_index):
                 pinned.setdefault(t, f"read by a subgraph of {graph.scopes[body_index].parent.name}")
-        for node in g.node:
-            node_name, op_type, domain = node.name, node.op_type, node.domain or ""
-            graph_of_node[node_name] = graph_id
-            op = ops.get((op_type, domain))
-            if op is None:
-                op = ops[(op_type, domain)] = _OpInfo(op_type, domain, graph.opset_of(domain), lists)
-            if op.schema is None:
-                unknown_schema[node_name] = op.key
-            groups: dict[str, Vertex] = {}
-            node_inputs, node_outputs = node.input, node.output
-            in_params, out_params = op.params(len(node_inputs), len(node_outputs))
-            for side, names, params in ((False, node_inputs, in_params), (True, node_outputs, out_params)):
-                for index, (tensor, param) in enumerate(zip(names, params)):
-                    if param is None or not tensor:
-                        continue
-                    vertex = groups.get(param)
-                    if vertex is None:
-                        vertex = groups[param] = Vertex(f"{node_name}:{param}", node_name, op.key, op_type, domain,
-                                                        op.opset, param, graph_id)
-                    (vertex.outputs if side else vertex.inputs).append((index, tensor))
-                    if tensor not in tensor_dtype:
-                        tensor_dtype[tensor] = dtype_of(tensor)
+        for position, node in enumerate(g.node):
+            node_name, op_type = node.name, node.op_type
+            ins, outs = tuple(node.input), tuple(node.output)
+            k = len(node_names)
+            node_names.append(node_name)
+            node_index[node_name] = k
+            node_scope.append(scope_index)
+            node_ins.append(ins)
+            node_outs.append(outs)
+            node_first.append(len(lst))
+            lkey = (op_type, node.domain, len(ins), len(outs))
+            found = layouts.get(lkey)
+            if found is None:
+                found = layouts[lkey] = layout(op_type, node.domain or "", len(ins), len(outs))
+            op, groups = found
+            if op_type in RETARGETABLE or op_type in CONTROL_FLOW:
+                if op_type == "Constant":
+                    for out in outs:
+                        view.constant_at[out] = (scope_index, position)
+                elif op_type in CONTROL_FLOW:
+                    control_flow.append((graph_id, node))
+            if "" in ins or "" in outs:
+                groups = _present(groups, ins, outs)
             blocked = None
             if block:
                 hits = [p.pattern for p in block if p.search(node_name)]
                 block_hits.update(hits)
                 blocked = hits[0] if hits else None
-            keys = []
-            for vertex in groups.values():
-                dtypes = [tensor_dtype[t] for _, t in vertex.inputs]
-                dtypes += [tensor_dtype[t] for _, t in vertex.outputs]
-                if None in dtypes:
-                    dtypes = [d for d in dtypes if d is not None]
-                if dtypes:
-                    vertex.type_known = True
-                    vertex.float32 = dtypes.count(FLOAT) == len(dtypes)
-                    if NOT_A_TENSOR in dtypes:
-                        vertex.why_not = "a sequence or optional value, not a tensor"
-                if op.schema is None and not vertex.float32:
-                    # An op without schema: its float tensors only form the vertex (spec §1).
-                    floats = [t for t in vertex.tensors if tensor_dtype[t] == FLOAT]
-                    if floats:
-                        vertex.inputs = [(i, t) for i, t in vertex.inputs if t in floats]
-                        vertex.outputs = [(i, t) for i, t in vertex.outputs if t in floats]
-                        vertex.float32 = True
-                vertex.list = op.list
-                _decide_processing(vertex, op, blocked, capability)
-                vertex.id = len(by_id)
-                by_id.append(vertex)
-                keys.append(vertex.key)
-            node_vertices[node_name] = keys
+            for group in groups:
+                in_names = [ins[i] for i in group.in_idx]
+                out_names = [outs[i] for i in group.out_idx]
+                signature = (group, blocked, *map(codes.__getitem__, in_names), *map(codes.__getitem__, out_names))
+                status = statuses.get(signature)
+                if status is None:
+                    status = statuses[signature] = _decide(group, signature[2:], len(in_names), blocked, capability)
+                vid = len(lst)
+                v_node.append(k)
+                v_group.append(group)
+                v_status.append(status)
+                lst.append(op.list)
+                f32.append(status.float32)
+                ok.append(status.processed and status.float32 and status.capable)
+                if status.float_only:
+                    in_names, out_names = _cut_to_floats(view, vid, group, ins, outs, codes)
+                if op_type in RETARGETABLE and out_names and not in_names:
+                    view.retargetable.append(vid)
+                if not status.float32:
+                    continue
+                for t in out_names:
+                    producer_of[t] = vid
+                for t in in_names:
+                    readers = consumers.get(t)
+                    if readers is None:
+                        consumers[t] = [vid]
+                    elif readers[-1] != vid:  # ids only grow: a repeat is the same vertex
+                        readers.append(vid)
+    node_first.append(len(lst))
+    del codes
 
     for pattern in block:
         if pattern.pattern not in block_hits:
             log.warning("block pattern %r matches no node name; nothing is blocked by it", pattern.pattern)
-    # Edges run producer -> consumer over float32 tensors; dicts serve as ordered sets while
-    # they are collected (a tensor read by every layer would make list membership quadratic).
-    producer_of: dict[str, int] = {}
-    consumer_sets: dict[str, dict[int, None]] = {}
-    for v in by_id:
-        if v.float32:
-            for _, t in v.outputs:
-                producer_of[t] = v.id
-    for v in by_id:
-        if v.float32:
-            for _, t in v.inputs:
-                consumer_sets.setdefault(t, {})[v.id] = None
-    # Edge lists in first-link order; one set of src * n + dst keys dedupes them (a dict per
-    # vertex and side cost more memory than the lists themselves).
-    fanin: list[list[int]] = [[] for _ in by_id]
-    fanout: list[list[int]] = [[] for _ in by_id]
-    n_vertices = len(by_id)
-    linked: set[int] = set()
-    for t, consumers in consumer_sets.items():
-        src = producer_of.get(t)
-        if src is None:
-            continue
-        src_graph = by_id[src].graph
-        for dst in consumers:
-            # Bodies are colored on their own: no edge crosses a graph boundary.
-            if by_id[dst].graph == src_graph:
-                key = src * n_vertices + dst
-                if key not in linked:
-                    linked.add(key)
-                    fanout[src].append(dst)
-                    fanin[dst].append(src)
 
-    def member_dtype(name: str):
-        return tensor_dtype[name] if name in tensor_dtype else graph.dtype(name)
+    view.groups = [g for g in _control_flow_groups(control_flow) if all(graph.dtype(t) == FLOAT for _, t in g.members)]
+    _link(view)
+    return view
 
-    groups = [g for g in control_flow_groups(graph) if all(member_dtype(t) == FLOAT for _, t in g.members)]
-    for group in groups:
+
+def _cut_to_floats(view: TypeView, vid: int, group: _Group, ins, outs, codes) -> tuple[list[str], list[str]]:
+    """An op without schema: its float tensors only form the vertex (spec §1)."""
+    inputs = [(i, ins[i]) for i in group.in_idx if codes[ins[i]] == FLOAT]
+    outputs = [(i, outs[i]) for i in group.out_idx if codes[outs[i]] == FLOAT]
+    view.float_io[vid] = (inputs, outputs)
+    return [t for _, t in inputs], [t for _, t in outputs]
+
+
+def _link(view: TypeView) -> None:
+    """Edges producer -> consumer over float32 tensors, in first-link order: tensors in the order
+    they are first read, each tensor's readers in id order; no edge crosses a graph boundary
+    (bodies are colored on their own) except the control-flow groups' ephemeral ones."""
+    producer_of, consumers = view.producer_of, view.consumers_of
+    src, dst = array("i"), array("i")
+    for t, readers in consumers.items():
+        producer = producer_of.get(t)
+        if producer is not None:
+            src.extend([producer] * len(readers))
+            dst.extend(readers)
+    src_np = np.frombuffer(src, dtype=np.intc) if src else np.zeros(0, np.intc)
+    dst_np = np.frombuffer(dst, dtype=np.intc) if dst else np.zeros(0, np.intc)
+    if len(view.scope_gids) > 1 and len(src_np):
+        scope = np.frombuffer(view.node_scope, dtype=np.intc)[np.frombuffer(view.v_node, dtype=np.intc)]
+        same = scope[src_np] == scope[dst_np]
+        src_np, dst_np = src_np[same], dst_np[same]
+    extra_src, extra_dst = [], []
+    for group in view.groups:
         # TF colors one flat graph where NextIteration/Merge edges close the loop; here the
         # group's producers are linked to the group's consumers (ephemeral edges) so the passes
         # see through the boundary (a body Add between this iteration's MatMul and the next
         # one's is "between allow ops").  force_color_match settles the group afterwards.
         producers = [producer_of[t] for t in group.must_allow + group.must_not_deny if t in producer_of]
-        consumers = [c for _, t in group.members for c in consumer_sets.get(t, {})
-                     if by_id[c].op_type not in ("If", "Loop", "Scan")]
-        for src in producers:
-            for dst in consumers:
-                key = src * n_vertices + dst
-                if key not in linked:
-                    linked.add(key)
-                    fanout[src].append(dst)
-                    fanin[dst].append(src)
-    consumers_of = {t: list(c) for t, c in consumer_sets.items()}
-    return TypeView(by_id, fanin, fanout, node_vertices, producer_of, consumers_of, pinned, graph_of_node,
-                    unknown_schema, groups)
+        readers = [c for _, t in group.members for c in consumers.get(t, ())
+                   if view.v_group[c].op.op_type not in CONTROL_FLOW]
+        for p in producers:
+            extra_src.extend([p] * len(readers))
+            extra_dst.extend(readers)
+    if extra_src:
+        src_np = np.concatenate([src_np, np.asarray(extra_src, dtype=np.intc)])
+        dst_np = np.concatenate([dst_np, np.asarray(extra_dst, dtype=np.intc)])
+    n = len(view.lst)
+    # One edge per (producer, consumer): a consumer may read several outputs of one vertex.
+    pair = src_np.astype(np.int64) * n + dst_np
+    _, first = np.unique(pair, return_index=True)
+    if len(first) < len(pair):
+        first.sort()
+        src_np, dst_np = src_np[first], dst_np[first]
+    view.fanout = _adjacency(src_np, dst_np, n)
+    view.fanin = _adjacency(dst_np, src_np, n)
 
 
-class _OpInfo:
-    """What every node of one (op type, domain) shares: schema, list, type parameters by arity."""
-
-    __slots__ = ("op_type", "domain", "opset", "key", "schema", "list", "_params")
-
-    def __init__(self, op_type: str, domain: str, opset: int, lists: Mapping[str, frozenset[str]]):
-        self.op_type, self.domain, self.opset = op_type, domain, opset
-        self.key = op_key(op_type, domain)
-        self.schema = _schema(op_type, domain, opset)
-        self.list = list_of(self.key, lists)
-        self._params: dict[tuple[int, int], tuple[list, list]] = {}
-
-    def params(self, n_in: int, n_out: int) -> tuple[list, list]:
-        found = self._params.get((n_in, n_out))
-        if found is None:
-            schema = self.schema
-            found = self._params[(n_in, n_out)] = (_params(schema, schema.inputs if schema else (), n_in),
-                                                   _params(schema, schema.outputs if schema else (), n_out))
-        return found
+def _adjacency(keys: np.ndarray, values: np.ndarray, n: int) -> Adjacency:
+    order = np.argsort(keys, kind="stable")  # stable: each list keeps first-link order
+    start = np.zeros(n + 1, dtype=np.intc)
+    np.cumsum(np.bincount(keys, minlength=n), out=start[1:])
+    return Adjacency(array("i", start.tobytes()), array("i", values[order].astype(np.intc).tobytes()))
 
 
-def control_flow_groups(graph: ModelGraph) -> list[ColorGroup]:
-    """Loop carried values and scan outputs, If outputs, Scan state and scan outputs."""
+def _control_flow_groups(nodes: Iterable[tuple[str, onnx.NodeProto]]) -> list[ColorGroup]:
+    """Loop carried values and scan outputs, If outputs, Scan state and scan outputs of the
+    If/Loop/Scan ``nodes`` (graph id, node)."""
     groups: list[ColorGroup] = []
-    for scope in graph.scopes:
-        for node in scope.graph.node:
-            if not may_hold_graphs(node):
-                continue
-            bodies = {a.name: a.g for a in node.attribute if a.type == GRAPH}
-            if node.op_type == "If" and "then_branch" in bodies and "else_branch" in bodies:
-                then_g, else_g = bodies["then_branch"], bodies["else_branch"]
-                for i, out in enumerate(node.output):
-                    if i >= len(then_g.output) or i >= len(else_g.output):
-                        continue
-                    t, e = then_g.output[i].name, else_g.output[i].name
-                    groups.append(ColorGroup("If output", node.name, i, out,
-                                             [(scope.gid, out), (f"{node.name}/then_branch", t),
-                                              (f"{node.name}/else_branch", e)], must_allow=[t, e]))
-            elif node.op_type in ("Loop", "Scan") and "body" in bodies:
-                groups += _loop_or_scan_groups(scope.gid, node, bodies["body"])
+    for graph_id, node in nodes:
+        bodies = {a.name: a.g for a in node.attribute if a.type == GRAPH}
+        if node.op_type == "If" and "then_branch" in bodies and "else_branch" in bodies:
+            then_g, else_g = bodies["then_branch"], bodies["else_branch"]
+            for i, out in enumerate(node.output):
+                if i >= len(then_g.output) or i >= len(else_g.output):
+                    continue
+                t, e = then_g.output[i].name, else_g.output[i].name
+                groups.append(ColorGroup("If output", node.name, i, out,
+                                         [(graph_id, out), (f"{node.name}/then_branch", t),
+                                          (f"{node.name}/else_branch", e)], must_allow=[t, e]))
+        elif node.op_type in ("Loop", "Scan") and "body" in bodies:
+            groups += _loop_or_scan_groups(graph_id, node, bodies["body"])
     return groups
 
 
@@ -396,40 +656,56 @@ def _loop_or_scan_groups(graph_id: str, node: onnx.NodeProto, body: onnx.GraphPr
     return groups
 
 
-def _decide_processing(vertex: Vertex, op: _OpInfo, blocked: str | None, capability) -> None:
-    """TF's ShouldProcess (node level) and SupportsF16 (vertex level)."""
-    if not vertex.type_known:
-        vertex.why_not = "type unknown (shape inference could not type its tensors)"
-        return
-    if not vertex.float32:
-        vertex.why_not = vertex.why_not or "not float32"
-        return
+def _decide(group: _Group, dtypes: Sequence, n_in: int, blocked: str | None, capability) -> _Status:
+    """The facts of a vertex from its tensors' dtypes (inputs first, ``n_in`` of them), then TF's
+    ShouldProcess (node level) and SupportsF16 (vertex level)."""
+    op = group.op
+    status = _Status()
+    known = [d for d in dtypes if d is not None]
+    has_in, has_out = n_in > 0, len(dtypes) > n_in
+    if known:
+        status.type_known = True
+        status.float32 = known.count(FLOAT) == len(known)
+        if NOT_A_TENSOR in known:
+            status.why_not = "a sequence or optional value, not a tensor"
+    if op.schema is None and not status.float32:
+        floats = [i for i, d in enumerate(dtypes) if d == FLOAT]
+        if floats:
+            status.float_only = status.float32 = True
+            has_in, has_out = floats[0] < n_in, floats[-1] >= n_in
+    if not status.type_known:
+        status.why_not = "type unknown (shape inference could not type its tensors)"
+        return status
+    if not status.float32:
+        status.why_not = status.why_not or "not float32"
+        return status
     if blocked is not None:
-        vertex.why_not = f"node name matches block pattern {blocked!r}"
-        return
-    retargetable = op.op_type in RETARGETABLE and bool(vertex.outputs) and not vertex.inputs
+        status.why_not = f"node name matches block pattern {blocked!r}"
+        return status
+    retargetable = op.op_type in RETARGETABLE and has_out and not has_in
     if op.list is None and not retargetable:
-        vertex.why_not = f"op {vertex.op} is on no list"
-        return
-    vertex.processed = True
-    vertex.capable, why_not = capability(vertex, op)
+        status.why_not = f"op {op.key} is on no list"
+        return status
+    status.processed = True
+    status.capable, why_not = capability(op, group.param)
     if why_not:
-        vertex.why_not = why_not
+        status.why_not = why_not
+    return status
 
 
-def _capability(vertex: Vertex, op: _OpInfo, provider: str, kernels, low_name: str, low_type_str: str
+def _capability(op: _OpInfo, param: str, provider: str, kernels, low_name: str, low_type_str: str
                 ) -> tuple[bool, str]:
     """Whether the schema and the provider's kernel take the low-precision type (same for every
     vertex of one op type and type parameter)."""
-    if op.schema is not None and allows_type(op.schema, vertex.param, low_type_str) is False:
-        return False, (f"the ONNX schema of {vertex.op} (opset {vertex.opset}) does not allow {low_name} "
-                       f"for {vertex.param}")
+    if op.schema is not None and allows_type(op.schema, param, low_type_str) is False:
+        return False, (f"the ONNX schema of {op.key} (opset {op.opset}) does not allow {low_name} "
+                       f"for {param}")
     if op.op_type == "Constant":
         return True, ""  # folded at session creation; needs no kernel
-    param = None if vertex.param == _WHOLE_NODE else vertex.param.split("#")[0]
-    supported = kernels.supports(provider, vertex.domain, op.op_type, vertex.opset, param, low_name)
+    base = None if param == _WHOLE_NODE else param.split("#")[0]
+    supported = kernels.supports(provider, op.domain, op.op_type, op.opset, base, low_name)
     if supported is None:
-        return False, f"no {provider} kernel for {vertex.op} at opset {vertex.opset}"
+        return False, f"no {provider} kernel for {op.key} at opset {op.opset}"
     if not supported:
-        return False, f"no {provider} {low_name} kernel for {vertex.op} ({vertex.param}) at opset {vertex.opset}"
+        return False, f"no {provider} {low_name} kernel for {op.key} ({param}) at opset {op.opset}"
     return True, ""
