@@ -38,34 +38,42 @@ class Coloring:
     # tensor back as raw data once its values were loaded; the emitter keeps those bytes.
     read_constants: set[str] = field(default_factory=set)
 
+    def __post_init__(self):
+        # The color of every vertex as a byte (see _CODE), kept with ``colors`` by paint/unpaint:
+        # the passes test colors by indexing it and take masks of it with bytes.translate.
+        self.codes = bytearray(len(self.view))
+        for vid, (color, _, _) in self.colors.items():
+            self.codes[vid] = _CODE[color]
+
     def _id(self, key: str | int) -> int:
         return key if isinstance(key, int) else self.view.id_of(key)
 
     def is_allow(self, key: str | int) -> bool:
-        entry = self.colors.get(self._id(key))
-        return entry is not None and entry[0] == ALLOW
+        return self.codes[self._id(key)] == _ALLOW
 
     def is_deny(self, key: str | int) -> bool:
-        entry = self.colors.get(self._id(key))
-        return entry is not None and entry[0] == DENY
+        return self.codes[self._id(key)] == _DENY
 
     def paint(self, key: str | int, color: str, rule: str, cause: str) -> bool:
         """Paint unless already that color; True when something changed."""
         vid = self._id(key)
-        entry = self.colors.get(vid)
-        if entry is not None and entry[0] == color:
+        code = _CODE[color]
+        if self.codes[vid] == code:
             return False
         self.colors[vid] = (color, rule, cause)
+        self.codes[vid] = code
         return True
 
     def unpaint(self, key: str | int) -> None:
-        self.colors.pop(self._id(key), None)
+        vid = self._id(key)
+        self.colors.pop(vid, None)
+        self.codes[vid] = 0
 
     def allow_ids(self) -> list[int]:
         return [i for i, entry in self.colors.items() if entry[0] == ALLOW]
 
     def has_allow(self) -> bool:
-        return any(entry[0] == ALLOW for entry in self.colors.values())
+        return _ALLOW in self.codes
 
     def allow_keys(self) -> list[str]:
         key = self.view.key
@@ -76,18 +84,19 @@ class Coloring:
         entry = self.colors.get(vid)
         if entry is not None:
             return entry[0], Reason(entry[1], entry[2])
-        why_not = self.view.v_status[vid].why_not
+        why_not = self.view.v_kind[vid].why_not
         if why_not:
             return FP32, Reason("not_processed", why_not)
         return FP32, Reason("not_promoted", _why_fp32(self.view.lst[vid], self.view.op_of(vid)))
 
-    def _marks(self, color: str) -> bytearray:
-        """1 for every vertex painted ``color``."""
-        marks = bytearray(len(self.view))
-        for vid, entry in self.colors.items():
-            if entry[0] == color:
-                marks[vid] = 1
-        return marks
+    def marks(self, color: str) -> bytearray:
+        """1 for every vertex painted ``color``, 0 for the others."""
+        return bytearray(self.codes.translate(_MARKS[color]))
+
+
+_ALLOW, _DENY = 1, 2
+_CODE = {ALLOW: _ALLOW, DENY: _DENY}
+_MARKS = {color: bytes(int(i == code) for i in range(256)) for color, code in _CODE.items()}
 
 
 def _why_fp32(list_name: str | None, op: str) -> str:
@@ -104,47 +113,42 @@ def _dfs(adjacent: tuple[Adjacency, ...], roots: Iterable[int], enter: bytearray
          ) -> tuple[list[int], list[int]]:
     """Depth-first traversal over float32 edges (fan-in, fan-out or both); ``enter`` guards every
     non-root vertex.  Returns the vertices in visit order and the parent of each (-1 for a root)."""
-    seen = bytearray(len(enter))
+    state = bytearray(enter)  # 1: may be entered, 0: may not, 2: seen
     order: list[int] = []
     parents: list[int] = []
-    if len(adjacent) == 2:
-        (in_start, in_flat), (out_start, out_flat) = ((a.start, a.flat) for a in adjacent)
-    else:
-        start, flat = adjacent[0].start, adjacent[0].flat
+    both = len(adjacent) == 2
+    start, flat = adjacent[0].start, adjacent[0].flat
+    if both:
+        out_start, out_flat = adjacent[1].start, adjacent[1].flat
     for root in roots:
-        if seen[root]:
+        if state[root] == 2:
             continue
-        seen[root] = 1
+        state[root] = 2
         order.append(root)
         parents.append(-1)
         stack = [root]
         while stack:
             current = stack.pop()
-            if len(adjacent) == 2:
-                nexts = (in_flat[in_start[current]:in_start[current + 1]]
-                         + out_flat[out_start[current]:out_start[current + 1]])
-            else:
-                nexts = flat[start[current]:start[current + 1]]
+            nexts = flat[start[current]:start[current + 1]]
+            if both:
+                nexts += out_flat[out_start[current]:out_start[current + 1]]
             for nxt in nexts:
-                if seen[nxt] or not enter[nxt]:
-                    continue
-                seen[nxt] = 1
-                order.append(nxt)
-                parents.append(current)
-                stack.append(nxt)
+                if state[nxt] == 1:
+                    state[nxt] = 2
+                    order.append(nxt)
+                    parents.append(current)
+                    stack.append(nxt)
     return order, parents
 
 
 def add_allow_ops(state: Coloring) -> PassResult:
     """Every vertex of a processed allow-list node joins ALLOW (unless a data seed denied it)."""
     view = state.view
-    lst, ok, colors = view.lst, view.ok, state.colors
+    lst, ok, codes = view.lst, view.ok, state.codes
     painted = 0
     for k, list_name in enumerate(lst):
-        if list_name == "allow" and ok[k]:
-            entry = colors.get(k)
-            if entry is None or entry[0] != DENY:
-                painted += state.paint(k, ALLOW, "add_allow_ops", f"allow-list op {view.op_of(k)}")
+        if list_name == "allow" and ok[k] and codes[k] != _DENY:
+            painted += state.paint(k, ALLOW, "add_allow_ops", f"allow-list op {view.op_of(k)}")
     require(all(ok[i] for i in state.allow_ids()),
             "add_allow_ops", "every ALLOW vertex is processed, float32 and low-precision capable")
     return PassResult(painted > 0, {"painted": painted})
@@ -163,7 +167,7 @@ def propagate_deny_forward_through_clear_and_infer(state: Coloring) -> PassResul
     view = state.view
     lst, f32 = view.lst, view.f32
     rule = "propagate_deny_forward_through_clear_and_infer"
-    deny = state._marks(DENY)
+    deny = state.marks(DENY)
     roots = [k for k, list_name in enumerate(lst) if f32[k] and (list_name in ("deny", "infer") or deny[k])]
     enter = bytearray(len(lst))
     for k, list_name in enumerate(lst):
@@ -179,12 +183,10 @@ def propagate_deny_forward_through_clear_and_infer(state: Coloring) -> PassResul
     for k, list_name in enumerate(lst):
         if f32[k] and list_name == "deny" and not deny[k]:
             painted += state.paint(k, DENY, rule, f"deny-list op {view.op_of(k)}")
-            deny[k] = 1
+    deny = state.marks(DENY)
     deny_roots = [k for k in range(len(lst)) if f32[k] and deny[k]]
-    allow = state._marks(ALLOW)
-    for k in range(len(lst)):
-        if allow[k]:
-            upstream[k] = 0
+    for k in state.allow_ids():
+        upstream[k] = 0
     origin: dict[int, int] = {k: k for k in deny_roots}
     for k, parent in zip(*_dfs((view.fanout,), deny_roots, upstream)):
         if parent < 0:
@@ -210,7 +212,7 @@ def add_clear_and_infer_to_allow_if_between_allow(state: Coloring) -> PassResult
     view = state.view
     lst, ok = view.lst, view.ok
     allow_roots = [i for i in state.allow_ids() if lst[i] == "allow"]
-    deny = state._marks(DENY)
+    deny = state.marks(DENY)
     passable = bytearray(len(lst))
     for k, list_name in enumerate(lst):
         if (list_name == "clear" or list_name == "infer") and ok[k] and not deny[k]:
@@ -234,7 +236,7 @@ def add_infer_to_allow_if_follow_allow(state: Coloring) -> PassResult:
     direct input and no DENY direct input becomes ALLOW."""
     view = state.view
     lst, ok = view.lst, view.ok
-    deny, allow = state._marks(DENY), state._marks(ALLOW)
+    deny, allow = state.marks(DENY), state.marks(ALLOW)
     promote = []
     for k, list_name in enumerate(lst):
         if list_name != "infer" or not ok[k] or deny[k] or allow[k]:
@@ -257,7 +259,7 @@ def propagate_allow_through_clear(state: Coloring) -> PassResult:
     view = state.view
     lst, ok = view.lst, view.ok
     roots = state.allow_ids()
-    deny = state._marks(DENY)
+    deny = state.marks(DENY)
     enter = bytearray(len(lst))
     for k, list_name in enumerate(lst):
         if list_name == "clear" and ok[k] and not deny[k]:
@@ -303,7 +305,7 @@ def force_color_match(state: Coloring) -> PassResult:
     view = state.view
     changed = False
     for k in state.allow_ids():
-        op_type = view.v_group[k].op.op_type
+        op_type = view.v_kind[k].group.op.op_type
         if op_type in CONTROL_FLOW:
             state.paint(k, DENY, "force_color_match", f"{op_type} inputs and outputs follow their color groups")
             changed = True

@@ -82,6 +82,17 @@ def check_many(arrays: list[np.ndarray], low_dtype) -> list[RangeCheck]:
 
 def _check_segments(flat: np.ndarray, sizes: list[int], low_dtype) -> list[RangeCheck]:
     """:func:`check_values` of each consecutive segment of ``flat`` (float32), all at once."""
+    max_abs, nonzero, flushed = _segment_counts(flat, sizes, low_dtype)
+    results = []
+    for j in range(len(sizes)):
+        nz = int(nonzero[j])
+        results.append(RangeCheck(float(max_abs[j]), int(flushed[j]) / nz if nz else 0.0, int(sizes[j])))
+    return results
+
+
+def _segment_counts(flat: np.ndarray, sizes: list[int], low_dtype) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Per consecutive segment of ``flat`` (float32): the finite max |x|, the non-zero finite
+    count and how many of those flush or turn subnormal (see :func:`check_values`)."""
     sizes = np.array(sizes)
     starts = np.concatenate(([0], np.cumsum(sizes)[:-1]))
     finite = np.isfinite(flat)
@@ -92,13 +103,23 @@ def _check_segments(flat: np.ndarray, sizes: list[int], low_dtype) -> list[Range
     floor = np.repeat(np.where(sizes > 1, np.float32(tiny), np.float32(0)), sizes)
     with np.errstate(over="ignore"):  # overflow is reported through max_abs, not here
         flushed = nonzero & (np.abs(flat.astype(low_dtype)).astype(np.float32) <= floor)
-    nonzero_counts = np.add.reduceat(nonzero, starts)
-    flushed_counts = np.add.reduceat(flushed, starts)
-    results = []
-    for j in range(len(sizes)):
-        nz = int(nonzero_counts[j])
-        results.append(RangeCheck(float(max_abs[j]), int(flushed_counts[j]) / nz if nz else 0.0, int(sizes[j])))
-    return results
+    return max_abs, np.add.reduceat(nonzero, starts), np.add.reduceat(flushed, starts)
+
+
+def _segment_causes(names: list[str], flat: np.ndarray, sizes: list[int], low_dtype, limit: float,
+                    share: float) -> dict[str, str]:
+    """:meth:`RangeCheck.describe` of each segment that has a cause, by name; the test is
+    vectorized (in float64, as describe compares) and only the few hits become RangeChecks."""
+    max_abs, nonzero, flushed = _segment_counts(flat, sizes, low_dtype)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        shares = np.where(nonzero > 0, flushed / np.maximum(nonzero, 1).astype(np.float64), 0.0)
+    hits = np.flatnonzero((max_abs.astype(np.float64) > limit) | (shares > share))
+    causes = {}
+    for j in hits.tolist():
+        nz = int(nonzero[j])
+        check = RangeCheck(float(max_abs[j]), int(flushed[j]) / nz if nz else 0.0, int(sizes[j]))
+        causes[names[j]] = check.describe(names[j], limit, share)
+    return causes
 
 
 def constant_producers(graph: ModelGraph) -> dict[str, onnx.NodeProto]:
@@ -157,7 +178,7 @@ def seed_deny_from_initializer_range(state: Coloring, graph: ModelGraph, *,
     limit, low_dtype = low.max, low.numpy
     view = state.view
     tensors, constant_at = graph.tensors, view.constant_at
-    lst, f32, v_status, node_first = view.lst, view.f32, view.v_status, view.node_first
+    lst, f32, v_kind, node_first = view.lst, view.f32, view.v_kind, view.node_first
     listed = ("allow", "infer", "clear")
     # Each candidate: (float32 vertex ids of a listed, processed node; its float inputs that hold
     # constants, in input order).  Other inputs have no values, so no cause.
@@ -166,25 +187,32 @@ def seed_deny_from_initializer_range(state: Coloring, graph: ModelGraph, *,
     raw_names: list[str] = []   # small float32 initializers, checked together from their raw bytes
     raw_bytes: list[bytes] = []
     small: dict[str, np.ndarray] = {}  # other small constants, checked together
+    constants = {name for name, info in tensors.items() if info.init is not None}
+    constants.update(constant_at)
     for k, ins in enumerate(view.node_ins):
+        if constants.isdisjoint(ins):
+            continue
         first, end = node_first[k], node_first[k + 1]
-        if first == end or lst[first] not in listed:
-            continue
-        vids = [v for v in range(first, end) if f32[v]]
-        if not vids or not any(v_status[v].processed for v in vids):
-            continue
-        float_inputs = {t for v in vids for _, t in view.inputs(v)}
+        if end - first == 1:  # the common node: one vertex
+            kind = v_kind[first]
+            if not (kind.float32 and kind.processed and kind.list in listed):
+                continue
+            vids = [first]
+            float_inputs = view.input_names(first)
+        else:
+            vids = [v for v in range(first, end) if f32[v]]
+            if not vids or lst[first] not in listed or not any(v_kind[v].processed for v in vids):
+                continue
+            float_inputs = {t for v in vids for t in view.input_names(v)}
         names = []
         for name in ins:
-            if name not in float_inputs:
-                continue
-            info = tensors.get(name)
-            init = info.init if info is not None else None
-            if init is None and name not in constant_at:
+            if name not in constants or name not in float_inputs:
                 continue
             names.append(name)
             if name in causes or name in small:
                 continue
+            info = tensors.get(name)
+            init = info.init if info is not None else None
             if init is not None:
                 raw = _small_raw_float(init)
                 if raw is not None:
@@ -208,8 +236,7 @@ def seed_deny_from_initializer_range(state: Coloring, graph: ModelGraph, *,
         flat = np.frombuffer(b"".join(raw_bytes), dtype="<f4")
         sizes = [len(raw) // 4 for raw in raw_bytes]
         del raw_bytes
-        for name, check in zip(raw_names, _check_segments(flat, sizes, low_dtype)):
-            causes[name] = check.describe(name, limit, underflow_share)
+        causes.update(_segment_causes(raw_names, flat, sizes, low_dtype, limit, underflow_share))
     for name, check in zip(small, check_many(list(small.values()), low_dtype)):
         causes[name] = check.describe(name, limit, underflow_share)
     # A node's inputs are read in order up to the first one with a cause; Constant-node values read

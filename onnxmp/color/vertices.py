@@ -14,10 +14,12 @@ view holds no object per vertex.
 from __future__ import annotations
 
 import functools
+import itertools
 import logging
 import re
 from array import array
 from dataclasses import dataclass, field
+from operator import attrgetter, itemgetter
 from typing import Iterable, Iterator, Mapping, Sequence
 
 import numpy as np
@@ -66,38 +68,58 @@ class ColorGroup:
 class _OpInfo:
     """What every node of one (op type, domain) shares: schema and list."""
 
-    __slots__ = ("op_type", "domain", "opset", "key", "schema", "list")
+    __slots__ = ("op_type", "domain", "opset", "key", "schema", "list", "special")
 
     def __init__(self, op_type: str, domain: str, opset: int, lists: Mapping[str, frozenset[str]]):
         self.op_type, self.domain, self.opset = op_type, domain, opset
         self.key = op_key(op_type, domain)
         self.schema = _schema(op_type, domain, opset)
         self.list = list_of(self.key, lists)
+        self.special = op_type in RETARGETABLE or op_type in CONTROL_FLOW
 
 
 class _Group:
     """One type parameter of one (op, arity): the input and output positions that share it."""
 
-    __slots__ = ("op", "param", "in_idx", "out_idx")
+    __slots__ = ("op", "param", "in_idx", "out_idx", "pick_in", "pick_out")
 
     def __init__(self, op: _OpInfo, param: str, in_idx: tuple[int, ...], out_idx: tuple[int, ...]):
         self.op, self.param, self.in_idx, self.out_idx = op, param, in_idx, out_idx
+        self.pick_in, self.pick_out = _picker(in_idx), _picker(out_idx)
 
 
-class _Status:
-    """Type and processing facts of a vertex; shared by every vertex of one op, parameter,
-    dtype signature and block match."""
+def _picker(positions: tuple[int, ...]):
+    """A C-level function that takes these positions of a tuple, as a tuple."""
+    if not positions:
+        return itemgetter(slice(0, 0))
+    if positions == tuple(range(positions[0], positions[-1] + 1)):
+        return itemgetter(slice(positions[0], positions[-1] + 1))
+    return itemgetter(*positions)  # two or more positions here: itemgetter gives a tuple
 
-    __slots__ = ("type_known", "float32", "processed", "capable", "why_not", "float_only")
 
-    def __init__(self):
+class _Kind:
+    """What a vertex is: its op's type-parameter group and the facts its dtypes, list and block
+    match give.  Shared by every vertex with the same group, dtypes and block match."""
+
+    __slots__ = ("group", "list", "type_known", "float32", "processed", "capable", "why_not", "float_only",
+                 "ok", "special")
+
+    def __init__(self, group: _Group):
+        self.group, self.list = group, group.op.list
         self.type_known = self.float32 = self.processed = self.capable = False
         self.why_not = ""
         self.float_only = False  # an op without schema: only its float tensors form the vertex
+        self.ok = False          # processed, float32 and low-precision capable: may join ALLOW
+        self.special = False     # float_only, or an op the passes look up by id (RETARGETABLE)
 
-    def copy(self) -> _Status:
-        new = _Status()
-        for name in _Status.__slots__:
+    def settle(self) -> _Kind:
+        self.ok = bool(self.processed and self.float32 and self.capable)
+        self.special = self.float_only or self.group.op.op_type in RETARGETABLE
+        return self
+
+    def copy(self) -> _Kind:
+        new = _Kind(self.group)
+        for name in _Kind.__slots__:
             setattr(new, name, getattr(self, name))
         return new
 
@@ -120,9 +142,9 @@ class Adjacency:
 class TypeView:
     """Vertices of every graph plus fan-in/fan-out over float32 tensors (built by :func:`build_type_view`).
 
-    Per vertex (index = vertex id): ``v_node`` (node index), ``v_group`` (op, param and
-    positions), ``v_status`` (shared :class:`_Status`), and the arrays the passes read:
-    ``lst`` (list name), ``f32`` and ``ok`` (processed, float32 and low-precision capable).
+    Per vertex (index = vertex id): ``v_node`` (node index), ``v_kind`` (shared :class:`_Kind`:
+    op, param, positions, facts), and the arrays the passes read: ``lst`` (list name), ``f32``
+    and ``ok`` (processed, float32 and low-precision capable).
     Per node (index = node index, scopes in order, nodes in graph order): ``node_names``,
     ``node_scope``, ``node_ins``/``node_outs`` (tensor names) and ``node_first`` (its first
     vertex id; the node's vertices are ``node_first[k]:node_first[k + 1]``).
@@ -137,8 +159,7 @@ class TypeView:
         self.node_outs: list[tuple[str, ...]] = []
         self.node_first = array("i")
         self.v_node = array("i")
-        self.v_group: list[_Group] = []
-        self.v_status: list[_Status] = []
+        self.v_kind: list[_Kind] = []
         self.lst: list[str | None] = []
         self.f32 = bytearray()
         self.ok = bytearray()
@@ -147,7 +168,9 @@ class TypeView:
         self.constant_at: dict[str, tuple[int, int]] = {}  # tensor -> (scope, position) of its Constant node
         self.fanin = self.fanout = Adjacency(array("i", [0]), array("i"))
         self.producer_of: dict[str, int] = {}       # tensor name -> producing float32 vertex id
-        self.consumers_of: dict[str, list[int]] = {}  # tensor name -> consuming float32 vertex ids
+        # tensor name -> consuming float32 vertex ids (any graph), for the outputs of retargetable
+        # vertices and the control-flow group members: the tensors the passes ask about
+        self.consumers_of: dict[str, list[int]] = {}
         self.pinned: dict[str, str] = {}            # tensor name -> why its dtype may not change
         self.groups: list[ColorGroup] = []
 
@@ -178,10 +201,10 @@ class TypeView:
         return self.node_names[self.v_node[vid]]
 
     def op_of(self, vid: int) -> str:
-        return self.v_group[vid].op.key
+        return self.v_kind[vid].group.op.key
 
     def key(self, vid: int) -> str:
-        return f"{self.node_names[self.v_node[vid]]}:{self.v_group[vid].param}"
+        return f"{self.node_names[self.v_node[vid]]}:{self.v_kind[vid].group.param}"
 
     def inputs(self, vid: int) -> list[tuple[int, str]]:
         """(input index, tensor name) of the vertex."""
@@ -189,7 +212,14 @@ class TypeView:
         if cut is not None:
             return list(cut[0])
         names = self.node_ins[self.v_node[vid]]
-        return [(i, names[i]) for i in self.v_group[vid].in_idx if names[i]]
+        return [(i, names[i]) for i in self.v_kind[vid].group.in_idx if names[i]]
+
+    def input_names(self, vid: int) -> tuple[str, ...]:
+        """The tensors the vertex reads, in input order."""
+        cut = self.float_io.get(vid)
+        if cut is not None:
+            return tuple(t for _, t in cut[0])
+        return self.v_kind[vid].group.pick_in(self.node_ins[self.v_node[vid]])
 
     def outputs(self, vid: int) -> list[tuple[int, str]]:
         """(output index, tensor name) of the vertex."""
@@ -197,7 +227,7 @@ class TypeView:
         if cut is not None:
             return list(cut[1])
         names = self.node_outs[self.v_node[vid]]
-        return [(i, names[i]) for i in self.v_group[vid].out_idx if names[i]]
+        return [(i, names[i]) for i in self.v_kind[vid].group.out_idx if names[i]]
 
     def ids_of_node(self, name: str) -> range:
         """Vertex ids of a node (float or not); empty for an unknown name."""
@@ -210,26 +240,26 @@ class TypeView:
         """The id of a readable "node:param" key (KeyError when there is no such vertex)."""
         node, _, param = key.rpartition(":")
         for vid in self.ids_of_node(node):
-            if self.v_group[vid].param == param:
+            if self.v_kind[vid].group.param == param:
                 return vid
         raise KeyError(key)
 
-    def set_status(self, vid: int, **facts) -> None:
-        """Change one vertex's facts (its shared status is copied first)."""
-        status = self.v_status[vid].copy()
+    def set_facts(self, vid: int, **facts) -> None:
+        """Change one vertex's facts (its shared kind is copied first)."""
+        kind = self.v_kind[vid].copy()
         for name, value in facts.items():
-            setattr(status, name, value)
-        self.v_status[vid] = status
-        self.f32[vid] = status.float32
-        self.ok[vid] = status.processed and status.float32 and status.capable
+            setattr(kind, name, value)
+        self.v_kind[vid] = kind.settle()
+        self.f32[vid] = kind.float32
+        self.ok[vid] = kind.ok
 
 
-def _status_field(name: str) -> property:
+def _fact(name: str) -> property:
     def get(self: Vertex):
-        return getattr(self.view.v_status[self.id], name)
+        return getattr(self.view.v_kind[self.id], name)
 
     def set_(self: Vertex, value) -> None:
-        self.view.set_status(self.id, **{name: value})
+        self.view.set_facts(self.id, **{name: value})
     return property(get, set_)
 
 
@@ -243,20 +273,20 @@ class Vertex:
 
     key = property(lambda self: self.view.key(self.id))         # "<node name>:<param>"
     node = property(lambda self: self.view.node_of(self.id))
-    op = property(lambda self: self.view.v_group[self.id].op.key)  # list key: OpType or domain:OpType
-    op_type = property(lambda self: self.view.v_group[self.id].op.op_type)
-    domain = property(lambda self: self.view.v_group[self.id].op.domain)
-    opset = property(lambda self: self.view.v_group[self.id].op.opset)
-    param = property(lambda self: self.view.v_group[self.id].param)
+    op = property(lambda self: self.view.v_kind[self.id].group.op.key)  # list key: OpType or domain:OpType
+    op_type = property(lambda self: self.view.v_kind[self.id].group.op.op_type)
+    domain = property(lambda self: self.view.v_kind[self.id].group.op.domain)
+    opset = property(lambda self: self.view.v_kind[self.id].group.op.opset)
+    param = property(lambda self: self.view.v_kind[self.id].group.param)
     graph = property(lambda self: self.view.scope_gids[self.view.node_scope[self.view.v_node[self.id]]])
     inputs = property(lambda self: self.view.inputs(self.id))     # (input index, tensor name)
     outputs = property(lambda self: self.view.outputs(self.id))   # (output index, tensor name)
     list = property(lambda self: self.view.lst[self.id])
-    float32 = _status_field("float32")
-    type_known = _status_field("type_known")
-    processed = _status_field("processed")
-    capable = _status_field("capable")      # schema and kernel accept the low-precision type
-    why_not = _status_field("why_not")      # why not processed / not capable
+    float32 = _fact("float32")
+    type_known = _fact("type_known")
+    processed = _fact("processed")
+    capable = _fact("capable")      # schema and kernel accept the low-precision type
+    why_not = _fact("why_not")      # why not processed / not capable
 
     @property
     def tensors(self) -> list[str]:
@@ -427,7 +457,7 @@ def build_type_view(
              for name, info in tensors.items()}
     ops: dict[tuple[str, str], _OpInfo] = {}
     layouts: dict[tuple[str, str, int, int], tuple[_OpInfo, list[_Group]]] = {}
-    statuses: dict[tuple, _Status] = {}
+    kinds: dict[tuple, _Kind] = {}
     capable_cache: dict[tuple, tuple[bool, str]] = {}
     block_hits: set[str] = set()
     control_flow: list[tuple[str, onnx.NodeProto]] = []
@@ -455,13 +485,17 @@ def build_type_view(
             bodies_of.setdefault(body.parent_scope, []).append(body_index)
 
     node_names, node_index, node_scope = view.node_names, view.node_index, view.node_scope
-    node_ins, node_outs, node_first = view.node_ins, view.node_outs, view.node_first
-    v_node, v_group, v_status, lst, f32, ok = (view.v_node, view.v_group, view.v_status, view.lst,
-                                               view.f32, view.ok)
-    producer_of, consumers = view.producer_of, view.consumers_of
+    add_ins, add_outs = view.node_ins.append, view.node_outs.append
+    v_node, v_kind = view.v_node, view.v_kind
+    add_node, add_kind, code_of = v_node.append, v_kind.append, codes.__getitem__
+    # Tensors read and written by float32 vertices, in id order, with how many each vertex has:
+    # _link makes the edges from them.
+    read, written, n_read, n_written = [], [], array("i"), array("i")
+    add_read, add_written = n_read.append, n_written.append
     for scope_index, scope in enumerate(graph.scopes):
         graph_id, g = scope.gid, scope.graph
         view.scope_gids.append(graph_id)
+        node_scope.extend(array("i", [scope_index]) * len(g.node))
         scope_name = "graph" if graph_id == "" else f"body {graph_id}"
         if graph_id != "" or keep_io_types:
             init_names = {t.name for t in g.initializer}
@@ -480,16 +514,14 @@ def build_type_view(
             k = len(node_names)
             node_names.append(node_name)
             node_index[node_name] = k
-            node_scope.append(scope_index)
-            node_ins.append(ins)
-            node_outs.append(outs)
-            node_first.append(len(lst))
+            add_ins(ins)
+            add_outs(outs)
             lkey = (op_type, node.domain, len(ins), len(outs))
             found = layouts.get(lkey)
             if found is None:
                 found = layouts[lkey] = layout(op_type, node.domain or "", len(ins), len(outs))
             op, groups = found
-            if op_type in RETARGETABLE or op_type in CONTROL_FLOW:
+            if op.special:
                 if op_type == "Constant":
                     for out in outs:
                         view.constant_at[out] = (scope_index, position)
@@ -503,42 +535,37 @@ def build_type_view(
                 block_hits.update(hits)
                 blocked = hits[0] if hits else None
             for group in groups:
-                in_names = [ins[i] for i in group.in_idx]
-                out_names = [outs[i] for i in group.out_idx]
-                signature = (group, blocked, *map(codes.__getitem__, in_names), *map(codes.__getitem__, out_names))
-                status = statuses.get(signature)
-                if status is None:
-                    status = statuses[signature] = _decide(group, signature[2:], len(in_names), blocked, capability)
-                vid = len(lst)
-                v_node.append(k)
-                v_group.append(group)
-                v_status.append(status)
-                lst.append(op.list)
-                f32.append(status.float32)
-                ok.append(status.processed and status.float32 and status.capable)
-                if status.float_only:
-                    in_names, out_names = _cut_to_floats(view, vid, group, ins, outs, codes)
-                if op_type in RETARGETABLE and out_names and not in_names:
-                    view.retargetable.append(vid)
-                if not status.float32:
-                    continue
-                for t in out_names:
-                    producer_of[t] = vid
-                for t in in_names:
-                    readers = consumers.get(t)
-                    if readers is None:
-                        consumers[t] = [vid]
-                    elif readers[-1] != vid:  # ids only grow: a repeat is the same vertex
-                        readers.append(vid)
-    node_first.append(len(lst))
+                in_names, out_names = group.pick_in(ins), group.pick_out(outs)
+                signature = (group, blocked, *map(code_of, in_names), *map(code_of, out_names))
+                kind = kinds.get(signature)
+                if kind is None:
+                    kind = kinds[signature] = _decide(group, signature[2:], len(in_names), blocked, capability)
+                add_node(k)
+                add_kind(kind)
+                if kind.special:
+                    vid = len(v_kind) - 1
+                    if kind.float_only:
+                        in_names, out_names = _cut_to_floats(view, vid, group, ins, outs, codes)
+                    if op_type in RETARGETABLE and out_names and not in_names:
+                        view.retargetable.append(vid)
+                if kind.float32:
+                    read += in_names
+                    add_read(len(in_names))
+                    written += out_names
+                    add_written(len(out_names))
     del codes
+    view.lst = list(map(attrgetter("list"), v_kind))
+    view.f32 = bytearray(map(attrgetter("float32"), v_kind))
+    view.ok = bytearray(map(attrgetter("ok"), v_kind))
+    nodes = np.frombuffer(v_node, dtype=np.intc) if v_node else np.zeros(0, np.intc)
+    view.node_first = array("i", np.searchsorted(nodes, np.arange(len(node_names) + 1)).astype(np.intc).tobytes())
 
     for pattern in block:
         if pattern.pattern not in block_hits:
             log.warning("block pattern %r matches no node name; nothing is blocked by it", pattern.pattern)
 
     view.groups = [g for g in _control_flow_groups(control_flow) if all(graph.dtype(t) == FLOAT for _, t in g.members)]
-    _link(view)
+    _link(view, read, n_read, written, n_written)
     return view
 
 
@@ -550,19 +577,38 @@ def _cut_to_floats(view: TypeView, vid: int, group: _Group, ins, outs, codes) ->
     return [t for _, t in inputs], [t for _, t in outputs]
 
 
-def _link(view: TypeView) -> None:
+def _link(view: TypeView, read: list[str], n_read: array, written: list[str], n_written: array) -> None:
     """Edges producer -> consumer over float32 tensors, in first-link order: tensors in the order
     they are first read, each tensor's readers in id order; no edge crosses a graph boundary
-    (bodies are colored on their own) except the control-flow groups' ephemeral ones."""
-    producer_of, consumers = view.producer_of, view.consumers_of
-    src, dst = array("i"), array("i")
-    for t, readers in consumers.items():
-        producer = producer_of.get(t)
-        if producer is not None:
-            src.extend([producer] * len(readers))
-            dst.extend(readers)
-    src_np = np.frombuffer(src, dtype=np.intc) if src else np.zeros(0, np.intc)
-    dst_np = np.frombuffer(dst, dtype=np.intc) if dst else np.zeros(0, np.intc)
+    (bodies are colored on their own) except the control-flow groups' ephemeral ones.
+
+    ``read``/``written`` are the tensors each float32 vertex reads/writes, in id order, and
+    ``n_read``/``n_written`` how many per vertex.  Also records ``producer_of`` and the readers
+    of the tensors the passes ask about (retargetable outputs, group members)."""
+    n = len(view.v_kind)
+    floats = np.flatnonzero(np.frombuffer(view.f32, dtype=np.uint8))
+    view.producer_of = producer_of = dict(zip(written, np.repeat(floats, n_written).tolist()))  # last wins
+    rank = dict(zip(dict.fromkeys(read), itertools.count()))  # tensors in the order they are first read
+    ranks = np.fromiter(map(rank.__getitem__, read), dtype=np.intc, count=len(read))
+    readers = np.repeat(floats, n_read).astype(np.intc)
+    order = np.argsort(ranks, kind="stable")  # by first read, then by id: the readers' order
+    ranks, readers = ranks[order], readers[order]
+    starts = np.searchsorted(ranks, np.arange(len(rank) + 1))
+
+    def readers_of(t: str) -> list[int]:
+        r = rank.get(t)
+        if r is None:
+            return []
+        return list(dict.fromkeys(readers[starts[r]:starts[r + 1]].tolist()))  # a vertex may read t twice
+
+    asked = [t for vid in view.retargetable for _, t in view.outputs(vid)]
+    asked += [t for group in view.groups for _, t in group.members]
+    view.consumers_of = {t: readers_of(t) for t in asked}
+
+    producer = np.fromiter(map(producer_of.get, rank, itertools.repeat(-1)), dtype=np.intc, count=len(rank))
+    src_np = producer[ranks] if len(ranks) else np.zeros(0, np.intc)
+    linked = src_np >= 0
+    src_np, dst_np = src_np[linked], readers[linked]
     if len(view.scope_gids) > 1 and len(src_np):
         scope = np.frombuffer(view.node_scope, dtype=np.intc)[np.frombuffer(view.v_node, dtype=np.intc)]
         same = scope[src_np] == scope[dst_np]
@@ -574,16 +620,16 @@ def _link(view: TypeView) -> None:
         # see through the boundary (a body Add between this iteration's MatMul and the next
         # one's is "between allow ops").  force_color_match settles the group afterwards.
         producers = [producer_of[t] for t in group.must_allow + group.must_not_deny if t in producer_of]
-        readers = [c for _, t in group.members for c in consumers.get(t, ())
-                   if view.v_group[c].op.op_type not in CONTROL_FLOW]
+        consumers = [c for _, t in group.members for c in view.consumers_of[t]
+                     if view.v_kind[c].group.op.op_type not in CONTROL_FLOW]
         for p in producers:
-            extra_src.extend([p] * len(readers))
-            extra_dst.extend(readers)
+            extra_src.extend([p] * len(consumers))
+            extra_dst.extend(consumers)
     if extra_src:
         src_np = np.concatenate([src_np, np.asarray(extra_src, dtype=np.intc)])
         dst_np = np.concatenate([dst_np, np.asarray(extra_dst, dtype=np.intc)])
-    n = len(view.lst)
-    # One edge per (producer, consumer): a consumer may read several outputs of one vertex.
+    # One edge per (producer, consumer): a consumer may read several outputs of one vertex, or
+    # one tensor twice.
     pair = src_np.astype(np.int64) * n + dst_np
     _, first = np.unique(pair, return_index=True)
     if len(first) < len(pair):
@@ -656,41 +702,37 @@ def _loop_or_scan_groups(graph_id: str, node: onnx.NodeProto, body: onnx.GraphPr
     return groups
 
 
-def _decide(group: _Group, dtypes: Sequence, n_in: int, blocked: str | None, capability) -> _Status:
+def _decide(group: _Group, dtypes: Sequence, n_in: int, blocked: str | None, capability) -> _Kind:
     """The facts of a vertex from its tensors' dtypes (inputs first, ``n_in`` of them), then TF's
     ShouldProcess (node level) and SupportsF16 (vertex level)."""
     op = group.op
-    status = _Status()
+    kind = _Kind(group)
     known = [d for d in dtypes if d is not None]
     has_in, has_out = n_in > 0, len(dtypes) > n_in
     if known:
-        status.type_known = True
-        status.float32 = known.count(FLOAT) == len(known)
+        kind.type_known = True
+        kind.float32 = known.count(FLOAT) == len(known)
         if NOT_A_TENSOR in known:
-            status.why_not = "a sequence or optional value, not a tensor"
-    if op.schema is None and not status.float32:
+            kind.why_not = "a sequence or optional value, not a tensor"
+    if op.schema is None and not kind.float32:
         floats = [i for i, d in enumerate(dtypes) if d == FLOAT]
         if floats:
-            status.float_only = status.float32 = True
+            kind.float_only = kind.float32 = True
             has_in, has_out = floats[0] < n_in, floats[-1] >= n_in
-    if not status.type_known:
-        status.why_not = "type unknown (shape inference could not type its tensors)"
-        return status
-    if not status.float32:
-        status.why_not = status.why_not or "not float32"
-        return status
-    if blocked is not None:
-        status.why_not = f"node name matches block pattern {blocked!r}"
-        return status
-    retargetable = op.op_type in RETARGETABLE and has_out and not has_in
-    if op.list is None and not retargetable:
-        status.why_not = f"op {op.key} is on no list"
-        return status
-    status.processed = True
-    status.capable, why_not = capability(op, group.param)
-    if why_not:
-        status.why_not = why_not
-    return status
+    if not kind.type_known:
+        kind.why_not = "type unknown (shape inference could not type its tensors)"
+    elif not kind.float32:
+        kind.why_not = kind.why_not or "not float32"
+    elif blocked is not None:
+        kind.why_not = f"node name matches block pattern {blocked!r}"
+    elif op.list is None and not (op.op_type in RETARGETABLE and has_out and not has_in):
+        kind.why_not = f"op {op.key} is on no list"
+    else:
+        kind.processed = True
+        kind.capable, why_not = capability(op, group.param)
+        if why_not:
+            kind.why_not = why_not
+    return kind.settle()
 
 
 def _capability(op: _OpInfo, param: str, provider: str, kernels, low_name: str, low_type_str: str
