@@ -208,8 +208,7 @@ def tensor_core_friendly(dim: int) -> bool:
 
 def tensor_core_advice(graph: ModelGraph, state: Coloring) -> list[Advice]:
     """For each low-precision MatMul/Gemm/Conv, name static K/N or channel dims that are not friendly."""
-    by_id = state.view.by_id
-    allow_nodes = {by_id[i].node for i in state.allow_ids()}
+    allow_nodes = {state.view.node_of(i) for i in state.allow_ids()}
     advice: list[Advice] = []
     for scope in graph.scopes:
         for node in scope.graph.node:

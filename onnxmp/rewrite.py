@@ -111,8 +111,8 @@ class _Rewriter:
         # Which (node, input index) positions read in low precision.
         self.low_input: set[tuple[str, int]] = set()
         for vid in self.allow:
-            v = view.by_id[vid]
-            self.low_input.update((v.node, i) for i, _ in v.inputs)
+            node = view.node_of(vid)
+            self.low_input.update((node, i) for i, _ in view.inputs(vid))
         # Control-flow groups that go low: their tensors are retyped as a whole (spec §5.7).
         self.group_tensors: set[str] = set()
         self.body_members: set[str] = set()  # formal body I/O of low groups: retyped, no longer pinned
@@ -193,15 +193,14 @@ class _Rewriter:
     def retype_low_outputs(self) -> None:
         """Retype outputs of ALLOW vertices and of low control-flow groups; retarget dtype attributes."""
         view = self.view
-        vertices, node_vertices, allow = view.vertices, view.node_vertices, self.allow
+        allow = self.allow
         for scope in self.graph.scopes:
             graph_id, g = scope.gid, scope.graph
             for node in g.node:
-                for key in node_vertices.get(node.name, ()):
-                    vertex = vertices[key]
-                    if vertex.id not in allow:
+                for vid in view.ids_of_node(node.name):
+                    if vid not in allow:
                         continue
-                    for index, _name in vertex.outputs:
+                    for index, _name in view.outputs(vid):
                         self._retype_output(graph_id, node, index)
                     if node.op_type in ("Cast", "Constant", "ConstantOfShape"):
                         self.edits.retargeted.add(node.name)

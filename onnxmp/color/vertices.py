@@ -212,7 +212,7 @@ class TypeView:
         if cut is not None:
             return list(cut[0])
         names = self.node_ins[self.v_node[vid]]
-        return [(i, names[i]) for i in self.v_kind[vid].group.in_idx if names[i]]
+        return [(i, names[i]) for i in self.v_kind[vid].group.in_idx]
 
     def input_names(self, vid: int) -> tuple[str, ...]:
         """The tensors the vertex reads, in input order."""
@@ -227,7 +227,7 @@ class TypeView:
         if cut is not None:
             return list(cut[1])
         names = self.node_outs[self.v_node[vid]]
-        return [(i, names[i]) for i in self.v_kind[vid].group.out_idx if names[i]]
+        return [(i, names[i]) for i in self.v_kind[vid].group.out_idx]
 
     def ids_of_node(self, name: str) -> range:
         """Vertex ids of a node (float or not); empty for an unknown name."""
@@ -266,22 +266,24 @@ def _fact(name: str) -> property:
 class Vertex:
     """One vertex of a :class:`TypeView`, read through its id."""
 
-    __slots__ = ("view", "id")
+    __slots__ = ("view", "id", "_k", "_group")
 
     def __init__(self, view: TypeView, vid: int):
         self.view, self.id = view, vid
+        self._k = view.v_node[vid]              # node index
+        self._group = view.v_kind[vid].group    # never changes (set_facts keeps it)
 
-    key = property(lambda self: self.view.key(self.id))         # "<node name>:<param>"
-    node = property(lambda self: self.view.node_of(self.id))
-    op = property(lambda self: self.view.v_kind[self.id].group.op.key)  # list key: OpType or domain:OpType
-    op_type = property(lambda self: self.view.v_kind[self.id].group.op.op_type)
-    domain = property(lambda self: self.view.v_kind[self.id].group.op.domain)
-    opset = property(lambda self: self.view.v_kind[self.id].group.op.opset)
-    param = property(lambda self: self.view.v_kind[self.id].group.param)
-    graph = property(lambda self: self.view.scope_gids[self.view.node_scope[self.view.v_node[self.id]]])
+    key = property(lambda self: f"{self.view.node_names[self._k]}:{self._group.param}")  # "<node>:<param>"
+    node = property(lambda self: self.view.node_names[self._k])
+    op = property(lambda self: self._group.op.key)  # list key: OpType or domain:OpType
+    op_type = property(lambda self: self._group.op.op_type)
+    domain = property(lambda self: self._group.op.domain)
+    opset = property(lambda self: self._group.op.opset)
+    param = property(lambda self: self._group.param)
+    graph = property(lambda self: self.view.scope_gids[self.view.node_scope[self._k]])
     inputs = property(lambda self: self.view.inputs(self.id))     # (input index, tensor name)
     outputs = property(lambda self: self.view.outputs(self.id))   # (output index, tensor name)
-    list = property(lambda self: self.view.lst[self.id])
+    list = property(lambda self: self._group.op.list)
     float32 = _fact("float32")
     type_known = _fact("type_known")
     processed = _fact("processed")
@@ -290,7 +292,10 @@ class Vertex:
 
     @property
     def tensors(self) -> list[str]:
-        return [t for _, t in self.inputs] + [t for _, t in self.outputs]
+        view = self.view
+        if self.id in view.float_io:
+            return [t for _, t in self.inputs] + [t for _, t in self.outputs]
+        return [*self._group.pick_in(view.node_ins[self._k]), *self._group.pick_out(view.node_outs[self._k])]
 
 
 class _ById(Sequence):
