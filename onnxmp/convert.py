@@ -142,7 +142,7 @@ def explain(model: ModelLike, *, target: str = "cuda", precision: str = "float16
     options = _options(proto, target, precision, level, lists, block_nodes, keep_io_types,
                        magnitudes, calibration_threshold, underflow_share)
     _, colored, report = _analyse(proto, options, timings)
-    report.changed = bool(colored.coloring.allow_keys())
+    report.changed = colored.coloring.has_allow()
     if not report.changed:
         report.unchanged_reason = _unchanged_reason(report)
     return report
@@ -224,7 +224,7 @@ def _convert_loaded(model: ModelLike, handover: list[onnx.ModelProto], timings: 
                     options: ColorOptions, master_weights: tuple[str, ...]) -> ConversionResult:
     original = handover.pop()
     normalized, colored, report = _analyse(original, options, timings)
-    if not colored.coloring.allow_keys():
+    if not colored.coloring.has_allow():
         report.unchanged_reason = _unchanged_reason(report)
         log.info("model unchanged: %s", report.unchanged_reason)
         # normalize annotated `original` with inferred types; hand back the model as it came.

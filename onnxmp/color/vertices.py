@@ -6,10 +6,10 @@ float32 take part; edges run producer vertex -> consumer vertex, one per
 float32 tensor that links them inside the same graph.
 
 The view follows TF's GraphTypeTopologyView: a vertex is an int, numbered in node
-order; what many vertices share (op, type parameter and position layout, and the
-status their dtypes and lists give) is one shared record; fan-in and fan-out are
-flat int arrays.  :class:`Vertex` reads one id for reports and callers; the
-view holds no object per vertex.
+order; what many vertices share (op, type parameter and positions, and the facts
+their dtypes, list and block match give) is one shared :class:`_Kind`; fan-in and
+fan-out are flat int arrays.  :class:`Vertex` reads one id for reports and
+callers; the view holds no object per vertex.
 """
 from __future__ import annotations
 
