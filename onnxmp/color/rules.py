@@ -30,7 +30,9 @@ class Coloring:
     painted).  Methods take an id or, for callers, the readable "node:param" key."""
 
     view: TypeView
-    colors: dict[int, tuple[str, str, str]] = field(default_factory=dict)  # id -> (color, rule, cause)
+    # id -> (color, rule, cause); a cause is a string, or (writer, *vertex ids) whose writer makes
+    # the string from the view only when a report asks (see final)
+    colors: dict[int, tuple[str, str, str | tuple]] = field(default_factory=dict)
     low_name: str = "float16"
     low_groups: list = field(default_factory=list)          # ColorGroups that go low precision
     group_notes: dict[str, str] = field(default_factory=dict)  # group name -> why it stays as it is
@@ -54,7 +56,7 @@ class Coloring:
     def is_deny(self, key: str | int) -> bool:
         return self.codes[self._id(key)] == _DENY
 
-    def paint(self, key: str | int, color: str, rule: str, cause: str) -> bool:
+    def paint(self, key: str | int, color: str, rule: str, cause: str | tuple) -> bool:
         """Paint unless already that color; True when something changed."""
         vid = self._id(key)
         code = _CODE[color]
@@ -83,7 +85,10 @@ class Coloring:
         vid = self._id(key)
         entry = self.colors.get(vid)
         if entry is not None:
-            return entry[0], Reason(entry[1], entry[2])
+            cause = entry[2]
+            if not isinstance(cause, str):
+                cause = cause[0](self.view, *cause[1:])
+            return entry[0], Reason(entry[1], cause)
         why_not = self.view.v_kind[vid].why_not
         if why_not:
             return FP32, Reason("not_processed", why_not)
@@ -97,6 +102,30 @@ class Coloring:
 _ALLOW, _DENY = 1, 2
 _CODE = {ALLOW: _ALLOW, DENY: _DENY}
 _MARKS = {color: bytes(int(i == code) for i in range(256)) for color, code in _CODE.items()}
+
+
+# Cause writers: (writer, *vertex ids) in Coloring.colors; each runs only when a report asks.
+def _list_op(view: TypeView, k: int) -> str:
+    return f"{view.lst[k]}-list op {view.op_of(k)}"
+
+
+def _downstream_of_deny(view: TypeView, source: int, via: int) -> str:
+    cause = f"downstream of deny {view.op_of(source)} `{view.node_of(source)}`"
+    if via >= 0:
+        cause += f" through {view.lst[via] or 'op'} {view.op_of(via)} `{view.node_of(via)}`"
+    return cause
+
+
+def _between_allow(view: TypeView, k: int) -> str:
+    return f"{view.lst[k]} op {view.op_of(k)} lies between allow ops"
+
+
+def _follows_allow(view: TypeView, source: int) -> str:
+    return f"infer op follows allow {view.op_of(source)} `{view.node_of(source)}`"
+
+
+def _connected_to_allow(view: TypeView, root: int) -> str:
+    return f"clear op connected to allow {view.op_of(root)} `{view.node_of(root)}`"
 
 
 def _why_fp32(list_name: str | None, op: str) -> str:
@@ -148,7 +177,7 @@ def add_allow_ops(state: Coloring) -> PassResult:
     painted = 0
     for k, list_name in enumerate(lst):
         if list_name == "allow" and ok[k] and codes[k] != _DENY:
-            painted += state.paint(k, ALLOW, "add_allow_ops", f"allow-list op {view.op_of(k)}")
+            painted += state.paint(k, ALLOW, "add_allow_ops", (_list_op, k))
     require(all(ok[i] for i in state.allow_ids()),
             "add_allow_ops", "every ALLOW vertex is processed, float32 and low-precision capable")
     return PassResult(painted > 0, {"painted": painted})
@@ -182,7 +211,7 @@ def propagate_deny_forward_through_clear_and_infer(state: Coloring) -> PassResul
     painted = 0
     for k, list_name in enumerate(lst):
         if f32[k] and list_name == "deny" and not deny[k]:
-            painted += state.paint(k, DENY, rule, f"deny-list op {view.op_of(k)}")
+            painted += state.paint(k, DENY, rule, (_list_op, k))
     deny = state.marks(DENY)
     deny_roots = [k for k in range(len(lst)) if f32[k] and deny[k]]
     for k in state.allow_ids():
@@ -194,10 +223,7 @@ def propagate_deny_forward_through_clear_and_infer(state: Coloring) -> PassResul
         source = origin[k] = origin.get(parent, parent)
         if deny[k]:
             continue
-        cause = f"downstream of deny {view.op_of(source)} `{view.node_of(source)}`"
-        if parent != source:
-            cause += f" through {lst[parent] or 'op'} {view.op_of(parent)} `{view.node_of(parent)}`"
-        painted += state.paint(k, DENY, rule, cause)
+        painted += state.paint(k, DENY, rule, (_downstream_of_deny, source, parent if parent != source else -1))
     require(not any(state.is_deny(i) for i in state.allow_ids()), rule, "no vertex is both ALLOW and DENY")
     return PassResult(painted > 0, {"painted": painted})
 
@@ -226,8 +252,7 @@ def add_clear_and_infer_to_allow_if_between_allow(state: Coloring) -> PassResult
     between = [k for k, parent in zip(order, parents) if parent >= 0]  # the roots are already ALLOW
     painted = 0
     for k in sorted(between, key=view.key):  # the readable order reports were painted in
-        painted += state.paint(k, ALLOW, "add_clear_and_infer_to_allow_if_between_allow",
-                               f"{lst[k]} op {view.op_of(k)} lies between allow ops")
+        painted += state.paint(k, ALLOW, "add_clear_and_infer_to_allow_if_between_allow", (_between_allow, k))
     return PassResult(painted > 0, {"painted": painted})
 
 
@@ -248,8 +273,7 @@ def add_infer_to_allow_if_follow_allow(state: Coloring) -> PassResult:
         if allow_in:
             promote.append((k, allow_in[0]))
     for k, src in promote:  # decided first, painted after: a single sweep, not a propagation
-        state.paint(k, ALLOW, "add_infer_to_allow_if_follow_allow",
-                    f"infer op follows allow {view.op_of(src)} `{view.node_of(src)}`")
+        state.paint(k, ALLOW, "add_infer_to_allow_if_follow_allow", (_follows_allow, src))
     return PassResult(bool(promote), {"painted": len(promote)})
 
 
@@ -272,8 +296,7 @@ def propagate_allow_through_clear(state: Coloring) -> PassResult:
             origin[k] = origin.get(parent, parent)
     painted = 0
     for k, root in origin.items():
-        painted += state.paint(k, ALLOW, "propagate_allow_through_clear",
-                               f"clear op connected to allow {view.op_of(root)} `{view.node_of(root)}`")
+        painted += state.paint(k, ALLOW, "propagate_allow_through_clear", (_connected_to_allow, root))
     return PassResult(painted > 0, {"painted": painted})
 
 
