@@ -11,6 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Iterable, NamedTuple
 
+import numpy as np
+
 from onnxmp.color.vertices import CONTROL_FLOW, Adjacency, TypeView
 from onnxmp.passes import PassResult, require
 
@@ -170,6 +172,12 @@ def _dfs(adjacent: tuple[Adjacency, ...], roots: Iterable[int], enter: bytearray
     return order, parents
 
 
+def _allow_only_where_ok(state: Coloring) -> bool:
+    """Every ALLOW vertex is processed, float32 and low-precision capable."""
+    allow = np.frombuffer(state.marks(ALLOW), dtype=np.uint8)
+    return not np.any(allow > np.frombuffer(state.view.ok, dtype=np.uint8))
+
+
 def add_allow_ops(state: Coloring) -> PassResult:
     """Every vertex of a processed allow-list node joins ALLOW (unless a data seed denied it)."""
     view = state.view
@@ -178,7 +186,7 @@ def add_allow_ops(state: Coloring) -> PassResult:
     for k, list_name in enumerate(lst):
         if list_name == "allow" and ok[k] and codes[k] != _DENY:
             painted += state.paint(k, ALLOW, "add_allow_ops", (_list_op, k))
-    require(all(ok[i] for i in state.allow_ids()),
+    require(_allow_only_where_ok(state),
             "add_allow_ops", "every ALLOW vertex is processed, float32 and low-precision capable")
     return PassResult(painted > 0, {"painted": painted})
 
@@ -308,7 +316,7 @@ def remove_allow_set_with_fp32(state: Coloring) -> PassResult:
         if not ok[k]:
             state.unpaint(k)
             removed += 1
-    require(all(ok[k] for k in state.allow_ids()),
+    require(_allow_only_where_ok(state),
             "remove_allow_set_with_fp32", "every ALLOW vertex can take the low-precision type")
     return PassResult(removed > 0, {"removed": removed})
 
