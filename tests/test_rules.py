@@ -1,6 +1,7 @@
 """Each coloring rule and data seed: a case where it fires and one where it does not."""
 from __future__ import annotations
 
+import ml_dtypes
 import numpy as np
 import onnx
 import pytest
@@ -247,6 +248,30 @@ def test_underflow_seed_does_not_fire_for_a_few_tiny_values():
     w = np.full((4, 4), 1e-2)
     w[0, :3] = 1e-9  # 3 of 16 flush: below the 50% share
     assert onnxmp.explain(_matmul_with_weight(w)).node_colors()["mm"] == ALLOW
+
+
+@pytest.mark.parametrize("precision", ["float16", "bfloat16"])
+def test_batched_range_checks_match_the_per_tensor_cast(precision):
+    # The range seed checks small constants together and tests flushing by a magnitude limit
+    # instead of casting each value; it must count exactly what casting one tensor counts,
+    # right at the limits, for lone scalars, and for inf, nan and signed zeros.
+    from onnxmp.color.seeds import _flush_limit, check_many, check_values
+    from onnxmp.precision import low_precision
+
+    low = low_precision(precision).numpy
+    tiny = np.float32(ml_dtypes.finfo(low).tiny)
+    edges = [0.0, -0.0, np.inf, -np.inf, np.nan, tiny, 65504.0, 65520.0, 3.4e38, 1e-45]
+    for floor in (tiny, np.float32(0)):
+        limit = _flush_limit(low, floor)
+        edges += [limit, -limit, np.nextafter(limit, np.float32(1)), np.nextafter(limit, np.float32(0))]
+    rng = np.random.default_rng(0)
+    arrays = [np.array([e], dtype=np.float32) for e in edges]  # lone scalars
+    for _ in range(40):
+        values = rng.standard_normal(rng.integers(2, 30)) * 10.0 ** rng.uniform(-45, 38)
+        values = values.astype(np.float32)
+        values[rng.integers(0, values.size, 3)] = rng.choice(np.array(edges, dtype=np.float32), 3)
+        arrays.append(values)
+    assert check_many(arrays, low) == [check_values(a, low) for a in arrays]
 
 
 def test_initializer_read_by_both_sides_gets_a_low_precision_twin():

@@ -6,6 +6,7 @@ silently clamped the way plain converters do.
 """
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 from typing import Mapping
@@ -95,15 +96,36 @@ def _segment_counts(flat: np.ndarray, sizes: list[int], low_dtype) -> tuple[np.n
     count and how many of those flush or turn subnormal (see :func:`check_values`)."""
     sizes = np.array(sizes)
     starts = np.concatenate(([0], np.cumsum(sizes)[:-1]))
-    finite = np.isfinite(flat)
-    magnitude = np.where(finite, np.abs(flat), np.float32(0))
-    max_abs = np.maximum.reduceat(magnitude, starts)
-    nonzero = finite & (flat != 0)
-    tiny = ml_dtypes.finfo(low_dtype).tiny
-    floor = np.repeat(np.where(sizes > 1, np.float32(tiny), np.float32(0)), sizes)
-    with np.errstate(over="ignore"):  # overflow is reported through max_abs, not here
-        flushed = nonzero & (np.abs(flat.astype(low_dtype)).astype(np.float32) <= floor)
-    return max_abs, np.add.reduceat(nonzero, starts), np.add.reduceat(flushed, starts)
+    magnitude = np.abs(flat)
+    finite = magnitude < np.inf
+    max_abs = np.maximum.reduceat(np.where(finite, magnitude, np.float32(0)), starts)
+    nonzero = finite & (magnitude != 0)
+    tiny = np.float32(ml_dtypes.finfo(low_dtype).tiny)
+    flushed_counts = np.add.reduceat(nonzero & (magnitude <= _flush_limit(low_dtype, tiny)), starts)
+    # A lone scalar (an epsilon) only needs to survive: it counts only if it flushes to zero.
+    lone = starts[sizes == 1]
+    flushed_counts[sizes == 1] = nonzero[lone] & (magnitude[lone] <= _flush_limit(low_dtype, np.float32(0)))
+    return max_abs, np.add.reduceat(nonzero, starts), flushed_counts
+
+
+@functools.lru_cache(maxsize=None)
+def _flush_limit(low_dtype, floor: np.float32) -> np.float32:
+    """The largest float32 |x| whose low-precision value is at most ``floor`` in magnitude.
+    Rounding is monotonic, so ``|x| <= limit`` is the cast-and-compare test of
+    :func:`check_values` without casting every value."""
+    def at_most_floor(bits: int) -> bool:
+        x = np.array([bits], dtype=np.uint32).view(np.float32)
+        with np.errstate(over="ignore"):
+            return bool(np.abs(x.astype(low_dtype)).astype(np.float32)[0] <= floor)
+
+    low, high = 0, 0x7F800000  # +0 passes, +inf does not
+    while high - low > 1:
+        middle = (low + high) // 2
+        if at_most_floor(middle):
+            low = middle
+        else:
+            high = middle
+    return np.array([low], dtype=np.uint32).view(np.float32)[0]
 
 
 def _segment_causes(names: list[str], flat: np.ndarray, sizes: list[int], low_dtype, limit: float,
@@ -140,9 +162,9 @@ def constant_values(graph: ModelGraph, name: str, producers: Mapping[str, onnx.N
 
 
 def _constant_node_values(node: onnx.NodeProto) -> np.ndarray | None:
-    for attr in node.attribute:
-        if attr.name == "value" and attr.type == onnx.AttributeProto.TENSOR:
-            return tensor_array(attr.t)
+    tensor = _value_tensor(node)
+    if tensor is not None:
+        return tensor_array(tensor)
     for attr in node.attribute:
         if attr.name == "value_float":
             return np.asarray(attr.f, dtype=np.float32)
@@ -151,8 +173,12 @@ def _constant_node_values(node: onnx.NodeProto) -> np.ndarray | None:
     return None
 
 
-def _has_value_tensor(node: onnx.NodeProto) -> bool:
-    return any(a.name == "value" and a.type == onnx.AttributeProto.TENSOR for a in node.attribute)
+def _value_tensor(node: onnx.NodeProto) -> onnx.TensorProto | None:
+    """A Constant node's ``value`` tensor, if it has one."""
+    for attr in node.attribute:
+        if attr.name == "value" and attr.type == onnx.AttributeProto.TENSOR:
+            return attr.t
+    return None
 
 
 def _small_raw_float(tensor: onnx.TensorProto) -> bytes | None:
@@ -213,17 +239,18 @@ def seed_deny_from_initializer_range(state: Coloring, graph: ModelGraph, *,
                 continue
             info = tensors.get(name)
             init = info.init if info is not None else None
-            if init is not None:
-                raw = _small_raw_float(init)
-                if raw is not None:
-                    causes[name] = None  # decided with the other raw ones below
-                    raw_names.append(name)
-                    raw_bytes.append(raw)
-                    continue
-                values = tensor_array(init)
-            else:
+            node = None
+            if init is None:
                 scope, position = constant_at[name]
-                values = _constant_node_values(graph.scopes[scope].graph.node[position])
+                node = graph.scopes[scope].graph.node[position]
+                init = _value_tensor(node)
+            raw = None if init is None else _small_raw_float(init)
+            if raw is not None:
+                causes[name] = None  # decided with the other raw ones below
+                raw_names.append(name)
+                raw_bytes.append(raw)
+                continue
+            values = tensor_array(init) if node is None else _constant_node_values(node)
             if values is not None and 0 < values.size < BATCH_BELOW:
                 small[name] = values
             else:
@@ -248,7 +275,7 @@ def seed_deny_from_initializer_range(state: Coloring, graph: ModelGraph, *,
                 at = constant_at.get(name)
                 if at is not None:
                     node = graph.scopes[at[0]].graph.node[at[1]]
-                    if _has_value_tensor(node):
+                    if _value_tensor(node) is not None:
                         state.read_constants.add(node.name)
                 if causes.get(name):
                     break
