@@ -274,6 +274,31 @@ def test_batched_range_checks_match_the_per_tensor_cast(precision):
     assert check_many(arrays, low) == [check_values(a, low) for a in arrays]
 
 
+def test_range_seed_gives_the_same_causes_when_raw_batches_are_split(monkeypatch):
+    from onnxmp.color import seeds
+
+    rng = np.random.default_rng(1)
+    weights = [rng.standard_normal((4, 4)).astype(np.float32) for _ in range(4)]
+    weights[1][2, 2] = 1e5
+    weights[3][:] = 1e-9
+    nodes = [onnx.helper.make_node("MatMul", [f"h{i}", f"w{i}"], [f"h{i + 1}"], name=f"mm{i}") for i in range(4)]
+    graph = onnx.helper.make_graph(
+        nodes, "g", [onnx.helper.make_tensor_value_info("h0", FLOAT, [4, 4])],
+        [onnx.helper.make_tensor_value_info("h4", FLOAT, [4, 4])],
+        [onnx.numpy_helper.from_array(w, f"w{i}") for i, w in enumerate(weights)])
+    model = onnx.helper.make_model(graph, opset_imports=[onnx.helper.make_opsetid("", 17)])
+
+    def causes():
+        return {v.node: (v.color, v.cause) for v in onnxmp.explain(model).vertices}
+
+    whole = causes()
+    monkeypatch.setattr(seeds, "CHECK_CHUNK", 20)  # a batch of about one 4x4 weight
+    assert causes() == whole
+    assert whole["mm1"][0] == DENY and "max 1e+05" in whole["mm1"][1]
+    assert whole["mm3"][0] == DENY and "flush to zero" in whole["mm3"][1]
+    assert whole["mm0"][0] == ALLOW
+
+
 def test_initializer_read_by_both_sides_gets_a_low_precision_twin():
     model = _matmul_with_weight(np.eye(4))
     model.graph.node.append(onnx.helper.make_node("Sin", ["w"], ["z"], name="sin"))

@@ -210,8 +210,20 @@ def seed_deny_from_initializer_range(state: Coloring, graph: ModelGraph, *,
     # constants, in input order).  Other inputs have no values, so no cause.
     candidates: list[tuple[list[int], list[str]]] = []
     causes: dict[str, str | None] = {}
-    raw_names: list[str] = []   # small float32 initializers, checked together from their raw bytes
+    # Small float32 tensors are checked together from their raw bytes, CHECK_CHUNK values at a time.
+    raw_names: list[str] = []
     raw_bytes: list[bytes] = []
+    raw_size = 0
+
+    def check_raw() -> None:
+        nonlocal raw_size
+        flat = np.frombuffer(b"".join(raw_bytes), dtype="<f4")
+        sizes = [len(raw) // 4 for raw in raw_bytes]
+        causes.update(_segment_causes(raw_names, flat, sizes, low_dtype, limit, underflow_share))
+        raw_names.clear()
+        raw_bytes.clear()
+        raw_size = 0
+
     small: dict[str, np.ndarray] = {}  # other small constants, checked together
     constants = {name for name, info in tensors.items() if info.init is not None}
     constants.update(constant_at)
@@ -246,9 +258,12 @@ def seed_deny_from_initializer_range(state: Coloring, graph: ModelGraph, *,
                 init = _value_tensor(node)
             raw = None if init is None else _small_raw_float(init)
             if raw is not None:
-                causes[name] = None  # decided with the other raw ones below
+                causes[name] = None  # decided with the other raw ones
                 raw_names.append(name)
                 raw_bytes.append(raw)
+                raw_size += len(raw) // 4
+                if raw_size >= CHECK_CHUNK:
+                    check_raw()
                 continue
             values = tensor_array(init) if node is None else _constant_node_values(node)
             if values is not None and 0 < values.size < BATCH_BELOW:
@@ -260,10 +275,7 @@ def seed_deny_from_initializer_range(state: Coloring, graph: ModelGraph, *,
         if names:
             candidates.append((vids, names))
     if raw_bytes:
-        flat = np.frombuffer(b"".join(raw_bytes), dtype="<f4")
-        sizes = [len(raw) // 4 for raw in raw_bytes]
-        del raw_bytes
-        causes.update(_segment_causes(raw_names, flat, sizes, low_dtype, limit, underflow_share))
+        check_raw()
     for name, check in zip(small, check_many(list(small.values()), low_dtype)):
         causes[name] = check.describe(name, limit, underflow_share)
     # A node's inputs are read in order up to the first one with a cause; Constant-node values read
