@@ -172,6 +172,14 @@ def _dfs(adjacent: tuple[Adjacency, ...], roots: Iterable[int], enter: bytearray
     return order, parents
 
 
+def _reached(adjacent: tuple[Adjacency, ...], roots: Iterable[int], enter: bytearray) -> bytearray:
+    """1 for every vertex :func:`_dfs` visits."""
+    mask = bytearray(len(enter))
+    for k in _dfs(adjacent, roots, enter)[0]:
+        mask[k] = 1
+    return mask
+
+
 def _allow_only_where_ok(state: Coloring) -> bool:
     """Every ALLOW vertex is processed, float32 and low-precision capable."""
     allow = np.frombuffer(state.marks(ALLOW), dtype=np.uint8)
@@ -212,9 +220,7 @@ def propagate_deny_forward_through_clear_and_infer(state: Coloring) -> PassResul
             enter[k] = 1
     for k in roots:
         enter[k] = 1
-    upstream = bytearray(len(lst))
-    for k in _dfs((view.fanin,), roots, enter)[0]:
-        upstream[k] = 1
+    upstream = _reached((view.fanin,), roots, enter)
 
     painted = 0
     for k, list_name in enumerate(lst):
@@ -253,9 +259,7 @@ def add_clear_and_infer_to_allow_if_between_allow(state: Coloring) -> PassResult
             passable[k] = 1
     for k in allow_roots:
         passable[k] = 0
-    downstream = bytearray(len(lst))
-    for k in _dfs((view.fanout,), allow_roots, passable)[0]:
-        downstream[k] = 1
+    downstream = _reached((view.fanout,), allow_roots, passable)
     order, parents = _dfs((view.fanin,), allow_roots, downstream)
     between = [k for k, parent in zip(order, parents) if parent >= 0]  # the roots are already ALLOW
     painted = 0

@@ -75,7 +75,7 @@ class _OpInfo:
         self.key = op_key(op_type, domain)
         self.schema = _schema(op_type, domain, opset)
         self.list = list_of(self.key, lists)
-        self.special = op_type in RETARGETABLE or op_type in CONTROL_FLOW
+        self.special = op_type in RETARGETABLE or op_type in CONTROL_FLOW  # the view records these nodes
 
 
 class _Group:
