@@ -27,6 +27,7 @@ import onnx
 
 from onnxmp.graphs import GRAPH, TENSOR_KIND, ModelGraph
 from onnxmp.lists import list_of, op_key
+from onnxmp.passes import require
 from onnxmp.precision import Precision
 
 log = logging.getLogger("onnxmp.color")
@@ -489,7 +490,7 @@ def build_type_view(
         if body.parent_scope is not None:
             bodies_of.setdefault(body.parent_scope, []).append(body_index)
 
-    node_names, node_index, node_scope = view.node_names, view.node_index, view.node_scope
+    node_index, node_scope = view.node_index, view.node_scope
     add_ins, add_outs = view.node_ins.append, view.node_outs.append
     v_node, v_kind = view.v_node, view.v_kind
     add_node, add_kind, code_of = v_node.append, v_kind.append, codes.__getitem__
@@ -516,9 +517,8 @@ def build_type_view(
         for position, node in enumerate(g.node):
             node_name, op_type = node.name, node.op_type
             ins, outs = tuple(node.input), tuple(node.output)
-            k = len(node_names)
-            node_names.append(node_name)
-            node_index[node_name] = k
+            k = len(node_index)
+            node_index[node_name] = k  # normalize made node names unique across graphs
             add_ins(ins)
             add_outs(outs)
             lkey = (op_type, node.domain, len(ins), len(outs))
@@ -559,11 +559,13 @@ def build_type_view(
                     written += out_names
                     add_written(len(out_names))
     del codes
+    require(len(node_index) == len(view.node_ins), "color", "node names unique across all graphs (normalize)")
+    view.node_names = list(node_index)
     view.lst = list(map(attrgetter("list"), v_kind))
     view.f32 = bytearray(map(attrgetter("float32"), v_kind))
     view.ok = bytearray(map(attrgetter("ok"), v_kind))
     nodes = np.frombuffer(v_node, dtype=np.intc) if v_node else np.zeros(0, np.intc)
-    view.node_first = array("i", np.searchsorted(nodes, np.arange(len(node_names) + 1)).astype(np.intc).tobytes())
+    view.node_first = array("i", np.searchsorted(nodes, np.arange(len(node_index) + 1)).astype(np.intc).tobytes())
 
     for pattern in block:
         if pattern.pattern not in block_hits:
