@@ -168,7 +168,7 @@ class TypeView:
         self.retargetable: list[int] = []  # Cast/Constant/ConstantOfShape vertices with outputs only
         self.constant_at: dict[str, tuple[int, int]] = {}  # tensor -> (scope, position) of its Constant node
         self.fanin = self.fanout = Adjacency(array("i", [0]), array("i"))
-        self.producer_of: dict[str, int] = {}       # tensor name -> producing float32 vertex id
+        self.producer_of: Mapping[str, int] = {}    # tensor name -> producing float32 vertex id
         # tensor name -> consuming float32 vertex ids (any graph), for the outputs of retargetable
         # vertices and the control-flow group members: the tensors the passes ask about
         self.consumers_of: dict[str, list[int]] = {}
@@ -594,28 +594,22 @@ def _link(view: TypeView, read: list[str], n_read: array, written: list[str], n_
     of the tensors the passes ask about (retargetable outputs, group members)."""
     n = len(view.v_kind)
     floats = np.flatnonzero(np.frombuffer(view.f32, dtype=np.uint8))
-    view.producer_of = producer_of = dict(zip(written, np.repeat(floats, n_written).tolist()))  # last wins
-    rank = dict(zip(dict.fromkeys(read), itertools.count()))  # tensors in the order they are first read
-    ranks = np.fromiter(map(rank.__getitem__, read), dtype=np.intc, count=len(read))
-    readers = np.repeat(floats, n_read).astype(np.intc)
-    order = np.argsort(ranks, kind="stable")  # by first read, then by id: the readers' order
-    ranks, readers = ranks[order], readers[order]
-    starts = np.searchsorted(ranks, np.arange(len(rank) + 1))
+    # A produced tensor is known by its (last) position in ``written``: no second name map.
+    position = dict(zip(written, itertools.count()))
+    writer = np.repeat(floats, n_written).astype(np.intc)
+    view.producer_of = _Producers(position, array("i", writer.tobytes()))
+    source = np.fromiter(map(position.get, read, itertools.repeat(-1)), dtype=np.int64, count=len(read))
+    reader = np.repeat(floats, n_read).astype(np.intc)
+    linked = np.flatnonzero(source >= 0)
+    # Edges grouped by tensor in the order tensors are first read, then in read (= id) order.
+    tensor = source[linked]
+    first_read = np.zeros(len(written), dtype=np.int64)
+    unique, first = np.unique(tensor, return_index=True)
+    first_read[unique] = linked[first]
+    order = np.argsort(first_read[tensor], kind="stable")
+    src_np, dst_np = writer[tensor[order]], reader[linked[order]]
+    view.consumers_of = _readers_of(view, read, source, reader, position)
 
-    def readers_of(t: str) -> list[int]:
-        r = rank.get(t)
-        if r is None:
-            return []
-        return list(dict.fromkeys(readers[starts[r]:starts[r + 1]].tolist()))  # a vertex may read t twice
-
-    asked = [t for vid in view.retargetable for _, t in view.outputs(vid)]
-    asked += [t for group in view.groups for _, t in group.members]
-    view.consumers_of = {t: readers_of(t) for t in asked}
-
-    producer = np.fromiter(map(producer_of.get, rank, itertools.repeat(-1)), dtype=np.intc, count=len(rank))
-    src_np = producer[ranks] if len(ranks) else np.zeros(0, np.intc)
-    linked = src_np >= 0
-    src_np, dst_np = src_np[linked], readers[linked]
     if len(view.scope_gids) > 1 and len(src_np):
         scope = np.frombuffer(view.node_scope, dtype=np.intc)[np.frombuffer(view.v_node, dtype=np.intc)]
         same = scope[src_np] == scope[dst_np]
@@ -626,7 +620,7 @@ def _link(view: TypeView, read: list[str], n_read: array, written: list[str], n_
         # group's producers are linked to the group's consumers (ephemeral edges) so the passes
         # see through the boundary (a body Add between this iteration's MatMul and the next
         # one's is "between allow ops").  force_color_match settles the group afterwards.
-        producers = [producer_of[t] for t in group.must_allow + group.must_not_deny if t in producer_of]
+        producers = [view.producer_of[t] for t in group.must_allow + group.must_not_deny if t in view.producer_of]
         consumers = [c for _, t in group.members for c in view.consumers_of[t]
                      if view.v_kind[c].group.op.op_type not in CONTROL_FLOW]
         for p in producers:
@@ -644,6 +638,55 @@ def _link(view: TypeView, read: list[str], n_read: array, written: list[str], n_
         src_np, dst_np = src_np[first], dst_np[first]
     view.fanout = _adjacency(src_np, dst_np, n)
     view.fanin = _adjacency(dst_np, src_np, n)
+
+
+def _readers_of(view: TypeView, read: list[str], source: np.ndarray, reader: np.ndarray,
+                position: dict[str, int]) -> dict[str, list[int]]:
+    """The float32 vertices reading each tensor the passes ask about (outputs of retargetable
+    vertices, control-flow group members), in id order, across graphs."""
+    asked = [t for vid in view.retargetable if view.ok[vid] for _, t in view.outputs(vid)]
+    asked += [t for group in view.groups for _, t in group.members]
+    if not asked:
+        return {}
+    by_source = np.argsort(source, kind="stable")
+    sorted_source = source[by_source]
+    found: dict[str, list[int]] = {}
+    unproduced = set()
+    for t in asked:
+        w = position.get(t)
+        if w is None:
+            unproduced.add(t)
+            continue
+        lo, hi = np.searchsorted(sorted_source, [w, w + 1])
+        found[t] = list(dict.fromkeys(reader[by_source[lo:hi]].tolist()))  # read order; one may read t twice
+    if unproduced:  # graph and body inputs in groups: found by name
+        for t in unproduced:
+            found[t] = []
+        for i, t in enumerate(read):
+            if t in unproduced:
+                found[t].append(int(reader[i]))
+        for t in unproduced:
+            found[t] = list(dict.fromkeys(found[t]))
+    return found
+
+
+class _Producers(Mapping):
+    """Tensor name -> the float32 vertex id writing it (the last one, as a dict would keep)."""
+
+    def __init__(self, position: dict[str, int], writer: array):
+        self._position, self._writer = position, writer
+
+    def __getitem__(self, name: str) -> int:
+        return self._writer[self._position[name]]
+
+    def __contains__(self, name) -> bool:
+        return name in self._position
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._position)
+
+    def __len__(self) -> int:
+        return len(self._position)
 
 
 def _adjacency(keys: np.ndarray, values: np.ndarray, n: int) -> Adjacency:
