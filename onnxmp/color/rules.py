@@ -32,9 +32,10 @@ class Coloring:
     painted).  Methods take an id or, for callers, the readable "node:param" key."""
 
     view: TypeView
-    # id -> (color, rule, cause); a cause is a string, or (writer, *vertex ids) whose writer makes
-    # the string from the view only when a report asks (see final)
-    colors: dict[int, tuple[str, str, str | tuple]] = field(default_factory=dict)
+    # id -> (color, rule, cause); a cause is a string, or a writer that makes the string from the
+    # view only when a report asks (see final): (writer, *vertex ids), or a bare writer of the
+    # painted vertex itself
+    colors: dict[int, tuple] = field(default_factory=dict)
     low_name: str = "float16"
     low_groups: list = field(default_factory=list)          # ColorGroups that go low precision
     group_notes: dict[str, str] = field(default_factory=dict)  # group name -> why it stays as it is
@@ -58,7 +59,7 @@ class Coloring:
     def is_deny(self, key: str | int) -> bool:
         return self.codes[self._id(key)] == _DENY
 
-    def paint(self, key: str | int, color: str, rule: str, cause: str | tuple) -> bool:
+    def paint(self, key: str | int, color: str, rule: str, cause) -> bool:
         """Paint unless already that color; True when something changed."""
         vid = self._id(key)
         code = _CODE[color]
@@ -88,8 +89,10 @@ class Coloring:
         entry = self.colors.get(vid)
         if entry is not None:
             cause = entry[2]
-            if not isinstance(cause, str):
+            if isinstance(cause, tuple):
                 cause = cause[0](self.view, *cause[1:])
+            elif not isinstance(cause, str):
+                cause = cause(self.view, vid)
             return entry[0], Reason(entry[1], cause)
         why_not = self.view.v_kind[vid].why_not
         if why_not:
@@ -106,7 +109,7 @@ _CODE = {ALLOW: _ALLOW, DENY: _DENY}
 _MARKS = {color: bytes(int(i == code) for i in range(256)) for color, code in _CODE.items()}
 
 
-# Cause writers: (writer, *vertex ids) in Coloring.colors; each runs only when a report asks.
+# Cause writers (see Coloring.colors); each runs only when a report asks.
 def _list_op(view: TypeView, k: int) -> str:
     return f"{view.lst[k]}-list op {view.op_of(k)}"
 
@@ -193,7 +196,7 @@ def add_allow_ops(state: Coloring) -> PassResult:
     painted = 0
     for k, list_name in enumerate(lst):
         if list_name == "allow" and ok[k] and codes[k] != _DENY:
-            painted += state.paint(k, ALLOW, "add_allow_ops", (_list_op, k))
+            painted += state.paint(k, ALLOW, "add_allow_ops", _list_op)
     require(_allow_only_where_ok(state),
             "add_allow_ops", "every ALLOW vertex is processed, float32 and low-precision capable")
     return PassResult(painted > 0, {"painted": painted})
@@ -225,7 +228,7 @@ def propagate_deny_forward_through_clear_and_infer(state: Coloring) -> PassResul
     painted = 0
     for k, list_name in enumerate(lst):
         if f32[k] and list_name == "deny" and not deny[k]:
-            painted += state.paint(k, DENY, rule, (_list_op, k))
+            painted += state.paint(k, DENY, rule, _list_op)
     deny = state.marks(DENY)
     deny_roots = [k for k in range(len(lst)) if f32[k] and deny[k]]
     for k in state.allow_ids():
@@ -264,7 +267,7 @@ def add_clear_and_infer_to_allow_if_between_allow(state: Coloring) -> PassResult
     between = [k for k, parent in zip(order, parents) if parent >= 0]  # the roots are already ALLOW
     painted = 0
     for k in sorted(between, key=view.key):  # the readable order reports were painted in
-        painted += state.paint(k, ALLOW, "add_clear_and_infer_to_allow_if_between_allow", (_between_allow, k))
+        painted += state.paint(k, ALLOW, "add_clear_and_infer_to_allow_if_between_allow", _between_allow)
     return PassResult(painted > 0, {"painted": painted})
 
 
