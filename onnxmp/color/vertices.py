@@ -461,6 +461,10 @@ def build_type_view(
     # float32 tensors (they never change type); None when unknown.
     codes = {name: (NOT_A_TENSOR if info.init is None and info.kind != TENSOR_KIND else info.dtype)
              for name, info in tensors.items()}
+    # The index's own name strings, so the view shares them instead of holding a copy of each
+    # name read from the protobuf.
+    names = _Interned((name, name) for name in tensors)
+    name_of = names.__getitem__
     ops: dict[tuple[str, str], _OpInfo] = {}
     layouts: dict[tuple[str, str, int, int], tuple[_OpInfo, list[_Group]]] = {}
     kinds: dict[tuple, _Kind] = {}
@@ -516,7 +520,7 @@ def build_type_view(
                 pinned.setdefault(t, f"read by a subgraph of {graph.scopes[body_index].parent.name}")
         for position, node in enumerate(g.node):
             node_name, op_type = node.name, node.op_type
-            ins, outs = tuple(node.input), tuple(node.output)
+            ins, outs = tuple(map(name_of, node.input)), tuple(map(name_of, node.output))
             k = len(node_index)
             node_index[node_name] = k  # normalize made node names unique across graphs
             add_ins(ins)
@@ -558,7 +562,7 @@ def build_type_view(
                     add_read(len(in_names))
                     written += out_names
                     add_written(len(out_names))
-    del codes
+    del codes, names
     require(len(node_index) == len(view.node_ins), "color", "node names unique across all graphs (normalize)")
     view.node_names = list(node_index)
     view.lst = list(map(attrgetter("list"), v_kind))
@@ -574,6 +578,13 @@ def build_type_view(
     view.groups = [g for g in _control_flow_groups(control_flow) if all(graph.dtype(t) == FLOAT for _, t in g.members)]
     _link(view, read, n_read, written, n_written)
     return view
+
+
+class _Interned(dict):
+    """name -> the same name as a shared string object; an unknown name maps to itself."""
+
+    def __missing__(self, name: str) -> str:
+        return name
 
 
 def _cut_to_floats(view: TypeView, vid: int, group: _Group, ins, outs, codes) -> tuple[list[str], list[str]]:
