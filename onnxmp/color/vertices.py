@@ -309,9 +309,10 @@ class _ById(Sequence):
     def __getitem__(self, vid):
         if isinstance(vid, slice):
             return [Vertex(self._view, i) for i in range(len(self))[vid]]
-        if not -len(self) <= vid < len(self):
+        n = len(self._view.lst)
+        if not -n <= vid < n:
             raise IndexError(vid)
-        return Vertex(self._view, vid % len(self))
+        return Vertex(self._view, vid if vid >= 0 else vid + n)
 
     def __iter__(self) -> Iterator[Vertex]:
         view = self._view
