@@ -169,8 +169,8 @@ class TypeView:
         self.constant_at: dict[str, tuple[int, int]] = {}  # tensor -> (scope, position) of its Constant node
         self.fanin = self.fanout = Adjacency(array("i", [0]), array("i"))
         self.producer_of: Mapping[str, int] = {}    # tensor name -> producing float32 vertex id
-        # tensor name -> consuming float32 vertex ids (any graph), for the outputs of retargetable
-        # vertices and the control-flow group members: the tensors the passes ask about
+        # tensor name -> consuming float32 vertex ids (any graph), for the outputs of capable
+        # retargetable vertices and the control-flow group members: the tensors the passes ask about
         self.consumers_of: dict[str, list[int]] = {}
         self.pinned: dict[str, str] = {}            # tensor name -> why its dtype may not change
         self.groups: list[ColorGroup] = []
@@ -654,8 +654,8 @@ def _link(view: TypeView, read: list[str], n_read: array, written: list[str], n_
 
 def _readers_of(view: TypeView, read: list[str], source: np.ndarray, reader: np.ndarray,
                 position: dict[str, int]) -> dict[str, list[int]]:
-    """The float32 vertices reading each tensor the passes ask about (outputs of retargetable
-    vertices, control-flow group members), in id order, across graphs."""
+    """The float32 vertices reading each tensor the passes ask about (outputs of capable
+    retargetable vertices, control-flow group members), in id order, across graphs."""
     asked = [t for vid in view.retargetable if view.ok[vid] for _, t in view.outputs(vid)]
     asked += [t for group in view.groups for _, t in group.members]
     if not asked:
