@@ -27,13 +27,13 @@ import onnx
 from onnx.external_data_helper import uses_external_data
 
 from onnxmp.external import converted_external, tensor_array
-from onnxmp.graphs import GRAPH, TENSOR_KIND, ModelGraph, TensorInfo, iter_proto_graphs, may_hold_graphs
-from onnxmp.rewrite import Edits, NewCast
+from onnxmp.graphs import GRAPH, TENSOR_KIND, ModelGraph, TensorInfo, iter_proto_graphs
+from onnxmp.rewrite import Edits, GraphNodes, NewCast
 
 A = onnx.AttributeProto
 _SIMPLE = (A.INT, A.FLOAT, A.STRING, A.TENSOR)
 _LISTS = (A.INTS, A.FLOATS, A.STRINGS)
-_DROPPED_NODE_FIELDS = ("doc_string", "overload", "metadata_props", "device_configurations")
+FLOAT = onnx.TensorProto.FLOAT
 
 
 def emit(graph: ModelGraph, edits: Edits, original: onnx.ModelProto) -> onnx.ModelProto:
@@ -75,20 +75,21 @@ class _Emitter:
         self.model_graph = graph
         self.edits = edits
         self.tensors = graph.tensors
+        self.constants = {info.name for info in graph.tensors.values() if info.init is not None}
+        self.constants.update(edits.twins)
         self.sparse = {s.values.name: s for scope in graph.scopes for s in scope.graph.sparse_initializer}
         self.scope_of = {id(s.graph): i for i, s in enumerate(graph.scopes)}
-        self.ready: dict[str, onnx.TensorProto] = {}  # converted initializers, made in batches
+        self.parents: list[dict[str, onnx.NodeProto]] = [{} for _ in graph.scopes]  # nodes holding each graph's bodies
+        for scope in graph.scopes:
+            if scope.parent_scope is not None:
+                self.parents[scope.parent_scope][scope.parent.name] = scope.parent
+        # Nodes GS would write differently from the input: rewired, retargeted or rewritten ones.
+        self.rebuilt = {*edits.inputs, *edits.outputs, *edits.retargeted, *edits.raw_constants}
         self.kept_casts: dict[int, set[str]] = {}  # scope -> NewCasts written there or in its kept bodies
 
     # -- tensors -----------------------------------------------------------------------------
     def info(self, name: str) -> TensorInfo | None:
         return self.edits.new_tensors.get(name) or self.tensors.get(name)
-
-    def is_constant(self, name: str) -> bool:
-        if name in self.edits.twins:
-            return True
-        info = self.tensors.get(name)
-        return info is not None and info.init is not None
 
     def dtype(self, name: str):
         """GS's dtype at export; sequences, optionals and maps are exported untyped (see
@@ -110,35 +111,33 @@ class _Emitter:
             return vi
         return _tensor_value_info(name, dtype, info.shape)
 
-    def _convert_small(self, names: list[str]) -> None:
-        """Convert small raw float32 initializers in one numpy call (thousands of biases and
-        scalars would each pay numpy's per-call overhead); results wait in ``self.ready``."""
-        edits = self.edits
+    def _convert_small(self, names: list[str]) -> dict[str, tuple[list[int], bytes]]:
+        """Small raw float32 initializers converted in one numpy call (thousands of biases and
+        scalars would each pay numpy's per-call overhead): name -> (dims, low-precision bytes)."""
+        edits, tensors = self.edits, self.tensors
         sources = []
         for name in names:
-            source = self.tensors[edits.twins.get(name, name)].init
-            if source.data_type == onnx.TensorProto.FLOAT and source.data_location != onnx.TensorProto.EXTERNAL \
-                    and source.ByteSize() < 1 << 16 and len(source.raw_data) == 4 * math.prod(source.dims):
-                sources.append((name, source))
+            info = tensors[edits.twins.get(name, name)]
+            source = info.init
+            dims = info.shape
+            if info.dtype == FLOAT and source.data_location != onnx.TensorProto.EXTERNAL \
+                    and math.prod(dims) < 1 << 14:
+                raw = source.raw_data
+                if len(raw) == 4 * math.prod(dims):
+                    sources.append((name, dims, raw))
         if not sources:
-            return
-        raws = [source.raw_data for _, source in sources]
-        low = np.frombuffer(b"".join(raws), dtype="<f4").astype(edits.low_np)
+            return {}
+        low = np.frombuffer(b"".join([raw for _, _, raw in sources]), dtype="<f4").astype(edits.low_np).tobytes()
+        width = edits.low_np.itemsize
+        ready = {}
         start = 0
-        for (name, source), raw in zip(sources, raws):
-            count = len(raw) // 4
-            tensor = onnx.TensorProto()
-            tensor.name = name
-            tensor.data_type = edits.low_enum
-            tensor.dims.extend(source.dims)
-            tensor.raw_data = low[start:start + count].tobytes()
-            self.ready[name] = tensor
-            start += count
+        for name, dims, raw in sources:
+            stop = start + len(raw) // 4 * width
+            ready[name] = (dims, low[start:stop])
+            start = stop
+        return ready
 
     def initializer(self, name: str) -> onnx.TensorProto:
-        ready = self.ready.pop(name, None)
-        if ready is not None:
-            return ready
         edits = self.edits
         source = edits.twins.get(name)
         if source is not None:
@@ -152,35 +151,35 @@ class _Emitter:
             return _raw_tensor(name, low_enum, tensor_array(init).astype(low_np))
         return init
 
+    def _write_initializers(self, out: onnx.GraphProto, names: list[str]) -> None:
+        edits = self.edits
+        ready = self._convert_small([n for n in names if n in edits.converted or n in edits.twins])
+        add, append = out.initializer.add, out.initializer.append
+        for name in names:
+            converted = ready.get(name)
+            if converted is None:
+                append(self.initializer(name))
+            else:
+                add(name=name, data_type=edits.low_enum, dims=converted[0], raw_data=converted[1])
+
     # -- graphs ----------------------------------------------------------------------------
     def graph(self, scope_index: int, out: onnx.GraphProto | None = None) -> tuple[onnx.GraphProto, set[str]]:
         """The exported graph after GS's cleanup (into ``out`` when given), and the outer names its
         kept nodes read."""
         scope = self.model_graph.scopes[scope_index]
         g = scope.graph
-        edits = self.edits
-        new_inputs, new_outputs = edits.inputs, edits.outputs
-        items = []  # (item, inputs, outputs)
-        bodies: dict[str, dict[str, tuple[onnx.GraphProto, set[str]]]] = {}
-        for item in edits.order[scope.gid]:
-            if isinstance(item, NewCast):
-                items.append((item, (item.src,), (item.dst,)))
-                continue
-            name = item.name
-            items.append((item, new_inputs.get(name) or item.input, new_outputs.get(name) or item.output))
-            if may_hold_graphs(item):
-                for attr in item.attribute:
-                    if attr.type == GRAPH:
-                        bodies.setdefault(name, {})[attr.name] = self.graph(self.scope_of[id(attr.g)])
-        kept = self._used(items, g, bodies)
-        casts = self.kept_casts[scope_index] = set()
-        for item, _, _ in kept:
-            if isinstance(item, NewCast):
-                casts.add(item.name)
-            elif item.name in bodies:
-                for attr in item.attribute:
-                    if attr.type == GRAPH:
-                        casts.update(self.kept_casts[self.scope_of[id(attr.g)]])
+        nodes = self.edits.graphs[scope.gid]
+        bodies: dict[str, dict[str, tuple[onnx.GraphProto, set[str]]]] = {}  # node -> attribute -> body
+        body_scopes: dict[str, list[int]] = {}
+        for name, parent in self.parents[scope_index].items():
+            for attr in parent.attribute:
+                if attr.type == GRAPH:
+                    child = self.scope_of[id(attr.g)]
+                    bodies.setdefault(name, {})[attr.name] = self.graph(child)
+                    body_scopes.setdefault(name, []).append(child)
+        kept = self._used(nodes, g, bodies)
+        kept_inputs = nodes.inputs if kept is None else [nodes.inputs[k] for k in kept]
+        kept_outputs = nodes.outputs if kept is None else [nodes.outputs[k] for k in kept]
         init_names = {t.name for t in g.initializer}
         if g.sparse_initializer:
             init_names.update(t.values.name for t in g.sparse_initializer)
@@ -189,26 +188,31 @@ class _Emitter:
 
         # First mention wins: graph inputs, then each node's inputs and outputs, then graph outputs.
         tensor_order: dict[str, None] = dict.fromkeys(chain(
-            gs_inputs, chain.from_iterable(chain(ins, outs) for _, ins, outs in kept), outputs))
+            gs_inputs, chain.from_iterable(chain.from_iterable(zip(kept_inputs, kept_outputs))), outputs))
         tensor_order.pop("", None)
 
         if out is None:
             out = onnx.GraphProto()
-        # Generators, not lists: extend copies each message, so no list of temporaries builds up.
-        out.node.extend(self.node(item, ins, outs, bodies) for item, ins, outs in kept)
+        casts = self.kept_casts[scope_index] = set()
+        # A generator, not a list: extend copies each message, so no list of temporaries builds up.
+        out.node.extend(self._nodes(nodes, kept, bodies, casts))
+        if bodies:
+            kept_names = set(nodes.names) if kept is None else {nodes.names[k] for k in kept}
+            bodies = {name: graphs for name, graphs in bodies.items() if name in kept_names}
+            for name in bodies:
+                for child in body_scopes[name]:
+                    casts.update(self.kept_casts[child])
         out.name = g.name
         out.input.extend([self.value_info(n) for n in gs_inputs])
         out.output.extend([self.value_info(n) for n in outputs])
-        constants = [n for n in tensor_order if self.is_constant(n)]
-        self._convert_small([n for n in constants if n in self.edits.converted or n in self.edits.twins])
-        out.initializer.extend(self.initializer(n) for n in constants if n not in self.sparse)
+        constants = [n for n in tensor_order if n in self.constants]
+        self._write_initializers(out, [n for n in constants if n not in self.sparse])
         if self.sparse:
             out.sparse_initializer.extend([self.sparse[n] for n in constants if n in self.sparse])
         skip = set(gs_inputs)
         skip.update(outputs)
         skip.update(constants)
-        out.value_info.extend(vi for vi in (self.value_info_if_known(n) for n in tensor_order if n not in skip)
-                              if vi is not None)
+        self._write_value_info(out, [n for n in tensor_order if n not in skip])
         if g.doc_string:
             out.doc_string = g.doc_string
         if scope_index == 0:
@@ -216,79 +220,94 @@ class _Emitter:
 
         local = set(gs_inputs)
         read: set[str] = set()
-        for item, ins, outs in kept:
+        for ins, outs in zip(kept_inputs, kept_outputs):
             local.update(outs)
             read.update(ins)
-            for _, foreign in bodies.get(getattr(item, "name", None), {}).values():
+        for graphs in bodies.values():
+            for _, foreign in graphs.values():
                 read.update(foreign)
-        foreign = {n for n in read - local if n and not self.is_constant(n)}
+        foreign = {n for n in read - local if n and n not in self.constants}
         return out, foreign
 
-    def value_info_if_known(self, name: str) -> onnx.ValueInfoProto | None:
-        """GS writes value_info for a variable with a dtype or a shape."""
-        edits = self.edits
-        info = edits.new_tensors.get(name)
-        new = info is not None
-        if not new:
-            info = self.tensors.get(name)
-            if info is None or (info.decl is None and name not in edits.dtypes):
-                return None
-        decl = info.decl
-        if decl is not None and not info.merged and _canonical(decl):
-            # Exactly what GS rebuilds from (dtype, shape): copy it, with the new name and dtype.
-            if not new and name not in edits.dtypes:
-                return decl
-            vi = onnx.ValueInfoProto()
-            vi.CopyFrom(decl)
-            vi.name = name
-            vi.type.tensor_type.elem_type = self.dtype(name)
-            return vi
-        if self.dtype(name) is None and info.shape is None:
-            return None
-        return self.value_info(name)
+    def _write_value_info(self, out: onnx.GraphProto, names: list[str]) -> None:
+        """GS writes value_info for each variable with a dtype or a shape.  A declaration GS would
+        write back unchanged is copied (and renamed or retyped in the copy); others are rebuilt."""
+        new_tensors, tensors, dtypes = self.edits.new_tensors, self.tensors, self.edits.dtypes
+        written = []
+        changed = []  # (position, name) of copied declarations that take a new name or dtype
+        for name in names:
+            info = new_tensors.get(name)
+            if info is not None:
+                new = True
+            else:
+                info = tensors.get(name)
+                if info is None:
+                    continue
+                new = name in dtypes
+                if info.decl is None and not new:
+                    continue
+            decl = info.decl
+            if decl is not None and not info.merged and _canonical(decl):
+                if new:
+                    changed.append((len(written), name))
+                written.append(decl)
+            elif self.dtype(name) is not None or info.shape is not None:
+                written.append(self.value_info(name))
+        out.value_info.extend(written)
+        if changed:
+            copies = out.value_info
+            for position, name in changed:
+                vi = copies[position]
+                vi.name = name
+                vi.type.tensor_type.elem_type = self.dtype(name)
 
-    def _used(self, items: list, g: onnx.GraphProto, bodies) -> list:
-        """GS cleanup: keep the nodes something reads on the way to a graph output."""
-        producer: dict[str, int] = {}
-        for index, (_, _, outs) in enumerate(items):
-            for name in outs:
-                producer[name] = index
-        used = bytearray(len(items))
-        seen: set[str] = set()
+    def _used(self, nodes: GraphNodes, g: onnx.GraphProto, bodies) -> list[int] | None:
+        """GS cleanup: the positions of the nodes something reads on the way to a graph output
+        (None when that is all of them)."""
+        producer = {t: k for k, outs in enumerate(nodes.outputs) for t in outs}  # the last writer, as in GS
+        inputs, names = nodes.inputs, nodes.names
+        used = bytearray(len(inputs))
         queue = [t.name for t in g.output]
-        seen.update(queue)
+        seen = set(queue)
         while queue:
-            index = producer.get(queue.pop())
-            if index is None or used[index]:
+            k = producer.get(queue.pop())
+            if k is None or used[k]:
                 continue
-            used[index] = 1
-            item, ins, _ = items[index]
-            deps = list(ins)
-            if bodies and not isinstance(item, NewCast):
-                for _, foreign in bodies.get(item.name, {}).values():
-                    deps.extend(foreign)
-            for dep in deps:
+            used[k] = 1
+            for dep in inputs[k]:
                 if dep not in seen:
                     seen.add(dep)
                     queue.append(dep)
-        if all(used):
-            return items
-        return [entry for entry, keep in zip(items, used) if keep]
+            if bodies and names[k] in bodies:
+                for _, foreign in bodies[names[k]].values():
+                    for dep in foreign:
+                        if dep not in seen:
+                            seen.add(dep)
+                            queue.append(dep)
+        if 0 not in used:
+            return None
+        return [k for k, keep in enumerate(used) if keep]
 
     # -- nodes -----------------------------------------------------------------------------
-    def node(self, item, inputs, outputs, bodies) -> onnx.NodeProto:
-        if isinstance(item, NewCast):
-            node = onnx.NodeProto(op_type="Cast", name=item.name)
-            node.input.append(item.src)
-            node.output.append(item.dst)
-            attr = node.attribute.add()
-            attr.name, attr.type, attr.i = "to", A.INT, item.to
-            return node
+    def _nodes(self, nodes: GraphNodes, kept: list[int] | None, bodies, casts: set[str]):
+        """The kept nodes as GS writes them: most are the input's own NodeProtos; adds the
+        names of the inserted Casts written to ``casts``."""
+        items, names, inputs, outputs = nodes.items, nodes.names, nodes.inputs, nodes.outputs
+        rebuilt = self.rebuilt
+        for k in range(len(items)) if kept is None else kept:
+            item = items[k]
+            if type(item) is NewCast:
+                casts.add(item.name)
+                yield _cast_node(item)
+            elif names[k] in rebuilt or names[k] in bodies or not _clean(item):
+                yield self.node(item, inputs[k], outputs[k], bodies)
+            else:
+                yield item
+
+    def node(self, item: onnx.NodeProto, inputs, outputs, bodies) -> onnx.NodeProto:
+        """A NodeProto as GS writes it, with the rewrite's edits."""
         name = item.name
         edits = self.edits
-        if (name not in edits.inputs and name not in edits.outputs and name not in edits.retargeted
-                and name not in bodies and name not in edits.raw_constants and _clean(item)):
-            return item
         node = onnx.NodeProto()
         node.op_type = item.op_type
         node.input.extend(inputs)
@@ -336,6 +355,15 @@ class _Emitter:
                 out.t.name = out.t.name  # GS names every tensor it writes, even with ""
             return out
         return None  # sparse tensors, tensor/graph lists, type protos: GS does not import them
+
+
+def _cast_node(cast: NewCast) -> onnx.NodeProto:
+    node = onnx.NodeProto(op_type="Cast", name=cast.name)
+    node.input.append(cast.src)
+    node.output.append(cast.dst)
+    attr = node.attribute.add()
+    attr.name, attr.type, attr.i = "to", A.INT, cast.to
+    return node
 
 
 def _clean(node: onnx.NodeProto) -> bool:

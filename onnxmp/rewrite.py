@@ -11,15 +11,16 @@
   their name and dtype: the low-precision producer writes a renamed tensor and
   a Cast restores the original name.
 
-The rewrite records only what changes (node inputs and outputs it rewires, tensors
-it retypes, initializers it converts, the Casts it adds); :mod:`onnxmp.emit` then
-writes the output model from the normalized one plus these edits.
+The rewrite reads each graph's node names, inputs and outputs once and records only
+what changes (the inputs and outputs it rewires, tensors it retypes, initializers it
+converts, the Casts it adds); :mod:`onnxmp.emit` then writes the output model from the
+normalized one plus these edits.
 """
 from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
-from typing import Iterable, Sequence
+from typing import Iterable
 
 import numpy as np
 import onnx
@@ -33,6 +34,7 @@ from onnxmp.precision import FLOAT16, FLOAT32, low_precision
 log = logging.getLogger("onnxmp.rewrite")
 
 FLOAT = onnx.TensorProto.FLOAT
+_CONTROL_FLOW = ("If", "Loop", "Scan")
 
 
 @dataclass
@@ -54,9 +56,34 @@ class NewCast:
 
 
 @dataclass
+class GraphNodes:
+    """One graph's nodes in order, NodeProtos and the NewCasts placed among them, with each
+    one's name and its input and output names (the rewired ones where the rewrite changed them).
+    Read from the proto once: the rewrite and the emitter both walk these lists."""
+
+    items: list                  # onnx.NodeProto | NewCast
+    names: list[str]
+    inputs: list[list[str]]
+    outputs: list[list[str]]
+
+    @classmethod
+    def read(cls, g: onnx.GraphProto) -> GraphNodes:
+        nodes = list(g.node)
+        return cls(nodes, [n.name for n in nodes], [n.input[:] for n in nodes], [n.output[:] for n in nodes])
+
+    def extend(self, other: GraphNodes, start: int, stop: int) -> None:
+        """Append ``other``'s nodes ``start:stop``."""
+        self.items.extend(other.items[start:stop])
+        self.names.extend(other.names[start:stop])
+        self.inputs.extend(other.inputs[start:stop])
+        self.outputs.extend(other.outputs[start:stop])
+
+
+@dataclass
 class Edits:
     """Everything the rewrite changes, keyed by (unique) names; read by :mod:`onnxmp.emit`."""
 
+    graphs: dict[str, GraphNodes] = field(default_factory=dict)   # graph id -> its nodes after the rewrite
     inputs: dict[str, list[str]] = field(default_factory=dict)    # node -> its new input names
     outputs: dict[str, list[str]] = field(default_factory=dict)   # node -> its new output names
     dtypes: dict[str, int] = field(default_factory=dict)          # retyped tensors (and converted constants)
@@ -65,10 +92,14 @@ class Edits:
     twins: dict[str, str] = field(default_factory=dict)            # twin name -> fp32 source initializer
     retargeted: set[str] = field(default_factory=set)              # Cast/Constant/ConstantOfShape nodes
     raw_constants: set[str] = field(default_factory=set)           # Constant nodes whose value is rewritten raw
-    order: dict[str, list] = field(default_factory=dict)           # graph id -> NodeProto | NewCast, in order
     emitted_casts: set[str] = field(default_factory=set)           # NewCasts the emitter wrote (cleanup drops some)
     low_np: np.dtype = FLOAT16.numpy
     low_enum: int = FLOAT16.onnx_type
+
+    @classmethod
+    def unchanged(cls, graph: ModelGraph) -> Edits:
+        """No edits: the emitter then writes the model as a GS round trip would."""
+        return cls(graphs={scope.gid: GraphNodes.read(scope.graph) for scope in graph.scopes})
 
 
 def _fresh_names(graph: ModelGraph, node_names) -> FreshNames:
@@ -86,9 +117,8 @@ def rewrite(graph: ModelGraph, state: Coloring, *, precision: str = "float16",
     if not keep_io_types:
         rewriter.lower_main_inputs()
     rewriter.fix_consumers()
-    for scope in graph.scopes:
-        rewriter.edits.order[scope.gid] = place_after_producers(
-            list(scope.graph.node), rewriter.new_nodes[scope.gid], rewriter.outputs_of)
+    for scope, nodes in zip(graph.scopes, rewriter.nodes):
+        rewriter.edits.graphs[scope.gid] = place_after_producers(nodes, rewriter.new_nodes[scope.gid])
     stats = rewriter.stats
     modified = bool(stats.casts or stats.retyped_tensors or stats.converted_initializers or stats.twin_initializers)
     return PassResult(modified, {"casts": len(stats.casts)}), stats, rewriter.edits
@@ -103,16 +133,24 @@ class _Rewriter:
         low = low_precision(precision)
         self.low_np, self.low_enum, self.low_sfx = low.numpy, low.onnx_type, low.suffix
         self.master = master
-        self.names = _fresh_names(graph, view.graph_of_node)
+        self._names: FreshNames | None = None  # built on the first fresh name: most graphs need few
         self.stats = RewriteStats()
         self.edits = Edits(low_np=self.low_np, low_enum=self.low_enum, raw_constants=set(state.read_constants))
-        self.allow = set(state.allow_ids())
+        self.allow = allow = set(state.allow_ids())
+        self.nodes = [GraphNodes.read(scope.graph) for scope in graph.scopes]
+        self.constants = {info.name for info in graph.tensors.values() if info.init is not None}
 
-        # Which (node, input index) positions read in low precision.
-        self.low_input: set[tuple[str, int]] = set()
-        for vid in self.allow:
-            v = view.by_id[vid]
-            self.low_input.update((v.node, i) for i, _ in v.inputs)
+        # Which inputs of each node read in low precision: bit i of low_inputs[node] for input i.
+        self.low_inputs: dict[str, int] = {}
+        low_inputs = self.low_inputs
+        by_id = view.by_id
+        for vid in allow:
+            v = by_id[vid]
+            mask = low_inputs.get(v.node, 0)
+            for i, _ in v.inputs:
+                mask |= 1 << i
+            low_inputs[v.node] = mask
+        self.allow_nodes = set(low_inputs)
         # Control-flow groups that go low: their tensors are retyped as a whole (spec §5.7).
         self.group_tensors: set[str] = set()
         self.body_members: set[str] = set()  # formal body I/O of low groups: retyped, no longer pinned
@@ -122,17 +160,10 @@ class _Rewriter:
             self.group_tensors.update(t for _, t in group.members)
             self.body_members.update(t for gid, t in group.members if gid != outer)
             self.group_outputs.add(group.output)
-            self.low_input.update(group.low_inputs)
+            for node, i in group.low_inputs:
+                low_inputs[node] = low_inputs.get(node, 0) | 1 << i
 
-        # Every reader of every initializer, across graphs, to decide convert vs twin.
-        self.const_readers: dict[str, list[bool]] = {}
-        tensors = graph.tensors
-        for scope in graph.scopes:
-            for node in scope.graph.node:
-                for i, t in enumerate(node.input):
-                    info = tensors.get(t)
-                    if t and info is not None and info.init is not None:
-                        self.const_readers.setdefault(t, []).append((node.name, i) in self.low_input)
+        self.fp32_read = self._constants_read_in_fp32()
         self.fixed = set(view.pinned)
         for scope in graph.scopes:
             self.fixed.update(self._gs_inputs(scope.graph))
@@ -143,10 +174,27 @@ class _Rewriter:
         self.new_nodes: dict[str, list[NewCast]] = {s.gid: [] for s in graph.scopes}
         self.twin_of: dict[str, str] = {}  # initializer -> its low twin
 
+    def _constants_read_in_fp32(self) -> set[str]:
+        """Initializers some node (in any graph) reads in float32: they cannot simply be converted."""
+        constants, low_inputs = self.constants, self.low_inputs
+        found: set[str] = set()
+        for nodes in self.nodes:
+            for name, inputs in zip(nodes.names, nodes.inputs):
+                mask = low_inputs.get(name, 0)
+                if mask == (1 << len(inputs)) - 1 or constants.isdisjoint(inputs):
+                    continue  # every input reads low, or none is an initializer
+                found.update(t for i, t in enumerate(inputs) if not mask >> i & 1 and t in constants)
+        return found
+
     @staticmethod
     def _gs_inputs(g: onnx.GraphProto) -> list[str]:
         inits = {t.name for t in g.initializer}
         return [t.name for t in g.input if t.name not in inits]
+
+    def names(self, base: str) -> str:
+        if self._names is None:
+            self._names = _fresh_names(self.graph, self.view.graph_of_node)
+        return self._names(base)
 
     # -- tensor state --------------------------------------------------------------------------
     def dtype(self, name: str):
@@ -167,63 +215,49 @@ class _Rewriter:
         return new
 
     def is_constant(self, name: str) -> bool:
-        if name in self.edits.twins:
-            return True
-        info = self.graph.tensors.get(name)
-        return info is not None and info.init is not None
-
-    def outputs_of(self, node) -> Sequence[str]:
-        if isinstance(node, NewCast):
-            return (node.dst,)
-        return self.edits.outputs.get(node.name) or node.output
-
-    def _inputs(self, node: onnx.NodeProto) -> list[str]:
-        current = self.edits.inputs.get(node.name)
-        if current is None:
-            current = self.edits.inputs[node.name] = list(node.input)
-        return current
-
-    def _outputs(self, node: onnx.NodeProto) -> list[str]:
-        current = self.edits.outputs.get(node.name)
-        if current is None:
-            current = self.edits.outputs[node.name] = list(node.output)
-        return current
+        return name in self.constants or name in self.edits.twins
 
     # -- phase 1 -------------------------------------------------------------------------------
     def retype_low_outputs(self) -> None:
         """Retype outputs of ALLOW vertices and of low control-flow groups; retarget dtype attributes."""
         view = self.view
-        vertices, node_vertices, allow = view.vertices, view.node_vertices, self.allow
-        for scope in self.graph.scopes:
+        vertices, node_vertices, allow, allow_nodes = view.vertices, view.node_vertices, self.allow, self.allow_nodes
+        group_outputs = self.group_outputs
+        for scope, nodes in zip(self.graph.scopes, self.nodes):
             graph_id, g = scope.gid, scope.graph
-            for node in g.node:
-                for key in node_vertices.get(node.name, ()):
-                    vertex = vertices[key]
-                    if vertex.id not in allow:
-                        continue
-                    for index, _name in vertex.outputs:
-                        self._retype_output(graph_id, node, index)
-                    if node.op_type in ("Cast", "Constant", "ConstantOfShape"):
-                        self.edits.retargeted.add(node.name)
-                if node.op_type in ("If", "Loop", "Scan"):
-                    for index, out in enumerate(self.outputs_of(node)):
-                        if out in self.group_outputs and out not in self.low_alias:
-                            self._retype_output(graph_id, node, index)
+            for k, name in enumerate(nodes.names):
+                if name in allow_nodes:
+                    for key in node_vertices.get(name, ()):
+                        vertex = vertices[key]
+                        if vertex.id not in allow:
+                            continue
+                        for index, _name in vertex.outputs:
+                            self._retype_output(graph_id, nodes, k, index)
+                        if nodes.items[k].op_type in ("Cast", "Constant", "ConstantOfShape"):
+                            self.edits.retargeted.add(name)
+                outputs = nodes.outputs[k]
+                if group_outputs and not group_outputs.isdisjoint(outputs) \
+                        and nodes.items[k].op_type in _CONTROL_FLOW:
+                    for index, out in enumerate(outputs):
+                        if out in group_outputs and out not in self.low_alias:
+                            self._retype_output(graph_id, nodes, k, index)
             if graph_id != MAIN:
                 for name in self._gs_inputs(g):
                     # Body formal inputs of a low group (Loop carried values) take the low type.
                     if name in self.group_tensors:
                         self._retype_in_place(name)
 
-    def _retype_output(self, graph_id: str, node: onnx.NodeProto, index: int) -> None:
-        name = self.outputs_of(node)[index]
+    def _retype_output(self, graph_id: str, nodes: GraphNodes, k: int, index: int) -> None:
+        outputs = nodes.outputs[k]
+        name = outputs[index]
         if name not in self.view.pinned or name in self.body_members:
             self._retype_in_place(name)
             return
         # The outside world sees this name: write a renamed low tensor and restore the name with a Cast.
         low = self.names(f"{name}_onnxmp_{self.low_sfx}")
         self.edits.new_tensors[low] = self._like(name, low, self.low_enum)
-        self._outputs(node)[index] = low
+        outputs[index] = low
+        self.edits.outputs[nodes.names[k]] = outputs
         restore = NewCast(self.names(f"{name}_onnxmp_cast_fp32"), low, name, FLOAT)
         self.new_nodes[graph_id].append(restore)
         self.stats.casts.append(restore.name)
@@ -238,39 +272,49 @@ class _Rewriter:
     # -- phase 2 (keep_io_types=False) ------------------------------------------------------------
     def lower_main_inputs(self) -> None:
         """A float32 main-graph input whose readers all read low precision takes the low type."""
-        readers: dict[str, list[tuple[str, int]]] = {}
-        for scope in self.graph.scopes:
-            for n in scope.graph.node:
-                for i, t in enumerate(self.edits.inputs.get(n.name) or n.input):
-                    readers.setdefault(t, []).append((n.name, i))
-        for name in self._gs_inputs(self.graph.scopes[0].graph):
+        inputs = self._gs_inputs(self.graph.scopes[0].graph)
+        candidates = set(inputs)
+        all_low: dict[str, bool] = {}  # input -> every reader so far reads low (absent: no reader)
+        for nodes in self.nodes:
+            for name, node_inputs in zip(nodes.names, nodes.inputs):
+                if candidates.isdisjoint(node_inputs):
+                    continue
+                mask = self.low_inputs.get(name, 0)
+                for i, t in enumerate(node_inputs):
+                    if t in candidates:
+                        all_low[t] = all_low.get(t, True) and bool(mask >> i & 1)
+        for name in inputs:
             if self.dtype(name) != FLOAT or name in self.view.pinned:
                 continue
-            found = readers.get(name, [])
-            if found and all(r in self.low_input for r in found):
+            if all_low.get(name, False):
                 self._retype_in_place(name)
 
     # -- phase 3 -------------------------------------------------------------------------------
     def fix_consumers(self) -> None:
         """Low readers of fp32 sources and fp32 readers of low tensors get a Cast, in the reader's
         graph, shared per (tensor, target type)."""
-        for scope in self.graph.scopes:
+        low_inputs, low_alias, constants, edited = self.low_inputs, self.low_alias, self.constants, self.edits.inputs
+        for scope, nodes in zip(self.graph.scopes, self.nodes):
             graph_id, g = scope.gid, scope.graph
             shared: dict[tuple[str, int], str] = {}
-            edited, low_input, low_alias = self.edits.inputs, self.low_input, self.low_alias
-            for node in g.node:
-                node_name = node.name
-                for i, name in enumerate(edited.get(node_name) or node.input):
+            for node_name, inputs in zip(nodes.names, nodes.inputs):
+                mask = low_inputs.get(node_name, 0)
+                for i, name in enumerate(inputs):
                     if not name:
                         continue
-                    wants_low = (node_name, i) in low_input
                     alias = low_alias.get(name)
-                    if wants_low and alias is not None and not self.is_constant(name):
-                        new = alias  # the common case inside a low-precision region
+                    if mask >> i & 1:
+                        if alias is not None and name not in constants:
+                            new = alias  # the common case inside a low-precision region
+                        else:
+                            new = self._input_for(graph_id, shared, name, True)
+                    elif alias != name:
+                        continue  # a float32 reader of a float32 value
                     else:
-                        new = self._input_for(graph_id, shared, name, wants_low)
+                        new = self._input_for(graph_id, shared, name, False)
                     if new != name:
-                        self._inputs(node)[i] = new
+                        inputs[i] = new
+                        edited[node_name] = inputs
             if graph_id != MAIN:
                 for tensor in g.output:
                     if tensor.name in self.group_tensors:
@@ -309,7 +353,7 @@ class _Rewriter:
         Master weights and initializers the outside world may feed are Cast at use instead."""
         if name in self.master or name in self.fixed:
             return self._cast(graph_id, shared, name, self.low_enum, self.low_sfx)
-        if all(self.const_readers[name]):
+        if name not in self.fp32_read:
             self.edits.converted[name] = (self.low_np, self.low_enum)
             self.edits.dtypes[name] = self.low_enum
             self.stats.converted_initializers.append(name)
@@ -323,38 +367,51 @@ class _Rewriter:
         return twin
 
 
-def place_after_producers(nodes: list, casts: list[NewCast], outputs_of) -> list:
-    """Put each inserted Cast right after the node producing its input (spec §6), in one pass.
+def place_after_producers(nodes: GraphNodes, casts: list[NewCast]) -> GraphNodes:
+    """Put each inserted Cast right after the node producing its input (spec §6).
 
     Casts of graph inputs, initializers and outer-scope tensors go first.  A Cast may
     read another inserted Cast (a restored output cast again), so placement follows
     chains; this keeps the sorted order ``normalize`` established without a full sort.
+    Only the nodes that produce a Cast's input are looked at; the runs of nodes between
+    them are copied as slices.
     """
     if not casts:
         return nodes
-    after: dict[str, list[NewCast]] = {}
-    node_outputs = [outputs_of(n) for n in nodes]
-    produced_here = {t for outs in node_outputs for t in outs}
-    head: list[NewCast] = []
+    sources = {c.src for c in casts}
     cast_outputs = {c.dst for c in casts}
+    producer: dict[str, int] = {}  # Cast source -> the first node writing it
+    for k, outs in enumerate(nodes.outputs):
+        if not sources.isdisjoint(outs):
+            for t in outs:
+                producer.setdefault(t, k)
+    after: dict[str, list[NewCast]] = {}
+    head: list[NewCast] = []
     for cast in casts:
-        if cast.src in produced_here or cast.src in cast_outputs:
+        if cast.src in producer or cast.src in cast_outputs:
             after.setdefault(cast.src, []).append(cast)
         else:
             head.append(cast)
-    ordered: list = []
-    # Depth first, each node then its followers in output order.  A loop, not a recursive closure:
-    # that would be a reference cycle, kept (with the whole rewrite state) while the pipeline runs
-    # with the cycle collector off, and a long Cast chain would hit the recursion limit.
-    stack: list[NewCast] = []
-    for start, outs in (*((c, (c.dst,)) for c in head), *zip(nodes, node_outputs)):
-        ordered.append(start)
-        if not after:
-            continue
-        stack.extend(reversed([f for out in outs for f in after.pop(out, ())]))
-        while stack:
-            cast = stack.pop()  # followers are all inserted Casts
-            ordered.append(cast)
-            stack.extend(reversed(after.pop(cast.dst, ())))
+    placed = GraphNodes([], [], [], [])
+    _add_casts(placed, head, after)
+    start = 0
+    for k in sorted(set(producer.values())):
+        placed.extend(nodes, start, k + 1)
+        start = k + 1
+        _add_casts(placed, [f for out in nodes.outputs[k] for f in after.pop(out, ())], after)
+    placed.extend(nodes, start, len(nodes.items))
     require(not after, "rewrite", "every inserted Cast found its producer")
-    return ordered
+    return placed
+
+
+def _add_casts(placed: GraphNodes, first: list[NewCast], after: dict[str, list[NewCast]]) -> None:
+    """Depth first, each Cast then the Casts reading it.  A loop, not recursion: a long Cast
+    chain would hit the recursion limit."""
+    stack = list(reversed(first))
+    while stack:
+        cast = stack.pop()
+        placed.items.append(cast)
+        placed.names.append(cast.name)
+        placed.inputs.append([cast.src])
+        placed.outputs.append([cast.dst])
+        stack.extend(reversed(after.pop(cast.dst, ())))
