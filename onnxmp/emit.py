@@ -193,6 +193,11 @@ class _Emitter:
 
         if out is None:
             out = onnx.GraphProto()
+        skip = set(gs_inputs)
+        skip.update(outputs)
+        constants = [n for n in tensor_order if n in self.constants]
+        skip.update(constants)
+        self._write_value_info(out, [n for n in tensor_order if n not in skip])  # first: see there
         casts = self.kept_casts[scope_index] = set()
         # A generator, not a list: extend copies each message, so no list of temporaries builds up.
         out.node.extend(self._nodes(nodes, kept, bodies, casts))
@@ -205,14 +210,9 @@ class _Emitter:
         out.name = g.name
         out.input.extend([self.value_info(n) for n in gs_inputs])
         out.output.extend([self.value_info(n) for n in outputs])
-        constants = [n for n in tensor_order if n in self.constants]
         self._write_initializers(out, [n for n in constants if n not in self.sparse])
         if self.sparse:
             out.sparse_initializer.extend([self.sparse[n] for n in constants if n in self.sparse])
-        skip = set(gs_inputs)
-        skip.update(outputs)
-        skip.update(constants)
-        self._write_value_info(out, [n for n in tensor_order if n not in skip])
         if g.doc_string:
             out.doc_string = g.doc_string
         if scope_index == 0:
@@ -231,35 +231,45 @@ class _Emitter:
 
     def _write_value_info(self, out: onnx.GraphProto, names: list[str]) -> None:
         """GS writes value_info for each variable with a dtype or a shape.  A declaration GS would
-        write back unchanged is copied (and renamed or retyped in the copy); others are rebuilt."""
+        write back unchanged is copied, then renamed or retyped in the copy; others are rebuilt.
+
+        ``out`` holds nothing else yet, so the copies are first taken as they are and checked
+        all at once (:func:`_all_canonical`); only when one is not canonical are they
+        sorted one by one."""
+        written, changed = self._value_infos(names, check_each=False)
+        out.value_info.extend(written)
+        if not _all_canonical(out):
+            del out.value_info[:]
+            written, changed = self._value_infos(names, check_each=True)
+            out.value_info.extend(written)
+        copies = out.value_info
+        for position, name, dtype, renamed in changed:
+            vi = copies[position]
+            if renamed:
+                vi.name = name
+            vi.type.tensor_type.elem_type = dtype
+
+    def _value_infos(self, names: list[str], check_each: bool) -> tuple[list[onnx.ValueInfoProto], list[tuple]]:
+        """The declarations to write, and (position, name, dtype, renamed) for those copied that
+        take a new name or dtype."""
         new_tensors, tensors, dtypes = self.edits.new_tensors, self.tensors, self.edits.dtypes
         written = []
-        changed = []  # (position, name) of copied declarations that take a new name or dtype
+        changed = []
         for name in names:
             info = new_tensors.get(name)
-            if info is not None:
-                new = True
-            else:
+            renamed = info is not None
+            if not renamed:
                 info = tensors.get(name)
-                if info is None:
-                    continue
-                new = name in dtypes
-                if info.decl is None and not new:
+                if info is None or (info.decl is None and name not in dtypes):
                     continue
             decl = info.decl
-            if decl is not None and not info.merged and _canonical(decl):
-                if new:
-                    changed.append((len(written), name))
+            if decl is not None and not info.merged and (not check_each or _canonical(decl)):
+                if renamed or name in dtypes:
+                    changed.append((len(written), name, dtypes[name] if name in dtypes else info.dtype, renamed))
                 written.append(decl)
             elif self.dtype(name) is not None or info.shape is not None:
                 written.append(self.value_info(name))
-        out.value_info.extend(written)
-        if changed:
-            copies = out.value_info
-            for position, name in changed:
-                vi = copies[position]
-                vi.name = name
-                vi.type.tensor_type.elem_type = self.dtype(name)
+        return written, changed
 
     def _used(self, nodes: GraphNodes, g: onnx.GraphProto, bodies) -> list[int] | None:
         """GS cleanup: the positions of the nodes something reads on the way to a graph output
@@ -398,6 +408,52 @@ def _canonical(vi: onnx.ValueInfoProto) -> bool:
         if dim.denotation:  # dim_value and dim_param share a oneof: only a denotation can differ
             return False
     return True
+
+
+def _gs_value_info_schema():
+    """A message type holding a graph's value_info as GS writes it: a name and a tensor type
+    with an element type and plain dims, all required, nothing else."""
+    from google.protobuf import descriptor_pb2, descriptor_pool, message_factory
+
+    F = descriptor_pb2.FieldDescriptorProto
+    file = descriptor_pb2.FileDescriptorProto(name="onnxmp_gs_value_info.proto", package="onnxmp_gs",
+                                              syntax="proto2")
+    # (message, [(field, number, label, type, message type)]), numbered as in onnx.proto
+    for message, fields in (
+            ("Dim", [("dim_value", 1, F.LABEL_OPTIONAL, F.TYPE_INT64, ""),
+                     ("dim_param", 2, F.LABEL_OPTIONAL, F.TYPE_STRING, "")]),
+            ("Shape", [("dim", 1, F.LABEL_REPEATED, F.TYPE_MESSAGE, "Dim")]),
+            ("TensorType", [("elem_type", 1, F.LABEL_REQUIRED, F.TYPE_INT32, ""),
+                            ("shape", 2, F.LABEL_OPTIONAL, F.TYPE_MESSAGE, "Shape")]),
+            ("Type", [("tensor_type", 1, F.LABEL_REQUIRED, F.TYPE_MESSAGE, "TensorType")]),
+            ("ValueInfo", [("name", 1, F.LABEL_REQUIRED, F.TYPE_STRING, ""),
+                           ("type", 2, F.LABEL_REQUIRED, F.TYPE_MESSAGE, "Type")]),
+            ("Graph", [("value_info", 13, F.LABEL_REPEATED, F.TYPE_MESSAGE, "ValueInfo")])):
+        proto = file.message_type.add(name=message)
+        for name, number, label, kind, type_name in fields:
+            field = proto.field.add(name=name, number=number, label=label, type=kind)
+            if type_name:
+                field.type_name = f".onnxmp_gs.{type_name}"
+    pool = descriptor_pool.DescriptorPool()
+    pool.Add(file)
+    return message_factory.GetMessageClass(pool.FindMessageTypeByName("onnxmp_gs.Graph"))
+
+
+_GS_VALUE_INFO: list = []  # the schema, built on first use
+
+
+def _all_canonical(graph: onnx.GraphProto) -> bool:
+    """True when every value_info of ``graph`` passes :func:`_canonical`, checked in C rather
+    than field by field: parsed as :func:`_gs_value_info_schema`, a declaration with any
+    other field (a doc string, a denotation, another kind of type) loses bytes when unknown
+    fields are dropped, and one lacking a name, type or element type is not initialized."""
+    if not _GS_VALUE_INFO:
+        _GS_VALUE_INFO.append(_gs_value_info_schema())
+    data = graph.SerializeToString()
+    parsed = _GS_VALUE_INFO[0]()
+    parsed.MergeFromString(data)
+    parsed.DiscardUnknownFields()
+    return parsed.IsInitialized() and parsed.ByteSize() == len(data)
 
 
 def _tensor_value_info(name: str, dtype: int, shape) -> onnx.ValueInfoProto:

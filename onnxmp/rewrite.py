@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
-from typing import Iterable
+from typing import Iterable, Sequence
 
 import numpy as np
 import onnx
@@ -116,6 +116,7 @@ def rewrite(graph: ModelGraph, state: Coloring, *, precision: str = "float16",
     rewriter.retype_low_outputs()
     if not keep_io_types:
         rewriter.lower_main_inputs()
+    rewriter.convert_initializers()
     rewriter.fix_consumers()
     for scope, nodes in zip(graph.scopes, rewriter.nodes):
         rewriter.edits.graphs[scope.gid] = place_after_producers(nodes, rewriter.new_nodes[scope.gid])
@@ -125,7 +126,12 @@ def rewrite(graph: ModelGraph, state: Coloring, *, precision: str = "float16",
 
 
 class _Rewriter:
-    """The rewrite's working state; one method per phase, run in order by :func:`rewrite`."""
+    """The rewrite's working state; one method per phase, run in order by :func:`rewrite`.
+
+    Work that does not depend on order (retyping in place, deciding which initializers to
+    convert) is done in bulk over sets; the graphs are walked in node order only where the
+    order shows: fresh names, the Casts inserted and the lists the report gives.
+    """
 
     def __init__(self, graph: ModelGraph, state: Coloring, precision: str, master: set[str]):
         self.graph = graph
@@ -136,21 +142,19 @@ class _Rewriter:
         self._names: FreshNames | None = None  # built on the first fresh name: most graphs need few
         self.stats = RewriteStats()
         self.edits = Edits(low_np=self.low_np, low_enum=self.low_enum, raw_constants=set(state.read_constants))
-        self.allow = allow = set(state.allow_ids())
+        self.allow = set(state.allow_ids())
+        self.allow_vertices = [view.by_id[vid] for vid in self.allow]
         self.nodes = [GraphNodes.read(scope.graph) for scope in graph.scopes]
         self.constants = {info.name for info in graph.tensors.values() if info.init is not None}
 
         # Which inputs of each node read in low precision: bit i of low_inputs[node] for input i.
         self.low_inputs: dict[str, int] = {}
         low_inputs = self.low_inputs
-        by_id = view.by_id
-        for vid in allow:
-            v = by_id[vid]
+        for v in self.allow_vertices:
             mask = low_inputs.get(v.node, 0)
             for i, _ in v.inputs:
                 mask |= 1 << i
             low_inputs[v.node] = mask
-        self.allow_nodes = set(low_inputs)
         # Control-flow groups that go low: their tensors are retyped as a whole (spec §5.7).
         self.group_tensors: set[str] = set()
         self.body_members: set[str] = set()  # formal body I/O of low groups: retyped, no longer pinned
@@ -163,7 +167,6 @@ class _Rewriter:
             for node, i in group.low_inputs:
                 low_inputs[node] = low_inputs.get(node, 0) | 1 << i
 
-        self.fp32_read = self._constants_read_in_fp32()
         self.fixed = set(view.pinned)
         for scope in graph.scopes:
             self.fixed.update(self._gs_inputs(scope.graph))
@@ -171,20 +174,11 @@ class _Rewriter:
         # Names are unique across scopes, so one alias map serves every graph: a body
         # reading an outer low tensor reads it directly, without a round trip.
         self.low_alias: dict[str, str] = {}  # original tensor name -> tensor holding its low value
+        # What a low reader reads as it is: tensors retyped under their own name, converted initializers.
+        self.low_as_is: set[str] = set()
+        self.fp32_read: set[str] = set()  # initializers some node reads in float32
         self.new_nodes: dict[str, list[NewCast]] = {s.gid: [] for s in graph.scopes}
         self.twin_of: dict[str, str] = {}  # initializer -> its low twin
-
-    def _constants_read_in_fp32(self) -> set[str]:
-        """Initializers some node (in any graph) reads in float32: they cannot simply be converted."""
-        constants, low_inputs = self.constants, self.low_inputs
-        found: set[str] = set()
-        for nodes in self.nodes:
-            for name, inputs in zip(nodes.names, nodes.inputs):
-                mask = low_inputs.get(name, 0)
-                if mask == (1 << len(inputs)) - 1 or constants.isdisjoint(inputs):
-                    continue  # every input reads low, or none is an initializer
-                found.update(t for i, t in enumerate(inputs) if not mask >> i & 1 and t in constants)
-        return found
 
     @staticmethod
     def _gs_inputs(g: onnx.GraphProto) -> list[str]:
@@ -214,44 +208,54 @@ class _Rewriter:
             new.decl = info.decl  # lets the emitter copy the declaration instead of rebuilding it
         return new
 
-    def is_constant(self, name: str) -> bool:
-        return name in self.constants or name in self.edits.twins
-
     # -- phase 1 -------------------------------------------------------------------------------
     def retype_low_outputs(self) -> None:
         """Retype outputs of ALLOW vertices and of low control-flow groups; retarget dtype attributes."""
         view = self.view
-        vertices, node_vertices, allow, allow_nodes = view.vertices, view.node_vertices, self.allow, self.allow_nodes
-        group_outputs = self.group_outputs
+        pinned, body_members = view.pinned, self.body_members
+        in_place: list[str] = []
+        renamed: set[str] = set()  # nodes with an output the outside world sees: renamed below, in order
+        for vertex in self.allow_vertices:
+            for _, name in vertex.outputs:
+                if name in pinned and name not in body_members:
+                    renamed.add(vertex.node)
+                else:
+                    in_place.append(name)
+            if vertex.op_type in ("Cast", "Constant", "ConstantOfShape"):
+                self.edits.retargeted.add(vertex.node)
+        self._retype_in_place(in_place)
+        if renamed or self.group_outputs:
+            self._retype_in_order(renamed)
+        for scope in self.graph.scopes[1:]:
+            # Body formal inputs of a low group (Loop carried values) take the low type.
+            self._retype_in_place([name for name in self._gs_inputs(scope.graph) if name in self.group_tensors])
+
+    def _retype_in_order(self, renamed: set[str]) -> None:
+        """The renamed outputs of ALLOW vertices and the outputs of low control-flow groups, in
+        node order: each rename adds a fresh name and a Cast."""
+        vertices, node_vertices, allow = self.view.vertices, self.view.node_vertices, self.allow
+        pinned, body_members, group_outputs = self.view.pinned, self.body_members, self.group_outputs
         for scope, nodes in zip(self.graph.scopes, self.nodes):
-            graph_id, g = scope.gid, scope.graph
             for k, name in enumerate(nodes.names):
-                if name in allow_nodes:
+                if name in renamed:
                     for key in node_vertices.get(name, ()):
                         vertex = vertices[key]
-                        if vertex.id not in allow:
-                            continue
-                        for index, _name in vertex.outputs:
-                            self._retype_output(graph_id, nodes, k, index)
-                        if nodes.items[k].op_type in ("Cast", "Constant", "ConstantOfShape"):
-                            self.edits.retargeted.add(name)
+                        if vertex.id in allow:
+                            for index, out in vertex.outputs:
+                                if out in pinned and out not in body_members:  # the others are retyped
+                                    self._retype_output(scope.gid, nodes, k, index)
                 outputs = nodes.outputs[k]
                 if group_outputs and not group_outputs.isdisjoint(outputs) \
                         and nodes.items[k].op_type in _CONTROL_FLOW:
                     for index, out in enumerate(outputs):
                         if out in group_outputs and out not in self.low_alias:
-                            self._retype_output(graph_id, nodes, k, index)
-            if graph_id != MAIN:
-                for name in self._gs_inputs(g):
-                    # Body formal inputs of a low group (Loop carried values) take the low type.
-                    if name in self.group_tensors:
-                        self._retype_in_place(name)
+                            self._retype_output(scope.gid, nodes, k, index)
 
     def _retype_output(self, graph_id: str, nodes: GraphNodes, k: int, index: int) -> None:
         outputs = nodes.outputs[k]
         name = outputs[index]
         if name not in self.view.pinned or name in self.body_members:
-            self._retype_in_place(name)
+            self._retype_in_place((name,))
             return
         # The outside world sees this name: write a renamed low tensor and restore the name with a Cast.
         low = self.names(f"{name}_onnxmp_{self.low_sfx}")
@@ -264,10 +268,11 @@ class _Rewriter:
         self.low_alias[name] = low
         self.stats.retyped_tensors += 1
 
-    def _retype_in_place(self, name: str) -> None:
-        self.edits.dtypes[name] = self.low_enum
-        self.low_alias[name] = name
-        self.stats.retyped_tensors += 1
+    def _retype_in_place(self, names: Sequence[str]) -> None:
+        self.edits.dtypes.update(dict.fromkeys(names, self.low_enum))
+        self.low_alias.update(zip(names, names))
+        self.low_as_is.update(names)
+        self.stats.retyped_tensors += len(names)
 
     # -- phase 2 (keep_io_types=False) ------------------------------------------------------------
     def lower_main_inputs(self) -> None:
@@ -287,31 +292,65 @@ class _Rewriter:
             if self.dtype(name) != FLOAT or name in self.view.pinned:
                 continue
             if all_low.get(name, False):
-                self._retype_in_place(name)
+                self._retype_in_place((name,))
 
     # -- phase 3 -------------------------------------------------------------------------------
+    def convert_initializers(self) -> None:
+        """A float32 initializer read only in low precision (in any graph) is stored in low
+        precision, unless it is a master weight or the outside world may feed it.  Listed in
+        the order of their first low reads."""
+        constants, low_inputs = self.constants, self.low_inputs
+        low_read: dict[str, None] = {}
+        for nodes in self.nodes:
+            for name, inputs in zip(nodes.names, nodes.inputs):
+                if constants.isdisjoint(inputs):
+                    continue
+                mask = low_inputs.get(name, 0)
+                for i, t in enumerate(inputs):
+                    if t in constants:
+                        if mask >> i & 1:
+                            low_read[t] = None
+                        else:
+                            self.fp32_read.add(t)
+        converted = [t for t in low_read if t not in self.fp32_read and t not in self.master
+                     and t not in self.fixed and self.dtype(t) == FLOAT]
+        self.edits.converted.update(dict.fromkeys(converted, (self.low_np, self.low_enum)))
+        self.edits.dtypes.update(dict.fromkeys(converted, self.low_enum))
+        self.low_as_is.update(converted)
+        self.stats.converted_initializers.extend(converted)
+
+    # -- phase 4 -------------------------------------------------------------------------------
     def fix_consumers(self) -> None:
         """Low readers of fp32 sources and fp32 readers of low tensors get a Cast, in the reader's
-        graph, shared per (tensor, target type)."""
+        graph, shared per (tensor, target type); low readers of an initializer that stays float32
+        read a Cast of it or its low twin."""
         low_inputs, low_alias, constants, edited = self.low_inputs, self.low_alias, self.constants, self.edits.inputs
+        low_as_is = self.low_as_is
         for scope, nodes in zip(self.graph.scopes, self.nodes):
             graph_id, g = scope.gid, scope.graph
             shared: dict[tuple[str, int], str] = {}
             for node_name, inputs in zip(nodes.names, nodes.inputs):
                 mask = low_inputs.get(node_name, 0)
+                if mask == 0:
+                    if low_as_is.isdisjoint(inputs):
+                        continue  # float32 reads of float32 values
+                elif mask == (1 << len(inputs)) - 1 and low_as_is.issuperset(inputs):
+                    continue  # inside a low-precision region
                 for i, name in enumerate(inputs):
                     if not name:
                         continue
-                    alias = low_alias.get(name)
                     if mask >> i & 1:
-                        if alias is not None and name not in constants:
-                            new = alias  # the common case inside a low-precision region
+                        if name in constants:
+                            if name in low_as_is or self.dtype(name) != FLOAT:
+                                continue
+                            new = self._low_constant(graph_id, shared, name)
                         else:
-                            new = self._input_for(graph_id, shared, name, True)
-                    elif alias != name:
-                        continue  # a float32 reader of a float32 value
+                            new = low_alias.get(name) or self._low_variable(graph_id, shared, name)
+                    elif low_alias.get(name) == name and name not in constants:
+                        # Low in place; this reader wants fp32.
+                        new = self._cast(graph_id, shared, name, FLOAT, FLOAT32.suffix)
                     else:
-                        new = self._input_for(graph_id, shared, name, False)
+                        continue  # a float32 reader of a float32 value
                     if new != name:
                         inputs[i] = new
                         edited[node_name] = inputs
@@ -321,20 +360,11 @@ class _Rewriter:
                         require(tensor.name in self.low_alias, "rewrite",
                                 f"group member `{tensor.name}` is produced in low precision")
 
-    def _input_for(self, graph_id: str, shared, name: str, wants_low: bool) -> str:
-        if self.is_constant(name):
-            if wants_low and self.dtype(name) == FLOAT:
-                return self._low_constant(graph_id, shared, name)
-            return name
-        alias = self.low_alias.get(name)
-        if wants_low:
-            if alias is not None:
-                return alias
-            if self.dtype(name) == FLOAT:
-                return self._cast(graph_id, shared, name, self.low_enum, self.low_sfx)
-            return name
-        if alias is not None and alias == name:  # low in place; this reader wants fp32
-            return self._cast(graph_id, shared, name, FLOAT, FLOAT32.suffix)
+    def _low_variable(self, graph_id: str, shared, name: str) -> str:
+        """What a low-precision reader reads for a tensor no low producer writes: a Cast of a
+        float32 one, or the tensor itself (int64 shapes, bool masks...)."""
+        if self.dtype(name) == FLOAT:
+            return self._cast(graph_id, shared, name, self.low_enum, self.low_sfx)
         return name
 
     def _cast(self, graph_id: str, shared, src: str, to_enum: int, sfx: str) -> str:
@@ -349,15 +379,10 @@ class _Rewriter:
         return shared[key]
 
     def _low_constant(self, graph_id: str, shared, name: str) -> str:
-        """Convert an initializer read only in low precision; otherwise give it a low twin.
-        Master weights and initializers the outside world may feed are Cast at use instead."""
+        """A low read of a float32 initializer that stays float32: master weights and initializers
+        the outside world may feed are Cast at use; one also read in float32 gets a low twin."""
         if name in self.master or name in self.fixed:
             return self._cast(graph_id, shared, name, self.low_enum, self.low_sfx)
-        if name not in self.fp32_read:
-            self.edits.converted[name] = (self.low_np, self.low_enum)
-            self.edits.dtypes[name] = self.low_enum
-            self.stats.converted_initializers.append(name)
-            return name
         twin = self.twin_of.get(name)
         if twin is None:
             twin = self.twin_of[name] = self.names(f"{name}_onnxmp_{self.low_sfx}")
