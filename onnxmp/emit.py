@@ -20,19 +20,22 @@ So this module keeps GS's export conventions:
 from __future__ import annotations
 
 import math
-from itertools import chain
+from itertools import chain, compress
+from typing import Iterable
 
 import numpy as np
 import onnx
 from onnx.external_data_helper import uses_external_data
 
 from onnxmp.external import converted_external, tensor_array
-from onnxmp.graphs import GRAPH, TENSOR_KIND, ModelGraph, TensorInfo, iter_proto_graphs
+from onnxmp.graphs import GRAPH, GRAPHS, TENSOR_KIND, ModelGraph, TensorInfo, iter_proto_graphs, may_hold_graphs
 from onnxmp.rewrite import Edits, GraphNodes, NewCast
 
 A = onnx.AttributeProto
 _SIMPLE = (A.INT, A.FLOAT, A.STRING, A.TENSOR)
 _LISTS = (A.INTS, A.FLOATS, A.STRINGS)
+_TENSOR_OR_UNTYPED = frozenset({None, "tensor_type"})
+_CHUNK = 2048  # initializers converted per numpy call at most
 FLOAT = onnx.TensorProto.FLOAT
 
 
@@ -42,7 +45,9 @@ def emit(graph: ModelGraph, edits: Edits, original: onnx.ModelProto) -> onnx.Mod
     emitter = _Emitter(graph, edits)
     emitter.graph(0, model.graph)  # written in place: a copy of the whole graph would double its memory
     edits.emitted_casts = emitter.kept_casts[0]
-    _restore_non_tensor_types(model.graph, _non_tensor_types(original.graph))
+    declared = chain((scope.graph for scope in graph.scopes),
+                     chain.from_iterable(iter_proto_graphs(g) for g in emitter.listed_graphs))
+    _restore_non_tensor_types(model.graph, _non_tensor_types(declared))
     model.opset_import.extend(original.opset_import)
     if original.functions:
         model.functions.extend(_functions_through_gs(original))
@@ -86,6 +91,9 @@ class _Emitter:
         # Nodes GS would write differently from the input: rewired, retargeted or rewritten ones.
         self.rebuilt = {*edits.inputs, *edits.outputs, *edits.retargeted, *edits.raw_constants}
         self.kept_casts: dict[int, set[str]] = {}  # scope -> NewCasts written there or in its kept bodies
+        # Graphs in GRAPHS attributes (custom ops): not scopes, GS does not import them, but what they
+        # declare counts in _non_tensor_types.  Every node holding one is rebuilt or dead, so met here.
+        self.listed_graphs: list[onnx.GraphProto] = []
 
     # -- tensors -----------------------------------------------------------------------------
     def info(self, name: str) -> TensorInfo | None:
@@ -118,12 +126,11 @@ class _Emitter:
         sources = []
         for name in names:
             info = tensors[edits.twins.get(name, name)]
-            source = info.init
             dims = info.shape
-            if info.dtype == FLOAT and source.data_location != onnx.TensorProto.EXTERNAL \
-                    and math.prod(dims) < 1 << 14:
-                raw = source.raw_data
-                if len(raw) == 4 * math.prod(dims):
+            count = math.prod(dims)
+            if info.dtype == FLOAT and count < 1 << 14 and info.init.data_location != onnx.TensorProto.EXTERNAL:
+                raw = info.init.raw_data
+                if len(raw) == 4 * count:
                     sources.append((name, dims, raw))
         if not sources:
             return {}
@@ -152,15 +159,18 @@ class _Emitter:
         return init
 
     def _write_initializers(self, out: onnx.GraphProto, names: list[str]) -> None:
+        """In GS's order; converted in chunks, so that the converted bytes waiting to be written stay few."""
         edits = self.edits
-        ready = self._convert_small([n for n in names if n in edits.converted or n in edits.twins])
         add, append = out.initializer.add, out.initializer.append
-        for name in names:
-            converted = ready.get(name)
-            if converted is None:
-                append(self.initializer(name))
-            else:
-                add(name=name, data_type=edits.low_enum, dims=converted[0], raw_data=converted[1])
+        for start in range(0, len(names), _CHUNK):
+            chunk = names[start:start + _CHUNK]
+            ready = self._convert_small([n for n in chunk if n in edits.converted or n in edits.twins])
+            for name in chunk:
+                converted = ready.get(name)
+                if converted is None:
+                    append(self.initializer(name))
+                else:
+                    add(name=name, data_type=edits.low_enum, dims=converted[0], raw_data=converted[1])
 
     # -- graphs ----------------------------------------------------------------------------
     def graph(self, scope_index: int, out: onnx.GraphProto | None = None) -> tuple[onnx.GraphProto, set[str]]:
@@ -177,7 +187,9 @@ class _Emitter:
                     child = self.scope_of[id(attr.g)]
                     bodies.setdefault(name, {})[attr.name] = self.graph(child)
                     body_scopes.setdefault(name, []).append(child)
-        kept = self._used(nodes, g, bodies)
+        kept, dead = self._used(nodes, g, bodies)
+        for k in dead:
+            self._note_listed_graphs(nodes.items[k])
         kept_inputs = nodes.inputs if kept is None else [nodes.inputs[k] for k in kept]
         kept_outputs = nodes.outputs if kept is None else [nodes.outputs[k] for k in kept]
         init_names = {t.name for t in g.initializer}
@@ -242,38 +254,43 @@ class _Emitter:
             del out.value_info[:]
             written, changed = self._value_infos(names, check_each=True)
             out.value_info.extend(written)
-        copies = out.value_info
-        for position, name, dtype, renamed in changed:
-            vi = copies[position]
-            if renamed:
+        del written
+        new_tensors, dtypes = self.edits.new_tensors, self.edits.dtypes
+        for vi, name in zip(out.value_info, changed):
+            if name is None:
+                continue
+            if name in new_tensors:
                 vi.name = name
-            vi.type.tensor_type.elem_type = dtype
+            vi.type.tensor_type.elem_type = dtypes[name] if name in dtypes else new_tensors[name].dtype
 
-    def _value_infos(self, names: list[str], check_each: bool) -> tuple[list[onnx.ValueInfoProto], list[tuple]]:
-        """The declarations to write, and (position, name, dtype, renamed) for those copied that
-        take a new name or dtype."""
+    def _value_infos(self, names: list[str], check_each: bool) -> tuple[list[onnx.ValueInfoProto], list]:
+        """The declarations to write, and for each the name of a copy that takes a new name or
+        dtype (None for the others)."""
         new_tensors, tensors, dtypes = self.edits.new_tensors, self.tensors, self.edits.dtypes
         written = []
         changed = []
         for name in names:
             info = new_tensors.get(name)
-            renamed = info is not None
-            if not renamed:
+            new = info is not None
+            if not new:
                 info = tensors.get(name)
-                if info is None or (info.decl is None and name not in dtypes):
+                if info is None:
+                    continue
+                new = name in dtypes
+                if info.decl is None and not new:
                     continue
             decl = info.decl
             if decl is not None and not info.merged and (not check_each or _canonical(decl)):
-                if renamed or name in dtypes:
-                    changed.append((len(written), name, dtypes[name] if name in dtypes else info.dtype, renamed))
                 written.append(decl)
+                changed.append(name if new else None)
             elif self.dtype(name) is not None or info.shape is not None:
                 written.append(self.value_info(name))
+                changed.append(None)
         return written, changed
 
-    def _used(self, nodes: GraphNodes, g: onnx.GraphProto, bodies) -> list[int] | None:
+    def _used(self, nodes: GraphNodes, g: onnx.GraphProto, bodies) -> tuple[list[int] | None, list[int]]:
         """GS cleanup: the positions of the nodes something reads on the way to a graph output
-        (None when that is all of them)."""
+        (None when that is all of them), and of the others."""
         producer = {t: k for k, outs in enumerate(nodes.outputs) for t in outs}  # the last writer, as in GS
         inputs, names = nodes.inputs, nodes.names
         used = bytearray(len(inputs))
@@ -294,9 +311,18 @@ class _Emitter:
                         if dep not in seen:
                             seen.add(dep)
                             queue.append(dep)
-        if 0 not in used:
-            return None
-        return [k for k, keep in enumerate(used) if keep]
+        dead = []
+        k = used.find(0)
+        while k >= 0:
+            dead.append(k)
+            k = used.find(0, k + 1)
+        return (list(compress(range(len(used)), used)) if dead else None), dead
+
+    def _note_listed_graphs(self, item) -> None:
+        if type(item) is not NewCast and may_hold_graphs(item):
+            for attr in item.attribute:
+                if attr.type == GRAPHS:
+                    self.listed_graphs.extend(attr.graphs)
 
     # -- nodes -----------------------------------------------------------------------------
     def _nodes(self, nodes: GraphNodes, kept: list[int] | None, bodies, casts: set[str]):
@@ -333,6 +359,7 @@ class _Emitter:
                 node.attribute.append(exported)
             elif not attr.ref_attr_name:
                 skipped.append(attr)
+        self._note_listed_graphs(item)
         for attr in skipped:
             # Kinds GS does not model (TYPE_PROTO, SPARSE_TENSOR, TENSORS, GRAPHS...) were handed
             # back to it as Python values, so they come last, remade by make_attribute.
@@ -519,18 +546,21 @@ def _value_infos(graph: onnx.GraphProto):
         yield from g.value_info
 
 
-def _non_tensor_types(graph: onnx.GraphProto) -> dict[str, onnx.TypeProto]:
-    """Sequence, optional and map types by value name, over all scopes.  A name that two sibling
+def _non_tensor_types(graphs: Iterable[onnx.GraphProto]) -> dict[str, onnx.TypeProto]:
+    """Sequence, optional and map types by value name, over ``graphs``.  A name that two sibling
     scopes use with different types is left out: which one a value had is then unknown."""
     types: dict[str, onnx.TypeProto] = {}
     ambiguous: set[str] = set()
-    for value in _value_infos(graph):
-        which = value.type.WhichOneof("value")
-        if which in (None, "tensor_type"):
-            continue
-        known = types.setdefault(value.name, value.type)
-        if known != value.type:
-            ambiguous.add(value.name)
+    for g in graphs:
+        for values in (g.input, g.output, g.value_info):
+            if {value.type.WhichOneof("value") for value in values} <= _TENSOR_OR_UNTYPED:
+                continue
+            for value in values:
+                if value.type.WhichOneof("value") in _TENSOR_OR_UNTYPED:
+                    continue
+                known = types.setdefault(value.name, value.type)
+                if known != value.type:
+                    ambiguous.add(value.name)
     for name in ambiguous:
         del types[name]
     return types

@@ -103,10 +103,9 @@ class Edits:
 
 
 def _fresh_names(graph: ModelGraph, node_names) -> FreshNames:
-    """Fresh names that collide with no node name nor any tensor name any graph mentions."""
-    taken = set(graph.tensors)
-    taken.update(node_names)
-    return FreshNames(taken)
+    """Fresh names that collide with no node name nor any tensor name any graph mentions
+    (looked up where they are: a set of them all would be the rewrite's biggest object)."""
+    return FreshNames((), graph.tensors, node_names)
 
 
 def rewrite(graph: ModelGraph, state: Coloring, *, precision: str = "float16",
@@ -139,7 +138,7 @@ class _Rewriter:
         low = low_precision(precision)
         self.low_np, self.low_enum, self.low_sfx = low.numpy, low.onnx_type, low.suffix
         self.master = master
-        self._names: FreshNames | None = None  # built on the first fresh name: most graphs need few
+        self.names = _fresh_names(graph, view.graph_of_node)
         self.stats = RewriteStats()
         self.edits = Edits(low_np=self.low_np, low_enum=self.low_enum, raw_constants=set(state.read_constants))
         self.allow = set(state.allow_ids())
@@ -171,11 +170,9 @@ class _Rewriter:
         for scope in graph.scopes:
             self.fixed.update(self._gs_inputs(scope.graph))
             self.fixed.update(t.name for t in scope.graph.output)
-        # Names are unique across scopes, so one alias map serves every graph: a body
-        # reading an outer low tensor reads it directly, without a round trip.
-        self.low_alias: dict[str, str] = {}  # original tensor name -> tensor holding its low value
-        # What a low reader reads as it is: tensors retyped under their own name, converted initializers.
-        self.low_as_is: set[str] = set()
+        # Names are unique across scopes, so these maps serve every graph: a body reading an
+        # outer low tensor reads it (or the renamed one) directly, without a round trip.
+        self.renamed: dict[str, str] = {}  # output the outside world sees -> the low tensor written instead
         self.fp32_read: set[str] = set()  # initializers some node reads in float32
         self.new_nodes: dict[str, list[NewCast]] = {s.gid: [] for s in graph.scopes}
         self.twin_of: dict[str, str] = {}  # initializer -> its low twin
@@ -185,11 +182,6 @@ class _Rewriter:
         inits = {t.name for t in g.initializer}
         return [t.name for t in g.input if t.name not in inits]
 
-    def names(self, base: str) -> str:
-        if self._names is None:
-            self._names = _fresh_names(self.graph, self.view.graph_of_node)
-        return self._names(base)
-
     # -- tensor state --------------------------------------------------------------------------
     def dtype(self, name: str):
         if name in self.edits.dtypes:
@@ -197,6 +189,11 @@ class _Rewriter:
         if name in self.edits.new_tensors:
             return self.edits.new_tensors[name].dtype
         return self.graph.dtype(name)
+
+    def is_low(self, name: str) -> bool:
+        """The tensor now holds a low-precision value (retyped in place), or its producer writes
+        one under a new name."""
+        return name in self.renamed or (name in self.edits.dtypes and name not in self.constants)
 
     def _like(self, src: str, name: str, dtype: int) -> TensorInfo:
         """A new tensor with ``src``'s shape (GS: ``Variable(name, dtype, shape=src.shape)``)."""
@@ -214,30 +211,30 @@ class _Rewriter:
         view = self.view
         pinned, body_members = view.pinned, self.body_members
         in_place: list[str] = []
-        renamed: set[str] = set()  # nodes with an output the outside world sees: renamed below, in order
+        renaming: set[str] = set()  # nodes with an output the outside world sees: renamed below, in order
         for vertex in self.allow_vertices:
             for _, name in vertex.outputs:
                 if name in pinned and name not in body_members:
-                    renamed.add(vertex.node)
+                    renaming.add(vertex.node)
                 else:
                     in_place.append(name)
             if vertex.op_type in ("Cast", "Constant", "ConstantOfShape"):
                 self.edits.retargeted.add(vertex.node)
         self._retype_in_place(in_place)
-        if renamed or self.group_outputs:
-            self._retype_in_order(renamed)
+        if renaming or self.group_outputs:
+            self._retype_in_order(renaming)
         for scope in self.graph.scopes[1:]:
             # Body formal inputs of a low group (Loop carried values) take the low type.
             self._retype_in_place([name for name in self._gs_inputs(scope.graph) if name in self.group_tensors])
 
-    def _retype_in_order(self, renamed: set[str]) -> None:
+    def _retype_in_order(self, renaming: set[str]) -> None:
         """The renamed outputs of ALLOW vertices and the outputs of low control-flow groups, in
         node order: each rename adds a fresh name and a Cast."""
         vertices, node_vertices, allow = self.view.vertices, self.view.node_vertices, self.allow
         pinned, body_members, group_outputs = self.view.pinned, self.body_members, self.group_outputs
         for scope, nodes in zip(self.graph.scopes, self.nodes):
             for k, name in enumerate(nodes.names):
-                if name in renamed:
+                if name in renaming:
                     for key in node_vertices.get(name, ()):
                         vertex = vertices[key]
                         if vertex.id in allow:
@@ -248,7 +245,7 @@ class _Rewriter:
                 if group_outputs and not group_outputs.isdisjoint(outputs) \
                         and nodes.items[k].op_type in _CONTROL_FLOW:
                     for index, out in enumerate(outputs):
-                        if out in group_outputs and out not in self.low_alias:
+                        if out in group_outputs and not self.is_low(out):
                             self._retype_output(scope.gid, nodes, k, index)
 
     def _retype_output(self, graph_id: str, nodes: GraphNodes, k: int, index: int) -> None:
@@ -265,13 +262,11 @@ class _Rewriter:
         restore = NewCast(self.names(f"{name}_onnxmp_cast_fp32"), low, name, FLOAT)
         self.new_nodes[graph_id].append(restore)
         self.stats.casts.append(restore.name)
-        self.low_alias[name] = low
+        self.renamed[name] = low
         self.stats.retyped_tensors += 1
 
     def _retype_in_place(self, names: Sequence[str]) -> None:
         self.edits.dtypes.update(dict.fromkeys(names, self.low_enum))
-        self.low_alias.update(zip(names, names))
-        self.low_as_is.update(names)
         self.stats.retyped_tensors += len(names)
 
     # -- phase 2 (keep_io_types=False) ------------------------------------------------------------
@@ -316,7 +311,6 @@ class _Rewriter:
                      and t not in self.fixed and self.dtype(t) == FLOAT]
         self.edits.converted.update(dict.fromkeys(converted, (self.low_np, self.low_enum)))
         self.edits.dtypes.update(dict.fromkeys(converted, self.low_enum))
-        self.low_as_is.update(converted)
         self.stats.converted_initializers.extend(converted)
 
     # -- phase 4 -------------------------------------------------------------------------------
@@ -324,29 +318,32 @@ class _Rewriter:
         """Low readers of fp32 sources and fp32 readers of low tensors get a Cast, in the reader's
         graph, shared per (tensor, target type); low readers of an initializer that stays float32
         read a Cast of it or its low twin."""
-        low_inputs, low_alias, constants, edited = self.low_inputs, self.low_alias, self.constants, self.edits.inputs
-        low_as_is = self.low_as_is
+        low_inputs, renamed, constants, edited = self.low_inputs, self.renamed, self.constants, self.edits.inputs
+        # Low readers read these as they are: tensors retyped in place and converted initializers.
+        low_as_is = self.edits.dtypes
         for scope, nodes in zip(self.graph.scopes, self.nodes):
             graph_id, g = scope.gid, scope.graph
             shared: dict[tuple[str, int], str] = {}
             for node_name, inputs in zip(nodes.names, nodes.inputs):
                 mask = low_inputs.get(node_name, 0)
                 if mask == 0:
-                    if low_as_is.isdisjoint(inputs):
+                    if low_as_is.keys().isdisjoint(inputs):
                         continue  # float32 reads of float32 values
-                elif mask == (1 << len(inputs)) - 1 and low_as_is.issuperset(inputs):
+                elif mask == (1 << len(inputs)) - 1 and all(map(low_as_is.__contains__, inputs)):
                     continue  # inside a low-precision region
                 for i, name in enumerate(inputs):
                     if not name:
                         continue
                     if mask >> i & 1:
+                        if name in low_as_is:
+                            continue
                         if name in constants:
-                            if name in low_as_is or self.dtype(name) != FLOAT:
+                            if self.dtype(name) != FLOAT:
                                 continue
                             new = self._low_constant(graph_id, shared, name)
                         else:
-                            new = low_alias.get(name) or self._low_variable(graph_id, shared, name)
-                    elif low_alias.get(name) == name and name not in constants:
+                            new = renamed.get(name) or self._low_variable(graph_id, shared, name)
+                    elif name in low_as_is and name not in constants:
                         # Low in place; this reader wants fp32.
                         new = self._cast(graph_id, shared, name, FLOAT, FLOAT32.suffix)
                     else:
@@ -357,7 +354,7 @@ class _Rewriter:
             if graph_id != MAIN:
                 for tensor in g.output:
                     if tensor.name in self.group_tensors:
-                        require(tensor.name in self.low_alias, "rewrite",
+                        require(self.is_low(tensor.name), "rewrite",
                                 f"group member `{tensor.name}` is produced in low precision")
 
     def _low_variable(self, graph_id: str, shared, name: str) -> str:
