@@ -307,8 +307,9 @@ class _Rewriter:
                             low_read[t] = None
                         else:
                             self.fp32_read.add(t)
+        tensors = self.graph.tensors
         converted = [t for t in low_read if t not in self.fp32_read and t not in self.master
-                     and t not in self.fixed and self.dtype(t) == FLOAT]
+                     and t not in self.fixed and tensors[t].dtype == FLOAT]
         self.edits.converted.update(dict.fromkeys(converted, (self.low_np, self.low_enum)))
         self.edits.dtypes.update(dict.fromkeys(converted, self.low_enum))
         self.stats.converted_initializers.extend(converted)
