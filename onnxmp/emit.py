@@ -19,6 +19,7 @@ So this module keeps GS's export conventions:
 """
 from __future__ import annotations
 
+import functools
 import math
 from itertools import chain, compress
 from typing import Iterable
@@ -40,6 +41,7 @@ FLOAT = onnx.TensorProto.FLOAT
 
 
 def emit(graph: ModelGraph, edits: Edits, original: onnx.ModelProto) -> onnx.ModelProto:
+    """The converted model; ``original`` is the model ``graph`` indexes."""
     model = onnx.ModelProto()
     model.ir_version = original.ir_version
     emitter = _Emitter(graph, edits)
@@ -174,8 +176,8 @@ class _Emitter:
 
     # -- graphs ----------------------------------------------------------------------------
     def graph(self, scope_index: int, out: onnx.GraphProto | None = None) -> tuple[onnx.GraphProto, set[str]]:
-        """The exported graph after GS's cleanup (into ``out`` when given), and the outer names its
-        kept nodes read."""
+        """The exported graph after GS's cleanup (into ``out``, empty, when given), and the outer
+        names its kept nodes read."""
         scope = self.model_graph.scopes[scope_index]
         g = scope.graph
         nodes = self.edits.graphs[scope.gid]
@@ -248,11 +250,11 @@ class _Emitter:
         ``out`` holds nothing else yet, so the copies are first taken as they are and checked
         all at once (:func:`_all_canonical`); only when one is not canonical are they
         sorted one by one."""
-        written, changed = self._value_infos(names, check_each=False)
+        written, changed = self._declarations(names, check_each=False)
         out.value_info.extend(written)
         if not _all_canonical(out):
             del out.value_info[:]
-            written, changed = self._value_infos(names, check_each=True)
+            written, changed = self._declarations(names, check_each=True)
             out.value_info.extend(written)
         del written
         new_tensors, dtypes = self.edits.new_tensors, self.edits.dtypes
@@ -263,7 +265,7 @@ class _Emitter:
                 vi.name = name
             vi.type.tensor_type.elem_type = dtypes[name] if name in dtypes else new_tensors[name].dtype
 
-    def _value_infos(self, names: list[str], check_each: bool) -> tuple[list[onnx.ValueInfoProto], list]:
+    def _declarations(self, names: list[str], check_each: bool) -> tuple[list[onnx.ValueInfoProto], list]:
         """The declarations to write, and for each the name of a copy that takes a new name or
         dtype (None for the others)."""
         new_tensors, tensors, dtypes = self.edits.new_tensors, self.tensors, self.edits.dtypes
@@ -437,6 +439,7 @@ def _canonical(vi: onnx.ValueInfoProto) -> bool:
     return True
 
 
+@functools.cache
 def _gs_value_info_schema():
     """A message type holding a graph's value_info as GS writes it: a name and a tensor type
     with an element type and plain dims, all required, nothing else."""
@@ -466,18 +469,13 @@ def _gs_value_info_schema():
     return message_factory.GetMessageClass(pool.FindMessageTypeByName("onnxmp_gs.Graph"))
 
 
-_GS_VALUE_INFO: list = []  # the schema, built on first use
-
-
 def _all_canonical(graph: onnx.GraphProto) -> bool:
     """True when every value_info of ``graph`` passes :func:`_canonical`, checked in C rather
     than field by field: parsed as :func:`_gs_value_info_schema`, a declaration with any
     other field (a doc string, a denotation, another kind of type) loses bytes when unknown
     fields are dropped, and one lacking a name, type or element type is not initialized."""
-    if not _GS_VALUE_INFO:
-        _GS_VALUE_INFO.append(_gs_value_info_schema())
     data = graph.SerializeToString()
-    parsed = _GS_VALUE_INFO[0]()
+    parsed = _gs_value_info_schema()()
     parsed.MergeFromString(data)
     parsed.DiscardUnknownFields()
     return parsed.IsInitialized() and parsed.ByteSize() == len(data)
