@@ -466,7 +466,10 @@ def _gs_value_info_schema():
                 field.type_name = f".onnxmp_gs.{type_name}"
     pool = descriptor_pool.DescriptorPool()
     pool.Add(file)
-    return message_factory.GetMessageClass(pool.FindMessageTypeByName("onnxmp_gs.Graph"))
+    descriptor = pool.FindMessageTypeByName("onnxmp_gs.Graph")
+    if hasattr(message_factory, "GetMessageClass"):
+        return message_factory.GetMessageClass(descriptor)
+    return message_factory.MessageFactory(pool).GetPrototype(descriptor)  # protobuf < 4.22
 
 
 def _all_canonical(graph: onnx.GraphProto) -> bool:
