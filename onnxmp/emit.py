@@ -250,45 +250,46 @@ class _Emitter:
         ``out`` holds nothing else yet, so the copies are first taken as they are and checked
         all at once (:func:`_all_canonical`); only when one is not canonical are they
         sorted one by one."""
-        written, changed = self._declarations(names, check_each=False)
+        written, retyped, renamed = self._declarations(names, check_each=False)
         out.value_info.extend(written)
         if not _all_canonical(out):
             del out.value_info[:]
-            written, changed = self._declarations(names, check_each=True)
+            written, retyped, renamed = self._declarations(names, check_each=True)
             out.value_info.extend(written)
         del written
-        new_tensors, dtypes = self.edits.new_tensors, self.edits.dtypes
-        for vi, name in zip(out.value_info, changed):
-            if name is None:
-                continue
-            if name in new_tensors:
-                vi.name = name
-            vi.type.tensor_type.elem_type = dtypes[name] if name in dtypes else new_tensors[name].dtype
+        copies = out.value_info
+        for vi, dtype in zip(copies, retyped):
+            if dtype is not None:
+                vi.type.tensor_type.elem_type = dtype
+        for position, name in renamed:
+            copies[position].name = name
 
-    def _declarations(self, names: list[str], check_each: bool) -> tuple[list[onnx.ValueInfoProto], list]:
-        """The declarations to write, and for each the name of a copy that takes a new name or
-        dtype (None for the others)."""
+    def _declarations(self, names: list[str], check_each: bool) -> tuple[list, list, list]:
+        """The declarations to write; for each, the dtype its copy takes (None: as it is); and
+        (position, name) of the copies that take a new name."""
         new_tensors, tensors, dtypes = self.edits.new_tensors, self.tensors, self.edits.dtypes
-        written = []
-        changed = []
+        written, retyped, renamed = [], [], []
         for name in names:
             info = new_tensors.get(name)
-            new = info is not None
-            if not new:
+            if info is not None:
+                dtype = dtypes.get(name, info.dtype)
+            else:
                 info = tensors.get(name)
                 if info is None:
                     continue
-                new = name in dtypes
-                if info.decl is None and not new:
+                dtype = dtypes.get(name)
+                if info.decl is None and dtype is None:
                     continue
             decl = info.decl
             if decl is not None and not info.merged and (not check_each or _canonical(decl)):
+                if name in new_tensors:
+                    renamed.append((len(written), name))
                 written.append(decl)
-                changed.append(name if new else None)
+                retyped.append(dtype)
             elif self.dtype(name) is not None or info.shape is not None:
                 written.append(self.value_info(name))
-                changed.append(None)
-        return written, changed
+                retyped.append(None)
+        return written, retyped, renamed
 
     def _used(self, nodes: GraphNodes, g: onnx.GraphProto, bodies) -> tuple[list[int] | None, list[int]]:
         """GS cleanup: the positions of the nodes something reads on the way to a graph output
