@@ -16,6 +16,11 @@ So this module keeps GS's export conventions:
 * inputs, outputs and value_info are rebuilt from (dtype, shape) as
   ``onnx.helper.make_tensor_value_info`` makes them;
 * model functions still go through GS (they are few and small).
+
+What the rewrite leaves alone is not rebuilt: unchanged nodes and initializers are the
+input's own messages and declarations GS would write back unchanged are copies of the
+input's (retyped in the copy), all copied by protobuf in C; only rewired or unclean
+nodes, converted initializers and the inserted Casts are built here.
 """
 from __future__ import annotations
 

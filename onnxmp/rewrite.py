@@ -141,8 +141,9 @@ class _Rewriter:
         self.names = _fresh_names(graph, view.graph_of_node)
         self.stats = RewriteStats()
         self.edits = Edits(low_np=self.low_np, low_enum=self.low_enum, raw_constants=set(state.read_constants))
-        self.allow = set(state.allow_ids())
-        self.allow_vertices = [view.by_id[vid] for vid in self.allow]
+        allow_ids = state.allow_ids()
+        self.allow = set(allow_ids)
+        self.allow_vertices = [view.by_id[vid] for vid in allow_ids]
         self.nodes = [GraphNodes.read(scope.graph) for scope in graph.scopes]
         self.constants = {info.name for info in graph.tensors.values() if info.init is not None}
 
