@@ -139,3 +139,19 @@ def test_converted_initializers_keep_their_order_and_values_across_conversion_ba
         expected = source.astype(np.float16) if source.dtype == np.float32 else source
         assert tensor.data_type == onnx.helper.np_dtype_to_tensor_dtype(expected.dtype)
         np.testing.assert_array_equal(onnx.numpy_helper.to_array(tensor), expected)
+
+
+def test_casts_are_placed_after_their_producers_following_chains():
+    from onnx import helper
+
+    from onnxmp.rewrite import GraphNodes, NewCast, place_after_producers
+    g = helper.make_graph([helper.make_node("Relu", ["x"], ["a"], name="A"),
+                           helper.make_node("Split", ["a"], ["b", "c"], name="B", num_outputs=2),
+                           helper.make_node("Add", ["b", "c"], ["d"], name="C")], "g", [], [])
+    casts = [NewCast("c_on_c", "c", "c16", 10), NewCast("x_in", "x", "x16", 10), NewCast("b_on_b", "b", "b16", 10),
+             NewCast("again", "c16", "c32", 1), NewCast("d_out", "d", "d16", 10)]
+    placed = place_after_producers(GraphNodes.read(g), casts)
+    # Graph inputs first; then each node's followers by output, each Cast followed by those reading it.
+    assert placed.names == ["x_in", "A", "B", "b_on_b", "c_on_c", "again", "C", "d_out"]
+    assert placed.inputs[placed.names.index("again")] == ["c16"]
+    assert place_after_producers(GraphNodes.read(g), []).names == ["A", "B", "C"]
