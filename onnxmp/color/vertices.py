@@ -282,8 +282,22 @@ class Vertex:
     opset = property(lambda self: self._group.op.opset)
     param = property(lambda self: self._group.param)
     graph = property(lambda self: self.view.scope_gids[self.view.node_scope[self._k]])
-    inputs = property(lambda self: self.view.inputs(self.id))     # (input index, tensor name)
-    outputs = property(lambda self: self.view.outputs(self.id))   # (output index, tensor name)
+    @property
+    def inputs(self) -> list[tuple[int, str]]:
+        """(input index, tensor name)."""
+        if self.id in self.view.float_io:
+            return self.view.inputs(self.id)
+        names = self.view.node_ins[self._k]
+        return [(i, names[i]) for i in self._group.in_idx]
+
+    @property
+    def outputs(self) -> list[tuple[int, str]]:
+        """(output index, tensor name)."""
+        if self.id in self.view.float_io:
+            return self.view.outputs(self.id)
+        names = self.view.node_outs[self._k]
+        return [(i, names[i]) for i in self._group.out_idx]
+
     list = property(lambda self: self._group.op.list)
     float32 = _fact("float32")
     type_known = _fact("type_known")
@@ -309,10 +323,11 @@ class _ById(Sequence):
     def __getitem__(self, vid):
         if isinstance(vid, slice):
             return [Vertex(self._view, i) for i in range(len(self))[vid]]
-        n = len(self._view.lst)
-        if not -n <= vid < n:
-            raise IndexError(vid)
-        return Vertex(self._view, vid if vid >= 0 else vid + n)
+        if vid < 0:
+            vid += len(self._view.lst)
+            if vid < 0:
+                raise IndexError(vid)
+        return Vertex(self._view, vid)  # the view's arrays raise IndexError past the end
 
     def __iter__(self) -> Iterator[Vertex]:
         view = self._view
