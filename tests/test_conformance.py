@@ -5,6 +5,8 @@ does not fire.
 """
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import onnx
 import pytest
@@ -200,14 +202,38 @@ def _bn_model(opset: int, var_value: float = 1.0) -> onnx.ModelProto:
     return model
 
 
-def test_batchnorm_opset15_runs_x_in_fp16_with_fp32_statistics():
+def test_batchnorm_opset15_on_cuda_is_one_vertex_because_the_kernel_ties_its_types():
+    # ORT's CUDA kernel binds T1 and T2 to T: a float16 X with float32 statistics has no CUDA
+    # kernel and would run on the CPU with copies around it.
     result = convert(_bn_model(15))
-    report = result.report
-    assert next(v for v in report.vertices if v.vertex == "bn:T").color == ALLOW
-    assert next(v for v in report.vertices if v.vertex == "bn:T2").color == FP32
+    assert [(v.param, v.color) for v in result.report.vertices if v.node == "bn"] == [("T", ALLOW)]
     inits = {t.name: t.data_type for t in result.model.graph.initializer}
-    assert inits["mean"] == FLOAT and inits["var"] == FLOAT and inits["scale"] == FLOAT
-    assert inits["w1"] == FLOAT16
+    assert all(inits[n] == FLOAT16 for n in ("scale", "bias", "mean", "var", "w1"))
+    bn = node_by_name(result.model, "bn")
+    assert tensor_types(result.model)[bn.input[0]] == FLOAT16
+
+
+def test_batchnorm_opset15_without_kernel_ties_keeps_statistics_fp32():
+    """The same model, colored against a kernel table that records no ties (a provider whose
+    kernel takes the mixed node): the schema's three parameters stay three vertices."""
+    from onnxmp.color import ColorOptions, color
+    from onnxmp.kernels import KernelTable
+    from onnxmp.lists import resolve_lists
+    from onnxmp.normalize import normalize
+
+    table = KernelTable.from_file(Path(onnxmp.__file__).parent / "data" / "ort_kernels.json")
+    assert table.tied_params("cuda", "", "BatchNormalization", 15) == ()
+    options = ColorOptions(lists=resolve_lists(), kernels=table)
+    coloring = color(normalize(_bn_model(15)).graph, options).coloring
+    assert coloring.is_allow("bn:T") and not coloring.is_allow("bn:T1") and not coloring.is_allow("bn:T2")
+
+
+def test_batchnorm_statistics_out_of_float16_range_keep_the_tied_node_fp32():
+    # A running variance above 65504 cannot go float16; with the types tied, X stays float32 too.
+    result = convert(_bn_model(15, var_value=1e6))
+    assert [(v.param, v.color) for v in result.report.vertices if v.node == "bn"] == [("T", DENY)]
+    inits = {t.name: t.data_type for t in result.model.graph.initializer}
+    assert inits["var"] == FLOAT and inits["scale"] == FLOAT and inits["w1"] == FLOAT16
 
 
 def test_batchnorm_opset13_decides_as_one_vertex():
@@ -295,3 +321,25 @@ def test_infer_op_after_allow_but_not_between_stays_fp32(op):
         y = {op}(a)
     }}""")
     assert convert(model).report.node_colors()["y"] == FP32
+
+
+@pytest.mark.parametrize("mask", ["float", "bool"])
+def test_attention_tied_types_take_a_float_mask_along_and_leave_a_bool_mask(mask):
+    # ORT's CUDA Attention-23 binds Q/K (T1), V (T2) and a float mask (U) to one type; a bool
+    # mask is no float tensor and keeps its type.
+    model = onnx.parser.parse_model(f"""
+    <ir_version: 10, opset_import: ["" : 23]>
+    g (float[1,2,4,8] x, float[8,8] w, {mask}[4,4] m) => (float[1,2,4,8] y) {{
+        q = MatMul(x, w)
+        k = MatMul(x, w)
+        a = Attention(q, k, x, m)
+        y = MatMul(a, w)
+    }}""")
+    for i, node in enumerate(model.graph.node):
+        node.name = "att" if node.op_type == "Attention" else f"n{i}"
+    result = convert(model, lists={"allow_add": ["Attention"]})
+    assert [(v.param, v.color) for v in result.report.vertices if v.node == "att"] == [("T1", ALLOW)]
+    att = node_by_name(result.model, "att")
+    types = tensor_types(result.model)
+    expected_mask = FLOAT16 if mask == "float" else onnx.TensorProto.BOOL
+    assert [types[t] for t in att.input] == [FLOAT16, FLOAT16, FLOAT16, expected_mask]
