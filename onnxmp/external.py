@@ -25,7 +25,7 @@ import onnx
 from onnx.external_data_helper import uses_external_data
 
 from onnxmp.errors import OnnxMPError
-from onnxmp.graphs import may_hold_graphs, proto_subgraphs
+from onnxmp.graphs import holders, may_hold_graphs, proto_subgraphs
 
 CHUNK = 64 << 20  # bytes copied per read when streaming external data
 SKELETON_DATA = "onnxmp-skeleton.bin"
@@ -51,25 +51,34 @@ def _subgraphs(attr: onnx.AttributeProto) -> list[onnx.GraphProto]:
 
 def _initializers(graph: onnx.GraphProto) -> Iterator[onnx.TensorProto]:
     yield from graph.initializer
-    for node in graph.node:
+    for node in holders(graph):
         for sub in proto_subgraphs(node):
             yield from _initializers(sub)
 
 
-def _attribute_tensors(graph) -> Iterator[onnx.TensorProto]:
-    for node in graph.node:
-        for attr in node.attribute:
-            if attr.type in _PLAIN:
-                continue  # the common case; such attributes hold no tensor nor graph
-            if attr.HasField("t"):
-                yield attr.t
-            yield from attr.tensors
-            for sub in _subgraphs(attr):
-                yield from _attribute_tensors(sub)
+def _attribute_tensors(graph, with_initializers: bool = False) -> Iterator[onnx.TensorProto]:
+    """Tensor-valued attributes of ``graph``'s nodes and of their bodies (with the bodies'
+    initializers too, when asked)."""
+    # One comprehension finds the few attributes that can hold a tensor or a graph.
+    for attr in [a for node in graph.node for a in node.attribute[:] if a.type not in _PLAIN]:
+        if attr.HasField("t"):
+            yield attr.t
+        yield from attr.tensors
+        for sub in _subgraphs(attr):
+            if with_initializers:
+                yield from sub.initializer
+            yield from _attribute_tensors(sub, with_initializers)
 
 
 def has_external_data(model: onnx.ModelProto) -> bool:
-    return any(t.data_location == onnx.TensorProto.EXTERNAL for t in all_tensors(model))
+    """Whether any tensor's data is external: ``all_tensors`` in one walk over the nodes
+    (the order does not matter here)."""
+    external = onnx.TensorProto.EXTERNAL
+    if any(t.data_location == external for t in model.graph.initializer):
+        return True
+    if any(t.data_location == external for t in _attribute_tensors(model.graph, with_initializers=True)):
+        return True
+    return any(t.data_location == external for f in model.functions for t in _attribute_tensors(f))
 
 
 def locations(model: onnx.ModelProto) -> set[str]:

@@ -7,14 +7,13 @@ unique across the main graph and all subgraphs.  The result is the model itself
 from __future__ import annotations
 
 import logging
-from collections import Counter
 from dataclasses import dataclass
 
 import onnx
 
 from onnxmp.errors import OnnxMPError, first_line
 from onnxmp.external import SKELETON_TENSOR_BYTES, skeleton
-from onnxmp.graphs import ModelGraph, iter_proto_graphs, iter_graphs, may_hold_graphs
+from onnxmp.graphs import ModelGraph, holders, iter_graphs, iter_proto_graphs, may_hold_graphs
 from onnxmp.passes import PassResult, require
 
 log = logging.getLogger("onnxmp.normalize")
@@ -67,6 +66,8 @@ def _copy_value_info(src: onnx.GraphProto, dst: onnx.GraphProto, main: bool = Tr
         for a, b in zip(getattr(src, field), getattr(dst, field)):
             if not main or _refines(a.type, b.type):
                 b.type.CopyFrom(a.type)
+    if not holders(dst):
+        return
     for n_src, n_dst in zip(src.node, dst.node):
         if not may_hold_graphs(n_dst):
             continue
@@ -96,11 +97,15 @@ def normalize(model: onnx.ModelProto) -> Normalized:
     """
     inferred, error = infer_types(model)
     renamed = make_node_names_unique(inferred.graph)
-    sorted_changed = toposort_all(inferred)
-    if sorted_changed:
-        _check_unique_names(inferred.graph)  # make_node_names_unique checked the unsorted graphs
-    return Normalized(ModelGraph(inferred), PassResult(bool(renamed) or sorted_changed,
-                                                       {"renamed_nodes": renamed, "resorted": sorted_changed}),
+    graph = ModelGraph(inferred)
+    sorted_changed = False
+    if not graph.in_order:  # the index's check is strict; is_sorted decides, and sorting is rare
+        sorted_changed = toposort_all(inferred)
+        if sorted_changed:
+            _check_unique_names(inferred.graph)  # make_node_names_unique checked the unsorted graphs
+            graph = ModelGraph(inferred)  # the sorted graphs hold new node protos
+    return Normalized(graph, PassResult(bool(renamed) or sorted_changed,
+                                        {"renamed_nodes": renamed, "resorted": sorted_changed}),
                       error)
 
 
@@ -111,7 +116,9 @@ def make_node_names_unique(graph: onnx.GraphProto) -> int:
     Returns how many nodes were renamed.
     """
     all_nodes = [n for _, g, _ in iter_graphs(graph) for n in g.node]
-    taken = Counter(n.name for n in all_nodes if n.name)
+    taken = {n.name for n in all_nodes}
+    if len(taken) == len(all_nodes) and "" not in taken:
+        return 0  # the common case: every node named, once
     seen: set[str] = set()
     renamed = 0
     counter = 0

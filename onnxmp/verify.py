@@ -13,7 +13,7 @@ import onnx
 
 from onnxmp.errors import OnnxMPError, first_line
 from onnxmp.external import check_skeleton, has_external_data, skeleton
-from onnxmp.graphs import iter_proto_graphs, may_hold_graphs
+from onnxmp.graphs import holders, iter_proto_graphs, may_hold_graphs
 from onnxmp.normalize import make_node_names_unique, toposort_all
 
 SKELETON_ABOVE = 1 << 30  # bytes; well under protobuf's 2 GB serialization limit
@@ -80,12 +80,15 @@ def reject_invalid_input(original: onnx.ModelProto | None) -> None:
 
 def full_check(model: onnx.ModelProto) -> None:
     """onnx.checker with strict type inference; raises what the checker raises."""
-    if has_external_data(model) or model.ByteSize() > SKELETON_ABOVE:
-        # Neither the proto nor the weights fit protobuf's 2 GB: check a weightless skeleton by path.
-        with tempfile.TemporaryDirectory(prefix="onnxmp-verify-") as folder:
-            onnx.checker.check_model(str(check_skeleton(model, folder)), full_check=True)
-    else:
-        onnx.checker.check_model(model, full_check=True)
+    if not has_external_data(model):
+        data = model.SerializeToString()  # what check_model would do; serialized once, not also sized
+        if len(data) <= SKELETON_ABOVE:
+            onnx.checker.check_model(data, full_check=True)
+            return
+        del data
+    # Neither the proto nor the weights fit protobuf's 2 GB: check a weightless skeleton by path.
+    with tempfile.TemporaryDirectory(prefix="onnxmp-verify-") as folder:
+        onnx.checker.check_model(str(check_skeleton(model, folder)), full_check=True)
 
 
 def with_function_defaults(model: onnx.ModelProto) -> onnx.ModelProto | None:
@@ -125,15 +128,17 @@ def with_function_defaults(model: onnx.ModelProto) -> onnx.ModelProto | None:
 
 def check_topological(graph: onnx.GraphProto, where: str, outer: frozenset[str] = frozenset()) -> None:
     """Every node reads only tensors defined before it (inputs, initializers, outer scope)."""
-    known = set(outer) | {i.name for i in graph.input} | {i.name for i in graph.initializer} | {""}
-    known |= {i.name for i in graph.sparse_initializer}
+    known = set(outer).union([i.name for i in graph.input], [i.name for i in graph.initializer], [""],
+                             [i.values.name for i in graph.sparse_initializer])
+    has_bodies = bool(holders(graph))
     for node in graph.node:
-        if not known.issuperset(node.input):
-            name = next(n for n in node.input if n not in known)
+        inputs = node.input[:]
+        if not known.issuperset(inputs):
+            name = next(n for n in inputs if n not in known)
             raise OnnxMPError(
                 f"graph {where!r} is not topologically sorted: node `{node.name}` reads `{name}` "
                 "before it is produced", hint=_HINT)
-        if may_hold_graphs(node):
+        if has_bodies and may_hold_graphs(node):
             for attr in node.attribute:
                 subgraphs = [attr.g] if attr.type == onnx.AttributeProto.GRAPH else list(attr.graphs)
                 for sub in subgraphs:
