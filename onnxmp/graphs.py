@@ -83,7 +83,8 @@ class TensorInfo:
     """What GS's importer would know about one tensor (first declaration wins, as in GS).
 
     ``shape`` is ints, dim_param strings and None for unknown dims (None when unknown);
-    it is read from the declaration only when asked for: most tensors never need it.
+    it is read from the declaration (or the initializer's dims) only when asked for: most
+    tensors never need it.
     """
 
     __slots__ = ("name", "init", "dtype", "kind", "decl", "merged", "_shape")
@@ -101,7 +102,7 @@ class TensorInfo:
     @property
     def shape(self):
         if self._shape is _UNPARSED:
-            self._shape = _shape_of(self.decl)
+            self._shape = _shape_of(self.decl) if self.decl is not None else list(self.init.dims)
         return self._shape
 
     @shape.setter
@@ -145,7 +146,7 @@ class ModelGraph:
         for init in g.initializer:
             name = init.name
             if name not in tensors:
-                tensors[name] = TensorInfo(name, init, init.data_type, list(init.dims))
+                tensors[name] = TensorInfo(name, init, init.data_type, _UNPARSED)
                 local.add(name)
         for sparse in g.sparse_initializer:
             name = sparse.values.name

@@ -6,6 +6,7 @@ topological-order check of every graph; any failure is an :class:`OnnxMPError`.
 from __future__ import annotations
 
 import logging
+import os
 import tempfile
 from typing import Callable
 
@@ -79,16 +80,33 @@ def reject_invalid_input(original: onnx.ModelProto | None) -> None:
 
 
 def full_check(model: onnx.ModelProto) -> None:
-    """onnx.checker with strict type inference; raises what the checker raises."""
-    if not has_external_data(model):
-        data = model.SerializeToString()  # what check_model would do; serialized once, not also sized
-        if len(data) <= SKELETON_ABOVE:
-            onnx.checker.check_model(data, full_check=True)
-            return
+    """onnx.checker with strict type inference; raises what the checker raises.
+
+    The checker reads the model from a file: handed bytes, onnx copies its parsed model once
+    more for type inference, which nearly doubles verification's peak memory.
+    """
+    data = None if has_external_data(model) else _serialized(model)
+    if data is None or len(data) > SKELETON_ABOVE:
         del data
-    # Neither the proto nor the weights fit protobuf's 2 GB: check a weightless skeleton by path.
-    with tempfile.TemporaryDirectory(prefix="onnxmp-verify-") as folder:
-        onnx.checker.check_model(str(check_skeleton(model, folder)), full_check=True)
+        # Neither the proto nor the weights fit protobuf's 2 GB: check a weightless skeleton.
+        with tempfile.TemporaryDirectory(prefix="onnxmp-verify-") as folder:
+            onnx.checker.check_model(str(check_skeleton(model, folder)), full_check=True)
+        return
+    fd, path = tempfile.mkstemp(prefix="onnxmp-verify-", suffix=".onnx")  # a file only: cheaper than a folder
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+        del data
+        onnx.checker.check_model(path, full_check=True)
+    finally:
+        os.unlink(path)
+
+
+def _serialized(model: onnx.ModelProto) -> bytes | None:
+    try:
+        return model.SerializeToString()
+    except Exception:  # noqa: BLE001 (over 2 GB; the error type depends on the protobuf build)
+        return None
 
 
 def with_function_defaults(model: onnx.ModelProto) -> onnx.ModelProto | None:
