@@ -184,22 +184,25 @@ class ModelGraph:
         known = set(outer).union(dense, [""], [vi.name for vi in g.input])  # defined so far (in_order)
         for node in g.node:
             inputs, outputs = node.input[:], node.output[:]  # plain lists: each read of a field makes new strs
-            if self.in_order and not known.issuperset(inputs):
-                self.in_order = False
+            # Everything in `known` is indexed already: in order, the inputs need no look-up.
+            defined = self.in_order and known.issuperset(inputs)
+            self.in_order = defined
             if has_bodies and may_hold_graphs(node):
                 for attr in node.attribute:
                     if attr.type == GRAPH:
                         self._import(attr.g, f"{node.name}/{attr.name}", node, index, frozenset(known))
+            if not defined:
+                for name in inputs:
+                    if name not in tensors and name:
+                        tensors[name] = TensorInfo(name)
+                        local.add(name)
+            if not local.issuperset(outputs):  # usually every output is declared (inferred value_info)
+                for name in outputs:
+                    if name not in local and name:
+                        tensors[name] = TensorInfo(name)
+                        local.add(name)
             if self.in_order:
                 known.update(outputs)
-            for name in inputs:
-                if name not in tensors and name:
-                    tensors[name] = TensorInfo(name)
-                    local.add(name)
-            for name in outputs:
-                if name not in local and name:
-                    tensors[name] = TensorInfo(name)
-                    local.add(name)
 
     # -- queries ---------------------------------------------------------------------------------
     def opset_of(self, domain: str) -> int:

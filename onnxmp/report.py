@@ -249,13 +249,13 @@ def tensor_core_findings(graph: ModelGraph, state: Coloring) -> list[tuple[str, 
     by_id = state.view.by_id
     allow_nodes = {by_id[i].node for i in state.allow_ids()}
     found = []
-    for scope in graph.scopes:
-        for node in scope.graph.node:
-            if node.op_type not in TENSOR_CORE_OPS or node.name not in allow_nodes:
-                continue
-            for label, dim in _dims(graph, node):
-                if isinstance(dim, (int, np.integer)) and dim > 0 and not tensor_core_friendly(int(dim)):
-                    found.append((node.name, node.op_type, label, dim))
+    if not allow_nodes:
+        return found
+    for node in [n for scope in graph.scopes for n in scope.graph.node
+                 if n.op_type in TENSOR_CORE_OPS and n.name in allow_nodes]:
+        for label, dim in _dims(graph, node):
+            if isinstance(dim, (int, np.integer)) and dim > 0 and not tensor_core_friendly(int(dim)):
+                found.append((node.name, node.op_type, label, dim))
     return found
 
 
@@ -267,15 +267,17 @@ def advice_records(findings: list[tuple[str, str, str, int]]) -> list[Advice]:
 
 
 def _dims(graph: ModelGraph, node: onnx.NodeProto) -> list[tuple[str, Any]]:
+    inputs = node.input[:]
+
     def shape(i: int):
-        name = node.input[i]
-        info = graph.tensors.get(name) if name else None
+        info = graph.tensors.get(inputs[i]) if inputs[i] else None
         return None if info is None else info.shape  # read only
 
     def attr(name: str, default: int) -> int:
         return next((a.i for a in node.attribute if a.name == name), default)
 
-    if node.op_type == "MatMul" and len(node.input) >= 2:
+    op_type = node.op_type
+    if op_type == "MatMul" and len(inputs) >= 2:
         a, b = shape(0), shape(1)
         out = []
         if a and len(a) >= 1:
@@ -283,7 +285,7 @@ def _dims(graph: ModelGraph, node: onnx.NodeProto) -> list[tuple[str, Any]]:
         if b and len(b) >= 2:
             out.append(("N", b[-1]))
         return out
-    if node.op_type == "Gemm" and len(node.input) >= 2:
+    if op_type == "Gemm" and len(inputs) >= 2:
         a, b = shape(0), shape(1)
         ta, tb = attr("transA", 0), attr("transB", 0)
         out = []
@@ -292,12 +294,12 @@ def _dims(graph: ModelGraph, node: onnx.NodeProto) -> list[tuple[str, Any]]:
         if b and len(b) == 2:
             out.append(("N", b[0] if tb else b[1]))
         return out
-    if node.op_type in ("Conv", "ConvTranspose") and len(node.input) >= 2:
+    if op_type in ("Conv", "ConvTranspose") and len(inputs) >= 2:
         w = shape(1)
         if not w or len(w) < 2:
             return []
         group = int(attr("group", 1))
-        if node.op_type == "Conv":
+        if op_type == "Conv":
             return [("input channels", w[1] * group), ("output channels", w[0])]
         return [("input channels", w[0]), ("output channels", w[1] * group)]
     return []
