@@ -62,6 +62,7 @@ class _StageBar:
     def close(self) -> None:
         if self.bar is not None:
             self.bar.close()
+            self.bar = None  # a later small model must not update (nor keep alive) this one
 
 
 _BAR = _StageBar()
