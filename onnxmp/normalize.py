@@ -47,8 +47,7 @@ def _weightless(model: onnx.ModelProto) -> onnx.ModelProto:
     """The skeleton only when some initializer is big (or external): otherwise it would be a copy."""
     for g in iter_proto_graphs(model.graph):
         for t in g.initializer:
-            if t.data_location == onnx.TensorProto.EXTERNAL or (
-                    t.ByteSize() > SKELETON_TENSOR_BYTES and len(t.raw_data) > SKELETON_TENSOR_BYTES):
+            if t.data_location == onnx.TensorProto.EXTERNAL or len(t.raw_data) > SKELETON_TENSOR_BYTES:
                 return skeleton(model)
     return model
 
