@@ -10,8 +10,12 @@
    onnxmp fp16 and onnxconverter-common (occ) fp16; inputs and outputs stay
    on the GPU (I/O binding), so the times are the model's, not PCIe copies.
    Their fp16 parity at batch 2 is reported too, for information.
+3. placement: one profiled run of each of those models; a converted model
+   fails when ops of some type run on the CPU EP more often than in the
+   float32 model (a node whose mixed types no CUDA kernel takes falls back
+   to the CPU, with copies around it: fast-looking parity, 100x latency).
 
-Prints one summary table; exits 1 if a models/ parity check fails, 2 if a step
+Prints one summary table; exits 1 if a models/ parity or a placement check fails, 2 if a step
 crashed (no usable CUDA EP, a model that cannot be built or run).  ``--dry-run``
 does the same on the CPU EP with emulated fp16 and tiny versions of the two big
 models: latencies are then meaningless, it only proves every step runs.
@@ -202,6 +206,39 @@ def latency_ms(model: onnx.ModelProto, feeds: dict[str, np.ndarray], provider: s
     return 1000 * statistics.median(times)
 
 
+def cpu_placed(model: onnx.ModelProto, feeds: dict[str, np.ndarray], provider: str) -> dict[str, int]:
+    """Op type -> nodes ORT ran on the CPU EP in one profiled run (an EP's own copies left out)."""
+    import tempfile
+
+    import onnxruntime as ort
+
+    with tempfile.TemporaryDirectory(prefix="onnxmp-gpu-check-") as folder:
+        options = ort.SessionOptions()
+        options.log_severity_level = 3
+        options.enable_profiling = True
+        options.profile_file_prefix = str(Path(folder) / "profile")
+        providers = [PROVIDERS[provider]] + ([PROVIDERS["cpu"]] if provider == "cuda" else [])
+        sess = ort.InferenceSession(model.SerializeToString(), options, providers=providers)
+        sess.run(None, feeds)
+        events = json.loads(Path(sess.end_profiling()).read_text())
+    nodes: dict[str, str] = {}
+    for event in events:
+        args = event.get("args", {})
+        if event.get("cat") == "Node" and args.get("provider") == PROVIDERS["cpu"] and args.get("op_name"):
+            nodes[event["name"].rsplit("_kernel_time", 1)[0]] = args["op_name"]
+    counts: dict[str, int] = {}
+    for op in nodes.values():
+        if not op.startswith("Memcpy"):
+            counts[op] = counts.get(op, 0) + 1
+    return counts
+
+
+def moved_to_cpu(reference: dict[str, int], converted: dict[str, int]) -> dict[str, int]:
+    """Op types the converted model runs on the CPU more often than the float32 model does.
+    Casts count too: the ones onnxmp adds must run where their neighbours run."""
+    return {op: n - reference.get(op, 0) for op, n in sorted(converted.items()) if n > reference.get(op, 0)}
+
+
 def convert_occ(model: onnx.ModelProto) -> onnx.ModelProto:
     from onnxconverter_common import float16
 
@@ -256,6 +293,10 @@ def check_latency(provider: str, tiny: bool, warmup: int, iters: int) -> list[di
             row["ours_over_occ"] = row["ours_ms"] / row["occ_ms"]
             for tool, fp16 in candidates.items():
                 row[f"parity_{tool}"] = parity_cell(validate(model, fp16, inputs=small, provider=provider))
+            if provider == "cuda":  # on the CPU EP everything runs on the CPU: nothing to compare
+                reference = cpu_placed(model, small, provider)
+                for tool, fp16 in candidates.items():
+                    row[f"moved_to_cpu_{tool}"] = moved_to_cpu(reference, cpu_placed(fp16, small, provider))
         except Exception as exc:
             row.setdefault("model", build.__name__)
             row["error"] = error_text(exc)
@@ -294,8 +335,14 @@ def print_summary(result: dict) -> None:
                      f"occ {r['occ_ms']:.2f} ms ({r['speedup_occ']:.2f}x) | onnxmp/occ {r['ours_over_occ']:.2f}"))
         for tool in ("ours", "occ"):
             p = r[f"parity_{tool}"]
-            rows.append((f"parity b{PARITY_BATCH}", f"{r['model'].split()[0]} ({'onnxmp' if tool == 'ours' else tool})",
-                         "ok" if p["passed"] else "fail (info)", _parity_text(p)))
+            label = f"{r['model'].split()[0]} ({'onnxmp' if tool == 'ours' else tool})"
+            rows.append((f"parity b{PARITY_BATCH}", label, "ok" if p["passed"] else "fail (info)", _parity_text(p)))
+            moved = r.get(f"moved_to_cpu_{tool}")
+            if moved is not None:
+                failing = tool == "ours"  # occ's placement is information
+                rows.append(("placement", label, "ok" if not moved else ("FAIL" if failing else "info"),
+                             "no op moved to the CPU EP" if not moved else
+                             "on the CPU EP (more than fp32): " + ", ".join(f"{op} x{n}" for op, n in moved.items())))
     for step, error in result.get("errors", {}).items():
         rows.append((step, "-", "ERROR", error))
     widths = [max(len(row[i]) for row in rows) for i in range(3)]
@@ -331,6 +378,7 @@ def main(argv: list[str] | None = None) -> int:
             result["latency"] = check_latency(provider, args.dry_run, warmup, iters)
     crashed = bool(result["errors"]) or any("error" in r for r in result["latency"])
     parity_ok = bool(result["parity"]) and all(p["passed"] for p in result["parity"])
+    parity_ok = parity_ok and not any(r.get("moved_to_cpu_ours") for r in result["latency"])
     result["passed"] = parity_ok and not crashed
     result["seconds"] = time.perf_counter() - start
     print_summary(result)

@@ -2,7 +2,7 @@
 # GPU check for a machine with one NVIDIA GPU (and pip's registry as its only
 # network); about 8 minutes, most of it downloading the CUDA wheels.
 #
-#   bash scripts/gpu_check.sh [--dry-run] [gpu_check.py options, e.g. --json FILE]
+#   bash scripts/gpu_check.sh [--dry-run | --wheels DIR] [gpu_check.py options, e.g. --json FILE]
 #
 # 1. Creates .venv-gpu (apart from the training venv: onnxruntime-gpu and the
 #    training builds both install the module `onnxruntime`) with
@@ -12,6 +12,14 @@
 #    EP, and fp32 vs fp16 latency of a BERT-base-sized encoder and a
 #    ResNet-50-sized CNN (onnxmp and onnxconverter-common).
 # 3. Training hook (see the marked section below).
+#
+# --wheels DIR is for a GPU machine without a package registry: no venv, no
+# download.  The interpreter (PYTHON, else python3) must already have numpy,
+# onnx, tqdm and the CUDA runtime wheels its onnxruntime-gpu build loads (a
+# PyTorch image has them); DIR holds the wheels it lacks (onnxruntime-gpu,
+# onnx-graphsurgeon, onnxconverter-common), installed with --no-index into
+# DIR/site and put first on PYTHONPATH.  Step 3 is skipped (the training build
+# needs its own CUDA 11.8 venv).
 #
 # Exits non-zero if parity fails or a step breaks.  --dry-run creates no venv:
 # it runs step 2 with the current environment on the CPU EP with emulated fp16
@@ -24,13 +32,23 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 
 DRY_RUN=0
+WHEELS=""
 ARGS=()
-for arg in "$@"; do
-    case "$arg" in
+while [ $# -gt 0 ]; do
+    case "$1" in
         --dry-run) DRY_RUN=1 ;;
-        *) ARGS+=("$arg") ;;
+        --wheels)
+            if [ $# -lt 2 ] || [ ! -d "$2" ]; then
+                echo "gpu_check.sh: error: --wheels needs a folder of .whl files" >&2; exit 2
+            fi
+            WHEELS=$2; shift ;;
+        *) ARGS+=("$1") ;;
     esac
+    shift
 done
+if [ "$DRY_RUN" = 1 ] && [ -n "$WHEELS" ]; then
+    echo "gpu_check.sh: error: --dry-run and --wheels exclude each other" >&2; exit 2
+fi
 
 VENV=${VENV:-.venv-gpu}
 TRAIN_VENV=${TRAIN_VENV:-.venv-gpu-train}
@@ -66,13 +84,14 @@ pick_python() {
 }
 
 # onnxruntime < 1.21 has no preload_dlls(): it finds the nvidia-* wheels' libs
-# only through the loader path.
+# only through the loader path.  CUDA 12 wheels keep them in nvidia/<lib>/lib,
+# CUDA 13 ones in nvidia/cu13/lib: take every folder holding a shared library.
 export_cuda_libs() {  # export_cuda_libs PYTHON
-    local site
-    site=$("$1" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
-    for dir in "$site"/nvidia/*/lib; do
-        [ -d "$dir" ] && LD_LIBRARY_PATH="$dir${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
-    done
+    local roots dir
+    roots=$("$1" -c 'import nvidia; print("\n".join(nvidia.__path__))' 2>/dev/null) || return 0
+    while IFS= read -r dir; do
+        [ -n "$dir" ] && LD_LIBRARY_PATH="$dir${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+    done < <(find $roots -name 'lib*.so*' -printf '%h\n' 2>/dev/null | sort -u)
     export LD_LIBRARY_PATH
 }
 
@@ -98,6 +117,23 @@ if [ "$DRY_RUN" = 1 ]; then
     else PY=python3; fi
     echo "[dry-run] would create $VENV and install: $ORT_SPEC ${CUDA_WHEELS[*]} onnxconverter-common, -e ."
     record "venv $VENV" "dry-run (using $PY)"
+elif [ -n "$WHEELS" ]; then
+    echo "== GPU"
+    if nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader; then
+        record "nvidia-smi" ok
+    else
+        record "nvidia-smi" "FAILED (no NVIDIA driver?)"
+    fi
+    PY=${PYTHON:-python3}
+    echo "== wheels from $WHEELS (no index)"
+    if "$PY" -m pip install --disable-pip-version-check -q --no-index --no-deps --no-compile --upgrade \
+            --target "$WHEELS/site" "$WHEELS"/*.whl; then
+        record "wheels $WHEELS" ok
+    else
+        record "wheels $WHEELS" FAILED
+    fi
+    export PYTHONPATH="$WHEELS/site${PYTHONPATH:+:$PYTHONPATH}"
+    export_cuda_libs "$PY"
 else
     echo "== GPU"
     if nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader; then
@@ -158,6 +194,10 @@ for entry in "${TRAIN_SCRIPTS[@]}"; do
     if [ ! -f "$script" ]; then
         echo "skipping $name: $script is not there yet"
         record "$name" "skipped (not present)"
+        continue
+    fi
+    if [ -n "$WHEELS" ]; then
+        record "$name" "skipped (--wheels: no training venv)"
         continue
     fi
     if [ "$DRY_RUN" = 1 ]; then

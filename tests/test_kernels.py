@@ -19,6 +19,7 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = REPO_ROOT / "scripts" / "gen_kernel_table.py"
 REFERENCE = REPO_ROOT.parent / "shared" / "reference" / "onnxruntime-OperatorKernels.md"
 PACKAGED = REPO_ROOT / "onnxmp" / "data" / "ort_kernels.json"
+TIES = REPO_ROOT / "onnxmp" / "data" / "ort_kernel_ties.json"
 
 
 @pytest.fixture(scope="module")
@@ -236,3 +237,192 @@ def test_cpu_table_matches_installed_onnxruntime():
             mismatches.append((key, documented[key], installed))
     assert compared > 100
     assert not mismatches, mismatches[:10]
+
+
+# --- tied type parameters and registered combinations (onnxmp/data/ort_kernel_ties.json) ---
+
+
+def test_cuda_batchnorm_ties(table):
+    # batch_norm.cc binds T1/T2 (15+) and U (14) to GetTensorType<T>(): a float16 X with
+    # float32 scale/mean has no CUDA kernel (ResNet-50 ran every BN on the CPU EP).
+    assert table.tied_params("cuda", "", "BatchNormalization", 15) == (frozenset({"T", "T1", "T2"}),)
+    assert table.tied_params("CUDAExecutionProvider", "ai.onnx", "BatchNormalization", 1000) == (
+        frozenset({"T", "T1", "T2"}),)
+    assert table.tied_params("cuda", "", "BatchNormalization", 14) == (frozenset({"T", "U"}),)
+    # Opsets 7-13 have one type parameter: nothing to tie.
+    assert table.tied_params("cuda", "", "BatchNormalization", 13) == ()
+    assert table.tied_params("cuda", "com.ms.internal.nhwc", "BatchNormalization", 15) == (
+        frozenset({"T", "T1", "T2"}),)
+
+
+def test_ops_without_ties(table):
+    assert table.tied_params("cuda", "", "Conv", 17) == ()
+    assert table.tied_params("cpu", "", "MatMul", 17) == ()
+    # Parameters registered as independent lists are not tied (CUDA Pow base/exponent, Cast in/out).
+    assert table.tied_params("cuda", "", "Pow", 15) == ()
+    assert table.tied_params("cuda", "", "Cast", 19) == ()
+    assert table.tied_params("cuda", "", "NoSuchOp", 17) == ()
+
+
+def test_tie_opset_boundaries(table):
+    # RMSNormalization and the ONNX Attention exist from 23; CUDA ties T/V and T1/T2/U.
+    assert table.tied_params("cuda", "", "RMSNormalization", 22) == ()
+    assert table.tied_params("cuda", "", "RMSNormalization", 23) == (frozenset({"T", "V"}),)
+    assert table.tied_params("cuda", "", "Attention", 22) == ()
+    assert table.tied_params("cuda", "", "Attention", 23) == (frozenset({"T1", "T2", "U"}),)
+    assert table.tied_params("cuda", "", "Attention", 24) == (frozenset({"T1", "T2", "U"}),)
+    # CPU's former contrib LayerNormalization (1-16) ties T/V; the opset-17 kernel has one
+    # input type parameter.
+    assert table.tied_params("cpu", "", "LayerNormalization", 16) == (frozenset({"T", "V"}),)
+    assert table.tied_params("cpu", "", "LayerNormalization", 17) == ()
+    # CPU GridSample 16-19 registers float only; 20+ float and double, tied.
+    assert table.tied_params("cpu", "", "GridSample", 19) == ()
+    assert table.tied_params("cpu", "", "GridSample", 20) == (frozenset({"T1", "T2"}),)
+
+
+def test_contrib_ties(table):
+    assert table.tied_params("cuda", "com.microsoft", "MatMulNBits", 1) == (frozenset({"T1", "T3"}),)
+    assert table.tied_params("cpu", "com.microsoft", "MatMulNBits", 1) == (frozenset({"T1", "T3"}),)
+    assert table.tied_params("cuda", "com.microsoft", "GroupQueryAttention", 1) == (frozenset({"T", "T_CACHE"}),)
+    # MultiHeadAttention registers every float/low mix of T and QK: combinations, no tie.
+    assert table.tied_params("cuda", "com.microsoft", "MultiHeadAttention", 1) == ()
+
+
+def test_ties_unknown_provider_raises(table):
+    for call in (table.tied_params, table.float_combos):
+        with pytest.raises(OnnxMPError) as info:
+            call("DmlExecutionProvider", "", "BatchNormalization", 15)
+        assert info.value.hint and "cuda" in info.value.hint
+    with pytest.raises(OnnxMPError):
+        table.accepts("rocm", "", "BatchNormalization", 15, {"T": "float16"})
+
+
+def test_float_combos(table):
+    assert table.float_combos("cuda", "", "BatchNormalization", 15) is None
+    combos = table.float_combos("cuda", "", "LayerNormalization", 16)
+    assert {"T": "float16", "U": "float", "V": "float"} in combos
+    assert {"T": "bfloat16", "U": "float", "V": "bfloat16"} in combos
+    assert not any(c["T"] == "bfloat16" and c["V"] == "float" for c in combos)
+    assert table.float_combos("cuda", "", "LayerNormalization", 17) == (
+        {"T": "float", "U": "float"}, {"T": "double", "U": "float"},
+        {"T": "float16", "U": "float"}, {"T": "bfloat16", "U": "float"})
+    assert table.float_combos("cuda", "", "SimplifiedLayerNormalization", 1) == combos
+
+
+def test_accepts_batchnorm(table):
+    mixed = {"T": "float16", "T1": "float", "T2": "float"}
+    assert table.accepts("cuda", "", "BatchNormalization", 15, mixed) is False
+    assert table.accepts("cuda", "", "BatchNormalization", 15, dict.fromkeys(mixed, "float16")) is True
+    assert table.accepts("cuda", "", "BatchNormalization", 15, dict.fromkeys(mixed, "float32")) is True
+    assert table.accepts("cuda", "", "BatchNormalization", 14, {"T": "fp16", "U": "fp32"}) is False
+    # Without ties a per-parameter answer: CPU has no float16 BatchNormalization at all.
+    assert table.accepts("cpu", "", "BatchNormalization", 15, dict.fromkeys(mixed, "float16")) is False
+    assert table.accepts("cuda", "", "BatchNormalization", 6, {"T": "float16"}) is None
+
+
+def test_accepts_ignores_non_float_members(table):
+    # A bool attn_mask leaves U out of the node's float types; a float one must match Q/K/V.
+    assert table.accepts("cuda", "", "Attention", 23, {"T1": "float16", "T2": "float16"}) is True
+    assert table.accepts("cuda", "", "Attention", 23, {"T1": "float16", "T2": "float16", "U": "float"}) is False
+    # uint8 zero points leave T3 out; float16 A with float16 zero points is fine.
+    assert table.accepts("cuda", "com.microsoft", "MatMulNBits", 1, {"T1": "float16"}) is True
+    assert table.accepts("cuda", "com.microsoft", "MatMulNBits", 1, {"T1": "float16", "T3": "float"}) is False
+
+
+def test_accepts_combos(table):
+    # CUDA LayerNormalization 1-16: float16 X with float32 scale exists, bfloat16 with float32 does not.
+    assert table.accepts("cuda", "", "LayerNormalization", 16, {"T": "float16", "V": "float"}) is True
+    assert table.accepts("cuda", "", "LayerNormalization", 16, {"T": "bfloat16", "V": "float"}) is False
+    assert table.accepts("cuda", "", "LayerNormalization", 16, {"T": "bfloat16", "V": "bfloat16"}) is True
+    # Mean/InvStdDev (U) are float for every low-precision X.
+    assert table.accepts("cuda", "", "LayerNormalization", 16, {"T": "float16", "U": "float16"}) is False
+    assert table.accepts("cuda", "com.microsoft", "MultiHeadAttention", 1, {"T": "float16", "QK": "float"}) is True
+    assert table.accepts("cuda", "com.microsoft", "MultiHeadAttention", 1, {"T": "float16", "QK": "bfloat16"}) is False
+
+
+def test_table_without_ties_file():
+    table = KernelTable.from_file(PACKAGED)
+    assert table.tied_params("cuda", "", "BatchNormalization", 15) == ()
+    assert table.float_combos("cuda", "", "LayerNormalization", 16) is None
+    assert table.accepts("cuda", "", "BatchNormalization", 15, {"T": "float16", "T1": "float"}) is True
+    with_ties = KernelTable.from_file(PACKAGED, TIES)
+    assert with_ties.tied_params("cuda", "", "BatchNormalization", 15) == (frozenset({"T", "T1", "T2"}),)
+
+
+def test_ties_file_is_consistent_with_kernel_table(table):
+    data = json.loads(TIES.read_text())
+    providers = json.loads(PACKAGED.read_text())["providers"]
+    assert data["ties"] and data["combos"]
+    for entry in data["ties"] + data["combos"]:
+        where = (entry["provider"], entry["domain"], entry["op"], entry["since"])
+        assert entry["provider"] in providers, where
+        assert entry["file"].startswith("onnxruntime/") and entry["file"].endswith(".cc"), where
+        assert entry["commit"] is None or len(entry["commit"]) == 40, where
+        assert entry["until"] is None or entry["until"] >= entry["since"], where
+        params = table.kernel_params(entry["provider"], entry["domain"], entry["op"], entry["since"])
+        assert params is not None, f"no kernel at {where}"
+        for group in entry.get("groups", ()):
+            # Parameters bound to one template type take the same float types (those the table lists).
+            assert len(group) >= 2, where
+            assert len({params[p] for p in group if p in params}) <= 1, (where, group, params)
+        for row in entry.get("types", ()):
+            assert len(row) == len(entry["params"]), where
+            for param, dtype in zip(entry["params"], row):
+                assert dtype in params[param], (where, param, dtype)
+
+
+def test_ties_file_is_package_data():
+    tomllib = pytest.importorskip("tomllib")
+    import fnmatch
+
+    pyproject = tomllib.loads((REPO_ROOT / "pyproject.toml").read_text())
+    patterns = pyproject["tool"]["setuptools"]["package-data"]["onnxmp"]
+    for path in (TIES, PACKAGED):
+        assert any(fnmatch.fnmatch(path.relative_to(REPO_ROOT / "onnxmp").as_posix(), p) for p in patterns)
+
+
+def _registry_ties(pybind) -> dict[tuple, set[frozenset[str]]]:
+    """(provider, domain, op, since) -> tie groups of the installed build's kernel registry."""
+    import itertools
+
+    floats = {f"tensor({t})" for t in KernelTable.default().float_types}
+    registrations: dict[tuple, list[dict[str, set[str]]]] = {}
+    for kdef in pybind.get_all_opkernel_def():
+        if kdef.provider != "CPUExecutionProvider" or (kdef.domain or "ai.onnx") not in ("ai.onnx", "com.microsoft"):
+            continue
+        key = (kdef.provider, kdef.domain or "ai.onnx", kdef.op_name, kdef.version_range[0])
+        registrations.setdefault(key, []).append({p: floats & set(ts) for p, ts in kdef.type_constraints.items()})
+    found: dict[tuple, set[frozenset[str]]] = {}
+    for key, defs in registrations.items():
+        params = sorted({p for d in defs for p, ts in d.items() if ts})
+        groups: list[set[str]] = []
+        for a, b in itertools.combinations(params, 2):
+            pairs = {(x, y) for d in defs for x in d.get(a, ()) for y in d.get(b, ())}
+            seen_a = {x for d in defs for x in d.get(a, ())}
+            seen_b = {y for d in defs for y in d.get(b, ())}
+            if pairs == {(x, y) for x in seen_a for y in seen_b}:
+                continue  # every combination has a kernel
+            assert all(x == y for x, y in pairs), f"{key}: {a}/{b} is a combination list, not a tie: {pairs}"
+            joined = [g for g in groups if a in g or b in g]
+            merged = {a, b}.union(*joined)
+            groups = [g for g in groups if g not in joined] + [merged]
+        if groups:
+            found[key] = {frozenset(g) for g in groups}
+    return found
+
+
+def test_cpu_ties_match_installed_onnxruntime(table):
+    onnxruntime = pytest.importorskip("onnxruntime")
+    pybind = pytest.importorskip("onnxruntime.capi._pybind_state")
+    if not hasattr(pybind, "get_all_opkernel_def"):
+        pytest.skip("this onnxruntime build does not expose get_all_opkernel_def (e.g. onnxruntime-training-cpu 1.19.2)")
+    checked_with = json.loads(TIES.read_text())["source"]["cpu_checked_with"]
+    if onnxruntime.__version__ != checked_with:
+        pytest.skip(f"CPU ties were read from onnxruntime {checked_with}, not {onnxruntime.__version__}")
+    found = _registry_ties(pybind)
+    assert found, "the registry shows no tie at all: the detection is broken"
+    for (provider, domain, op, since), groups in found.items():
+        assert set(table.tied_params(provider, domain, op, since)) == groups, (domain, op, since)
+    recorded = [e for e in json.loads(TIES.read_text())["ties"] if e["provider"] == "CPUExecutionProvider"]
+    for entry in recorded:
+        assert (entry["provider"], entry["domain"], entry["op"], entry["since"]) in found, entry
