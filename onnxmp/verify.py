@@ -161,7 +161,7 @@ def check_topological(graph: onnx.GraphProto, where: str, outer: frozenset[str] 
                 subgraphs = [attr.g] if attr.type == onnx.AttributeProto.GRAPH else list(attr.graphs)
                 for sub in subgraphs:
                     check_topological(sub, f"{node.name}/{attr.name}", frozenset(known))
-        known.update(node.output)
+        known.update(node.output[:])  # a list: iterating the field itself is slower
 
 
 def type_signature(tp: onnx.TypeProto) -> tuple:
