@@ -18,6 +18,7 @@ from onnxmp.graphs import holders, iter_proto_graphs, may_hold_graphs
 from onnxmp.normalize import make_node_names_unique, toposort_all
 
 SKELETON_ABOVE = 1 << 30  # bytes; well under protobuf's 2 GB serialization limit
+CHECK_FILE_BELOW = 64 << 20  # bytes; see full_check
 
 log = logging.getLogger("onnxmp.verify")
 
@@ -82,8 +83,10 @@ def reject_invalid_input(original: onnx.ModelProto | None) -> None:
 def full_check(model: onnx.ModelProto) -> None:
     """onnx.checker with strict type inference; raises what the checker raises.
 
-    The checker reads the model from a file: handed bytes, onnx copies its parsed model once
-    more for type inference, which nearly doubles verification's peak memory.
+    A model under ``CHECK_FILE_BELOW`` bytes is checked from a temporary file: handed bytes,
+    onnx copies its parsed model once more for type inference, and for a graph of many nodes
+    that copy is several times the serialized size.  Bigger models are mostly weights, which
+    the file would only write out and read back.
     """
     data = None if has_external_data(model) else _serialized(model)
     if data is None or len(data) > SKELETON_ABOVE:
@@ -91,6 +94,9 @@ def full_check(model: onnx.ModelProto) -> None:
         # Neither the proto nor the weights fit protobuf's 2 GB: check a weightless skeleton.
         with tempfile.TemporaryDirectory(prefix="onnxmp-verify-") as folder:
             onnx.checker.check_model(str(check_skeleton(model, folder)), full_check=True)
+        return
+    if len(data) > CHECK_FILE_BELOW:
+        onnx.checker.check_model(data, full_check=True)
         return
     fd, path = tempfile.mkstemp(prefix="onnxmp-verify-", suffix=".onnx")  # a file only: cheaper than a folder
     try:

@@ -10,6 +10,7 @@ import pytest
 from onnx import TensorProto as TP
 from onnx import helper, numpy_helper
 
+from onnxmp import verify
 from onnxmp.errors import OnnxMPError
 from onnxmp.verify import check_topological, full_check
 from tests.graphs import header, parse
@@ -46,13 +47,19 @@ def _temp_files() -> set[str]:
     return {n for n in os.listdir(tempfile.gettempdir()) if n.startswith("onnxmp-verify-")}
 
 
-def test_full_check_passes_a_valid_model_and_leaves_no_file():
+@pytest.fixture(params=["from a file", "from memory"])
+def route(request, monkeypatch):
+    if request.param == "from memory":
+        monkeypatch.setattr(verify, "CHECK_FILE_BELOW", 0)
+
+
+def test_full_check_passes_a_valid_model_and_leaves_no_file(route):
     before = _temp_files()
     full_check(parse(header() + "g (float[4] x) => (float[4] y) { y = Relu(x) }"))
     assert _temp_files() == before
 
 
-def test_full_check_raises_the_checkers_type_error_and_leaves_no_file():
+def test_full_check_raises_the_checkers_type_error_and_leaves_no_file(route):
     model = parse(header() + "g (float[4] x) => (float[4] y) { y = Relu(x) }")
     model.graph.output[0].type.tensor_type.elem_type = TP.INT64
     before = _temp_files()
