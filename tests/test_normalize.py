@@ -9,7 +9,7 @@ from onnx import helper, numpy_helper
 from onnxmp.external import has_external_data
 from onnxmp.graphs import ModelGraph
 from onnxmp.normalize import is_sorted, make_node_names_unique, normalize
-from tests.graphs import header, parse
+from tests.graphs import header, parse, unsorted_relu_chain
 
 
 def _if_model(body_reads: str) -> onnx.ModelProto:
@@ -41,14 +41,7 @@ def test_index_flags_a_body_reading_a_value_produced_after_its_node():
 
 
 def test_index_flags_a_node_reading_a_later_output_and_normalize_sorts_it():
-    model = parse(header() + """
-    g (float[4,4] x) => (float[4,4] y) {
-        a = Relu(x)
-        y = Relu(a)
-    }""")
-    nodes = list(model.graph.node)
-    del model.graph.node[:]
-    model.graph.node.extend(reversed(nodes))
+    model = unsorted_relu_chain()
     assert not ModelGraph(model).in_order
     normalized = normalize(model)
     assert normalized.result.details["resorted"] and normalized.graph.in_order

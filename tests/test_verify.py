@@ -13,7 +13,7 @@ from onnx import helper, numpy_helper
 from onnxmp import verify
 from onnxmp.errors import OnnxMPError
 from onnxmp.verify import check_topological, full_check
-from tests.graphs import header, parse
+from tests.graphs import header, parse, unsorted_relu_chain
 
 
 def _sparse_model() -> onnx.ModelProto:
@@ -30,14 +30,7 @@ def test_a_sparse_initializer_counts_as_defined():
 
 
 def test_a_node_reading_a_later_output_is_named():
-    model = parse(header() + """
-    g (float[4] x) => (float[4] y) {
-        a = Relu(x)
-        y = Relu(a)
-    }""")
-    nodes = list(model.graph.node)
-    del model.graph.node[:]
-    model.graph.node.extend(reversed(nodes))
+    model = unsorted_relu_chain()
     model.graph.node[0].name = "reads_a"
     with pytest.raises(OnnxMPError, match="node `reads_a` reads `a` before it is produced"):
         check_topological(model.graph, "main")
