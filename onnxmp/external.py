@@ -181,7 +181,7 @@ def skeleton(model: onnx.ModelProto) -> onnx.ModelProto:
     out.opset_import.extend(model.opset_import)
     out.metadata_props.extend(model.metadata_props)
     out.functions.extend(model.functions)
-    out.graph.CopyFrom(_skeleton_graph(model.graph))
+    _skeleton_graph(model.graph, out.graph)
     return out
 
 
@@ -193,14 +193,17 @@ def _skeleton_tensor(tensor: onnx.TensorProto) -> onnx.TensorProto:
     return proto
 
 
-def _skeleton_graph(graph: onnx.GraphProto) -> onnx.GraphProto:
-    out = onnx.GraphProto(name=graph.name, doc_string=graph.doc_string)
+def _skeleton_graph(graph: onnx.GraphProto, out: onnx.GraphProto) -> None:
+    """Fill ``out`` (empty) with the skeleton of ``graph``, in place: no copy of the copy."""
+    out.name, out.doc_string = graph.name, graph.doc_string
     out.input.extend(graph.input)
     out.output.extend(graph.output)
     out.value_info.extend(graph.value_info)
     out.sparse_initializer.extend(graph.sparse_initializer)
     out.initializer.extend([_skeleton_tensor(t) for t in graph.initializer])
     out.node.extend(graph.node)  # one C++ copy; only nodes holding subgraphs are rebuilt below
+    if not holders(graph):
+        return
     for index, node in enumerate(graph.node):
         if not may_hold_graphs(node) or not any(
                 a.type in (onnx.AttributeProto.GRAPH, onnx.AttributeProto.GRAPHS) for a in node.attribute):
@@ -211,13 +214,13 @@ def _skeleton_graph(graph: onnx.GraphProto) -> onnx.GraphProto:
             a = copy.attribute.add()
             if attr.type == onnx.AttributeProto.GRAPH:
                 a.name, a.type, a.doc_string = attr.name, attr.type, attr.doc_string
-                a.g.CopyFrom(_skeleton_graph(attr.g))
+                _skeleton_graph(attr.g, a.g)
             elif attr.type == onnx.AttributeProto.GRAPHS:
                 a.name, a.type, a.doc_string = attr.name, attr.type, attr.doc_string
-                a.graphs.extend(_skeleton_graph(g) for g in attr.graphs)
+                for g in attr.graphs:
+                    _skeleton_graph(g, a.graphs.add())
             else:
                 a.CopyFrom(attr)
-    return out
 
 
 def write_with_external_data(model: onnx.ModelProto, path: Path, data_path: Path, final_data_name: str) -> None:
