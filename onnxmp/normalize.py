@@ -147,14 +147,15 @@ def make_node_names_unique(graph: onnx.GraphProto) -> int:
 def is_sorted(g: onnx.GraphProto, constants: set[str], outer: frozenset[str] = frozenset()) -> bool:
     """Linear check; exporters almost always emit sorted graphs."""
     known = set(outer) | {t.name for t in g.input} | {""} | constants
+    has_bodies = bool(holders(g))
     for node in g.node:
-        if not known.issuperset(node.input):
+        if not known.issuperset(node.input[:]):  # lists: iterating the fields themselves is slower
             return False
-        if may_hold_graphs(node):
+        if has_bodies and may_hold_graphs(node):
             for attr in node.attribute:
                 if attr.type == onnx.AttributeProto.GRAPH and not is_sorted(attr.g, constants, frozenset(known)):
                     return False
-        known.update(node.output)
+        known.update(node.output[:])
     return True
 
 
