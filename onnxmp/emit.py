@@ -16,33 +16,45 @@ So this module keeps GS's export conventions:
 * inputs, outputs and value_info are rebuilt from (dtype, shape) as
   ``onnx.helper.make_tensor_value_info`` makes them;
 * model functions still go through GS (they are few and small).
+
+What the rewrite leaves alone is not rebuilt: unchanged nodes and initializers are the
+input's own messages and declarations GS would write back unchanged are copies of the
+input's (retyped in the copy), all copied by protobuf in C; only rewired or unclean
+nodes, converted initializers and the inserted Casts are built here.
 """
 from __future__ import annotations
 
+import functools
 import math
-from itertools import chain
+from itertools import chain, compress
+from typing import Iterable
 
 import numpy as np
 import onnx
 from onnx.external_data_helper import uses_external_data
 
 from onnxmp.external import converted_external, tensor_array
-from onnxmp.graphs import GRAPH, TENSOR_KIND, ModelGraph, TensorInfo, iter_proto_graphs, may_hold_graphs
-from onnxmp.rewrite import Edits, NewCast
+from onnxmp.graphs import GRAPH, GRAPHS, TENSOR_KIND, ModelGraph, TensorInfo, iter_proto_graphs, may_hold_graphs
+from onnxmp.rewrite import Edits, GraphNodes, NewCast
 
 A = onnx.AttributeProto
 _SIMPLE = (A.INT, A.FLOAT, A.STRING, A.TENSOR)
 _LISTS = (A.INTS, A.FLOATS, A.STRINGS)
-_DROPPED_NODE_FIELDS = ("doc_string", "overload", "metadata_props", "device_configurations")
+_TENSOR_OR_UNTYPED = frozenset({None, "tensor_type"})
+_CHUNK = 2048  # initializers converted per numpy call at most
+FLOAT = onnx.TensorProto.FLOAT
 
 
 def emit(graph: ModelGraph, edits: Edits, original: onnx.ModelProto) -> onnx.ModelProto:
+    """The converted model; ``original`` is the model ``graph`` indexes."""
     model = onnx.ModelProto()
     model.ir_version = original.ir_version
     emitter = _Emitter(graph, edits)
     emitter.graph(0, model.graph)  # written in place: a copy of the whole graph would double its memory
     edits.emitted_casts = emitter.kept_casts[0]
-    _restore_non_tensor_types(model.graph, _non_tensor_types(original.graph))
+    declared = chain((scope.graph for scope in graph.scopes),
+                     chain.from_iterable(iter_proto_graphs(g) for g in emitter.listed_graphs))
+    _restore_non_tensor_types(model.graph, _non_tensor_types(declared))
     model.opset_import.extend(original.opset_import)
     if original.functions:
         model.functions.extend(_functions_through_gs(original))
@@ -75,20 +87,24 @@ class _Emitter:
         self.model_graph = graph
         self.edits = edits
         self.tensors = graph.tensors
+        self.constants = {info.name for info in graph.tensors.values() if info.init is not None}
+        self.constants.update(edits.twins)
         self.sparse = {s.values.name: s for scope in graph.scopes for s in scope.graph.sparse_initializer}
         self.scope_of = {id(s.graph): i for i, s in enumerate(graph.scopes)}
-        self.ready: dict[str, onnx.TensorProto] = {}  # converted initializers, made in batches
+        self.parents: list[dict[str, onnx.NodeProto]] = [{} for _ in graph.scopes]  # nodes holding each graph's bodies
+        for scope in graph.scopes:
+            if scope.parent_scope is not None:
+                self.parents[scope.parent_scope][scope.parent.name] = scope.parent
+        # Nodes GS would write differently from the input: rewired, retargeted or rewritten ones.
+        self.rebuilt = {*edits.inputs, *edits.outputs, *edits.retargeted, *edits.raw_constants}
         self.kept_casts: dict[int, set[str]] = {}  # scope -> NewCasts written there or in its kept bodies
+        # Graphs in GRAPHS attributes (custom ops): not scopes, GS does not import them, but what they
+        # declare counts in _non_tensor_types.  Every node holding one is rebuilt or dead, so met here.
+        self.listed_graphs: list[onnx.GraphProto] = []
 
     # -- tensors -----------------------------------------------------------------------------
     def info(self, name: str) -> TensorInfo | None:
         return self.edits.new_tensors.get(name) or self.tensors.get(name)
-
-    def is_constant(self, name: str) -> bool:
-        if name in self.edits.twins:
-            return True
-        info = self.tensors.get(name)
-        return info is not None and info.init is not None
 
     def dtype(self, name: str):
         """GS's dtype at export; sequences, optionals and maps are exported untyped (see
@@ -110,35 +126,32 @@ class _Emitter:
             return vi
         return _tensor_value_info(name, dtype, info.shape)
 
-    def _convert_small(self, names: list[str]) -> None:
-        """Convert small raw float32 initializers in one numpy call (thousands of biases and
-        scalars would each pay numpy's per-call overhead); results wait in ``self.ready``."""
-        edits = self.edits
+    def _convert_small(self, names: list[str]) -> dict[str, tuple[list[int], bytes]]:
+        """Small raw float32 initializers converted in one numpy call (thousands of biases and
+        scalars would each pay numpy's per-call overhead): name -> (dims, low-precision bytes)."""
+        edits, tensors = self.edits, self.tensors
         sources = []
         for name in names:
-            source = self.tensors[edits.twins.get(name, name)].init
-            if source.data_type == onnx.TensorProto.FLOAT and source.data_location != onnx.TensorProto.EXTERNAL \
-                    and source.ByteSize() < 1 << 16 and len(source.raw_data) == 4 * math.prod(source.dims):
-                sources.append((name, source))
+            info = tensors[edits.twins.get(name, name)]
+            dims = info.shape
+            count = math.prod(dims)
+            if info.dtype == FLOAT and count < 1 << 14 and info.init.data_location != onnx.TensorProto.EXTERNAL:
+                raw = info.init.raw_data
+                if len(raw) == 4 * count:
+                    sources.append((name, dims, raw))
         if not sources:
-            return
-        raws = [source.raw_data for _, source in sources]
-        low = np.frombuffer(b"".join(raws), dtype="<f4").astype(edits.low_np)
+            return {}
+        low = np.frombuffer(b"".join([raw for _, _, raw in sources]), dtype="<f4").astype(edits.low_np).tobytes()
+        width = edits.low_np.itemsize
+        ready = {}
         start = 0
-        for (name, source), raw in zip(sources, raws):
-            count = len(raw) // 4
-            tensor = onnx.TensorProto()
-            tensor.name = name
-            tensor.data_type = edits.low_enum
-            tensor.dims.extend(source.dims)
-            tensor.raw_data = low[start:start + count].tobytes()
-            self.ready[name] = tensor
-            start += count
+        for name, dims, raw in sources:
+            stop = start + len(raw) // 4 * width
+            ready[name] = (dims, low[start:stop])
+            start = stop
+        return ready
 
     def initializer(self, name: str) -> onnx.TensorProto:
-        ready = self.ready.pop(name, None)
-        if ready is not None:
-            return ready
         edits = self.edits
         source = edits.twins.get(name)
         if source is not None:
@@ -152,35 +165,40 @@ class _Emitter:
             return _raw_tensor(name, low_enum, tensor_array(init).astype(low_np))
         return init
 
+    def _write_initializers(self, out: onnx.GraphProto, names: list[str]) -> None:
+        """In GS's order; converted in chunks, so that the converted bytes waiting to be written stay few."""
+        edits = self.edits
+        add, append = out.initializer.add, out.initializer.append
+        for start in range(0, len(names), _CHUNK):
+            chunk = names[start:start + _CHUNK]
+            ready = self._convert_small([n for n in chunk if n in edits.converted or n in edits.twins])
+            for name in chunk:
+                converted = ready.get(name)
+                if converted is None:
+                    append(self.initializer(name))
+                else:
+                    add(name=name, data_type=edits.low_enum, dims=converted[0], raw_data=converted[1])
+
     # -- graphs ----------------------------------------------------------------------------
     def graph(self, scope_index: int, out: onnx.GraphProto | None = None) -> tuple[onnx.GraphProto, set[str]]:
-        """The exported graph after GS's cleanup (into ``out`` when given), and the outer names its
-        kept nodes read."""
+        """The exported graph after GS's cleanup (into ``out``, empty, when given), and the outer
+        names its kept nodes read."""
         scope = self.model_graph.scopes[scope_index]
         g = scope.graph
-        edits = self.edits
-        new_inputs, new_outputs = edits.inputs, edits.outputs
-        items = []  # (item, inputs, outputs)
-        bodies: dict[str, dict[str, tuple[onnx.GraphProto, set[str]]]] = {}
-        for item in edits.order[scope.gid]:
-            if isinstance(item, NewCast):
-                items.append((item, (item.src,), (item.dst,)))
-                continue
-            name = item.name
-            items.append((item, new_inputs.get(name) or item.input, new_outputs.get(name) or item.output))
-            if may_hold_graphs(item):
-                for attr in item.attribute:
-                    if attr.type == GRAPH:
-                        bodies.setdefault(name, {})[attr.name] = self.graph(self.scope_of[id(attr.g)])
-        kept = self._used(items, g, bodies)
-        casts = self.kept_casts[scope_index] = set()
-        for item, _, _ in kept:
-            if isinstance(item, NewCast):
-                casts.add(item.name)
-            elif item.name in bodies:
-                for attr in item.attribute:
-                    if attr.type == GRAPH:
-                        casts.update(self.kept_casts[self.scope_of[id(attr.g)]])
+        nodes = self.edits.graphs[scope.gid]
+        bodies: dict[str, dict[str, tuple[onnx.GraphProto, set[str]]]] = {}  # node -> attribute -> body
+        body_scopes: dict[str, list[int]] = {}
+        for name, parent in self.parents[scope_index].items():
+            for attr in parent.attribute:
+                if attr.type == GRAPH:
+                    child = self.scope_of[id(attr.g)]
+                    bodies.setdefault(name, {})[attr.name] = self.graph(child)
+                    body_scopes.setdefault(name, []).append(child)
+        kept, dead = self._used(nodes, g, bodies)
+        for k in dead:
+            self._note_listed_graphs(nodes.items[k])
+        kept_inputs = nodes.inputs if kept is None else [nodes.inputs[k] for k in kept]
+        kept_outputs = nodes.outputs if kept is None else [nodes.outputs[k] for k in kept]
         init_names = {t.name for t in g.initializer}
         if g.sparse_initializer:
             init_names.update(t.values.name for t in g.sparse_initializer)
@@ -189,26 +207,31 @@ class _Emitter:
 
         # First mention wins: graph inputs, then each node's inputs and outputs, then graph outputs.
         tensor_order: dict[str, None] = dict.fromkeys(chain(
-            gs_inputs, chain.from_iterable(chain(ins, outs) for _, ins, outs in kept), outputs))
+            gs_inputs, chain.from_iterable(chain.from_iterable(zip(kept_inputs, kept_outputs))), outputs))
         tensor_order.pop("", None)
 
         if out is None:
             out = onnx.GraphProto()
-        # Generators, not lists: extend copies each message, so no list of temporaries builds up.
-        out.node.extend(self.node(item, ins, outs, bodies) for item, ins, outs in kept)
+        skip = set(gs_inputs)
+        skip.update(outputs)
+        constants = [n for n in tensor_order if n in self.constants]
+        skip.update(constants)
+        self._write_value_info(out, [n for n in tensor_order if n not in skip])  # first: see there
+        casts = self.kept_casts[scope_index] = set()
+        # A generator, not a list: extend copies each message, so no list of temporaries builds up.
+        out.node.extend(self._nodes(nodes, kept, bodies, casts))
+        if bodies:
+            kept_names = set(nodes.names) if kept is None else {nodes.names[k] for k in kept}
+            bodies = {name: graphs for name, graphs in bodies.items() if name in kept_names}
+            for name in bodies:
+                for child in body_scopes[name]:
+                    casts.update(self.kept_casts[child])
         out.name = g.name
         out.input.extend([self.value_info(n) for n in gs_inputs])
         out.output.extend([self.value_info(n) for n in outputs])
-        constants = [n for n in tensor_order if self.is_constant(n)]
-        self._convert_small([n for n in constants if n in self.edits.converted or n in self.edits.twins])
-        out.initializer.extend(self.initializer(n) for n in constants if n not in self.sparse)
+        self._write_initializers(out, [n for n in constants if n not in self.sparse])
         if self.sparse:
             out.sparse_initializer.extend([self.sparse[n] for n in constants if n in self.sparse])
-        skip = set(gs_inputs)
-        skip.update(outputs)
-        skip.update(constants)
-        out.value_info.extend(vi for vi in (self.value_info_if_known(n) for n in tensor_order if n not in skip)
-                              if vi is not None)
         if g.doc_string:
             out.doc_string = g.doc_string
         if scope_index == 0:
@@ -216,79 +239,119 @@ class _Emitter:
 
         local = set(gs_inputs)
         read: set[str] = set()
-        for item, ins, outs in kept:
+        for ins, outs in zip(kept_inputs, kept_outputs):
             local.update(outs)
             read.update(ins)
-            for _, foreign in bodies.get(getattr(item, "name", None), {}).values():
+        for graphs in bodies.values():
+            for _, foreign in graphs.values():
                 read.update(foreign)
-        foreign = {n for n in read - local if n and not self.is_constant(n)}
+        foreign = {n for n in read - local if n and n not in self.constants}
         return out, foreign
 
-    def value_info_if_known(self, name: str) -> onnx.ValueInfoProto | None:
-        """GS writes value_info for a variable with a dtype or a shape."""
-        edits = self.edits
-        info = edits.new_tensors.get(name)
-        new = info is not None
-        if not new:
-            info = self.tensors.get(name)
-            if info is None or (info.decl is None and name not in edits.dtypes):
-                return None
-        decl = info.decl
-        if decl is not None and not info.merged and _canonical(decl):
-            # Exactly what GS rebuilds from (dtype, shape): copy it, with the new name and dtype.
-            if not new and name not in edits.dtypes:
-                return decl
-            vi = onnx.ValueInfoProto()
-            vi.CopyFrom(decl)
-            vi.name = name
-            vi.type.tensor_type.elem_type = self.dtype(name)
-            return vi
-        if self.dtype(name) is None and info.shape is None:
-            return None
-        return self.value_info(name)
+    def _write_value_info(self, out: onnx.GraphProto, names: list[str]) -> None:
+        """GS writes value_info for each variable with a dtype or a shape.  A declaration GS would
+        write back unchanged is copied, then renamed or retyped in the copy; others are rebuilt.
 
-    def _used(self, items: list, g: onnx.GraphProto, bodies) -> list:
-        """GS cleanup: keep the nodes something reads on the way to a graph output."""
-        producer: dict[str, int] = {}
-        for index, (_, _, outs) in enumerate(items):
-            for name in outs:
-                producer[name] = index
-        used = bytearray(len(items))
-        seen: set[str] = set()
+        ``out`` holds nothing else yet, so the copies are first taken as they are and checked
+        all at once (:func:`_all_canonical`); only when one is not canonical are they
+        sorted one by one."""
+        written, retyped, renamed = self._declarations(names, check_each=False)
+        out.value_info.extend(written)
+        if not _all_canonical(out):
+            del out.value_info[:]
+            written, retyped, renamed = self._declarations(names, check_each=True)
+            out.value_info.extend(written)
+        del written
+        copies = out.value_info
+        for vi, dtype in zip(copies, retyped):
+            if dtype is not None:
+                vi.type.tensor_type.elem_type = dtype
+        for position, name in renamed:
+            copies[position].name = name
+
+    def _declarations(self, names: list[str], check_each: bool) -> tuple[list, list, list]:
+        """The declarations to write; for each, the dtype its copy takes (None: as it is); and
+        (position, name) of the copies that take a new name."""
+        new_tensors, tensors, dtypes = self.edits.new_tensors, self.tensors, self.edits.dtypes
+        written, retyped, renamed = [], [], []
+        for name in names:
+            info = new_tensors.get(name)
+            if info is not None:
+                dtype = dtypes.get(name, info.dtype)
+            else:
+                info = tensors.get(name)
+                if info is None:
+                    continue
+                dtype = dtypes.get(name)
+                if info.decl is None and dtype is None:
+                    continue
+            decl = info.decl
+            if decl is not None and not info.merged and (not check_each or _canonical(decl)):
+                if name in new_tensors:
+                    renamed.append((len(written), name))
+                written.append(decl)
+                retyped.append(dtype)
+            elif self.dtype(name) is not None or info.shape is not None:
+                written.append(self.value_info(name))
+                retyped.append(None)
+        return written, retyped, renamed
+
+    def _used(self, nodes: GraphNodes, g: onnx.GraphProto, bodies) -> tuple[list[int] | None, list[int]]:
+        """GS cleanup: the positions of the nodes something reads on the way to a graph output
+        (None when that is all of them), and of the others."""
+        producer = {t: k for k, outs in enumerate(nodes.outputs) for t in outs}  # the last writer, as in GS
+        inputs, names = nodes.inputs, nodes.names
+        used = bytearray(len(inputs))
         queue = [t.name for t in g.output]
-        seen.update(queue)
+        seen = set(queue)
         while queue:
-            index = producer.get(queue.pop())
-            if index is None or used[index]:
+            k = producer.get(queue.pop())
+            if k is None or used[k]:
                 continue
-            used[index] = 1
-            item, ins, _ = items[index]
-            deps = list(ins)
-            if bodies and not isinstance(item, NewCast):
-                for _, foreign in bodies.get(item.name, {}).values():
-                    deps.extend(foreign)
-            for dep in deps:
+            used[k] = 1
+            for dep in inputs[k]:
                 if dep not in seen:
                     seen.add(dep)
                     queue.append(dep)
-        if all(used):
-            return items
-        return [entry for entry, keep in zip(items, used) if keep]
+            if bodies and names[k] in bodies:
+                for _, foreign in bodies[names[k]].values():
+                    for dep in foreign:
+                        if dep not in seen:
+                            seen.add(dep)
+                            queue.append(dep)
+        dead = []
+        k = used.find(0)
+        while k >= 0:
+            dead.append(k)
+            k = used.find(0, k + 1)
+        return (list(compress(range(len(used)), used)) if dead else None), dead
+
+    def _note_listed_graphs(self, item) -> None:
+        if type(item) is not NewCast and may_hold_graphs(item):
+            for attr in item.attribute:
+                if attr.type == GRAPHS:
+                    self.listed_graphs.extend(attr.graphs)
 
     # -- nodes -----------------------------------------------------------------------------
-    def node(self, item, inputs, outputs, bodies) -> onnx.NodeProto:
-        if isinstance(item, NewCast):
-            node = onnx.NodeProto(op_type="Cast", name=item.name)
-            node.input.append(item.src)
-            node.output.append(item.dst)
-            attr = node.attribute.add()
-            attr.name, attr.type, attr.i = "to", A.INT, item.to
-            return node
+    def _nodes(self, nodes: GraphNodes, kept: list[int] | None, bodies, casts: set[str]):
+        """The kept nodes as GS writes them: most are the input's own NodeProtos; adds the
+        names of the inserted Casts written to ``casts``."""
+        items, names, inputs, outputs = nodes.items, nodes.names, nodes.inputs, nodes.outputs
+        rebuilt = self.rebuilt
+        for k in range(len(items)) if kept is None else kept:
+            item = items[k]
+            if type(item) is NewCast:
+                casts.add(item.name)
+                yield _cast_node(item)
+            elif names[k] in rebuilt or names[k] in bodies or not _clean(item):
+                yield self.node(item, inputs[k], outputs[k], bodies)
+            else:
+                yield item
+
+    def node(self, item: onnx.NodeProto, inputs, outputs, bodies) -> onnx.NodeProto:
+        """A NodeProto as GS writes it, with the rewrite's edits."""
         name = item.name
         edits = self.edits
-        if (name not in edits.inputs and name not in edits.outputs and name not in edits.retargeted
-                and name not in bodies and name not in edits.raw_constants and _clean(item)):
-            return item
         node = onnx.NodeProto()
         node.op_type = item.op_type
         node.input.extend(inputs)
@@ -304,6 +367,7 @@ class _Emitter:
                 node.attribute.append(exported)
             elif not attr.ref_attr_name:
                 skipped.append(attr)
+        self._note_listed_graphs(item)
         for attr in skipped:
             # Kinds GS does not model (TYPE_PROTO, SPARSE_TENSOR, TENSORS, GRAPHS...) were handed
             # back to it as Python values, so they come last, remade by make_attribute.
@@ -338,6 +402,15 @@ class _Emitter:
         return None  # sparse tensors, tensor/graph lists, type protos: GS does not import them
 
 
+def _cast_node(cast: NewCast) -> onnx.NodeProto:
+    node = onnx.NodeProto(op_type="Cast", name=cast.name)
+    node.input.append(cast.src)
+    node.output.append(cast.dst)
+    attr = node.attribute.add()
+    attr.name, attr.type, attr.i = "to", A.INT, cast.to
+    return node
+
+
 def _clean(node: onnx.NodeProto) -> bool:
     """True when GS would write the node back unchanged (the common case)."""
     if node.doc_string or node.HasField("doc_string") or node.HasField("overload") or node.metadata_props \
@@ -370,6 +443,51 @@ def _canonical(vi: onnx.ValueInfoProto) -> bool:
         if dim.denotation:  # dim_value and dim_param share a oneof: only a denotation can differ
             return False
     return True
+
+
+@functools.cache
+def _gs_value_info_schema():
+    """A message type holding a graph's value_info as GS writes it: a name and a tensor type
+    with an element type and plain dims, all required, nothing else."""
+    from google.protobuf import descriptor_pb2, descriptor_pool, message_factory
+
+    F = descriptor_pb2.FieldDescriptorProto
+    file = descriptor_pb2.FileDescriptorProto(name="onnxmp_gs_value_info.proto", package="onnxmp_gs",
+                                              syntax="proto2")
+    # (message, [(field, number, label, type, message type)]), numbered as in onnx.proto
+    for message, fields in (
+            ("Dim", [("dim_value", 1, F.LABEL_OPTIONAL, F.TYPE_INT64, ""),
+                     ("dim_param", 2, F.LABEL_OPTIONAL, F.TYPE_STRING, "")]),
+            ("Shape", [("dim", 1, F.LABEL_REPEATED, F.TYPE_MESSAGE, "Dim")]),
+            ("TensorType", [("elem_type", 1, F.LABEL_REQUIRED, F.TYPE_INT32, ""),
+                            ("shape", 2, F.LABEL_OPTIONAL, F.TYPE_MESSAGE, "Shape")]),
+            ("Type", [("tensor_type", 1, F.LABEL_REQUIRED, F.TYPE_MESSAGE, "TensorType")]),
+            ("ValueInfo", [("name", 1, F.LABEL_REQUIRED, F.TYPE_STRING, ""),
+                           ("type", 2, F.LABEL_REQUIRED, F.TYPE_MESSAGE, "Type")]),
+            ("Graph", [("value_info", 13, F.LABEL_REPEATED, F.TYPE_MESSAGE, "ValueInfo")])):
+        proto = file.message_type.add(name=message)
+        for name, number, label, kind, type_name in fields:
+            field = proto.field.add(name=name, number=number, label=label, type=kind)
+            if type_name:
+                field.type_name = f".onnxmp_gs.{type_name}"
+    pool = descriptor_pool.DescriptorPool()
+    pool.Add(file)
+    descriptor = pool.FindMessageTypeByName("onnxmp_gs.Graph")
+    if hasattr(message_factory, "GetMessageClass"):
+        return message_factory.GetMessageClass(descriptor)
+    return message_factory.MessageFactory(pool).GetPrototype(descriptor)  # protobuf < 4.22
+
+
+def _all_canonical(graph: onnx.GraphProto) -> bool:
+    """True when every value_info of ``graph`` passes :func:`_canonical`, checked in C rather
+    than field by field: parsed as :func:`_gs_value_info_schema`, a declaration with any
+    other field (a doc string, a denotation, another kind of type) loses bytes when unknown
+    fields are dropped, and one lacking a name, type or element type is not initialized."""
+    data = graph.SerializeToString()
+    parsed = _gs_value_info_schema()()
+    parsed.MergeFromString(data)
+    parsed.DiscardUnknownFields()
+    return parsed.IsInitialized() and parsed.ByteSize() == len(data)
 
 
 def _tensor_value_info(name: str, dtype: int, shape) -> onnx.ValueInfoProto:
@@ -435,18 +553,21 @@ def _value_infos(graph: onnx.GraphProto):
         yield from g.value_info
 
 
-def _non_tensor_types(graph: onnx.GraphProto) -> dict[str, onnx.TypeProto]:
-    """Sequence, optional and map types by value name, over all scopes.  A name that two sibling
+def _non_tensor_types(graphs: Iterable[onnx.GraphProto]) -> dict[str, onnx.TypeProto]:
+    """Sequence, optional and map types by value name, over ``graphs``.  A name that two sibling
     scopes use with different types is left out: which one a value had is then unknown."""
     types: dict[str, onnx.TypeProto] = {}
     ambiguous: set[str] = set()
-    for value in _value_infos(graph):
-        which = value.type.WhichOneof("value")
-        if which in (None, "tensor_type"):
-            continue
-        known = types.setdefault(value.name, value.type)
-        if known != value.type:
-            ambiguous.add(value.name)
+    for g in graphs:
+        for values in (g.input, g.output, g.value_info):
+            if {value.type.WhichOneof("value") for value in values} <= _TENSOR_OR_UNTYPED:
+                continue
+            for value in values:
+                if value.type.WhichOneof("value") in _TENSOR_OR_UNTYPED:
+                    continue
+                known = types.setdefault(value.name, value.type)
+                if known != value.type:
+                    ambiguous.add(value.name)
     for name in ambiguous:
         del types[name]
     return types

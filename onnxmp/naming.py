@@ -2,20 +2,22 @@
 from __future__ import annotations
 
 import math
-from typing import Any, Iterable
+from typing import Any, Container, Iterable
 
 import onnx
 
 
 class FreshNames:
-    """Deterministic names that collide with nothing already used, nor with each other."""
+    """Deterministic names that collide with nothing already used, nor with each other.
+    ``taken`` are more containers of used names, looked up without being copied."""
 
-    def __init__(self, used: Iterable[str]):
+    def __init__(self, used: Iterable[str], *taken: Container[str]):
         self.used = set(used)
+        self.taken = taken
 
     def __call__(self, base: str) -> str:
         name, k = base, 0
-        while name in self.used:
+        while name in self.used or any(name in names for names in self.taken):
             k += 1
             name = f"{base}_{k}"
         self.used.add(name)

@@ -11,9 +11,10 @@
   their name and dtype: the low-precision producer writes a renamed tensor and
   a Cast restores the original name.
 
-The rewrite records only what changes (node inputs and outputs it rewires, tensors
-it retypes, initializers it converts, the Casts it adds); :mod:`onnxmp.emit` then
-writes the output model from the normalized one plus these edits.
+The rewrite reads each graph's node names, inputs and outputs once and records only
+what changes (the inputs and outputs it rewires, tensors it retypes, initializers it
+converts, the Casts it adds); :mod:`onnxmp.emit` then writes the output model from the
+normalized one plus these edits.
 """
 from __future__ import annotations
 
@@ -33,6 +34,7 @@ from onnxmp.precision import FLOAT16, FLOAT32, low_precision
 log = logging.getLogger("onnxmp.rewrite")
 
 FLOAT = onnx.TensorProto.FLOAT
+_CONTROL_FLOW = ("If", "Loop", "Scan")
 
 
 @dataclass
@@ -54,9 +56,34 @@ class NewCast:
 
 
 @dataclass
+class GraphNodes:
+    """One graph's nodes in order, NodeProtos and the NewCasts placed among them, with each
+    one's name and its input and output names (the rewired ones where the rewrite changed them).
+    Read from the proto once: the rewrite and the emitter both walk these lists."""
+
+    items: list                  # onnx.NodeProto | NewCast
+    names: list[str]
+    inputs: list[list[str]]
+    outputs: list[list[str]]
+
+    @classmethod
+    def read(cls, g: onnx.GraphProto) -> GraphNodes:
+        nodes = list(g.node)
+        return cls(nodes, [n.name for n in nodes], [n.input[:] for n in nodes], [n.output[:] for n in nodes])
+
+    def extend(self, other: GraphNodes, start: int, stop: int) -> None:
+        """Append ``other``'s nodes ``start:stop``."""
+        self.items.extend(other.items[start:stop])
+        self.names.extend(other.names[start:stop])
+        self.inputs.extend(other.inputs[start:stop])
+        self.outputs.extend(other.outputs[start:stop])
+
+
+@dataclass
 class Edits:
     """Everything the rewrite changes, keyed by (unique) names; read by :mod:`onnxmp.emit`."""
 
+    graphs: dict[str, GraphNodes] = field(default_factory=dict)   # graph id -> its nodes after the rewrite
     inputs: dict[str, list[str]] = field(default_factory=dict)    # node -> its new input names
     outputs: dict[str, list[str]] = field(default_factory=dict)   # node -> its new output names
     dtypes: dict[str, int] = field(default_factory=dict)          # retyped tensors (and converted constants)
@@ -65,17 +92,20 @@ class Edits:
     twins: dict[str, str] = field(default_factory=dict)            # twin name -> fp32 source initializer
     retargeted: set[str] = field(default_factory=set)              # Cast/Constant/ConstantOfShape nodes
     raw_constants: set[str] = field(default_factory=set)           # Constant nodes whose value is rewritten raw
-    order: dict[str, list] = field(default_factory=dict)           # graph id -> NodeProto | NewCast, in order
     emitted_casts: set[str] = field(default_factory=set)           # NewCasts the emitter wrote (cleanup drops some)
     low_np: np.dtype = FLOAT16.numpy
     low_enum: int = FLOAT16.onnx_type
 
+    @classmethod
+    def unchanged(cls, graph: ModelGraph) -> Edits:
+        """No edits: the emitter then writes the model as a GS round trip would."""
+        return cls(graphs={scope.gid: GraphNodes.read(scope.graph) for scope in graph.scopes})
+
 
 def _fresh_names(graph: ModelGraph, node_names) -> FreshNames:
-    """Fresh names that collide with no node name nor any tensor name any graph mentions."""
-    taken = set(graph.tensors)
-    taken.update(node_names)
-    return FreshNames(taken)
+    """Fresh names that collide with no node name nor any tensor name any graph mentions
+    (looked up where they are: a set of them all would be the rewrite's biggest object)."""
+    return FreshNames((), graph.tensors, node_names)
 
 
 def rewrite(graph: ModelGraph, state: Coloring, *, precision: str = "float16",
@@ -85,17 +115,22 @@ def rewrite(graph: ModelGraph, state: Coloring, *, precision: str = "float16",
     rewriter.retype_low_outputs()
     if not keep_io_types:
         rewriter.lower_main_inputs()
+    rewriter.convert_initializers()
     rewriter.fix_consumers()
-    for scope in graph.scopes:
-        rewriter.edits.order[scope.gid] = place_after_producers(
-            list(scope.graph.node), rewriter.new_nodes[scope.gid], rewriter.outputs_of)
+    for scope, nodes in zip(graph.scopes, rewriter.nodes):
+        rewriter.edits.graphs[scope.gid] = place_after_producers(nodes, rewriter.new_nodes[scope.gid])
     stats = rewriter.stats
     modified = bool(stats.casts or stats.retyped_tensors or stats.converted_initializers or stats.twin_initializers)
     return PassResult(modified, {"casts": len(stats.casts)}), stats, rewriter.edits
 
 
 class _Rewriter:
-    """The rewrite's working state; one method per phase, run in order by :func:`rewrite`."""
+    """The rewrite's working state; one method per phase, run in order by :func:`rewrite`.
+
+    Work that does not depend on order (retyping in place, deciding which initializers to
+    convert) is done in bulk over sets; the graphs are walked in node order only where the
+    order shows: fresh names, the Casts inserted and the lists the report gives.
+    """
 
     def __init__(self, graph: ModelGraph, state: Coloring, precision: str, master: set[str]):
         self.graph = graph
@@ -106,13 +141,20 @@ class _Rewriter:
         self.names = _fresh_names(graph, view.graph_of_node)
         self.stats = RewriteStats()
         self.edits = Edits(low_np=self.low_np, low_enum=self.low_enum, raw_constants=set(state.read_constants))
-        self.allow = set(state.allow_ids())
+        allow_ids = state.allow_ids()
+        self.allow = set(allow_ids)
+        self.allow_vertices = [view.by_id[vid] for vid in allow_ids]
+        self.nodes = [GraphNodes.read(scope.graph) for scope in graph.scopes]
+        self.constants = {info.name for info in graph.tensors.values() if info.init is not None}
 
-        # Which (node, input index) positions read in low precision.
-        self.low_input: set[tuple[str, int]] = set()
-        for vid in self.allow:
-            v = view.by_id[vid]
-            self.low_input.update((v.node, i) for i, _ in v.inputs)
+        # Which inputs of each node read in low precision: bit i of low_inputs[node] for input i.
+        self.low_inputs: dict[str, int] = {}
+        low_inputs = self.low_inputs
+        for v in self.allow_vertices:
+            mask = low_inputs.get(v.node, 0)
+            for i, _ in v.inputs:
+                mask |= 1 << i
+            low_inputs[v.node] = mask
         # Control-flow groups that go low: their tensors are retyped as a whole (spec §5.7).
         self.group_tensors: set[str] = set()
         self.body_members: set[str] = set()  # formal body I/O of low groups: retyped, no longer pinned
@@ -122,24 +164,17 @@ class _Rewriter:
             self.group_tensors.update(t for _, t in group.members)
             self.body_members.update(t for gid, t in group.members if gid != outer)
             self.group_outputs.add(group.output)
-            self.low_input.update(group.low_inputs)
+            for node, i in group.low_inputs:
+                low_inputs[node] = low_inputs.get(node, 0) | 1 << i
 
-        # Every reader of every initializer, across graphs, to decide convert vs twin.
-        self.const_readers: dict[str, list[bool]] = {}
-        tensors = graph.tensors
-        for scope in graph.scopes:
-            for node in scope.graph.node:
-                for i, t in enumerate(node.input):
-                    info = tensors.get(t)
-                    if t and info is not None and info.init is not None:
-                        self.const_readers.setdefault(t, []).append((node.name, i) in self.low_input)
         self.fixed = set(view.pinned)
         for scope in graph.scopes:
             self.fixed.update(self._gs_inputs(scope.graph))
             self.fixed.update(t.name for t in scope.graph.output)
-        # Names are unique across scopes, so one alias map serves every graph: a body
-        # reading an outer low tensor reads it directly, without a round trip.
-        self.low_alias: dict[str, str] = {}  # original tensor name -> tensor holding its low value
+        # Names are unique across scopes, so these maps serve every graph: a body reading an
+        # outer low tensor reads it (or the renamed one) directly, without a round trip.
+        self.renamed: dict[str, str] = {}  # output the outside world sees -> the low tensor written instead
+        self.fp32_read: set[str] = set()  # initializers some node reads in float32
         self.new_nodes: dict[str, list[NewCast]] = {s.gid: [] for s in graph.scopes}
         self.twin_of: dict[str, str] = {}  # initializer -> its low twin
 
@@ -156,6 +191,11 @@ class _Rewriter:
             return self.edits.new_tensors[name].dtype
         return self.graph.dtype(name)
 
+    def is_low(self, name: str) -> bool:
+        """The tensor now holds a low-precision value (retyped in place), or its producer writes
+        one under a new name."""
+        return name in self.renamed or (name in self.edits.dtypes and name not in self.constants)
+
     def _like(self, src: str, name: str, dtype: int) -> TensorInfo:
         """A new tensor with ``src``'s shape (GS: ``Variable(name, dtype, shape=src.shape)``)."""
         info = self.edits.new_tensors.get(src) or self.graph.tensors.get(src)
@@ -166,131 +206,164 @@ class _Rewriter:
             new.decl = info.decl  # lets the emitter copy the declaration instead of rebuilding it
         return new
 
-    def is_constant(self, name: str) -> bool:
-        if name in self.edits.twins:
-            return True
-        info = self.graph.tensors.get(name)
-        return info is not None and info.init is not None
-
-    def outputs_of(self, node) -> Sequence[str]:
-        if isinstance(node, NewCast):
-            return (node.dst,)
-        return self.edits.outputs.get(node.name) or node.output
-
-    def _inputs(self, node: onnx.NodeProto) -> list[str]:
-        current = self.edits.inputs.get(node.name)
-        if current is None:
-            current = self.edits.inputs[node.name] = list(node.input)
-        return current
-
-    def _outputs(self, node: onnx.NodeProto) -> list[str]:
-        current = self.edits.outputs.get(node.name)
-        if current is None:
-            current = self.edits.outputs[node.name] = list(node.output)
-        return current
-
     # -- phase 1 -------------------------------------------------------------------------------
     def retype_low_outputs(self) -> None:
         """Retype outputs of ALLOW vertices and of low control-flow groups; retarget dtype attributes."""
         view = self.view
-        vertices, node_vertices, allow = view.vertices, view.node_vertices, self.allow
-        for scope in self.graph.scopes:
-            graph_id, g = scope.gid, scope.graph
-            for node in g.node:
-                for key in node_vertices.get(node.name, ()):
-                    vertex = vertices[key]
-                    if vertex.id not in allow:
-                        continue
-                    for index, _name in vertex.outputs:
-                        self._retype_output(graph_id, node, index)
-                    if node.op_type in ("Cast", "Constant", "ConstantOfShape"):
-                        self.edits.retargeted.add(node.name)
-                if node.op_type in ("If", "Loop", "Scan"):
-                    for index, out in enumerate(self.outputs_of(node)):
-                        if out in self.group_outputs and out not in self.low_alias:
-                            self._retype_output(graph_id, node, index)
-            if graph_id != MAIN:
-                for name in self._gs_inputs(g):
-                    # Body formal inputs of a low group (Loop carried values) take the low type.
-                    if name in self.group_tensors:
-                        self._retype_in_place(name)
+        pinned, body_members = view.pinned, self.body_members
+        in_place: list[str] = []
+        renaming: set[str] = set()  # nodes with an output the outside world sees: renamed below, in order
+        for vertex in self.allow_vertices:
+            for _, name in vertex.outputs:
+                if name in pinned and name not in body_members:
+                    renaming.add(vertex.node)
+                else:
+                    in_place.append(name)
+            if vertex.op_type in ("Cast", "Constant", "ConstantOfShape"):
+                self.edits.retargeted.add(vertex.node)
+        self._retype_in_place(in_place)
+        if renaming or self.group_outputs:
+            self._retype_in_order(renaming)
+        for scope in self.graph.scopes[1:]:
+            # Body formal inputs of a low group (Loop carried values) take the low type.
+            self._retype_in_place([name for name in self._gs_inputs(scope.graph) if name in self.group_tensors])
 
-    def _retype_output(self, graph_id: str, node: onnx.NodeProto, index: int) -> None:
-        name = self.outputs_of(node)[index]
+    def _retype_in_order(self, renaming: set[str]) -> None:
+        """The renamed outputs of ALLOW vertices and the outputs of low control-flow groups, in
+        node order: each rename adds a fresh name and a Cast."""
+        vertices, node_vertices, allow = self.view.vertices, self.view.node_vertices, self.allow
+        pinned, body_members, group_outputs = self.view.pinned, self.body_members, self.group_outputs
+        for scope, nodes in zip(self.graph.scopes, self.nodes):
+            for k, name in enumerate(nodes.names):
+                if name in renaming:
+                    for key in node_vertices.get(name, ()):
+                        vertex = vertices[key]
+                        if vertex.id in allow:
+                            for index, out in vertex.outputs:
+                                if out in pinned and out not in body_members:  # the others are retyped
+                                    self._retype_output(scope.gid, nodes, k, index)
+                outputs = nodes.outputs[k]
+                if group_outputs and not group_outputs.isdisjoint(outputs) \
+                        and nodes.items[k].op_type in _CONTROL_FLOW:
+                    for index, out in enumerate(outputs):
+                        if out in group_outputs and not self.is_low(out):
+                            self._retype_output(scope.gid, nodes, k, index)
+
+    def _retype_output(self, graph_id: str, nodes: GraphNodes, k: int, index: int) -> None:
+        outputs = nodes.outputs[k]
+        name = outputs[index]
         if name not in self.view.pinned or name in self.body_members:
-            self._retype_in_place(name)
+            self._retype_in_place((name,))
             return
         # The outside world sees this name: write a renamed low tensor and restore the name with a Cast.
         low = self.names(f"{name}_onnxmp_{self.low_sfx}")
         self.edits.new_tensors[low] = self._like(name, low, self.low_enum)
-        self._outputs(node)[index] = low
+        outputs[index] = low
+        self.edits.outputs[nodes.names[k]] = outputs
         restore = NewCast(self.names(f"{name}_onnxmp_cast_fp32"), low, name, FLOAT)
         self.new_nodes[graph_id].append(restore)
         self.stats.casts.append(restore.name)
-        self.low_alias[name] = low
+        self.renamed[name] = low
         self.stats.retyped_tensors += 1
 
-    def _retype_in_place(self, name: str) -> None:
-        self.edits.dtypes[name] = self.low_enum
-        self.low_alias[name] = name
-        self.stats.retyped_tensors += 1
+    def _retype_in_place(self, names: Sequence[str]) -> None:
+        self.edits.dtypes.update(dict.fromkeys(names, self.low_enum))
+        self.stats.retyped_tensors += len(names)
 
     # -- phase 2 (keep_io_types=False) ------------------------------------------------------------
     def lower_main_inputs(self) -> None:
         """A float32 main-graph input whose readers all read low precision takes the low type."""
-        readers: dict[str, list[tuple[str, int]]] = {}
-        for scope in self.graph.scopes:
-            for n in scope.graph.node:
-                for i, t in enumerate(self.edits.inputs.get(n.name) or n.input):
-                    readers.setdefault(t, []).append((n.name, i))
-        for name in self._gs_inputs(self.graph.scopes[0].graph):
+        inputs = self._gs_inputs(self.graph.scopes[0].graph)
+        candidates = set(inputs)
+        all_low: dict[str, bool] = {}  # input -> every reader so far reads low (absent: no reader)
+        for nodes in self.nodes:
+            for name, node_inputs in zip(nodes.names, nodes.inputs):
+                if candidates.isdisjoint(node_inputs):
+                    continue
+                mask = self.low_inputs.get(name, 0)
+                for i, t in enumerate(node_inputs):
+                    if t in candidates:
+                        all_low[t] = all_low.get(t, True) and bool(mask >> i & 1)
+        for name in inputs:
             if self.dtype(name) != FLOAT or name in self.view.pinned:
                 continue
-            found = readers.get(name, [])
-            if found and all(r in self.low_input for r in found):
-                self._retype_in_place(name)
+            if all_low.get(name, False):
+                self._retype_in_place((name,))
 
     # -- phase 3 -------------------------------------------------------------------------------
+    def convert_initializers(self) -> None:
+        """A float32 initializer read only in low precision (in any graph) is stored in low
+        precision, unless it is a master weight or the outside world may feed it.  Listed in
+        the order of their first low reads."""
+        constants, low_inputs = self.constants, self.low_inputs
+        low_read: dict[str, None] = {}
+        for nodes in self.nodes:
+            for name, inputs in zip(nodes.names, nodes.inputs):
+                if constants.isdisjoint(inputs):
+                    continue
+                mask = low_inputs.get(name, 0)
+                for i, t in enumerate(inputs):
+                    if t in constants:
+                        if mask >> i & 1:
+                            low_read[t] = None
+                        else:
+                            self.fp32_read.add(t)
+        tensors = self.graph.tensors
+        converted = [t for t in low_read if t not in self.fp32_read and t not in self.master
+                     and t not in self.fixed and tensors[t].dtype == FLOAT]
+        self.edits.converted.update(dict.fromkeys(converted, (self.low_np, self.low_enum)))
+        self.edits.dtypes.update(dict.fromkeys(converted, self.low_enum))
+        self.stats.converted_initializers.extend(converted)
+
+    # -- phase 4 -------------------------------------------------------------------------------
     def fix_consumers(self) -> None:
         """Low readers of fp32 sources and fp32 readers of low tensors get a Cast, in the reader's
-        graph, shared per (tensor, target type)."""
-        for scope in self.graph.scopes:
+        graph, shared per (tensor, target type); low readers of an initializer that stays float32
+        read a Cast of it or its low twin."""
+        low_inputs, renamed, constants, edited = self.low_inputs, self.renamed, self.constants, self.edits.inputs
+        # Low readers read these as they are: tensors retyped in place and converted initializers.
+        low_as_is = self.edits.dtypes
+        for scope, nodes in zip(self.graph.scopes, self.nodes):
             graph_id, g = scope.gid, scope.graph
             shared: dict[tuple[str, int], str] = {}
-            edited, low_input, low_alias = self.edits.inputs, self.low_input, self.low_alias
-            for node in g.node:
-                node_name = node.name
-                for i, name in enumerate(edited.get(node_name) or node.input):
+            for node_name, inputs in zip(nodes.names, nodes.inputs):
+                mask = low_inputs.get(node_name, 0)
+                if mask == 0:
+                    if low_as_is.keys().isdisjoint(inputs):
+                        continue  # float32 reads of float32 values
+                elif mask == (1 << len(inputs)) - 1 and all(map(low_as_is.__contains__, inputs)):
+                    continue  # inside a low-precision region
+                for i, name in enumerate(inputs):
                     if not name:
                         continue
-                    wants_low = (node_name, i) in low_input
-                    alias = low_alias.get(name)
-                    if wants_low and alias is not None and not self.is_constant(name):
-                        new = alias  # the common case inside a low-precision region
+                    if mask >> i & 1:
+                        if name in low_as_is:
+                            continue
+                        if name in constants:
+                            if self.dtype(name) != FLOAT:
+                                continue
+                            new = self._low_constant(graph_id, shared, name)
+                        else:
+                            new = renamed.get(name) or self._low_variable(graph_id, shared, name)
+                    elif name in low_as_is and name not in constants:
+                        # Low in place; this reader wants fp32.
+                        new = self._cast(graph_id, shared, name, FLOAT, FLOAT32.suffix)
                     else:
-                        new = self._input_for(graph_id, shared, name, wants_low)
+                        continue  # a float32 reader of a float32 value
                     if new != name:
-                        self._inputs(node)[i] = new
+                        inputs[i] = new
+                        edited[node_name] = inputs
             if graph_id != MAIN:
                 for tensor in g.output:
                     if tensor.name in self.group_tensors:
-                        require(tensor.name in self.low_alias, "rewrite",
+                        require(self.is_low(tensor.name), "rewrite",
                                 f"group member `{tensor.name}` is produced in low precision")
 
-    def _input_for(self, graph_id: str, shared, name: str, wants_low: bool) -> str:
-        if self.is_constant(name):
-            if wants_low and self.dtype(name) == FLOAT:
-                return self._low_constant(graph_id, shared, name)
-            return name
-        alias = self.low_alias.get(name)
-        if wants_low:
-            if alias is not None:
-                return alias
-            if self.dtype(name) == FLOAT:
-                return self._cast(graph_id, shared, name, self.low_enum, self.low_sfx)
-            return name
-        if alias is not None and alias == name:  # low in place; this reader wants fp32
-            return self._cast(graph_id, shared, name, FLOAT, FLOAT32.suffix)
+    def _low_variable(self, graph_id: str, shared, name: str) -> str:
+        """What a low-precision reader reads for a tensor no low producer writes: a Cast of a
+        float32 one, or the tensor itself (int64 shapes, bool masks...)."""
+        if self.dtype(name) == FLOAT:
+            return self._cast(graph_id, shared, name, self.low_enum, self.low_sfx)
         return name
 
     def _cast(self, graph_id: str, shared, src: str, to_enum: int, sfx: str) -> str:
@@ -305,15 +378,10 @@ class _Rewriter:
         return shared[key]
 
     def _low_constant(self, graph_id: str, shared, name: str) -> str:
-        """Convert an initializer read only in low precision; otherwise give it a low twin.
-        Master weights and initializers the outside world may feed are Cast at use instead."""
+        """A low read of a float32 initializer that stays float32: master weights and initializers
+        the outside world may feed are Cast at use; one also read in float32 gets a low twin."""
         if name in self.master or name in self.fixed:
             return self._cast(graph_id, shared, name, self.low_enum, self.low_sfx)
-        if all(self.const_readers[name]):
-            self.edits.converted[name] = (self.low_np, self.low_enum)
-            self.edits.dtypes[name] = self.low_enum
-            self.stats.converted_initializers.append(name)
-            return name
         twin = self.twin_of.get(name)
         if twin is None:
             twin = self.twin_of[name] = self.names(f"{name}_onnxmp_{self.low_sfx}")
@@ -323,38 +391,51 @@ class _Rewriter:
         return twin
 
 
-def place_after_producers(nodes: list, casts: list[NewCast], outputs_of) -> list:
-    """Put each inserted Cast right after the node producing its input (spec §6), in one pass.
+def place_after_producers(nodes: GraphNodes, casts: list[NewCast]) -> GraphNodes:
+    """Put each inserted Cast right after the node producing its input (spec §6).
 
     Casts of graph inputs, initializers and outer-scope tensors go first.  A Cast may
     read another inserted Cast (a restored output cast again), so placement follows
     chains; this keeps the sorted order ``normalize`` established without a full sort.
+    Only the nodes that produce a Cast's input are looked at; the runs of nodes between
+    them are copied as slices.
     """
     if not casts:
         return nodes
-    after: dict[str, list[NewCast]] = {}
-    node_outputs = [outputs_of(n) for n in nodes]
-    produced_here = {t for outs in node_outputs for t in outs}
-    head: list[NewCast] = []
+    sources = {c.src for c in casts}
     cast_outputs = {c.dst for c in casts}
+    producer: dict[str, int] = {}  # Cast source -> the first node writing it
+    for k, outs in enumerate(nodes.outputs):
+        if not sources.isdisjoint(outs):
+            for t in outs:
+                producer.setdefault(t, k)
+    after: dict[str, list[NewCast]] = {}
+    head: list[NewCast] = []
     for cast in casts:
-        if cast.src in produced_here or cast.src in cast_outputs:
+        if cast.src in producer or cast.src in cast_outputs:
             after.setdefault(cast.src, []).append(cast)
         else:
             head.append(cast)
-    ordered: list = []
-    # Depth first, each node then its followers in output order.  A loop, not a recursive closure:
-    # that would be a reference cycle, kept (with the whole rewrite state) while the pipeline runs
-    # with the cycle collector off, and a long Cast chain would hit the recursion limit.
-    stack: list[NewCast] = []
-    for start, outs in (*((c, (c.dst,)) for c in head), *zip(nodes, node_outputs)):
-        ordered.append(start)
-        if not after:
-            continue
-        stack.extend(reversed([f for out in outs for f in after.pop(out, ())]))
-        while stack:
-            cast = stack.pop()  # followers are all inserted Casts
-            ordered.append(cast)
-            stack.extend(reversed(after.pop(cast.dst, ())))
+    placed = GraphNodes([], [], [], [])
+    _add_casts(placed, head, after)
+    start = 0
+    for k in sorted(set(producer.values())):
+        placed.extend(nodes, start, k + 1)
+        start = k + 1
+        _add_casts(placed, [f for out in nodes.outputs[k] for f in after.pop(out, ())], after)
+    placed.extend(nodes, start, len(nodes.items))
     require(not after, "rewrite", "every inserted Cast found its producer")
-    return ordered
+    return placed
+
+
+def _add_casts(placed: GraphNodes, first: list[NewCast], after: dict[str, list[NewCast]]) -> None:
+    """Depth first, each Cast then the Casts reading it.  A loop, not recursion: a long Cast
+    chain would hit the recursion limit."""
+    stack = list(reversed(first))
+    while stack:
+        cast = stack.pop()
+        placed.items.append(cast)
+        placed.names.append(cast.name)
+        placed.inputs.append([cast.src])
+        placed.outputs.append([cast.dst])
+        stack.extend(reversed(after.pop(cast.dst, ())))

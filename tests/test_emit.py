@@ -31,8 +31,7 @@ def gs_graph(model: onnx.ModelProto) -> bytes:
 
 def emitted_graph(model: onnx.ModelProto) -> bytes:
     graph = ModelGraph(model)
-    edits = Edits(order={scope.gid: list(scope.graph.node) for scope in graph.scopes})
-    return emit(graph, edits, model).graph.SerializeToString()
+    return emit(graph, Edits.unchanged(graph), model).graph.SerializeToString()
 
 
 def odd_model() -> onnx.ModelProto:
@@ -75,3 +74,84 @@ def test_dead_nodes_and_unused_initializers_are_dropped_and_doc_strings_go():
     assert "unused" not in {t.name for t in out.initializer}
     assert not any(n.doc_string for n in out.node)
     assert out.node[0].attribute[0].t.HasField("name")  # GS names every tensor it writes
+
+
+def listed_graph_model(held_type: int, kept: bool) -> onnx.ModelProto:
+    """`s` is a float sequence; a custom op holds a graph (a GRAPHS attribute, which GS does not
+    import) that declares `s` with element type ``held_type``.  The custom op's output is a graph
+    output when ``kept``, else the node is dead."""
+    from onnx import helper
+    held = helper.make_graph([], "held", [], [helper.make_tensor_sequence_value_info("s", held_type, [2])])
+    nodes = [helper.make_node("SequenceConstruct", ["x"], ["s"], name="n0"),
+             helper.make_node("Op", ["x"], ["z"], name="n1", domain="custom", bodies=[held])]
+    outputs = [helper.make_tensor_sequence_value_info("s", onnx.TensorProto.FLOAT, [2])]
+    if kept:
+        outputs.append(helper.make_tensor_value_info("z", onnx.TensorProto.FLOAT, [2]))
+    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, [2])], outputs)
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid("custom", 1)])
+
+
+@pytest.mark.parametrize("kept", [True, False])
+def test_a_sequence_declared_twice_with_different_types_is_written_untyped(kept):
+    # The second declaration sits in a graph only a GRAPHS attribute holds, of a kept or a dead node.
+    out = emit_model(listed_graph_model(onnx.TensorProto.INT64, kept))
+    assert not out.graph.output[0].HasField("type")
+    same = emit_model(listed_graph_model(onnx.TensorProto.FLOAT, kept))
+    assert same.graph.output[0].type.sequence_type.elem_type.tensor_type.elem_type == onnx.TensorProto.FLOAT
+    assert [n.name for n in out.graph.node] == (["n0", "n1"] if kept else ["n0"])
+
+
+def emit_model(model: onnx.ModelProto, convert: bool = False) -> onnx.ModelProto:
+    graph = ModelGraph(model)
+    edits = Edits.unchanged(graph)
+    if convert:  # every float32 initializer to float16, as the rewrite records it
+        for name, info in graph.tensors.items():
+            if info.init is not None and info.dtype == onnx.TensorProto.FLOAT:
+                edits.converted[name] = (np.dtype(np.float16), onnx.TensorProto.FLOAT16)
+                edits.dtypes[name] = onnx.TensorProto.FLOAT16
+    return emit(graph, edits, model)
+
+
+def test_converted_initializers_keep_their_order_and_values_across_conversion_batches():
+    # More small initializers than one batch holds, with int64 ones and a large one among them.
+    from onnx import helper
+    rng = np.random.default_rng(0)
+    count = 2 * 2048 + 7
+    nodes, inits, prev = [], [], "x"
+    for i in range(count):
+        if i % 1000 == 500:
+            inits.append(onnx.numpy_helper.from_array(np.array([1, 4], np.int64), f"shape{i}"))
+            nodes.append(helper.make_node("Reshape", [prev, f"shape{i}"], [f"r{i}"], name=f"r{i}"))
+            prev = f"r{i}"
+        size = 20000 if i == 3000 else 4
+        inits.append(onnx.numpy_helper.from_array(rng.standard_normal((1, size)).astype(np.float32), f"b{i}"))
+        nodes.append(helper.make_node("Add", [prev, f"b{i}"], [f"a{i}"], name=f"a{i}"))
+        prev = f"a{i}"
+    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, [1, 4])],
+                              [helper.make_tensor_value_info(prev, onnx.TensorProto.FLOAT, None)], list(reversed(inits)))
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    out = emit_model(model, convert=True)
+    # GS's order: first use, not the order the model lists them in.
+    assert [t.name for t in out.graph.initializer] == [n.input[1] for n in nodes]
+    originals = {t.name: t for t in inits}
+    for tensor in out.graph.initializer:
+        source = onnx.numpy_helper.to_array(originals[tensor.name])
+        expected = source.astype(np.float16) if source.dtype == np.float32 else source
+        assert tensor.data_type == onnx.helper.np_dtype_to_tensor_dtype(expected.dtype)
+        np.testing.assert_array_equal(onnx.numpy_helper.to_array(tensor), expected)
+
+
+def test_casts_are_placed_after_their_producers_following_chains():
+    from onnx import helper
+
+    from onnxmp.rewrite import GraphNodes, NewCast, place_after_producers
+    g = helper.make_graph([helper.make_node("Relu", ["x"], ["a"], name="A"),
+                           helper.make_node("Split", ["a"], ["b", "c"], name="B", num_outputs=2),
+                           helper.make_node("Add", ["b", "c"], ["d"], name="C")], "g", [], [])
+    casts = [NewCast("c_on_c", "c", "c16", 10), NewCast("x_in", "x", "x16", 10), NewCast("b_on_b", "b", "b16", 10),
+             NewCast("again", "c16", "c32", 1), NewCast("d_out", "d", "d16", 10)]
+    placed = place_after_producers(GraphNodes.read(g), casts)
+    # Graph inputs first; then each node's followers by output, each Cast followed by those reading it.
+    assert placed.names == ["x_in", "A", "B", "b_on_b", "c_on_c", "again", "C", "d_out"]
+    assert placed.inputs[placed.names.index("again")] == ["c16"]
+    assert place_after_producers(GraphNodes.read(g), []).names == ["A", "B", "C"]
