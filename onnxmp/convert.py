@@ -24,7 +24,7 @@ from onnxmp.lists import TARGETS, ListOverrides, resolve_lists
 from onnxmp.load import ModelLike, load
 from onnxmp.normalize import normalize
 from onnxmp.precision import low_precision
-from onnxmp.report import Report, group_rows, head, tensor_core_advice, vertex_rows
+from onnxmp.report import Report, advice_records, group_rows, head, tensor_core_findings, vertex_rows
 from onnxmp.rewrite import rewrite
 from onnxmp.verify import check_input_model, io_signature, verify
 
@@ -62,6 +62,7 @@ class _StageBar:
     def close(self) -> None:
         if self.bar is not None:
             self.bar.close()
+            self.bar = None  # a later small model must not update (nor keep alive) this one
 
 
 _BAR = _StageBar()
@@ -113,10 +114,12 @@ def _analyse(proto: onnx.ModelProto, options: ColorOptions, timings: dict[str, f
         normalized = normalize(proto)
     with _timed(timings, "color"):
         colored = color(normalized.graph, options)
-    report = Report(target=options.target, precision=options.precision, level=options.level,
-                    vertices=vertex_rows(colored.coloring), timings=timings,
+    report = Report(target=options.target, precision=options.precision, level=options.level, timings=timings,
                     node_count=normalized.graph.node_count())
-    report.advice = tensor_core_advice(normalized.graph, colored.coloring)
+    coloring = colored.coloring  # final once color returns: the rows may be built at any later time
+    report.defer("vertices", lambda: vertex_rows(coloring))
+    findings = tensor_core_findings(normalized.graph, coloring)  # reads the model, which goes before verify
+    report.defer("advice", lambda: advice_records(findings))
     report.groups = group_rows(colored.coloring)
     if normalized.inference_error:
         report.shape_inference_error = normalized.inference_error

@@ -25,7 +25,7 @@ import onnx
 from onnx.external_data_helper import uses_external_data
 
 from onnxmp.errors import OnnxMPError
-from onnxmp.graphs import may_hold_graphs, proto_subgraphs
+from onnxmp.graphs import holders, may_hold_graphs, proto_subgraphs
 
 CHUNK = 64 << 20  # bytes copied per read when streaming external data
 SKELETON_DATA = "onnxmp-skeleton.bin"
@@ -51,25 +51,34 @@ def _subgraphs(attr: onnx.AttributeProto) -> list[onnx.GraphProto]:
 
 def _initializers(graph: onnx.GraphProto) -> Iterator[onnx.TensorProto]:
     yield from graph.initializer
-    for node in graph.node:
+    for node in holders(graph):
         for sub in proto_subgraphs(node):
             yield from _initializers(sub)
 
 
-def _attribute_tensors(graph) -> Iterator[onnx.TensorProto]:
-    for node in graph.node:
-        for attr in node.attribute:
-            if attr.type in _PLAIN:
-                continue  # the common case; such attributes hold no tensor nor graph
-            if attr.HasField("t"):
-                yield attr.t
-            yield from attr.tensors
-            for sub in _subgraphs(attr):
-                yield from _attribute_tensors(sub)
+def _attribute_tensors(graph, with_initializers: bool = False) -> Iterator[onnx.TensorProto]:
+    """Tensor-valued attributes of ``graph``'s nodes and of their bodies (with the bodies'
+    initializers too, when asked)."""
+    # One comprehension finds the few attributes that can hold a tensor or a graph.
+    for attr in [a for node in graph.node for a in node.attribute[:] if a.type not in _PLAIN]:
+        if attr.HasField("t"):
+            yield attr.t
+        yield from attr.tensors
+        for sub in _subgraphs(attr):
+            if with_initializers:
+                yield from sub.initializer
+            yield from _attribute_tensors(sub, with_initializers)
 
 
 def has_external_data(model: onnx.ModelProto) -> bool:
-    return any(t.data_location == onnx.TensorProto.EXTERNAL for t in all_tensors(model))
+    """Whether any tensor's data is external: ``all_tensors`` in one walk over the nodes
+    (the order does not matter here)."""
+    external = onnx.TensorProto.EXTERNAL
+    if any(t.data_location == external for t in model.graph.initializer):
+        return True
+    if any(t.data_location == external for t in _attribute_tensors(model.graph, with_initializers=True)):
+        return True
+    return any(t.data_location == external for f in model.functions for t in _attribute_tensors(f))
 
 
 def locations(model: onnx.ModelProto) -> set[str]:
@@ -172,7 +181,7 @@ def skeleton(model: onnx.ModelProto) -> onnx.ModelProto:
     out.opset_import.extend(model.opset_import)
     out.metadata_props.extend(model.metadata_props)
     out.functions.extend(model.functions)
-    out.graph.CopyFrom(_skeleton_graph(model.graph))
+    _skeleton_graph(model.graph, out.graph)
     return out
 
 
@@ -184,14 +193,17 @@ def _skeleton_tensor(tensor: onnx.TensorProto) -> onnx.TensorProto:
     return proto
 
 
-def _skeleton_graph(graph: onnx.GraphProto) -> onnx.GraphProto:
-    out = onnx.GraphProto(name=graph.name, doc_string=graph.doc_string)
+def _skeleton_graph(graph: onnx.GraphProto, out: onnx.GraphProto) -> None:
+    """Fill ``out`` (empty) with the skeleton of ``graph``, in place: no copy of the copy."""
+    out.name, out.doc_string = graph.name, graph.doc_string
     out.input.extend(graph.input)
     out.output.extend(graph.output)
     out.value_info.extend(graph.value_info)
     out.sparse_initializer.extend(graph.sparse_initializer)
     out.initializer.extend([_skeleton_tensor(t) for t in graph.initializer])
     out.node.extend(graph.node)  # one C++ copy; only nodes holding subgraphs are rebuilt below
+    if not holders(graph):
+        return
     for index, node in enumerate(graph.node):
         if not may_hold_graphs(node) or not any(
                 a.type in (onnx.AttributeProto.GRAPH, onnx.AttributeProto.GRAPHS) for a in node.attribute):
@@ -202,13 +214,13 @@ def _skeleton_graph(graph: onnx.GraphProto) -> onnx.GraphProto:
             a = copy.attribute.add()
             if attr.type == onnx.AttributeProto.GRAPH:
                 a.name, a.type, a.doc_string = attr.name, attr.type, attr.doc_string
-                a.g.CopyFrom(_skeleton_graph(attr.g))
+                _skeleton_graph(attr.g, a.g)
             elif attr.type == onnx.AttributeProto.GRAPHS:
                 a.name, a.type, a.doc_string = attr.name, attr.type, attr.doc_string
-                a.graphs.extend(_skeleton_graph(g) for g in attr.graphs)
+                for g in attr.graphs:
+                    _skeleton_graph(g, a.graphs.add())
             else:
                 a.CopyFrom(attr)
-    return out
 
 
 def write_with_external_data(model: onnx.ModelProto, path: Path, data_path: Path, final_data_name: str) -> None:

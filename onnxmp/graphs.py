@@ -32,15 +32,21 @@ def may_hold_graphs(node: onnx.NodeProto) -> bool:
     return node.op_type in _GRAPH_OPS or (node.domain not in ("", "ai.onnx") and len(node.attribute) > 0)
 
 
+def holders(graph: onnx.GraphProto) -> list[onnx.NodeProto]:
+    """The nodes of ``graph`` (not of its bodies) that may hold graphs: ``may_hold_graphs`` in one
+    comprehension, since walks call it on every node of every graph (usually to find none)."""
+    return [n for n in graph.node
+            if n.op_type in _GRAPH_OPS or (n.domain not in ("", "ai.onnx") and len(n.attribute) > 0)]
+
+
 def iter_graphs(graph: onnx.GraphProto, graph_id: str = MAIN, parent: onnx.NodeProto | None = None
                 ) -> Iterator[tuple[str, onnx.GraphProto, onnx.NodeProto | None]]:
     """The main graph, then every If/Loop/Scan body, depth first (the one subgraph walker)."""
     yield graph_id, graph, parent
-    for node in graph.node:
-        if may_hold_graphs(node):
-            for attr in node.attribute:
-                if attr.type == GRAPH:
-                    yield from iter_graphs(attr.g, f"{node.name}/{attr.name}", node)
+    for node in holders(graph):
+        for attr in node.attribute:
+            if attr.type == GRAPH:
+                yield from iter_graphs(attr.g, f"{node.name}/{attr.name}", node)
 
 
 def proto_subgraphs(node: onnx.NodeProto) -> Iterator[onnx.GraphProto]:
@@ -65,7 +71,7 @@ def proto_nodes(graph: onnx.GraphProto) -> Iterator[onnx.NodeProto]:
 def iter_proto_graphs(graph: onnx.GraphProto) -> Iterator[onnx.GraphProto]:
     """``graph`` and every subgraph in it (node attributes of type GRAPH or GRAPHS), depth first."""
     yield graph
-    for node in graph.node:
+    for node in holders(graph):
         for sub in proto_subgraphs(node):
             yield from iter_proto_graphs(sub)
 
@@ -77,7 +83,8 @@ class TensorInfo:
     """What GS's importer would know about one tensor (first declaration wins, as in GS).
 
     ``shape`` is ints, dim_param strings and None for unknown dims (None when unknown);
-    it is read from the declaration only when asked for: most tensors never need it.
+    it is read from the declaration (or the initializer's dims) only when asked for: most
+    tensors never need it.
     """
 
     __slots__ = ("name", "init", "dtype", "kind", "decl", "merged", "_shape")
@@ -95,7 +102,7 @@ class TensorInfo:
     @property
     def shape(self):
         if self._shape is _UNPARSED:
-            self._shape = _shape_of(self.decl)
+            self._shape = _shape_of(self.decl) if self.decl is not None else list(self.init.dims)
         return self._shape
 
     @shape.setter
@@ -123,18 +130,24 @@ class ModelGraph:
         self.scopes: list[Scope] = []
         self.opset = next((o.version for o in model.opset_import if o.domain in ("", "ai.onnx")), None)
         self.domains = {o.domain: o.version for o in model.opset_import}
-        self._import(model.graph, MAIN, None, None)
+        # Every node reads only graph inputs, initializers of its own or an enclosing graph, and
+        # outputs of earlier nodes.  Checked during the import, which reads each node's names anyway;
+        # False may be a false alarm (normalize.is_sorted then decides), True is certain.
+        self.in_order = True
+        self._import(model.graph, MAIN, None, None, frozenset())
 
     # -- GS importer rules ------------------------------------------------------------------
-    def _import(self, g: onnx.GraphProto, gid: str, parent: onnx.NodeProto | None, parent_scope: int | None) -> None:
+    def _import(self, g: onnx.GraphProto, gid: str, parent: onnx.NodeProto | None, parent_scope: int | None,
+                outer: frozenset[str]) -> None:
         index = len(self.scopes)
         scope = Scope(gid, g, parent, parent_scope)
         self.scopes.append(scope)
         tensors, local = self.tensors, scope.local
         for init in g.initializer:
-            if init.name not in tensors:
-                tensors[init.name] = TensorInfo(init.name, init=init, dtype=init.data_type, shape=list(init.dims))
-                local.add(init.name)
+            name = init.name
+            if name not in tensors:
+                tensors[name] = TensorInfo(name, init, init.data_type, _UNPARSED)
+                local.add(name)
         for sparse in g.sparse_initializer:
             name = sparse.values.name
             if name not in tensors:
@@ -142,38 +155,54 @@ class ModelGraph:
                                            shape=list(sparse.dims), kind="sparse_initializer")
                 local.add(name)
         for vi in g.value_info:
-            info = tensors.get(vi.name)
+            name = vi.name
+            info = tensors.get(name)
             if info is None:
-                tensors[vi.name] = _from_value_info(vi)
-                local.add(vi.name)
-            elif info.init is None and vi.name in local:
+                tensors[name] = _from_value_info(vi, name)
+                local.add(name)
+            elif info.init is None and name in local:
                 # GS overwrites with more information: falsy dtype/shape (None, 0, []) are replaced.
-                new = _from_value_info(vi)
+                new = _from_value_info(vi, name)
                 info.dtype = info.dtype or new.dtype
                 info.shape = info.shape or new.shape
                 info.merged = True
-        init_names = {t.name for t in g.initializer} | {t.values.name for t in g.sparse_initializer}
+        dense = {t.name for t in g.initializer}
+        init_names = dense | {t.values.name for t in g.sparse_initializer}
         for vi in g.input:
-            if vi.name not in init_names and vi.name not in local:
-                tensors[vi.name] = _from_value_info(vi)
-                local.add(vi.name)
+            name = vi.name
+            if name not in init_names and name not in local:
+                tensors[name] = _from_value_info(vi, name)
+                local.add(name)
         for vi in g.output:
-            if vi.name not in local:
-                tensors[vi.name] = _from_value_info(vi)
-                local.add(vi.name)
+            name = vi.name
+            if name not in local:
+                tensors[name] = _from_value_info(vi, name)
+                local.add(name)
+        # Bodies are imported where their node stands (GS's first-declaration rule depends on it);
+        # most graphs have none, and then the per-node check is skipped.
+        has_bodies = bool(holders(g))
+        known = set(outer).union(dense, [""], [vi.name for vi in g.input])  # defined so far (in_order)
         for node in g.node:
-            if may_hold_graphs(node):
+            inputs, outputs = node.input[:], node.output[:]  # plain lists: each read of a field makes new strs
+            # Everything in `known` is indexed already: in order, the inputs need no look-up.
+            defined = self.in_order and known.issuperset(inputs)
+            self.in_order = defined
+            if has_bodies and may_hold_graphs(node):
                 for attr in node.attribute:
                     if attr.type == GRAPH:
-                        self._import(attr.g, f"{node.name}/{attr.name}", node, index)
-            for name in node.input:
-                if name not in tensors and name:
-                    tensors[name] = TensorInfo(name)
-                    local.add(name)
-            for name in node.output:
-                if name not in local and name:
-                    tensors[name] = TensorInfo(name)
-                    local.add(name)
+                        self._import(attr.g, f"{node.name}/{attr.name}", node, index, frozenset(known))
+            if not defined:
+                for name in inputs:
+                    if name not in tensors and name:
+                        tensors[name] = TensorInfo(name)
+                        local.add(name)
+            if not local.issuperset(outputs):  # usually every output is declared (inferred value_info)
+                for name in outputs:
+                    if name not in local and name:
+                        tensors[name] = TensorInfo(name)
+                        local.add(name)
+            if self.in_order:
+                known.update(outputs)
 
     # -- queries ---------------------------------------------------------------------------------
     def opset_of(self, domain: str) -> int:
@@ -221,16 +250,16 @@ class ModelGraph:
         return self._by_graph[id(g)]
 
 
-def _from_value_info(vi: onnx.ValueInfoProto) -> TensorInfo:
-    info = TensorInfo(vi.name, decl=vi)
+def _from_value_info(vi: onnx.ValueInfoProto, name: str) -> TensorInfo:
     t = vi.type
-    if t.ByteSize() == 0:
-        return info
     kind = t.WhichOneof("value")
+    if kind == "tensor_type":  # the common case first
+        return TensorInfo(name, None, t.tensor_type.elem_type, _UNPARSED, kind, vi)
+    info = TensorInfo(name, decl=vi)
+    if kind is None and t.ByteSize() == 0:  # a set oneof field always serializes to some bytes
+        return info
     info.kind = kind
-    if kind == "tensor_type":
-        info.dtype = t.tensor_type.elem_type
-    elif kind == "sequence_type":
+    if kind == "sequence_type":
         info.dtype = t.sequence_type.elem_type.tensor_type.elem_type
     elif kind == "map_type":
         info.dtype = t.map_type.value_type
@@ -248,5 +277,5 @@ def _shape_of(vi: onnx.ValueInfoProto) -> list | None:
     t = vi.type.tensor_type
     if not t.HasField("shape"):
         return None
-    return [d.dim_param if d.HasField("dim_param") else (d.dim_value if d.HasField("dim_value") else None)
-            for d in t.shape.dim]
+    return [d.dim_value if which == "dim_value" else (d.dim_param if which else None)
+            for d in t.shape.dim for which in (d.WhichOneof("value"),)]

@@ -46,11 +46,12 @@ def load(model: ModelLike, *, lazy_external: bool = False) -> onnx.ModelProto:
             hint="the file may be truncated or not an ONNX protobuf; re-export it",
         ) from None
     _check_not_empty(proto, str(path))
-    if _uses_external_data(proto) and lazy_external:
+    external = _uses_external_data(proto)
+    if external and lazy_external:
         from onnxmp.external import make_locations_absolute
 
         make_locations_absolute(proto, path.parent)
-    elif _uses_external_data(proto):
+    elif external:
         try:
             onnx.load_external_data_for_model(proto, str(path.parent))
         except (OSError, ValueError) as exc:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from collections import Counter, defaultdict
 from dataclasses import asdict, dataclass, field
-from typing import TYPE_CHECKING, Any, Sequence, TypeVar
+from typing import TYPE_CHECKING, Any, Callable, Sequence, TypeVar
 
 import numpy as np
 import onnx
@@ -81,6 +81,20 @@ class Report:
     calibration: CalibrationReport | None = None  # set by convert(..., calibration=...)
     shape_inference_error: str | None = None
     groups: list[GroupRow] = field(default_factory=list)  # control-flow color groups (spec §5.7)
+
+    def defer(self, name: str, build: Callable[[], list]) -> None:
+        """Let ``vertices`` or ``advice`` be built by ``build()`` when first read: one record per
+        vertex (or per advice) is most of a report's cost and memory, and most conversions never
+        read them.  ``build`` must read only what no later stage changes."""
+        assert name in _DEFERRED
+        self.__dict__[f"_build_{name}"] = build
+
+    def __getstate__(self):
+        state = dict(self.__dict__)
+        for name in _DEFERRED:  # built now: a builder may not pickle
+            state.pop(f"_build_{name}", None)
+            state[f"_{name}"] = getattr(self, name)
+        return state
 
     # -- aggregates ---------------------------------------------------------------
     def color_counts(self) -> dict[str, int]:
@@ -176,6 +190,28 @@ class Report:
         return "\n".join(lines)
 
 
+_DEFERRED = ("vertices", "advice")
+
+
+def _deferred(name: str) -> property:
+    def get(report: Report) -> list:
+        build = report.__dict__.pop(f"_build_{name}", None)
+        if build is not None:
+            report.__dict__[f"_{name}"] = build()
+        return report.__dict__[f"_{name}"]
+
+    def set_(report: Report, value: list) -> None:
+        report.__dict__.pop(f"_build_{name}", None)
+        report.__dict__[f"_{name}"] = value
+
+    return property(get, set_)
+
+
+# Properties over the dataclass fields: asdict, repr, == and every reader see the built lists.
+for _name in _DEFERRED:
+    setattr(Report, _name, _deferred(_name))
+
+
 def _json_default(obj):
     if isinstance(obj, (np.integer,)):
         return int(obj)
@@ -206,31 +242,41 @@ def tensor_core_friendly(dim: int) -> bool:
     return dim % 8 == 0 or (dim < 256 and dim > 0 and dim & (dim - 1) == 0)
 
 
-def tensor_core_advice(graph: ModelGraph, state: Coloring) -> list[Advice]:
-    """For each low-precision MatMul/Gemm/Conv, name static K/N or channel dims that are not friendly."""
+def tensor_core_findings(graph: ModelGraph, state: Coloring) -> list[tuple[str, str, str, int]]:
+    """For each low-precision MatMul/Gemm/Conv, the static K/N or channel dims that are not friendly,
+    as (node, op, dimension, value): what the advice needs from the model (``advice_records``
+    makes the report's records)."""
     allow_nodes = {state.view.node_of(i) for i in state.allow_ids()}
-    advice: list[Advice] = []
-    for scope in graph.scopes:
-        for node in scope.graph.node:
-            if node.name not in allow_nodes or node.op_type not in TENSOR_CORE_OPS:
-                continue
-            for label, dim in _dims(graph, node):
-                if isinstance(dim, (int, np.integer)) and dim > 0 and not tensor_core_friendly(int(dim)):
-                    advice.append(Advice(node.name, node.op_type, label, int(dim),
-                                         f"{node.op_type} `{node.name}`: {label} = {dim} is not a multiple of 8 "
-                                         "(nor a power of two below 256); pad it for Tensor Cores"))
-    return advice
+    found = []
+    if not allow_nodes:
+        return found
+    for node in [n for scope in graph.scopes for n in scope.graph.node
+                 if n.op_type in TENSOR_CORE_OPS and n.name in allow_nodes]:
+        for label, dim in _dims(graph, node):
+            if isinstance(dim, (int, np.integer)) and dim > 0 and not tensor_core_friendly(int(dim)):
+                found.append((node.name, node.op_type, label, dim))
+    return found
+
+
+def advice_records(findings: list[tuple[str, str, str, int]]) -> list[Advice]:
+    return [Advice(node, op, label, int(dim),
+                   f"{op} `{node}`: {label} = {dim} is not a multiple of 8 "
+                   "(nor a power of two below 256); pad it for Tensor Cores")
+            for node, op, label, dim in findings]
 
 
 def _dims(graph: ModelGraph, node: onnx.NodeProto) -> list[tuple[str, Any]]:
+    inputs = node.input[:]
+
     def shape(i: int):
-        info = graph.tensors.get(node.input[i]) if node.input[i] else None
-        return None if info is None or info.shape is None else list(info.shape)
+        info = graph.tensors.get(inputs[i]) if inputs[i] else None
+        return None if info is None else info.shape  # read only
 
     def attr(name: str, default: int) -> int:
         return next((a.i for a in node.attribute if a.name == name), default)
 
-    if node.op_type == "MatMul" and len(node.input) >= 2:
+    op_type = node.op_type
+    if op_type == "MatMul" and len(inputs) >= 2:
         a, b = shape(0), shape(1)
         out = []
         if a and len(a) >= 1:
@@ -238,7 +284,7 @@ def _dims(graph: ModelGraph, node: onnx.NodeProto) -> list[tuple[str, Any]]:
         if b and len(b) >= 2:
             out.append(("N", b[-1]))
         return out
-    if node.op_type == "Gemm" and len(node.input) >= 2:
+    if op_type == "Gemm" and len(inputs) >= 2:
         a, b = shape(0), shape(1)
         ta, tb = attr("transA", 0), attr("transB", 0)
         out = []
@@ -247,12 +293,12 @@ def _dims(graph: ModelGraph, node: onnx.NodeProto) -> list[tuple[str, Any]]:
         if b and len(b) == 2:
             out.append(("N", b[0] if tb else b[1]))
         return out
-    if node.op_type in ("Conv", "ConvTranspose") and len(node.input) >= 2:
+    if op_type in ("Conv", "ConvTranspose") and len(inputs) >= 2:
         w = shape(1)
         if not w or len(w) < 2:
             return []
         group = int(attr("group", 1))
-        if node.op_type == "Conv":
+        if op_type == "Conv":
             return [("input channels", w[1] * group), ("output channels", w[0])]
         return [("input channels", w[0]), ("output channels", w[1] * group)]
     return []

@@ -6,6 +6,7 @@ topological-order check of every graph; any failure is an :class:`OnnxMPError`.
 from __future__ import annotations
 
 import logging
+import os
 import tempfile
 from typing import Callable
 
@@ -13,10 +14,11 @@ import onnx
 
 from onnxmp.errors import OnnxMPError, first_line
 from onnxmp.external import check_skeleton, has_external_data, skeleton
-from onnxmp.graphs import iter_proto_graphs, may_hold_graphs
+from onnxmp.graphs import holders, iter_proto_graphs, may_hold_graphs
 from onnxmp.normalize import make_node_names_unique, toposort_all
 
 SKELETON_ABOVE = 1 << 30  # bytes; well under protobuf's 2 GB serialization limit
+CHECK_FILE_BELOW = 64 << 20  # bytes; see full_check
 
 log = logging.getLogger("onnxmp.verify")
 
@@ -79,13 +81,38 @@ def reject_invalid_input(original: onnx.ModelProto | None) -> None:
 
 
 def full_check(model: onnx.ModelProto) -> None:
-    """onnx.checker with strict type inference; raises what the checker raises."""
-    if has_external_data(model) or model.ByteSize() > SKELETON_ABOVE:
-        # Neither the proto nor the weights fit protobuf's 2 GB: check a weightless skeleton by path.
+    """onnx.checker with strict type inference; raises what the checker raises.
+
+    A model under ``CHECK_FILE_BELOW`` bytes is checked from a temporary file: handed bytes,
+    onnx copies its parsed model once more for type inference, and for a graph of many nodes
+    that copy is several times the serialized size.  Bigger models are mostly weights, which
+    the file would only write out and read back.
+    """
+    data = None if has_external_data(model) else _serialized(model)
+    if data is None or len(data) > SKELETON_ABOVE:
+        del data
+        # Neither the proto nor the weights fit protobuf's 2 GB: check a weightless skeleton.
         with tempfile.TemporaryDirectory(prefix="onnxmp-verify-") as folder:
             onnx.checker.check_model(str(check_skeleton(model, folder)), full_check=True)
-    else:
-        onnx.checker.check_model(model, full_check=True)
+        return
+    if len(data) > CHECK_FILE_BELOW:
+        onnx.checker.check_model(data, full_check=True)
+        return
+    fd, path = tempfile.mkstemp(prefix="onnxmp-verify-", suffix=".onnx")  # a file only: cheaper than a folder
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+        del data
+        onnx.checker.check_model(path, full_check=True)
+    finally:
+        os.unlink(path)
+
+
+def _serialized(model: onnx.ModelProto) -> bytes | None:
+    try:
+        return model.SerializeToString()
+    except Exception:  # noqa: BLE001 (over 2 GB; the error type depends on the protobuf build)
+        return None
 
 
 def with_function_defaults(model: onnx.ModelProto) -> onnx.ModelProto | None:
@@ -125,20 +152,22 @@ def with_function_defaults(model: onnx.ModelProto) -> onnx.ModelProto | None:
 
 def check_topological(graph: onnx.GraphProto, where: str, outer: frozenset[str] = frozenset()) -> None:
     """Every node reads only tensors defined before it (inputs, initializers, outer scope)."""
-    known = set(outer) | {i.name for i in graph.input} | {i.name for i in graph.initializer} | {""}
-    known |= {i.name for i in graph.sparse_initializer}
+    known = set(outer).union([i.name for i in graph.input], [i.name for i in graph.initializer], [""],
+                             [i.values.name for i in graph.sparse_initializer])
+    has_bodies = bool(holders(graph))
     for node in graph.node:
-        if not known.issuperset(node.input):
-            name = next(n for n in node.input if n not in known)
+        inputs = node.input[:]
+        if not known.issuperset(inputs):
+            name = next(n for n in inputs if n not in known)
             raise OnnxMPError(
                 f"graph {where!r} is not topologically sorted: node `{node.name}` reads `{name}` "
                 "before it is produced", hint=_HINT)
-        if may_hold_graphs(node):
+        if has_bodies and may_hold_graphs(node):
             for attr in node.attribute:
                 subgraphs = [attr.g] if attr.type == onnx.AttributeProto.GRAPH else list(attr.graphs)
                 for sub in subgraphs:
                     check_topological(sub, f"{node.name}/{attr.name}", frozenset(known))
-        known.update(node.output)
+        known.update(node.output[:])  # a list: iterating the field itself is slower
 
 
 def type_signature(tp: onnx.TypeProto) -> tuple:

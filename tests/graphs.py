@@ -72,3 +72,16 @@ FLOAT, FLOAT16, BFLOAT16 = onnx.TensorProto.FLOAT, onnx.TensorProto.FLOAT16, onn
 
 __all__ = ["parse", "named", "header", "node_colors", "vertex", "count_op", "tensor_types", "node_by_name", "weight",
            "FLOAT", "FLOAT16", "BFLOAT16", "onnxmp"]
+
+
+def unsorted_relu_chain() -> onnx.ModelProto:
+    """``a = Relu(x); y = Relu(a)`` stored in reverse order, as some exporters write graphs."""
+    model = parse(header() + """
+    g (float[4] x) => (float[4] y) {
+        a = Relu(x)
+        y = Relu(a)
+    }""")
+    nodes = list(model.graph.node)
+    del model.graph.node[:]
+    model.graph.node.extend(reversed(nodes))
+    return model

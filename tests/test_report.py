@@ -37,3 +37,32 @@ def test_short_lists_have_no_more_line():
                               [helper.make_tensor_value_info("y", TP.FLOAT, [4])])
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8)
     assert "more" not in onnxmp.explain(model).summary()
+
+
+def _tiny_model():
+    graph = helper.make_graph([helper.make_node("MatMul", ["x", "w"], ["y"], name="mm")], "g",
+                              [helper.make_tensor_value_info("x", TP.FLOAT, [4, 3])],
+                              [helper.make_tensor_value_info("y", TP.FLOAT, [4, 3])],
+                              [numpy_helper.from_array(np.full((3, 3), 0.1, np.float32), "w")])
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8)
+
+
+def test_deferred_rows_are_built_once_and_read_like_plain_fields():
+    import pickle
+
+    from onnxmp.report import Report
+
+    report = onnxmp.convert(_tiny_model()).report
+    eager = onnxmp.explain(_tiny_model())
+    assert report.vertices == eager.vertices and report.advice == eager.advice
+    assert [a.dimension for a in report.advice] == ["K", "N"]
+    assert report.to_dict()["vertices"] == eager.to_dict()["vertices"]
+    copy = pickle.loads(pickle.dumps(report))
+    assert copy.vertices == report.vertices and copy.advice == report.advice
+    calls = []
+    later = Report("cuda", "float16", "default")
+    later.defer("vertices", lambda: calls.append(1) or ["row"])
+    assert later.vertices == ["row"] and later.vertices == ["row"] and calls == [1]
+    later.defer("advice", lambda: calls.append(2) or ["never built"])
+    later.advice = []
+    assert later.advice == [] and calls == [1]

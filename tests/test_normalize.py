@@ -1,0 +1,83 @@
+"""normalize and its index: the order check made during the import, unique names, external data."""
+from __future__ import annotations
+
+import numpy as np
+import onnx
+from onnx import TensorProto as TP
+from onnx import helper, numpy_helper
+
+from onnxmp.external import has_external_data
+from onnxmp.graphs import ModelGraph
+from onnxmp.normalize import is_sorted, make_node_names_unique, normalize
+from tests.graphs import header, parse, unsorted_relu_chain
+
+
+def _if_model(body_reads: str) -> onnx.ModelProto:
+    """An If whose then-branch reads ``body_reads`` from the main graph; ``late`` is produced after the If."""
+    then = helper.make_graph([helper.make_node("Relu", [body_reads], ["t"], name="then_relu")], "then", [],
+                             [helper.make_tensor_value_info("t", TP.FLOAT, [2])])
+    other = helper.make_graph([helper.make_node("Relu", ["x"], ["e"], name="else_relu")], "else", [],
+                              [helper.make_tensor_value_info("e", TP.FLOAT, [2])])
+    nodes = [helper.make_node("Identity", ["x"], ["early"], name="early"),
+             helper.make_node("If", ["c"], ["y"], name="if", then_branch=then, else_branch=other),
+             helper.make_node("Identity", ["x"], ["late"], name="late")]
+    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("c", TP.BOOL, []),
+                                           helper.make_tensor_value_info("x", TP.FLOAT, [2])],
+                              [helper.make_tensor_value_info("y", TP.FLOAT, [2]),
+                               helper.make_tensor_value_info("late", TP.FLOAT, [2])])
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8)
+
+
+def test_index_sees_a_sorted_graph_with_bodies_in_order():
+    model = _if_model("early")
+    assert ModelGraph(model).in_order
+    assert is_sorted(model.graph, set())
+
+
+def test_index_flags_a_body_reading_a_value_produced_after_its_node():
+    model = _if_model("late")
+    assert not ModelGraph(model).in_order
+    assert not is_sorted(model.graph, set())
+
+
+def test_index_flags_a_node_reading_a_later_output_and_normalize_sorts_it():
+    model = unsorted_relu_chain()
+    assert not ModelGraph(model).in_order
+    normalized = normalize(model)
+    assert normalized.result.details["resorted"] and normalized.graph.in_order
+    assert [n.output[0] for n in normalized.graph.model.graph.node] == ["a", "y"]
+
+
+def test_unique_names_are_left_alone_and_duplicates_renamed():
+    model = parse(header() + """
+    g (float[4] x) => (float[4] y) {
+        a = Relu(x)
+        y = Relu(a)
+    }""")
+    model.graph.node[0].name, model.graph.node[1].name = "first", "second"
+    assert make_node_names_unique(model.graph) == 0
+    model.graph.node[1].name = "first"
+    assert make_node_names_unique(model.graph) == 1
+    assert [n.name for n in model.graph.node] == ["first", "Relu_onnxmp_0"]
+
+
+def _external(tensor: onnx.TensorProto) -> onnx.TensorProto:
+    tensor.ClearField("raw_data")
+    entry = tensor.external_data.add()
+    entry.key, entry.value = "location", "weights.bin"
+    tensor.data_location = TP.EXTERNAL
+    return tensor
+
+
+def test_external_data_is_found_in_bodies_and_attributes_only_when_there():
+    model = _if_model("early")
+    assert not has_external_data(model)
+    then = model.graph.node[1].attribute[0].g
+    value = numpy_helper.from_array(np.ones(2, np.float32), "k")
+    then.node.append(helper.make_node("Constant", [], ["k"], name="k", value=value))
+    assert not has_external_data(model)
+    _external(then.node[-1].attribute[0].t)
+    assert has_external_data(model)
+    del then.node[-1]
+    then.initializer.append(_external(numpy_helper.from_array(np.ones(2, np.float32), "w")))
+    assert has_external_data(model)
