@@ -39,11 +39,14 @@ def holders(graph: onnx.GraphProto) -> list[onnx.NodeProto]:
             if n.op_type in _GRAPH_OPS or (n.domain not in ("", "ai.onnx") and len(n.attribute) > 0)]
 
 
-def iter_graphs(graph: onnx.GraphProto, graph_id: str = MAIN, parent: onnx.NodeProto | None = None
+def iter_graphs(graph: onnx.GraphProto, graph_id: str = MAIN, parent: onnx.NodeProto | None = None,
+                holding: list[onnx.NodeProto] | None = None
                 ) -> Iterator[tuple[str, onnx.GraphProto, onnx.NodeProto | None]]:
-    """The main graph, then every If/Loop/Scan body, depth first (the one subgraph walker)."""
+    """The main graph, then every If/Loop/Scan body, depth first (the one subgraph walker).
+
+    ``holding`` is ``holders(graph)`` when the caller has it already (it costs a pass over the nodes)."""
     yield graph_id, graph, parent
-    for node in holders(graph):
+    for node in holders(graph) if holding is None else holding:
         for attr in node.attribute:
             if attr.type == GRAPH:
                 yield from iter_graphs(attr.g, f"{node.name}/{attr.name}", node)
@@ -68,10 +71,12 @@ def proto_nodes(graph: onnx.GraphProto) -> Iterator[onnx.NodeProto]:
             yield from proto_nodes(sub)
 
 
-def iter_proto_graphs(graph: onnx.GraphProto) -> Iterator[onnx.GraphProto]:
-    """``graph`` and every subgraph in it (node attributes of type GRAPH or GRAPHS), depth first."""
+def iter_proto_graphs(graph: onnx.GraphProto, holding: list[onnx.NodeProto] | None = None
+                      ) -> Iterator[onnx.GraphProto]:
+    """``graph`` and every subgraph in it (node attributes of type GRAPH or GRAPHS), depth first;
+    ``holding`` as in :func:`iter_graphs`."""
     yield graph
-    for node in holders(graph):
+    for node in holders(graph) if holding is None else holding:
         for sub in proto_subgraphs(node):
             yield from iter_proto_graphs(sub)
 
@@ -124,7 +129,8 @@ class Scope:
 class ModelGraph:
     """The normalized model and its tensor index; built once, in one pass per graph."""
 
-    def __init__(self, model: onnx.ModelProto):
+    def __init__(self, model: onnx.ModelProto, holding: list[onnx.NodeProto] | None = None):
+        """``holding``: ``holders(model.graph)`` when the caller has it already."""
         self.model = model
         self.tensors: dict[str, TensorInfo] = {}
         self.scopes: list[Scope] = []
@@ -134,11 +140,11 @@ class ModelGraph:
         # outputs of earlier nodes.  Checked during the import, which reads each node's names anyway;
         # False may be a false alarm (normalize.is_sorted then decides), True is certain.
         self.in_order = True
-        self._import(model.graph, MAIN, None, None, frozenset())
+        self._import(model.graph, MAIN, None, None, frozenset(), holding)
 
     # -- GS importer rules ------------------------------------------------------------------
     def _import(self, g: onnx.GraphProto, gid: str, parent: onnx.NodeProto | None, parent_scope: int | None,
-                outer: frozenset[str]) -> None:
+                outer: frozenset[str], holding: list[onnx.NodeProto] | None = None) -> None:
         index = len(self.scopes)
         scope = Scope(gid, g, parent, parent_scope)
         self.scopes.append(scope)
@@ -180,7 +186,7 @@ class ModelGraph:
                 local.add(name)
         # Bodies are imported where their node stands (GS's first-declaration rule depends on it);
         # most graphs have none, and then the per-node check is skipped.
-        has_bodies = bool(holders(g))
+        has_bodies = bool(holders(g) if holding is None else holding)
         known = set(outer).union(dense, [""], [vi.name for vi in g.input])  # defined so far (in_order)
         for node in g.node:
             inputs, outputs = node.input[:], node.output[:]  # plain lists: each read of a field makes new strs

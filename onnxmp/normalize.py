@@ -26,45 +26,49 @@ class Normalized:
     inference_error: str | None = None
 
 
-def infer_types(model: onnx.ModelProto) -> tuple[onnx.ModelProto, str | None]:
+def infer_types(model: onnx.ModelProto, holding: list[onnx.NodeProto] | None = None
+                ) -> tuple[onnx.ModelProto, str | None]:
     """Shape inference, tolerant: unknown ops or opsets leave types unknown rather than fail.
 
     Vertices with unknown types are simply not painted (spec §1), and the report says why.
     Inference runs on a weightless view of the model (protobuf cannot serialize more
-    than 2 GB), and the inferred value_info is copied back into ``model``.
+    than 2 GB), and the inferred value_info is copied back into ``model``.  ``holding`` is
+    ``holders(model.graph)`` when the caller has it already.
     """
     try:
-        inferred = onnx.shape_inference.infer_shapes(_weightless(model), data_prop=True)
+        inferred = onnx.shape_inference.infer_shapes(_weightless(model, holding), data_prop=True)
     except Exception as exc:  # onnx raises InferenceError, ValidationError or RuntimeError
         message = first_line(exc)
         log.warning("shape inference failed (%s); types not declared in the model stay unknown", message)
         return model, message
-    _copy_value_info(inferred.graph, model.graph)
+    _copy_value_info(inferred.graph, model.graph, holding=holding)
     return model, None
 
 
-def _weightless(model: onnx.ModelProto) -> onnx.ModelProto:
+def _weightless(model: onnx.ModelProto, holding: list[onnx.NodeProto] | None = None) -> onnx.ModelProto:
     """The skeleton only when some initializer is big (or external): otherwise it would be a copy."""
-    for g in iter_proto_graphs(model.graph):
+    for g in iter_proto_graphs(model.graph, holding):
         for t in g.initializer:
             if t.data_location == onnx.TensorProto.EXTERNAL or len(t.raw_data) > SKELETON_TENSOR_BYTES:
                 return skeleton(model)
     return model
 
 
-def _copy_value_info(src: onnx.GraphProto, dst: onnx.GraphProto, main: bool = True) -> None:
+def _copy_value_info(src: onnx.GraphProto, dst: onnx.GraphProto, main: bool = True,
+                     holding: list[onnx.NodeProto] | None = None) -> None:
     """Inference keeps the graph's structure, so graphs and subgraphs pair up one to one.
 
     The main graph's declared input and output types are the model's interface and are kept
     as declared (inference may refine an output's shape, e.g. a sequence's element shape, and
     the converted model would then declare a different type); body I/O takes the inferred types.
-    ``src``, inference's throwaway result, is emptied on the way.
+    ``src``, inference's throwaway result, is emptied on the way.  ``holding``: ``holders(dst)``
+    when the caller has it.
     """
     for field in ("input", "output"):
         for a, b in zip(getattr(src, field), getattr(dst, field)):
             if not main or _refines(a.type, b.type):
                 b.type.CopyFrom(a.type)
-    if holders(dst):
+    if (holders(dst) if holding is None else holding):
         for n_src, n_dst in zip(src.node, dst.node):
             if not may_hold_graphs(n_dst):
                 continue
@@ -99,9 +103,12 @@ def normalize(model: onnx.ModelProto) -> Normalized:
 
     Works on ``model`` in place (callers pass the copy ``load`` made).
     """
-    inferred, error = infer_types(model)
-    renamed = make_node_names_unique(inferred.graph)
-    graph = ModelGraph(inferred)
+    # Each step walks every graph; the main graph's nodes that may hold bodies are found once
+    # (a pass over all nodes), since no step before the sort adds, removes or replaces a node.
+    holding = holders(model.graph)
+    inferred, error = infer_types(model, holding)
+    renamed = make_node_names_unique(inferred.graph, holding)
+    graph = ModelGraph(inferred, holding)
     sorted_changed = False
     if not graph.in_order:  # the index's check is strict; is_sorted decides, and sorting is rare
         sorted_changed = toposort_all(inferred)
@@ -113,13 +120,13 @@ def normalize(model: onnx.ModelProto) -> Normalized:
                       error)
 
 
-def make_node_names_unique(graph: onnx.GraphProto) -> int:
+def make_node_names_unique(graph: onnx.GraphProto, holding: list[onnx.NodeProto] | None = None) -> int:
     """Give unnamed and duplicate-named nodes deterministic names ``<op>_onnxmp_<n>``.
 
     The first node holding a name keeps it, so already-unique models are untouched.
-    Returns how many nodes were renamed.
+    Returns how many nodes were renamed.  ``holding``: ``holders(graph)`` when the caller has it.
     """
-    all_nodes = [n for _, g, _ in iter_graphs(graph) for n in g.node]
+    all_nodes = [n for _, g, _ in iter_graphs(graph, holding=holding) for n in g.node]
     taken = {n.name for n in all_nodes}
     if len(taken) == len(all_nodes) and "" not in taken:
         return 0  # the common case: every node named, once

@@ -1,7 +1,8 @@
 """Stage 5: verify.  Nothing half-converted leaves onnxmp.
 
-Checks the rewritten model with the full checker, strict type inference, and a
-topological-order check of every graph; any failure is an :class:`OnnxMPError`.
+Checks the rewritten model with the full checker and strict type inference; the checker also
+enforces topological order in every graph (a body may read only outer names defined before
+its node).  Any failure is an :class:`OnnxMPError`.
 """
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ import onnx
 
 from onnxmp.errors import OnnxMPError, first_line
 from onnxmp.external import check_skeleton, has_external_data, skeleton
-from onnxmp.graphs import holders, iter_proto_graphs, may_hold_graphs
+from onnxmp.graphs import iter_proto_graphs
 from onnxmp.normalize import make_node_names_unique, toposort_all
 
 SKELETON_ABOVE = 1 << 30  # bytes; well under protobuf's 2 GB serialization limit
@@ -45,7 +46,6 @@ def verify(model: onnx.ModelProto, *, keep_io_types: bool = True, original_io: t
         reject_invalid_input(reload_original() if reload_original is not None else None)
         raise OnnxMPError(f"converted model fails onnx.checker / strict type inference: {first_line(exc)}",
                           hint=_HINT) from None
-    check_topological(model.graph, "main")
     if original_io is not None and keep_io_types:
         _check_io_signatures(original_io, io_signature(model))
 
@@ -148,26 +148,6 @@ def with_function_defaults(model: onnx.ModelProto) -> onnx.ModelProto | None:
                     node.attribute.append(default)
                     changed = True
     return copy if changed else None
-
-
-def check_topological(graph: onnx.GraphProto, where: str, outer: frozenset[str] = frozenset()) -> None:
-    """Every node reads only tensors defined before it (inputs, initializers, outer scope)."""
-    known = set(outer).union([i.name for i in graph.input], [i.name for i in graph.initializer], [""],
-                             [i.values.name for i in graph.sparse_initializer])
-    has_bodies = bool(holders(graph))
-    for node in graph.node:
-        inputs = node.input[:]
-        if not known.issuperset(inputs):
-            name = next(n for n in inputs if n not in known)
-            raise OnnxMPError(
-                f"graph {where!r} is not topologically sorted: node `{node.name}` reads `{name}` "
-                "before it is produced", hint=_HINT)
-        if has_bodies and may_hold_graphs(node):
-            for attr in node.attribute:
-                subgraphs = [attr.g] if attr.type == onnx.AttributeProto.GRAPH else list(attr.graphs)
-                for sub in subgraphs:
-                    check_topological(sub, f"{node.name}/{attr.name}", frozenset(known))
-        known.update(node.output[:])  # a list: iterating the field itself is slower
 
 
 def type_signature(tp: onnx.TypeProto) -> tuple:

@@ -1,4 +1,4 @@
-"""verify: checker by file, the topological check, and what is left behind."""
+"""verify: checker by file, topological order (the checker's), and what is left behind."""
 from __future__ import annotations
 
 import os
@@ -10,30 +10,85 @@ import pytest
 from onnx import TensorProto as TP
 from onnx import helper, numpy_helper
 
+import onnxmp
 from onnxmp import verify
 from onnxmp.errors import OnnxMPError
-from onnxmp.verify import check_topological, full_check
+from onnxmp.verify import full_check
 from tests.graphs import header, parse, unsorted_relu_chain
 
 
-def _sparse_model() -> onnx.ModelProto:
+def _sparse_model(reads: str = "s") -> onnx.ModelProto:
+    """A node reading ``reads``; ``s`` is a sparse initializer.  The node is a custom op: no standard
+    op takes a sparse tensor, and strict type inference would refuse it for that."""
     values = numpy_helper.from_array(np.array([1.0], np.float32), "s")
     sparse = helper.make_sparse_tensor(values, numpy_helper.from_array(np.array([0], np.int64)), [2])
-    graph = helper.make_graph([helper.make_node("Add", ["x", "s"], ["y"], name="add")], "g",
-                              [helper.make_tensor_value_info("x", TP.FLOAT, [2])],
+    graph = helper.make_graph([helper.make_node("Foo", [reads], ["y"], name="foo", domain="my.dom")], "g", [],
                               [helper.make_tensor_value_info("y", TP.FLOAT, [2])], sparse_initializer=[sparse])
-    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8)
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid("my.dom", 1)],
+                             ir_version=8)
 
 
 def test_a_sparse_initializer_counts_as_defined():
-    check_topological(_sparse_model().graph, "main")  # raised AttributeError before
+    verify.verify(_sparse_model())  # onnxmp's own topological check raised AttributeError on it once
+    with pytest.raises(OnnxMPError, match="input 'nope' of node: name: foo"):
+        verify.verify(_sparse_model("nope"))
 
 
-def test_a_node_reading_a_later_output_is_named():
+def test_a_node_reading_a_later_output_is_rejected_and_named():
     model = unsorted_relu_chain()
     model.graph.node[0].name = "reads_a"
-    with pytest.raises(OnnxMPError, match="node `reads_a` reads `a` before it is produced"):
-        check_topological(model.graph, "main")
+    with pytest.raises(OnnxMPError, match="topologically sorted.*input 'a' of node: name: reads_a"):
+        verify.verify(model)
+
+
+def _if_model(reads: str, late: bool) -> onnx.ModelProto:
+    """An If whose then-branch reads ``reads`` from the main graph; with ``late`` the main graph
+    computes ``late`` only after the If, so the body reads it before it exists."""
+    out = lambda name: helper.make_tensor_value_info(name, TP.FLOAT, [2])  # noqa: E731
+    then = helper.make_graph([helper.make_node("Identity", [reads], ["t"], name="then_id")], "then", [], [out("t")])
+    other = helper.make_graph([helper.make_node("Identity", ["x"], ["e"], name="else_id")], "else", [], [out("e")])
+    late_node = helper.make_node("Relu", ["x"], ["late"], name="late")
+    nodes = [helper.make_node("Constant", [], ["c"], name="c", value=helper.make_tensor("cv", TP.BOOL, [], [True])),
+             helper.make_node("If", ["c"], ["o"], name="if", then_branch=then, else_branch=other),
+             helper.make_node("Add", ["o", "late"], ["y"], name="add")]
+    nodes.insert(2 if late else 0, late_node)
+    graph = helper.make_graph(nodes, "g", [out("x")], [out("y")])
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8)
+
+
+def test_a_body_may_read_an_outer_name_defined_before_its_node():
+    verify.verify(_if_model("late", late=False))
+    verify.verify(_if_model("x", late=True))
+
+
+def test_a_body_reading_an_outer_name_defined_after_its_node_is_rejected():
+    with pytest.raises(OnnxMPError, match="topologically sorted.*input 'late' of node: name: then_id"):
+        verify.verify(_if_model("late", late=True))
+
+
+def test_convert_rejects_an_emitted_model_out_of_order(monkeypatch):
+    """The converted model's order is checked, not only the input's (the input here is sorted)."""
+    import importlib
+
+    conv = importlib.import_module("onnxmp.convert")
+    emit = conv.emit
+
+    def reversed_emit(*args, **kwargs):
+        model = emit(*args, **kwargs)
+        nodes = list(model.graph.node)
+        del model.graph.node[:]
+        model.graph.node.extend(reversed(nodes))
+        return model
+
+    monkeypatch.setattr(conv, "emit", reversed_emit)
+    model = parse(header() + """
+    g (float[4,4] x, float[4,4] w) => (float[4,4] y) {
+        a = MatMul(x, w)
+        y = Relu(a)
+    }""")
+    with pytest.raises(OnnxMPError, match="converted model fails onnx.checker.*topologically sorted") as info:
+        onnxmp.convert(model)
+    assert "please report" in info.value.hint
 
 
 def _temp_files() -> set[str]:
