@@ -11,7 +11,7 @@ import numpy as np
 import onnx
 
 from onnxmp.color.rules import ALLOW, Coloring
-from onnxmp.graphs import ModelGraph
+from onnxmp.graphs import ModelGraph, TensorInfo
 from onnxmp.naming import json_safe
 
 if TYPE_CHECKING:
@@ -250,9 +250,10 @@ def tensor_core_findings(graph: ModelGraph, state: Coloring) -> list[tuple[str, 
     found = []
     if not allow_nodes:
         return found
+    tensors = graph.tensors
     for node in [n for scope in graph.scopes for n in scope.graph.node
                  if n.op_type in TENSOR_CORE_OPS and n.name in allow_nodes]:
-        for label, dim in _dims(graph, node):
+        for label, dim in _dims(tensors, node):
             if isinstance(dim, (int, np.integer)) and dim > 0 and not tensor_core_friendly(int(dim)):
                 found.append((node.name, node.op_type, label, dim))
     return found
@@ -265,40 +266,44 @@ def advice_records(findings: list[tuple[str, str, str, int]]) -> list[Advice]:
             for node, op, label, dim in findings]
 
 
-def _dims(graph: ModelGraph, node: onnx.NodeProto) -> list[tuple[str, Any]]:
+def _shape(tensors: dict[str, TensorInfo], name: str):
+    info = tensors.get(name) if name else None
+    return None if info is None else info.shape  # read only
+
+
+def _dims(tensors: dict[str, TensorInfo], node: onnx.NodeProto) -> list[tuple[str, Any]]:
+    # Called for every low-precision MatMul of a model: no closures, each shape read once.
     inputs = node.input[:]
-
-    def shape(i: int):
-        info = graph.tensors.get(inputs[i]) if inputs[i] else None
-        return None if info is None else info.shape  # read only
-
-    def attr(name: str, default: int) -> int:
-        return next((a.i for a in node.attribute if a.name == name), default)
-
+    if len(inputs) < 2:
+        return []
     op_type = node.op_type
-    if op_type == "MatMul" and len(inputs) >= 2:
-        a, b = shape(0), shape(1)
+    if op_type == "MatMul":
+        a, b = _shape(tensors, inputs[0]), _shape(tensors, inputs[1])
         out = []
         if a and len(a) >= 1:
             out.append(("K", a[-1]))
         if b and len(b) >= 2:
             out.append(("N", b[-1]))
         return out
-    if op_type == "Gemm" and len(inputs) >= 2:
-        a, b = shape(0), shape(1)
-        ta, tb = attr("transA", 0), attr("transB", 0)
+    if op_type == "Gemm":
+        a, b = _shape(tensors, inputs[0]), _shape(tensors, inputs[1])
+        ta, tb = _attr(node, "transA", 0), _attr(node, "transB", 0)
         out = []
         if a and len(a) == 2:
             out.append(("K", a[0] if ta else a[1]))
         if b and len(b) == 2:
             out.append(("N", b[0] if tb else b[1]))
         return out
-    if op_type in ("Conv", "ConvTranspose") and len(inputs) >= 2:
-        w = shape(1)
+    if op_type in ("Conv", "ConvTranspose"):
+        w = _shape(tensors, inputs[1])
         if not w or len(w) < 2:
             return []
-        group = int(attr("group", 1))
+        group = int(_attr(node, "group", 1))
         if op_type == "Conv":
             return [("input channels", w[1] * group), ("output channels", w[0])]
         return [("input channels", w[0]), ("output channels", w[1] * group)]
     return []
+
+
+def _attr(node: onnx.NodeProto, name: str, default: int) -> int:
+    return next((a.i for a in node.attribute if a.name == name), default)
