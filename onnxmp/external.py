@@ -70,9 +70,20 @@ def _attribute_tensors(graph, with_initializers: bool = False) -> Iterator[onnx.
             yield from _attribute_tensors(sub, with_initializers)
 
 
-def has_external_data(model: onnx.ModelProto) -> bool:
+# How every TensorProto with data_location = EXTERNAL serializes that field (field 14, varint 1).
+_EXTERNAL_FIELD = bytes([14 << 3, onnx.TensorProto.EXTERNAL])
+
+
+def has_external_data(model: onnx.ModelProto, serialized: bytes | None = None) -> bool:
     """Whether any tensor's data is external: ``all_tensors`` in one walk over the nodes
-    (the order does not matter here)."""
+    (the order does not matter here).
+
+    ``serialized`` (the model's bytes, when the caller has them) can spare the walk: bytes
+    without the field's encoding hold no external tensor, nested ones included.  Weights
+    usually contain those two bytes by chance, and then the walk decides.
+    """
+    if serialized is not None and _EXTERNAL_FIELD not in serialized:
+        return False
     external = onnx.TensorProto.EXTERNAL
     if any(t.data_location == external for t in model.graph.initializer):
         return True

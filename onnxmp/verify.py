@@ -88,10 +88,11 @@ def full_check(model: onnx.ModelProto) -> None:
     that copy is several times the serialized size.  Bigger models are mostly weights, which
     the file would only write out and read back.
     """
-    data = None if has_external_data(model) else _serialized(model)
-    if data is None or len(data) > SKELETON_ABOVE:
+    data = _serialized(model)
+    if data is None or len(data) > SKELETON_ABOVE or has_external_data(model, data):
         del data
-        # Neither the proto nor the weights fit protobuf's 2 GB: check a weightless skeleton.
+        # The weights are in other files, or the proto does not fit protobuf's 2 GB: check a
+        # weightless skeleton.
         with tempfile.TemporaryDirectory(prefix="onnxmp-verify-") as folder:
             onnx.checker.check_model(str(check_skeleton(model, folder)), full_check=True)
         return

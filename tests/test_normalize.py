@@ -69,15 +69,31 @@ def _external(tensor: onnx.TensorProto) -> onnx.TensorProto:
     return tensor
 
 
+def _has_external_data(model: onnx.ModelProto) -> bool:
+    """has_external_data, checked to say the same with the model's bytes at hand."""
+    found = has_external_data(model)
+    assert has_external_data(model, model.SerializeToString()) == found
+    return found
+
+
 def test_external_data_is_found_in_bodies_and_attributes_only_when_there():
     model = _if_model("early")
-    assert not has_external_data(model)
+    assert not _has_external_data(model)
     then = model.graph.node[1].attribute[0].g
     value = numpy_helper.from_array(np.ones(2, np.float32), "k")
     then.node.append(helper.make_node("Constant", [], ["k"], name="k", value=value))
-    assert not has_external_data(model)
+    assert not _has_external_data(model)
     _external(then.node[-1].attribute[0].t)
-    assert has_external_data(model)
+    assert _has_external_data(model)
     del then.node[-1]
     then.initializer.append(_external(numpy_helper.from_array(np.ones(2, np.float32), "w")))
-    assert has_external_data(model)
+    assert _has_external_data(model)
+
+
+def test_weights_that_hold_the_external_fields_bytes_are_not_external_data():
+    model = _if_model("early")
+    # 0x70 0x01 is how data_location = EXTERNAL serializes; here it is only weight bytes.
+    model.graph.initializer.append(numpy_helper.from_array(np.frombuffer(b"\x70\x01" * 4, np.float32), "w"))
+    data = model.SerializeToString()
+    assert bytes([0x70, 0x01]) in data
+    assert not has_external_data(model, data)
