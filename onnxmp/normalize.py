@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from itertools import chain
+from operator import attrgetter
 
 import onnx
 
@@ -17,6 +19,7 @@ from onnxmp.graphs import ModelGraph, holders, iter_graphs, iter_proto_graphs, m
 from onnxmp.passes import PassResult, require
 
 log = logging.getLogger("onnxmp.normalize")
+_NAME = attrgetter("name")
 
 
 @dataclass
@@ -126,10 +129,12 @@ def make_node_names_unique(graph: onnx.GraphProto, holding: list[onnx.NodeProto]
     The first node holding a name keeps it, so already-unique models are untouched.
     Returns how many nodes were renamed.  ``holding``: ``holders(graph)`` when the caller has it.
     """
-    all_nodes = [n for _, g, _ in iter_graphs(graph, holding=holding) for n in g.node]
-    taken = {n.name for n in all_nodes}
-    if len(taken) == len(all_nodes) and "" not in taken:
-        return 0  # the common case: every node named, once
+    graphs = [g for _, g, _ in iter_graphs(graph, holding=holding)]
+    # The common case, every node named once, reads only the names (no list of node objects).
+    taken = set(chain.from_iterable(map(_NAME, g.node) for g in graphs))
+    if len(taken) == sum(len(g.node) for g in graphs) and "" not in taken:
+        return 0
+    all_nodes = [n for g in graphs for n in g.node]
     seen: set[str] = set()
     renamed = 0
     counter = 0
