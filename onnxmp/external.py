@@ -180,11 +180,12 @@ def spill_folder() -> Path:
     return _SPILL[0]
 
 
-def skeleton(model: onnx.ModelProto) -> onnx.ModelProto:
+def skeleton(model: onnx.ModelProto, holding: list[onnx.NodeProto] | None = None) -> onnx.ModelProto:
     """A copy with every large tensor's data replaced by a reference to an empty stand-in file.
 
     Built field by field so the weights are never copied: protobuf cannot
     serialize more than 2 GB, and checker and type inference need only types.
+    ``holding`` is ``holders(model.graph)`` when the caller has it already.
     """
     out = onnx.ModelProto()
     for field in ("ir_version", "producer_name", "producer_version", "domain", "model_version", "doc_string"):
@@ -192,7 +193,7 @@ def skeleton(model: onnx.ModelProto) -> onnx.ModelProto:
     out.opset_import.extend(model.opset_import)
     out.metadata_props.extend(model.metadata_props)
     out.functions.extend(model.functions)
-    _skeleton_graph(model.graph, out.graph)
+    _skeleton_graph(model.graph, out.graph, holding)
     return out
 
 
@@ -204,7 +205,8 @@ def _skeleton_tensor(tensor: onnx.TensorProto) -> onnx.TensorProto:
     return proto
 
 
-def _skeleton_graph(graph: onnx.GraphProto, out: onnx.GraphProto) -> None:
+def _skeleton_graph(graph: onnx.GraphProto, out: onnx.GraphProto, holding: list[onnx.NodeProto] | None = None
+                    ) -> None:
     """Fill ``out`` (empty) with the skeleton of ``graph``, in place: no copy of the copy."""
     out.name, out.doc_string = graph.name, graph.doc_string
     out.input.extend(graph.input)
@@ -213,7 +215,7 @@ def _skeleton_graph(graph: onnx.GraphProto, out: onnx.GraphProto) -> None:
     out.sparse_initializer.extend(graph.sparse_initializer)
     out.initializer.extend([_skeleton_tensor(t) for t in graph.initializer])
     out.node.extend(graph.node)  # one C++ copy; only nodes holding subgraphs are rebuilt below
-    if not holders(graph):
+    if not (holders(graph) if holding is None else holding):
         return
     for index, node in enumerate(graph.node):
         if not may_hold_graphs(node) or not any(

@@ -53,7 +53,7 @@ def _weightless(model: onnx.ModelProto, holding: list[onnx.NodeProto] | None = N
     for g in iter_proto_graphs(model.graph, holding):
         for t in g.initializer:
             if t.data_location == onnx.TensorProto.EXTERNAL or len(t.raw_data) > SKELETON_TENSOR_BYTES:
-                return skeleton(model)
+                return skeleton(model, holding)
     return model
 
 
