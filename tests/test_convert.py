@@ -136,6 +136,21 @@ def test_tensor_core_advice_names_unfriendly_dims_only():
     assert not any(a.node == "y" and a.dimension == "N" for a in advice)  # 48 = 6 * 8
 
 
+def test_tensor_core_advice_reads_gemm_transposes_and_conv_groups():
+    model = parse(header() + """
+    g (float[30,8] x, float[24,30] w, float[2,12,5,5] img, float[12,6,3,3] k) => (float[8,24] y, float[2,12,3,3] c) {
+        y = Gemm <transA = 1, transB = 1> (x, w)
+        c = Conv <group = 2> (img, k)
+    }""")
+    for n in model.graph.node:
+        n.name = n.output[0]
+    flagged = [(a.node, a.op, a.dimension, a.value) for a in onnxmp.explain(model).advice]
+    # Gemm: K is x's first dim (transA), N is w's first (transB): 30 and 24, only 30 unfriendly.
+    # Conv: input channels = 6 * group = 12, output channels = 12: both unfriendly.
+    assert flagged == [("y", "Gemm", "K", 30), ("c", "Conv", "input channels", 12),
+                       ("c", "Conv", "output channels", 12)]
+
+
 def test_unnamed_and_duplicate_nodes_get_unique_names():
     model = parse(header() + """
     g (float[4,4] x, float[4,4] w) => (float[4,4] y) {
