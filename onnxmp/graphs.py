@@ -12,6 +12,8 @@ serves all graphs.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from itertools import chain
+from operator import attrgetter
 from typing import Iterator
 
 import onnx
@@ -25,6 +27,7 @@ GS_DEFAULT_OPSET = 11  # what onnx-graphsurgeon assumes for a model without an a
 
 # ai.onnx ops whose attributes hold graphs; nodes of other domains are checked one by one.
 _GRAPH_OPS = frozenset({"If", "Loop", "Scan", "SequenceMap"})
+_NAME = attrgetter("name")
 
 
 def may_hold_graphs(node: onnx.NodeProto) -> bool:
@@ -119,6 +122,12 @@ class Scope:
     parent: onnx.NodeProto | None
     parent_scope: int | None
     local: set[str] = field(default_factory=set)  # names GS registers in this graph's own map
+    # Each node's name and input and output names, in node order, read from the proto once (each
+    # read of a field makes new strs): the view, the rewrite and the emitter all walk these.
+    # An input is the very str its producer's output holds, so the names exist once.
+    names: list[str] = field(default_factory=list)
+    ins: list[tuple[str, ...]] = field(default_factory=list)
+    outs: list[tuple[str, ...]] = field(default_factory=list)
 
 
 class ModelGraph:
@@ -134,11 +143,11 @@ class ModelGraph:
         # outputs of earlier nodes.  Checked during the import, which reads each node's names anyway;
         # False may be a false alarm (normalize.is_sorted then decides), True is certain.
         self.in_order = True
-        self._import(model.graph, MAIN, None, None, frozenset())
+        self._import(model.graph, MAIN, None, None, {})
 
     # -- GS importer rules ------------------------------------------------------------------
     def _import(self, g: onnx.GraphProto, gid: str, parent: onnx.NodeProto | None, parent_scope: int | None,
-                outer: frozenset[str]) -> None:
+                outer: dict[str, str]) -> None:
         index = len(self.scopes)
         scope = Scope(gid, g, parent, parent_scope)
         self.scopes.append(scope)
@@ -181,16 +190,27 @@ class ModelGraph:
         # Bodies are imported where their node stands (GS's first-declaration rule depends on it);
         # most graphs have none, and then the per-node check is skipped.
         has_bodies = bool(holders(g))
-        known = set(outer).union(dense, [""], [vi.name for vi in g.input])  # defined so far (in_order)
+        # Defined so far (in_order; once out of order, only what the tuples share): name -> its first str.
+        known = dict(outer)
+        for name in chain(dense, [""], [vi.name for vi in g.input]):
+            known.setdefault(name, name)
+        get = known.get
+        add_ins, add_outs = scope.ins.append, scope.outs.append
         for node in g.node:
-            inputs, outputs = node.input[:], node.output[:]  # plain lists: each read of a field makes new strs
+            read = node.input[:]  # a plain list: each read of a field makes new strs
+            inputs = tuple(map(get, read))
             # Everything in `known` is indexed already: in order, the inputs need no look-up.
-            defined = self.in_order and known.issuperset(inputs)
+            defined = self.in_order and None not in inputs
             self.in_order = defined
+            if not defined:
+                inputs = tuple(map(get, read, read))
+            outputs = tuple(node.output[:])
+            add_ins(inputs)
+            add_outs(outputs)
             if has_bodies and may_hold_graphs(node):
                 for attr in node.attribute:
                     if attr.type == GRAPH:
-                        self._import(attr.g, f"{node.name}/{attr.name}", node, index, frozenset(known))
+                        self._import(attr.g, f"{node.name}/{attr.name}", node, index, dict(known))
             if not defined:
                 for name in inputs:
                     if name not in tensors and name:
@@ -201,8 +221,8 @@ class ModelGraph:
                     if name not in local and name:
                         tensors[name] = TensorInfo(name)
                         local.add(name)
-            if self.in_order:
-                known.update(outputs)
+            known.update(zip(outputs, outputs))  # also out of order: it still shares the strs
+        scope.names = list(map(_NAME, g.node))
 
     # -- queries ---------------------------------------------------------------------------------
     def opset_of(self, domain: str) -> int:

@@ -26,7 +26,7 @@ import numpy as np
 import onnx
 
 from onnxmp.color.rules import Coloring
-from onnxmp.graphs import MAIN, ModelGraph, TensorInfo
+from onnxmp.graphs import MAIN, ModelGraph, Scope, TensorInfo
 from onnxmp.naming import FreshNames
 from onnxmp.passes import PassResult, require
 from onnxmp.precision import FLOAT16, FLOAT32, low_precision
@@ -59,17 +59,17 @@ class NewCast:
 class GraphNodes:
     """One graph's nodes in order, NodeProtos and the NewCasts placed among them, with each
     one's name and its input and output names (the rewired ones where the rewrite changed them).
-    Read from the proto once: the rewrite and the emitter both walk these lists."""
+    The names are the index's (read from the proto once): the rewrite and the emitter both walk
+    these lists.  The index's tuples are shared; a rewired node gets a list of its own."""
 
     items: list                  # onnx.NodeProto | NewCast
     names: list[str]
-    inputs: list[list[str]]
-    outputs: list[list[str]]
+    inputs: list[Sequence[str]]
+    outputs: list[Sequence[str]]
 
     @classmethod
-    def read(cls, g: onnx.GraphProto) -> GraphNodes:
-        nodes = list(g.node)
-        return cls(nodes, [n.name for n in nodes], [n.input[:] for n in nodes], [n.output[:] for n in nodes])
+    def of(cls, scope: Scope) -> GraphNodes:
+        return cls(list(scope.graph.node), list(scope.names), list(scope.ins), list(scope.outs))
 
     def extend(self, other: GraphNodes, start: int, stop: int) -> None:
         """Append ``other``'s nodes ``start:stop``."""
@@ -99,7 +99,7 @@ class Edits:
     @classmethod
     def unchanged(cls, graph: ModelGraph) -> Edits:
         """No edits: the emitter then writes the model as a GS round trip would."""
-        return cls(graphs={scope.gid: GraphNodes.read(scope.graph) for scope in graph.scopes})
+        return cls(graphs={scope.gid: GraphNodes.of(scope) for scope in graph.scopes})
 
 
 def _fresh_names(graph: ModelGraph, node_names) -> FreshNames:
@@ -144,7 +144,7 @@ class _Rewriter:
         allow_ids = state.allow_ids()
         self.allow = set(allow_ids)
         self.allow_vertices = [view.by_id[vid] for vid in allow_ids]
-        self.nodes = [GraphNodes.read(scope.graph) for scope in graph.scopes]
+        self.nodes = [GraphNodes.of(scope) for scope in graph.scopes]
         self.constants = {info.name for info in graph.tensors.values() if info.init is not None}
 
         # Which inputs of each node read in low precision: bit i of low_inputs[node] for input i.
@@ -250,14 +250,14 @@ class _Rewriter:
                             self._retype_output(scope.gid, nodes, k, index)
 
     def _retype_output(self, graph_id: str, nodes: GraphNodes, k: int, index: int) -> None:
-        outputs = nodes.outputs[k]
-        name = outputs[index]
+        name = nodes.outputs[k][index]
         if name not in self.view.pinned or name in self.body_members:
             self._retype_in_place((name,))
             return
         # The outside world sees this name: write a renamed low tensor and restore the name with a Cast.
         low = self.names(f"{name}_onnxmp_{self.low_sfx}")
         self.edits.new_tensors[low] = self._like(name, low, self.low_enum)
+        outputs = nodes.outputs[k] = list(nodes.outputs[k])
         outputs[index] = low
         self.edits.outputs[nodes.names[k]] = outputs
         restore = NewCast(self.names(f"{name}_onnxmp_cast_fp32"), low, name, FLOAT)
@@ -326,7 +326,7 @@ class _Rewriter:
         for scope, nodes in zip(self.graph.scopes, self.nodes):
             graph_id, g = scope.gid, scope.graph
             shared: dict[tuple[str, int], str] = {}
-            for node_name, inputs in zip(nodes.names, nodes.inputs):
+            for k, (node_name, inputs) in enumerate(zip(nodes.names, nodes.inputs)):
                 mask = low_inputs.get(node_name, 0)
                 if mask == 0:
                     if low_as_is.keys().isdisjoint(inputs):
@@ -351,8 +351,10 @@ class _Rewriter:
                     else:
                         continue  # a float32 reader of a float32 value
                     if new != name:
+                        if node_name not in edited:
+                            inputs = nodes.inputs[k] = list(inputs)
+                            edited[node_name] = inputs
                         inputs[i] = new
-                        edited[node_name] = inputs
             if graph_id != MAIN:
                 for tensor in g.output:
                     if tensor.name in self.group_tensors:
