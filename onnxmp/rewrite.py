@@ -26,6 +26,7 @@ import numpy as np
 import onnx
 
 from onnxmp.color.rules import Coloring
+from onnxmp.color.vertices import RETARGETABLE
 from onnxmp.graphs import MAIN, ModelGraph, Scope, TensorInfo
 from onnxmp.naming import FreshNames
 from onnxmp.passes import PassResult, require
@@ -143,18 +144,21 @@ class _Rewriter:
         self.edits = Edits(low_np=self.low_np, low_enum=self.low_enum, raw_constants=set(state.read_constants))
         allow_ids = state.allow_ids()
         self.allow = set(allow_ids)
-        self.allow_vertices = [view.by_id[vid] for vid in allow_ids]
+        self.allow_ids = allow_ids
         self.nodes = [GraphNodes.of(scope) for scope in graph.scopes]
         self.constants = {info.name for info in graph.tensors.values() if info.init is not None}
 
         # Which inputs of each node read in low precision: bit i of low_inputs[node] for input i.
         self.low_inputs: dict[str, int] = {}
         low_inputs = self.low_inputs
-        for v in self.allow_vertices:
-            mask = low_inputs.get(v.node, 0)
-            for i, _ in v.inputs:
-                mask |= 1 << i
-            low_inputs[v.node] = mask
+        node_names, v_node, v_kind, float_io = view.node_names, view.v_node, view.v_kind, view.float_io
+        for vid in allow_ids:
+            node = node_names[v_node[vid]]
+            if vid in float_io:
+                mask = sum(1 << i for i, _ in view.inputs(vid))
+            else:
+                mask = v_kind[vid].group.in_mask
+            low_inputs[node] = low_inputs.get(node, 0) | mask
         # Control-flow groups that go low: their tensors are retyped as a whole (spec §5.7).
         self.group_tensors: set[str] = set()
         self.body_members: set[str] = set()  # formal body I/O of low groups: retyped, no longer pinned
@@ -213,14 +217,19 @@ class _Rewriter:
         pinned, body_members = view.pinned, self.body_members
         in_place: list[str] = []
         renaming: set[str] = set()  # nodes with an output the outside world sees: renamed below, in order
-        for vertex in self.allow_vertices:
-            for _, name in vertex.outputs:
-                if name in pinned and name not in body_members:
-                    renaming.add(vertex.node)
-                else:
-                    in_place.append(name)
-            if vertex.op_type in ("Cast", "Constant", "ConstantOfShape"):
-                self.edits.retargeted.add(vertex.node)
+        node_of, output_names, v_kind = view.node_of, view.output_names, view.v_kind
+        for vid in self.allow_ids:
+            names = output_names(vid)
+            if pinned.keys().isdisjoint(names):
+                in_place += names
+            else:
+                for name in names:
+                    if name in pinned and name not in body_members:
+                        renaming.add(node_of(vid))
+                    else:
+                        in_place.append(name)
+            if v_kind[vid].group.op.op_type in RETARGETABLE:
+                self.edits.retargeted.add(node_of(vid))
         self._retype_in_place(in_place)
         if renaming or self.group_outputs:
             self._retype_in_order(renaming)

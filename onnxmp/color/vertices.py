@@ -82,11 +82,12 @@ class _OpInfo:
 class _Group:
     """One type parameter of one (op, arity): the input and output positions that share it."""
 
-    __slots__ = ("op", "param", "in_idx", "out_idx", "pick_in", "pick_out")
+    __slots__ = ("op", "param", "in_idx", "out_idx", "pick_in", "pick_out", "in_mask")
 
     def __init__(self, op: _OpInfo, param: str, in_idx: tuple[int, ...], out_idx: tuple[int, ...]):
         self.op, self.param, self.in_idx, self.out_idx = op, param, in_idx, out_idx
         self.pick_in, self.pick_out = _picker(in_idx), _picker(out_idx)
+        self.in_mask = sum(1 << i for i in in_idx)  # bit i for input i (the rewrite's low inputs)
 
 
 def _picker(positions: tuple[int, ...]):
@@ -221,6 +222,13 @@ class TypeView:
         if cut is not None:
             return tuple(t for _, t in cut[0])
         return self.v_kind[vid].group.pick_in(self.node_ins[self.v_node[vid]])
+
+    def output_names(self, vid: int) -> tuple[str, ...]:
+        """The tensors the vertex writes, in output order."""
+        cut = self.float_io.get(vid)
+        if cut is not None:
+            return tuple(t for _, t in cut[1])
+        return self.v_kind[vid].group.pick_out(self.node_outs[self.v_node[vid]])
 
     def outputs(self, vid: int) -> list[tuple[int, str]]:
         """(output index, tensor name) of the vertex."""
