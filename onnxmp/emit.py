@@ -263,9 +263,8 @@ class _Emitter:
             out.value_info.extend(written)
         del written
         copies = out.value_info
-        for vi, dtype in zip(copies, retyped):
-            if dtype is not None:
-                vi.type.tensor_type.elem_type = dtype
+        for position in [i for i, dtype in enumerate(retyped) if dtype is not None]:
+            copies[position].type.tensor_type.elem_type = retyped[position]
         for position, name in renamed:
             copies[position].name = name
 
@@ -274,6 +273,7 @@ class _Emitter:
         (position, name) of the copies that take a new name."""
         new_tensors, tensors, dtypes = self.edits.new_tensors, self.tensors, self.edits.dtypes
         written, retyped, renamed = [], [], []
+        add_written, add_retyped = written.append, retyped.append
         for name in names:
             info = new_tensors.get(name)
             if info is not None:
@@ -282,18 +282,23 @@ class _Emitter:
                 info = tensors.get(name)
                 if info is None:
                     continue
+                decl = info.decl
                 dtype = dtypes.get(name)
-                if info.decl is None and dtype is None:
+                if decl is not None and not info.merged and (not check_each or _canonical(decl)):
+                    add_written(decl)  # the common case: an input declaration copied, maybe retyped
+                    add_retyped(dtype)
+                    continue
+                if decl is None and dtype is None:
                     continue
             decl = info.decl
             if decl is not None and not info.merged and (not check_each or _canonical(decl)):
                 if name in new_tensors:
                     renamed.append((len(written), name))
-                written.append(decl)
-                retyped.append(dtype)
+                add_written(decl)
+                add_retyped(dtype)
             elif self.dtype(name) is not None or info.shape is not None:
-                written.append(self.value_info(name))
-                retyped.append(None)
+                add_written(self.value_info(name))
+                add_retyped(None)
         return written, retyped, renamed
 
     def _used(self, nodes: GraphNodes, g: onnx.GraphProto, bodies) -> tuple[list[int] | None, list[int]]:

@@ -194,14 +194,15 @@ class ModelGraph:
         known = dict(outer)
         for name in chain(dense, [""], [vi.name for vi in g.input]):
             known.setdefault(name, name)
-        get = known.get
+        get, update_known = known.get, known.update
         add_ins, add_outs = scope.ins.append, scope.outs.append
+        defined = self.in_order
         for node in g.node:
             read = node.input[:]  # a plain list: each read of a field makes new strs
             inputs = tuple(map(get, read))
             # Everything in `known` is indexed already: in order, the inputs need no look-up.
-            defined = self.in_order and None not in inputs
-            self.in_order = defined
+            if defined and None in inputs:
+                defined = self.in_order = False
             if not defined:
                 inputs = tuple(map(get, read, read))
             outputs = tuple(node.output[:])
@@ -211,6 +212,7 @@ class ModelGraph:
                 for attr in node.attribute:
                     if attr.type == GRAPH:
                         self._import(attr.g, f"{node.name}/{attr.name}", node, index, dict(known))
+                defined = self.in_order
             if not defined:
                 for name in inputs:
                     if name not in tensors and name:
@@ -221,7 +223,7 @@ class ModelGraph:
                     if name not in local and name:
                         tensors[name] = TensorInfo(name)
                         local.add(name)
-            known.update(zip(outputs, outputs))  # also out of order: it still shares the strs
+            update_known(zip(outputs, outputs))  # also out of order: it still shares the strs
         scope.names = list(map(_NAME, g.node))
 
     # -- queries ---------------------------------------------------------------------------------
