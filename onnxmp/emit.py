@@ -418,8 +418,7 @@ def _cast_node(cast: NewCast) -> onnx.NodeProto:
 
 def _clean(node: onnx.NodeProto) -> bool:
     """True when GS would write the node back unchanged (the common case)."""
-    if node.doc_string or node.HasField("doc_string") or node.HasField("overload") or node.metadata_props \
-            or node.device_configurations:
+    if node.HasField("doc_string") or node.HasField("overload") or node.metadata_props or node.device_configurations:
         return False
     for attr in node.attribute:
         t = attr.type
