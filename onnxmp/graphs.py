@@ -194,7 +194,7 @@ class ModelGraph:
         known = dict(outer)
         for name in chain(dense, [""], [vi.name for vi in g.input]):
             known.setdefault(name, name)
-        get, update_known = known.get, known.update
+        get = known.get
         add_ins, add_outs = scope.ins.append, scope.outs.append
         defined = self.in_order
         for node in g.node:
@@ -223,7 +223,8 @@ class ModelGraph:
                     if name not in local and name:
                         tensors[name] = TensorInfo(name)
                         local.add(name)
-            update_known(zip(outputs, outputs))  # also out of order: it still shares the strs
+            for name in outputs:  # also out of order: it still shares the strs (a loop beats update(zip()))
+                known[name] = name
         scope.names = list(map(_NAME, g.node))
 
     # -- queries ---------------------------------------------------------------------------------
