@@ -61,8 +61,18 @@ def emit(graph: ModelGraph, edits: Edits, original: onnx.ModelProto) -> onnx.Mod
     for field_name in ("producer_name", "producer_version", "domain", "model_version", "doc_string"):
         setattr(model, field_name, getattr(original, field_name))
     model.metadata_props.extend(original.metadata_props)
-    restore_initializer_inputs(model, original)
+    # Graph inputs that are main-graph initializers, known from the index (reading every
+    # initializer's name again would cost more than the few inputs do).
+    restore_initializer_inputs(model, original,
+                               [vi.name for vi in original.graph.input if _dense_initializer(graph, vi.name)])
     return model
+
+
+def _dense_initializer(graph: ModelGraph, name: str) -> bool:
+    """A main-graph input ``name`` is one of the main graph's (dense) initializers: the main graph's
+    initializers are indexed before anything else, so its TensorInfo is the initializer's."""
+    info = graph.tensors.get(name)
+    return info is not None and info.init is not None and info.kind == TENSOR_KIND
 
 
 def initializer_inputs(model: onnx.ModelProto) -> tuple[str, ...]:
@@ -71,9 +81,9 @@ def initializer_inputs(model: onnx.ModelProto) -> tuple[str, ...]:
     return tuple(i.name for i in model.graph.input if i.name in inits)
 
 
-def restore_initializer_inputs(model: onnx.ModelProto, original: onnx.ModelProto) -> None:
-    """Initializers that were also graph inputs go back into the inputs, where they were."""
-    names = set(initializer_inputs(original))
+def restore_initializer_inputs(model: onnx.ModelProto, original: onnx.ModelProto, names: Iterable[str]) -> None:
+    """Initializers that were also graph inputs (``names``) go back into the inputs, where they were."""
+    names = set(names)
     if not names:
         return
     exported = {i.name: i for i in model.graph.input}
@@ -87,8 +97,7 @@ class _Emitter:
         self.model_graph = graph
         self.edits = edits
         self.tensors = graph.tensors
-        self.constants = {info.name for info in graph.tensors.values() if info.init is not None}
-        self.constants.update(edits.twins)
+        self.constants = graph.constants.union(edits.twins)
         self.sparse = {s.values.name: s for scope in graph.scopes for s in scope.graph.sparse_initializer}
         self.scope_of = {id(s.graph): i for i, s in enumerate(graph.scopes)}
         self.parents: list[dict[str, onnx.NodeProto]] = [{} for _ in graph.scopes]  # nodes holding each graph's bodies

@@ -11,6 +11,7 @@ serves all graphs.
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 from itertools import chain
 from operator import attrgetter
@@ -262,6 +263,11 @@ class ModelGraph:
                         if name not in defined:
                             seen[name] = None
         return list(seen)
+
+    @functools.cached_property
+    def constants(self) -> frozenset[str]:
+        """Names of every initializer (dense or sparse) of every graph; read by several stages."""
+        return frozenset(name for name, info in self.tensors.items() if info.init is not None)
 
     def _is_constant(self, name: str) -> bool:
         info = self.tensors.get(name)

@@ -146,7 +146,7 @@ class _Rewriter:
         self.allow = set(allow_ids)
         self.allow_ids = allow_ids
         self.nodes = [GraphNodes.of(scope) for scope in graph.scopes]
-        self.constants = {info.name for info in graph.tensors.values() if info.init is not None}
+        self.constants = graph.constants
 
         # Which inputs of each node read in low precision: bit i of low_inputs[node] for input i.
         self.low_inputs: dict[str, int] = {}

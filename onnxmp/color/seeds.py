@@ -226,8 +226,7 @@ def seed_deny_from_initializer_range(state: Coloring, graph: ModelGraph, *,
         raw_size = 0
 
     small: dict[str, np.ndarray] = {}  # other small constants, checked together
-    constants = {name for name, info in tensors.items() if info.init is not None}
-    constants.update(constant_at)
+    constants = graph.constants.union(constant_at)
     for k, ins in enumerate(view.node_ins):
         if constants.isdisjoint(ins):
             continue
