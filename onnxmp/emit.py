@@ -208,10 +208,10 @@ class _Emitter:
             self._note_listed_graphs(nodes.items[k])
         kept_inputs = nodes.inputs if kept is None else [nodes.inputs[k] for k in kept]
         kept_outputs = nodes.outputs if kept is None else [nodes.outputs[k] for k in kept]
-        init_names = {t.name for t in g.initializer}
+        gs_inputs = scope.inputs  # GS's graph inputs: neither a dense nor a sparse initializer of g
         if g.sparse_initializer:
-            init_names.update(t.values.name for t in g.sparse_initializer)
-        gs_inputs = [t.name for t in g.input if t.name not in init_names]
+            sparse = {t.values.name for t in g.sparse_initializer}
+            gs_inputs = [name for name in gs_inputs if name not in sparse]
         outputs = [t.name for t in g.output]
 
         # First mention wins: graph inputs, then each node's inputs and outputs, then graph outputs.

@@ -129,6 +129,7 @@ class Scope:
     names: list[str] = field(default_factory=list)
     ins: list[tuple[str, ...]] = field(default_factory=list)
     outs: list[tuple[str, ...]] = field(default_factory=list)
+    inputs: list[str] = field(default_factory=list)  # graph inputs that are no (dense) initializer of it
 
 
 class ModelGraph:
@@ -178,6 +179,7 @@ class ModelGraph:
                 info.merged = True
         dense = {t.name for t in g.initializer}
         init_names = dense | {t.values.name for t in g.sparse_initializer}
+        scope.inputs = [vi.name for vi in g.input if vi.name not in dense]
         for vi in g.input:
             name = vi.name
             if name not in init_names and name not in local:

@@ -173,7 +173,7 @@ class _Rewriter:
 
         self.fixed = set(view.pinned)
         for scope in graph.scopes:
-            self.fixed.update(self._gs_inputs(scope.graph))
+            self.fixed.update(scope.inputs)
             self.fixed.update(t.name for t in scope.graph.output)
         # Names are unique across scopes, so these maps serve every graph: a body reading an
         # outer low tensor reads it (or the renamed one) directly, without a round trip.
@@ -181,11 +181,6 @@ class _Rewriter:
         self.fp32_read: set[str] = set()  # initializers some node reads in float32
         self.new_nodes: dict[str, list[NewCast]] = {s.gid: [] for s in graph.scopes}
         self.twin_of: dict[str, str] = {}  # initializer -> its low twin
-
-    @staticmethod
-    def _gs_inputs(g: onnx.GraphProto) -> list[str]:
-        inits = {t.name for t in g.initializer}
-        return [t.name for t in g.input if t.name not in inits]
 
     # -- tensor state --------------------------------------------------------------------------
     def dtype(self, name: str):
@@ -235,7 +230,7 @@ class _Rewriter:
             self._retype_in_order(renaming)
         for scope in self.graph.scopes[1:]:
             # Body formal inputs of a low group (Loop carried values) take the low type.
-            self._retype_in_place([name for name in self._gs_inputs(scope.graph) if name in self.group_tensors])
+            self._retype_in_place([name for name in scope.inputs if name in self.group_tensors])
 
     def _retype_in_order(self, renaming: set[str]) -> None:
         """The renamed outputs of ALLOW vertices and the outputs of low control-flow groups, in
@@ -282,7 +277,7 @@ class _Rewriter:
     # -- phase 2 (keep_io_types=False) ------------------------------------------------------------
     def lower_main_inputs(self) -> None:
         """A float32 main-graph input whose readers all read low precision takes the low type."""
-        inputs = self._gs_inputs(self.graph.scopes[0].graph)
+        inputs = self.graph.scopes[0].inputs
         candidates = set(inputs)
         all_low: dict[str, bool] = {}  # input -> every reader so far reads low (absent: no reader)
         for nodes in self.nodes:

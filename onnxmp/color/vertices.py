@@ -577,10 +577,8 @@ def build_type_view(
         node_scope.extend(array("i", [scope_index]) * len(g.node))
         scope_name = "graph" if graph_id == "" else f"body {graph_id}"
         if graph_id != "" or keep_io_types:
-            init_names = {t.name for t in g.initializer}
-            for t in g.input:
-                if t.name not in init_names:
-                    pinned.setdefault(t.name, f"input of {scope_name}")
+            for name in scope.inputs:
+                pinned.setdefault(name, f"input of {scope_name}")
             for t in g.output:
                 pinned.setdefault(t.name, f"output of {scope_name}")
         # Bodies are scopes too, listed in node and attribute order: no need to walk every node here.
