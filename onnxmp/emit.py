@@ -34,13 +34,13 @@ import onnx
 from onnx.external_data_helper import uses_external_data
 
 from onnxmp.external import converted_external, tensor_array
-from onnxmp.graphs import GRAPH, GRAPHS, TENSOR_KIND, ModelGraph, TensorInfo, iter_proto_graphs, may_hold_graphs
+from onnxmp.graphs import (GRAPH, GRAPHS, TENSOR_KIND, TENSOR_OR_UNTYPED, ModelGraph, TensorInfo, iter_proto_graphs,
+                           may_hold_graphs)
 from onnxmp.rewrite import Edits, GraphNodes, NewCast
 
 A = onnx.AttributeProto
 _SIMPLE = (A.INT, A.FLOAT, A.STRING, A.TENSOR)
 _LISTS = (A.INTS, A.FLOATS, A.STRINGS)
-_TENSOR_OR_UNTYPED = frozenset({None, "tensor_type"})
 _CHUNK = 2048  # initializers converted per numpy call at most
 FLOAT = onnx.TensorProto.FLOAT
 
@@ -52,7 +52,7 @@ def emit(graph: ModelGraph, edits: Edits, original: onnx.ModelProto) -> onnx.Mod
     emitter = _Emitter(graph, edits)
     emitter.graph(0, model.graph)  # written in place: a copy of the whole graph would double its memory
     edits.emitted_casts = emitter.kept_casts[0]
-    declared = chain((scope.graph for scope in graph.scopes),
+    declared = chain((scope.graph for scope in graph.scopes if scope.non_tensor),
                      chain.from_iterable(iter_proto_graphs(g) for g in emitter.listed_graphs))
     _restore_non_tensor_types(model.graph, _non_tensor_types(declared))
     model.opset_import.extend(original.opset_import)
@@ -573,10 +573,10 @@ def _non_tensor_types(graphs: Iterable[onnx.GraphProto]) -> dict[str, onnx.TypeP
     ambiguous: set[str] = set()
     for g in graphs:
         for values in (g.input, g.output, g.value_info):
-            if {value.type.WhichOneof("value") for value in values} <= _TENSOR_OR_UNTYPED:
+            if {value.type.WhichOneof("value") for value in values} <= TENSOR_OR_UNTYPED:
                 continue
             for value in values:
-                if value.type.WhichOneof("value") in _TENSOR_OR_UNTYPED:
+                if value.type.WhichOneof("value") in TENSOR_OR_UNTYPED:
                     continue
                 known = types.setdefault(value.name, value.type)
                 if known != value.type:

@@ -23,6 +23,7 @@ MAIN = ""  # graph id of the main graph; subgraphs are "<node name>/<attribute>"
 GRAPH = onnx.AttributeProto.GRAPH
 GRAPHS = onnx.AttributeProto.GRAPHS
 TENSOR_KIND = "tensor_type"
+TENSOR_OR_UNTYPED = frozenset({None, TENSOR_KIND})
 GS_DEFAULT_OPSET = 11  # what onnx-graphsurgeon assumes for a model without an ai.onnx opset
 
 
@@ -130,6 +131,7 @@ class Scope:
     ins: list[tuple[str, ...]] = field(default_factory=list)
     outs: list[tuple[str, ...]] = field(default_factory=list)
     inputs: list[str] = field(default_factory=list)  # graph inputs that are no (dense) initializer of it
+    non_tensor: bool = False  # some input, output or value_info is a sequence, optional, map...
 
 
 class ModelGraph:
@@ -154,8 +156,10 @@ class ModelGraph:
         scope = Scope(gid, g, parent, parent_scope)
         self.scopes.append(scope)
         tensors, local = self.tensors, scope.local
+        dense = set()
         for init in g.initializer:
             name = init.name
+            dense.add(name)
             if name not in tensors:
                 tensors[name] = TensorInfo(name, init, init.data_type, _UNPARSED)
                 local.add(name)
@@ -165,19 +169,25 @@ class ModelGraph:
                 tensors[name] = TensorInfo(name, init=sparse.values, dtype=sparse.values.data_type,
                                            shape=list(sparse.dims), kind="sparse_initializer")
                 local.add(name)
+        kinds = set()  # the kinds of type the declarations have
         for vi in g.value_info:
             name = vi.name
             info = tensors.get(name)
             if info is None:
-                tensors[name] = _from_value_info(vi, name)
+                info = tensors[name] = _from_value_info(vi, name)
                 local.add(name)
+                kinds.add(info.kind)
             elif info.init is None and name in local:
                 # GS overwrites with more information: falsy dtype/shape (None, 0, []) are replaced.
                 new = _from_value_info(vi, name)
                 info.dtype = info.dtype or new.dtype
                 info.shape = info.shape or new.shape
                 info.merged = True
-        dense = {t.name for t in g.initializer}
+                kinds.add(new.kind)
+            else:
+                kinds.add(vi.type.WhichOneof("value"))
+        kinds.update(vi.type.WhichOneof("value") for vi in chain(g.input, g.output))
+        scope.non_tensor = not kinds <= TENSOR_OR_UNTYPED
         init_names = dense | {t.values.name for t in g.sparse_initializer}
         scope.inputs = [vi.name for vi in g.input if vi.name not in dense]
         for vi in g.input:
