@@ -11,7 +11,7 @@
   their name and dtype: the low-precision producer writes a renamed tensor and
   a Cast restores the original name.
 
-The rewrite reads each graph's node names, inputs and outputs once and records only
+The rewrite takes each graph's node names, inputs and outputs from the index (read once) and records only
 what changes (the inputs and outputs it rewires, tensors it retypes, initializers it
 converts, the Casts it adds); :mod:`onnxmp.emit` then writes the output model from the
 normalized one plus these edits.
