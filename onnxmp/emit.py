@@ -34,13 +34,13 @@ import onnx
 from onnx.external_data_helper import uses_external_data
 
 from onnxmp.external import converted_external, tensor_array
-from onnxmp.graphs import GRAPH, GRAPHS, TENSOR_KIND, ModelGraph, TensorInfo, iter_proto_graphs, may_hold_graphs
+from onnxmp.graphs import (GRAPH, GRAPHS, TENSOR_KIND, TENSOR_OR_UNTYPED, ModelGraph, TensorInfo, iter_proto_graphs,
+                           may_hold_graphs)
 from onnxmp.rewrite import Edits, GraphNodes, NewCast
 
 A = onnx.AttributeProto
 _SIMPLE = (A.INT, A.FLOAT, A.STRING, A.TENSOR)
 _LISTS = (A.INTS, A.FLOATS, A.STRINGS)
-_TENSOR_OR_UNTYPED = frozenset({None, "tensor_type"})
 _CHUNK = 2048  # initializers converted per numpy call at most
 FLOAT = onnx.TensorProto.FLOAT
 
@@ -52,7 +52,7 @@ def emit(graph: ModelGraph, edits: Edits, original: onnx.ModelProto) -> onnx.Mod
     emitter = _Emitter(graph, edits)
     emitter.graph(0, model.graph)  # written in place: a copy of the whole graph would double its memory
     edits.emitted_casts = emitter.kept_casts[0]
-    declared = chain((scope.graph for scope in graph.scopes),
+    declared = chain((scope.graph for scope in graph.scopes if scope.non_tensor),
                      chain.from_iterable(iter_proto_graphs(g) for g in emitter.listed_graphs))
     _restore_non_tensor_types(model.graph, _non_tensor_types(declared))
     model.opset_import.extend(original.opset_import)
@@ -61,8 +61,18 @@ def emit(graph: ModelGraph, edits: Edits, original: onnx.ModelProto) -> onnx.Mod
     for field_name in ("producer_name", "producer_version", "domain", "model_version", "doc_string"):
         setattr(model, field_name, getattr(original, field_name))
     model.metadata_props.extend(original.metadata_props)
-    restore_initializer_inputs(model, original)
+    # Graph inputs that are main-graph initializers, known from the index (reading every
+    # initializer's name again would cost more than the few inputs do).
+    restore_initializer_inputs(model, original,
+                               [vi.name for vi in original.graph.input if _dense_initializer(graph, vi.name)])
     return model
+
+
+def _dense_initializer(graph: ModelGraph, name: str) -> bool:
+    """A main-graph input ``name`` is one of the main graph's (dense) initializers: the main graph's
+    initializers are indexed before anything else, so its TensorInfo is the initializer's."""
+    info = graph.tensors.get(name)
+    return info is not None and info.init is not None and info.kind == TENSOR_KIND
 
 
 def initializer_inputs(model: onnx.ModelProto) -> tuple[str, ...]:
@@ -71,9 +81,9 @@ def initializer_inputs(model: onnx.ModelProto) -> tuple[str, ...]:
     return tuple(i.name for i in model.graph.input if i.name in inits)
 
 
-def restore_initializer_inputs(model: onnx.ModelProto, original: onnx.ModelProto) -> None:
-    """Initializers that were also graph inputs go back into the inputs, where they were."""
-    names = set(initializer_inputs(original))
+def restore_initializer_inputs(model: onnx.ModelProto, original: onnx.ModelProto, names: Iterable[str]) -> None:
+    """Initializers that were also graph inputs (``names``) go back into the inputs, where they were."""
+    names = set(names)
     if not names:
         return
     exported = {i.name: i for i in model.graph.input}
@@ -87,8 +97,7 @@ class _Emitter:
         self.model_graph = graph
         self.edits = edits
         self.tensors = graph.tensors
-        self.constants = {info.name for info in graph.tensors.values() if info.init is not None}
-        self.constants.update(edits.twins)
+        self.constants = graph.constants.union(edits.twins)
         self.sparse = {s.values.name: s for scope in graph.scopes for s in scope.graph.sparse_initializer}
         self.scope_of = {id(s.graph): i for i, s in enumerate(graph.scopes)}
         self.parents: list[dict[str, onnx.NodeProto]] = [{} for _ in graph.scopes]  # nodes holding each graph's bodies
@@ -199,10 +208,10 @@ class _Emitter:
             self._note_listed_graphs(nodes.items[k])
         kept_inputs = nodes.inputs if kept is None else [nodes.inputs[k] for k in kept]
         kept_outputs = nodes.outputs if kept is None else [nodes.outputs[k] for k in kept]
-        init_names = {t.name for t in g.initializer}
+        gs_inputs = scope.inputs  # GS's graph inputs: neither a dense nor a sparse initializer of g
         if g.sparse_initializer:
-            init_names.update(t.values.name for t in g.sparse_initializer)
-        gs_inputs = [t.name for t in g.input if t.name not in init_names]
+            sparse = {t.values.name for t in g.sparse_initializer}
+            gs_inputs = [name for name in gs_inputs if name not in sparse]
         outputs = [t.name for t in g.output]
 
         # First mention wins: graph inputs, then each node's inputs and outputs, then graph outputs.
@@ -263,9 +272,8 @@ class _Emitter:
             out.value_info.extend(written)
         del written
         copies = out.value_info
-        for vi, dtype in zip(copies, retyped):
-            if dtype is not None:
-                vi.type.tensor_type.elem_type = dtype
+        for position in [i for i, dtype in enumerate(retyped) if dtype is not None]:
+            copies[position].type.tensor_type.elem_type = retyped[position]
         for position, name in renamed:
             copies[position].name = name
 
@@ -274,6 +282,7 @@ class _Emitter:
         (position, name) of the copies that take a new name."""
         new_tensors, tensors, dtypes = self.edits.new_tensors, self.tensors, self.edits.dtypes
         written, retyped, renamed = [], [], []
+        add_written, add_retyped = written.append, retyped.append
         for name in names:
             info = new_tensors.get(name)
             if info is not None:
@@ -282,18 +291,23 @@ class _Emitter:
                 info = tensors.get(name)
                 if info is None:
                     continue
+                decl = info.decl
                 dtype = dtypes.get(name)
-                if info.decl is None and dtype is None:
+                if decl is not None and not info.merged and (not check_each or _canonical(decl)):
+                    add_written(decl)  # the common case: an input declaration copied, maybe retyped
+                    add_retyped(dtype)
+                    continue
+                if decl is None and dtype is None:
                     continue
             decl = info.decl
             if decl is not None and not info.merged and (not check_each or _canonical(decl)):
                 if name in new_tensors:
                     renamed.append((len(written), name))
-                written.append(decl)
-                retyped.append(dtype)
+                add_written(decl)
+                add_retyped(dtype)
             elif self.dtype(name) is not None or info.shape is not None:
-                written.append(self.value_info(name))
-                retyped.append(None)
+                add_written(self.value_info(name))
+                add_retyped(None)
         return written, retyped, renamed
 
     def _used(self, nodes: GraphNodes, g: onnx.GraphProto, bodies) -> tuple[list[int] | None, list[int]]:
@@ -413,8 +427,7 @@ def _cast_node(cast: NewCast) -> onnx.NodeProto:
 
 def _clean(node: onnx.NodeProto) -> bool:
     """True when GS would write the node back unchanged (the common case)."""
-    if node.doc_string or node.HasField("doc_string") or node.HasField("overload") or node.metadata_props \
-            or node.device_configurations:
+    if node.HasField("doc_string") or node.HasField("overload") or node.metadata_props or node.device_configurations:
         return False
     for attr in node.attribute:
         t = attr.type
@@ -560,10 +573,10 @@ def _non_tensor_types(graphs: Iterable[onnx.GraphProto]) -> dict[str, onnx.TypeP
     ambiguous: set[str] = set()
     for g in graphs:
         for values in (g.input, g.output, g.value_info):
-            if {value.type.WhichOneof("value") for value in values} <= _TENSOR_OR_UNTYPED:
+            if {value.type.WhichOneof("value") for value in values} <= TENSOR_OR_UNTYPED:
                 continue
             for value in values:
-                if value.type.WhichOneof("value") in _TENSOR_OR_UNTYPED:
+                if value.type.WhichOneof("value") in TENSOR_OR_UNTYPED:
                     continue
                 known = types.setdefault(value.name, value.type)
                 if known != value.type:

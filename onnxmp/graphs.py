@@ -11,7 +11,10 @@ serves all graphs.
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
+from itertools import chain
+from operator import attrgetter
 from typing import Iterator
 
 import onnx
@@ -20,11 +23,13 @@ MAIN = ""  # graph id of the main graph; subgraphs are "<node name>/<attribute>"
 GRAPH = onnx.AttributeProto.GRAPH
 GRAPHS = onnx.AttributeProto.GRAPHS
 TENSOR_KIND = "tensor_type"
+TENSOR_OR_UNTYPED = frozenset({None, TENSOR_KIND})
 GS_DEFAULT_OPSET = 11  # what onnx-graphsurgeon assumes for a model without an ai.onnx opset
 
 
 # ai.onnx ops whose attributes hold graphs; nodes of other domains are checked one by one.
 _GRAPH_OPS = frozenset({"If", "Loop", "Scan", "SequenceMap"})
+_NAME = attrgetter("name")
 
 
 def may_hold_graphs(node: onnx.NodeProto) -> bool:
@@ -124,6 +129,14 @@ class Scope:
     parent: onnx.NodeProto | None
     parent_scope: int | None
     local: set[str] = field(default_factory=set)  # names GS registers in this graph's own map
+    # Each node's name and input and output names, in node order, read from the proto once (each
+    # read of a field makes new strs): the view, the rewrite and the emitter all walk these.
+    # An input is the very str its producer's output holds, so the names exist once.
+    names: list[str] = field(default_factory=list)
+    ins: list[tuple[str, ...]] = field(default_factory=list)
+    outs: list[tuple[str, ...]] = field(default_factory=list)
+    inputs: list[str] = field(default_factory=list)  # graph inputs that are no (dense) initializer of it
+    non_tensor: bool = False  # some input, output or value_info is a sequence, optional, map...
 
 
 class ModelGraph:
@@ -140,17 +153,19 @@ class ModelGraph:
         # outputs of earlier nodes.  Checked during the import, which reads each node's names anyway;
         # False may be a false alarm (normalize.is_sorted then decides), True is certain.
         self.in_order = True
-        self._import(model.graph, MAIN, None, None, frozenset(), holding)
+        self._import(model.graph, MAIN, None, None, {}, holding)
 
     # -- GS importer rules ------------------------------------------------------------------
     def _import(self, g: onnx.GraphProto, gid: str, parent: onnx.NodeProto | None, parent_scope: int | None,
-                outer: frozenset[str], holding: list[onnx.NodeProto] | None = None) -> None:
+                outer: dict[str, str], holding: list[onnx.NodeProto] | None = None) -> None:
         index = len(self.scopes)
         scope = Scope(gid, g, parent, parent_scope)
         self.scopes.append(scope)
         tensors, local = self.tensors, scope.local
+        dense = set()
         for init in g.initializer:
             name = init.name
+            dense.add(name)
             if name not in tensors:
                 tensors[name] = TensorInfo(name, init, init.data_type, _UNPARSED)
                 local.add(name)
@@ -160,20 +175,27 @@ class ModelGraph:
                 tensors[name] = TensorInfo(name, init=sparse.values, dtype=sparse.values.data_type,
                                            shape=list(sparse.dims), kind="sparse_initializer")
                 local.add(name)
+        kinds = set()  # the kinds of type the declarations have
         for vi in g.value_info:
             name = vi.name
             info = tensors.get(name)
             if info is None:
-                tensors[name] = _from_value_info(vi, name)
+                info = tensors[name] = _from_value_info(vi, name)
                 local.add(name)
+                kinds.add(info.kind)
             elif info.init is None and name in local:
                 # GS overwrites with more information: falsy dtype/shape (None, 0, []) are replaced.
                 new = _from_value_info(vi, name)
                 info.dtype = info.dtype or new.dtype
                 info.shape = info.shape or new.shape
                 info.merged = True
-        dense = {t.name for t in g.initializer}
+                kinds.add(new.kind)
+            else:
+                kinds.add(vi.type.WhichOneof("value"))
+        kinds.update(vi.type.WhichOneof("value") for vi in chain(g.input, g.output))
+        scope.non_tensor = not kinds <= TENSOR_OR_UNTYPED
         init_names = dense | {t.values.name for t in g.sparse_initializer}
+        scope.inputs = [vi.name for vi in g.input if vi.name not in dense]
         for vi in g.input:
             name = vi.name
             if name not in init_names and name not in local:
@@ -187,16 +209,29 @@ class ModelGraph:
         # Bodies are imported where their node stands (GS's first-declaration rule depends on it);
         # most graphs have none, and then the per-node check is skipped.
         has_bodies = bool(holders(g) if holding is None else holding)
-        known = set(outer).union(dense, [""], [vi.name for vi in g.input])  # defined so far (in_order)
+        # Defined so far (in_order; once out of order, only what the tuples share): name -> its first str.
+        known = dict(outer)
+        for name in chain(dense, [""], [vi.name for vi in g.input]):
+            known.setdefault(name, name)
+        get = known.get
+        add_ins, add_outs = scope.ins.append, scope.outs.append
+        defined = self.in_order
         for node in g.node:
-            inputs, outputs = node.input[:], node.output[:]  # plain lists: each read of a field makes new strs
+            read = node.input[:]  # a plain list: each read of a field makes new strs
+            inputs = tuple(map(get, read))
             # Everything in `known` is indexed already: in order, the inputs need no look-up.
-            defined = self.in_order and known.issuperset(inputs)
-            self.in_order = defined
+            if defined and None in inputs:
+                defined = self.in_order = False
+            if not defined:
+                inputs = tuple(map(get, read, read))
+            outputs = tuple(node.output[:])
+            add_ins(inputs)
+            add_outs(outputs)
             if has_bodies and may_hold_graphs(node):
                 for attr in node.attribute:
                     if attr.type == GRAPH:
-                        self._import(attr.g, f"{node.name}/{attr.name}", node, index, frozenset(known))
+                        self._import(attr.g, f"{node.name}/{attr.name}", node, index, dict(known))
+                defined = self.in_order
             if not defined:
                 for name in inputs:
                     if name not in tensors and name:
@@ -207,8 +242,9 @@ class ModelGraph:
                     if name not in local and name:
                         tensors[name] = TensorInfo(name)
                         local.add(name)
-            if self.in_order:
-                known.update(outputs)
+            for name in outputs:  # also out of order: it still shares the strs (a loop beats update(zip()))
+                known[name] = name
+        scope.names = list(map(_NAME, g.node))
 
     # -- queries ---------------------------------------------------------------------------------
     def opset_of(self, domain: str) -> int:
@@ -245,6 +281,11 @@ class ModelGraph:
                         if name not in defined:
                             seen[name] = None
         return list(seen)
+
+    @functools.cached_property
+    def constants(self) -> frozenset[str]:
+        """Names of every initializer (dense or sparse) of every graph; read by several stages."""
+        return frozenset(name for name, info in self.tensors.items() if info.init is not None)
 
     def _is_constant(self, name: str) -> bool:
         info = self.tensors.get(name)

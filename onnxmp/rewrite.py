@@ -11,7 +11,7 @@
   their name and dtype: the low-precision producer writes a renamed tensor and
   a Cast restores the original name.
 
-The rewrite reads each graph's node names, inputs and outputs once and records only
+The rewrite takes each graph's node names, inputs and outputs from the index (read once) and records only
 what changes (the inputs and outputs it rewires, tensors it retypes, initializers it
 converts, the Casts it adds); :mod:`onnxmp.emit` then writes the output model from the
 normalized one plus these edits.
@@ -26,7 +26,8 @@ import numpy as np
 import onnx
 
 from onnxmp.color.rules import Coloring
-from onnxmp.graphs import MAIN, ModelGraph, TensorInfo
+from onnxmp.color.vertices import RETARGETABLE
+from onnxmp.graphs import MAIN, ModelGraph, Scope, TensorInfo
 from onnxmp.naming import FreshNames
 from onnxmp.passes import PassResult, require
 from onnxmp.precision import FLOAT16, FLOAT32, low_precision
@@ -59,17 +60,17 @@ class NewCast:
 class GraphNodes:
     """One graph's nodes in order, NodeProtos and the NewCasts placed among them, with each
     one's name and its input and output names (the rewired ones where the rewrite changed them).
-    Read from the proto once: the rewrite and the emitter both walk these lists."""
+    The names are the index's (read from the proto once): the rewrite and the emitter both walk
+    these lists.  The index's tuples are shared; a rewired node gets a list of its own."""
 
     items: list                  # onnx.NodeProto | NewCast
     names: list[str]
-    inputs: list[list[str]]
-    outputs: list[list[str]]
+    inputs: list[Sequence[str]]
+    outputs: list[Sequence[str]]
 
     @classmethod
-    def read(cls, g: onnx.GraphProto) -> GraphNodes:
-        nodes = list(g.node)
-        return cls(nodes, [n.name for n in nodes], [n.input[:] for n in nodes], [n.output[:] for n in nodes])
+    def of(cls, scope: Scope) -> GraphNodes:
+        return cls(list(scope.graph.node), list(scope.names), list(scope.ins), list(scope.outs))
 
     def extend(self, other: GraphNodes, start: int, stop: int) -> None:
         """Append ``other``'s nodes ``start:stop``."""
@@ -99,7 +100,7 @@ class Edits:
     @classmethod
     def unchanged(cls, graph: ModelGraph) -> Edits:
         """No edits: the emitter then writes the model as a GS round trip would."""
-        return cls(graphs={scope.gid: GraphNodes.read(scope.graph) for scope in graph.scopes})
+        return cls(graphs={scope.gid: GraphNodes.of(scope) for scope in graph.scopes})
 
 
 def _fresh_names(graph: ModelGraph, node_names) -> FreshNames:
@@ -143,18 +144,21 @@ class _Rewriter:
         self.edits = Edits(low_np=self.low_np, low_enum=self.low_enum, raw_constants=set(state.read_constants))
         allow_ids = state.allow_ids()
         self.allow = set(allow_ids)
-        self.allow_vertices = [view.by_id[vid] for vid in allow_ids]
-        self.nodes = [GraphNodes.read(scope.graph) for scope in graph.scopes]
-        self.constants = {info.name for info in graph.tensors.values() if info.init is not None}
+        self.allow_ids = allow_ids
+        self.nodes = [GraphNodes.of(scope) for scope in graph.scopes]
+        self.constants = graph.constants
 
         # Which inputs of each node read in low precision: bit i of low_inputs[node] for input i.
         self.low_inputs: dict[str, int] = {}
         low_inputs = self.low_inputs
-        for v in self.allow_vertices:
-            mask = low_inputs.get(v.node, 0)
-            for i, _ in v.inputs:
-                mask |= 1 << i
-            low_inputs[v.node] = mask
+        node_names, v_node, v_kind, float_io = view.node_names, view.v_node, view.v_kind, view.float_io
+        for vid in allow_ids:
+            node = node_names[v_node[vid]]
+            if vid in float_io:
+                mask = sum(1 << i for i, _ in view.inputs(vid))
+            else:
+                mask = v_kind[vid].group.in_mask
+            low_inputs[node] = low_inputs.get(node, 0) | mask
         # Control-flow groups that go low: their tensors are retyped as a whole (spec §5.7).
         self.group_tensors: set[str] = set()
         self.body_members: set[str] = set()  # formal body I/O of low groups: retyped, no longer pinned
@@ -169,7 +173,7 @@ class _Rewriter:
 
         self.fixed = set(view.pinned)
         for scope in graph.scopes:
-            self.fixed.update(self._gs_inputs(scope.graph))
+            self.fixed.update(scope.inputs)
             self.fixed.update(t.name for t in scope.graph.output)
         # Names are unique across scopes, so these maps serve every graph: a body reading an
         # outer low tensor reads it (or the renamed one) directly, without a round trip.
@@ -177,11 +181,6 @@ class _Rewriter:
         self.fp32_read: set[str] = set()  # initializers some node reads in float32
         self.new_nodes: dict[str, list[NewCast]] = {s.gid: [] for s in graph.scopes}
         self.twin_of: dict[str, str] = {}  # initializer -> its low twin
-
-    @staticmethod
-    def _gs_inputs(g: onnx.GraphProto) -> list[str]:
-        inits = {t.name for t in g.initializer}
-        return [t.name for t in g.input if t.name not in inits]
 
     # -- tensor state --------------------------------------------------------------------------
     def dtype(self, name: str):
@@ -213,20 +212,25 @@ class _Rewriter:
         pinned, body_members = view.pinned, self.body_members
         in_place: list[str] = []
         renaming: set[str] = set()  # nodes with an output the outside world sees: renamed below, in order
-        for vertex in self.allow_vertices:
-            for _, name in vertex.outputs:
-                if name in pinned and name not in body_members:
-                    renaming.add(vertex.node)
-                else:
-                    in_place.append(name)
-            if vertex.op_type in ("Cast", "Constant", "ConstantOfShape"):
-                self.edits.retargeted.add(vertex.node)
+        node_of, output_names, v_kind = view.node_of, view.output_names, view.v_kind
+        for vid in self.allow_ids:
+            names = output_names(vid)
+            if pinned.keys().isdisjoint(names):
+                in_place += names
+            else:
+                for name in names:
+                    if name in pinned and name not in body_members:
+                        renaming.add(node_of(vid))
+                    else:
+                        in_place.append(name)
+            if v_kind[vid].group.op.op_type in RETARGETABLE:
+                self.edits.retargeted.add(node_of(vid))
         self._retype_in_place(in_place)
         if renaming or self.group_outputs:
             self._retype_in_order(renaming)
         for scope in self.graph.scopes[1:]:
             # Body formal inputs of a low group (Loop carried values) take the low type.
-            self._retype_in_place([name for name in self._gs_inputs(scope.graph) if name in self.group_tensors])
+            self._retype_in_place([name for name in scope.inputs if name in self.group_tensors])
 
     def _retype_in_order(self, renaming: set[str]) -> None:
         """The renamed outputs of ALLOW vertices and the outputs of low control-flow groups, in
@@ -250,14 +254,14 @@ class _Rewriter:
                             self._retype_output(scope.gid, nodes, k, index)
 
     def _retype_output(self, graph_id: str, nodes: GraphNodes, k: int, index: int) -> None:
-        outputs = nodes.outputs[k]
-        name = outputs[index]
+        name = nodes.outputs[k][index]
         if name not in self.view.pinned or name in self.body_members:
             self._retype_in_place((name,))
             return
         # The outside world sees this name: write a renamed low tensor and restore the name with a Cast.
         low = self.names(f"{name}_onnxmp_{self.low_sfx}")
         self.edits.new_tensors[low] = self._like(name, low, self.low_enum)
+        outputs = nodes.outputs[k] = list(nodes.outputs[k])
         outputs[index] = low
         self.edits.outputs[nodes.names[k]] = outputs
         restore = NewCast(self.names(f"{name}_onnxmp_cast_fp32"), low, name, FLOAT)
@@ -273,7 +277,7 @@ class _Rewriter:
     # -- phase 2 (keep_io_types=False) ------------------------------------------------------------
     def lower_main_inputs(self) -> None:
         """A float32 main-graph input whose readers all read low precision takes the low type."""
-        inputs = self._gs_inputs(self.graph.scopes[0].graph)
+        inputs = self.graph.scopes[0].inputs
         candidates = set(inputs)
         all_low: dict[str, bool] = {}  # input -> every reader so far reads low (absent: no reader)
         for nodes in self.nodes:
@@ -326,7 +330,7 @@ class _Rewriter:
         for scope, nodes in zip(self.graph.scopes, self.nodes):
             graph_id, g = scope.gid, scope.graph
             shared: dict[tuple[str, int], str] = {}
-            for node_name, inputs in zip(nodes.names, nodes.inputs):
+            for k, (node_name, inputs) in enumerate(zip(nodes.names, nodes.inputs)):
                 mask = low_inputs.get(node_name, 0)
                 if mask == 0:
                     if low_as_is.keys().isdisjoint(inputs):
@@ -351,8 +355,10 @@ class _Rewriter:
                     else:
                         continue  # a float32 reader of a float32 value
                     if new != name:
+                        if node_name not in edited:
+                            inputs = nodes.inputs[k] = list(inputs)
+                            edited[node_name] = inputs
                         inputs[i] = new
-                        edited[node_name] = inputs
             if graph_id != MAIN:
                 for tensor in g.output:
                     if tensor.name in self.group_tensors:

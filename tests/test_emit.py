@@ -150,8 +150,9 @@ def test_casts_are_placed_after_their_producers_following_chains():
                            helper.make_node("Add", ["b", "c"], ["d"], name="C")], "g", [], [])
     casts = [NewCast("c_on_c", "c", "c16", 10), NewCast("x_in", "x", "x16", 10), NewCast("b_on_b", "b", "b16", 10),
              NewCast("again", "c16", "c32", 1), NewCast("d_out", "d", "d16", 10)]
-    placed = place_after_producers(GraphNodes.read(g), casts)
+    scope = ModelGraph(helper.make_model(g)).scopes[0]
+    placed = place_after_producers(GraphNodes.of(scope), casts)
     # Graph inputs first; then each node's followers by output, each Cast followed by those reading it.
     assert placed.names == ["x_in", "A", "B", "b_on_b", "c_on_c", "again", "C", "d_out"]
     assert placed.inputs[placed.names.index("again")] == ["c16"]
-    assert place_after_producers(GraphNodes.read(g), []).names == ["A", "B", "C"]
+    assert place_after_producers(GraphNodes.of(scope), []).names == ["A", "B", "C"]

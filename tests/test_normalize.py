@@ -97,3 +97,23 @@ def test_weights_that_hold_the_external_fields_bytes_are_not_external_data():
     data = model.SerializeToString()
     assert bytes([0x70, 0x01]) in data
     assert not has_external_data(model, data)
+
+
+def test_index_reads_each_nodes_names_once_and_shares_the_producers_strs():
+    model = _if_model("early")
+    model.graph.initializer.append(numpy_helper.from_array(np.ones(2, np.float32), "x"))  # an input that is one
+    graph = ModelGraph(model)
+    main, then = graph.scopes[0], next(s for s in graph.scopes if s.gid == "if/then_branch")
+    assert main.names == ["early", "if", "late"] and then.names == ["then_relu"]
+    assert main.ins == [("x",), ("c",), ("x",)] and main.outs == [("early",), ("y",), ("late",)]
+    assert then.ins[0][0] is main.outs[0][0]  # the body reads the outer producer's own str
+    assert main.inputs == ["c"]  # `x` is an initializer: no graph input for GS
+    out_of_order = ModelGraph(_if_model("late"))
+    assert [s.ins for s in out_of_order.scopes if s.gid == "if/then_branch"] == [[("late",)]]  # out of order too
+
+
+def test_index_notes_which_graphs_declare_non_tensor_values():
+    model = _if_model("early")
+    assert not any(scope.non_tensor for scope in ModelGraph(model).scopes)
+    model.graph.value_info.append(helper.make_tensor_sequence_value_info("s", TP.FLOAT, [2]))
+    assert [scope.non_tensor for scope in ModelGraph(model).scopes] == [True, False, False]

@@ -69,6 +69,16 @@ class Coloring:
         self.codes[vid] = code
         return True
 
+    def paint_all(self, ids: Iterable[int], color: str, rule: str, cause) -> int:
+        """:meth:`paint` of every id in order with one shared entry; how many changed."""
+        code, codes = _CODE[color], self.codes
+        changed = [vid for vid in ids if codes[vid] != code]
+        if changed:
+            self.colors.update(dict.fromkeys(changed, (color, rule, cause)))
+            for vid in changed:
+                codes[vid] = code
+        return len(changed)
+
     def unpaint(self, key: str | int) -> None:
         vid = self._id(key)
         self.colors.pop(vid, None)
@@ -193,10 +203,8 @@ def add_allow_ops(state: Coloring) -> PassResult:
     """Every vertex of a processed allow-list node joins ALLOW (unless a data seed denied it)."""
     view = state.view
     lst, ok, codes = view.lst, view.ok, state.codes
-    painted = 0
-    for k, list_name in enumerate(lst):
-        if list_name == "allow" and ok[k] and codes[k] != _DENY:
-            painted += state.paint(k, ALLOW, "add_allow_ops", _list_op)
+    listed = [k for k, list_name in enumerate(lst) if list_name == "allow" and ok[k] and codes[k] != _DENY]
+    painted = state.paint_all(listed, ALLOW, "add_allow_ops", _list_op)
     require(_allow_only_where_ok(state),
             "add_allow_ops", "every ALLOW vertex is processed, float32 and low-precision capable")
     return PassResult(painted > 0, {"painted": painted})
@@ -225,10 +233,8 @@ def propagate_deny_forward_through_clear_and_infer(state: Coloring) -> PassResul
         enter[k] = 1
     upstream = _reached((view.fanin,), roots, enter)
 
-    painted = 0
-    for k, list_name in enumerate(lst):
-        if f32[k] and list_name == "deny" and not deny[k]:
-            painted += state.paint(k, DENY, rule, _list_op)
+    painted = state.paint_all([k for k, list_name in enumerate(lst) if f32[k] and list_name == "deny" and not deny[k]],
+                              DENY, rule, _list_op)
     deny = state.marks(DENY)
     deny_roots = [k for k in range(len(lst)) if f32[k] and deny[k]]
     for k in state.allow_ids():
@@ -265,9 +271,9 @@ def add_clear_and_infer_to_allow_if_between_allow(state: Coloring) -> PassResult
     downstream = _reached((view.fanout,), allow_roots, passable)
     order, parents = _dfs((view.fanin,), allow_roots, downstream)
     between = [k for k, parent in zip(order, parents) if parent >= 0]  # the roots are already ALLOW
-    painted = 0
-    for k in sorted(between, key=view.key):  # the readable order reports were painted in
-        painted += state.paint(k, ALLOW, "add_clear_and_infer_to_allow_if_between_allow", _between_allow)
+    # In the readable order reports were painted in.
+    painted = state.paint_all(sorted(between, key=view.key), ALLOW, "add_clear_and_infer_to_allow_if_between_allow",
+                              _between_allow)
     return PassResult(painted > 0, {"painted": painted})
 
 

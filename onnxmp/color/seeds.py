@@ -17,7 +17,7 @@ import onnx
 
 from onnxmp.color.rules import DENY, Coloring
 from onnxmp.external import tensor_array
-from onnxmp.graphs import ModelGraph
+from onnxmp.graphs import TENSOR_KIND, ModelGraph
 from onnxmp.passes import PassResult
 from onnxmp.precision import low_precision
 
@@ -181,13 +181,14 @@ def _value_tensor(node: onnx.NodeProto) -> onnx.TensorProto | None:
     return None
 
 
-def _small_raw_float(tensor: onnx.TensorProto) -> bytes | None:
+def _small_raw_float(tensor: onnx.TensorProto, data_type: int, dims) -> bytes | None:
     """The raw little-endian bytes of a small in-memory float32 tensor whose size matches its
-    dims (read without building an array per tensor); None for any other tensor."""
-    if tensor.data_type != onnx.TensorProto.FLOAT or tensor.data_location == onnx.TensorProto.EXTERNAL:
+    dims (read without building an array per tensor); None for any other tensor.  ``data_type``
+    and ``dims`` are the tensor's, as the index knows them."""
+    if data_type != onnx.TensorProto.FLOAT or tensor.data_location == onnx.TensorProto.EXTERNAL:
         return None
     raw = tensor.raw_data
-    size = math.prod(tensor.dims)
+    size = math.prod(dims)
     if not 0 < size < BATCH_BELOW or len(raw) != 4 * size:
         return None
     return raw
@@ -225,8 +226,7 @@ def seed_deny_from_initializer_range(state: Coloring, graph: ModelGraph, *,
         raw_size = 0
 
     small: dict[str, np.ndarray] = {}  # other small constants, checked together
-    constants = {name for name, info in tensors.items() if info.init is not None}
-    constants.update(constant_at)
+    constants = graph.constants.union(constant_at)
     for k, ins in enumerate(view.node_ins):
         if constants.isdisjoint(ins):
             continue
@@ -256,7 +256,12 @@ def seed_deny_from_initializer_range(state: Coloring, graph: ModelGraph, *,
                 scope, position = constant_at[name]
                 node = graph.scopes[scope].graph.node[position]
                 init = _value_tensor(node)
-            raw = None if init is None else _small_raw_float(init)
+            if init is None:
+                raw = None
+            elif node is None and info.kind == TENSOR_KIND:  # the index's dtype and (cached) shape, read once
+                raw = _small_raw_float(init, info.dtype, info.shape)
+            else:
+                raw = _small_raw_float(init, init.data_type, init.dims)
             if raw is not None:
                 causes[name] = None  # decided with the other raw ones
                 raw_names.append(name)

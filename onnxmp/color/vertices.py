@@ -82,11 +82,12 @@ class _OpInfo:
 class _Group:
     """One type parameter of one (op, arity): the input and output positions that share it."""
 
-    __slots__ = ("op", "param", "in_idx", "out_idx", "pick_in", "pick_out")
+    __slots__ = ("op", "param", "in_idx", "out_idx", "pick_in", "pick_out", "in_mask")
 
     def __init__(self, op: _OpInfo, param: str, in_idx: tuple[int, ...], out_idx: tuple[int, ...]):
         self.op, self.param, self.in_idx, self.out_idx = op, param, in_idx, out_idx
         self.pick_in, self.pick_out = _picker(in_idx), _picker(out_idx)
+        self.in_mask = sum(1 << i for i in in_idx)  # bit i for input i (the rewrite's low inputs)
 
 
 def _picker(positions: tuple[int, ...]):
@@ -221,6 +222,13 @@ class TypeView:
         if cut is not None:
             return tuple(t for _, t in cut[0])
         return self.v_kind[vid].group.pick_in(self.node_ins[self.v_node[vid]])
+
+    def output_names(self, vid: int) -> tuple[str, ...]:
+        """The tensors the vertex writes, in output order."""
+        cut = self.float_io.get(vid)
+        if cut is not None:
+            return tuple(t for _, t in cut[1])
+        return self.v_kind[vid].group.pick_out(self.node_outs[self.v_node[vid]])
 
     def outputs(self, vid: int) -> list[tuple[int, str]]:
         """(output index, tensor name) of the vertex."""
@@ -526,10 +534,6 @@ def build_type_view(
     # float32 tensors (they never change type); None when unknown.
     codes = {name: (NOT_A_TENSOR if info.init is None and info.kind != TENSOR_KIND else info.dtype)
              for name, info in tensors.items()}
-    # The index's own name strings, so the view shares them instead of holding a copy of each
-    # name read from the protobuf.
-    names = _Interned((name, name) for name in tensors)
-    name_of = names.__getitem__
     ops: dict[tuple[str, str], _OpInfo] = {}
     layouts: dict[tuple[str, str, int, int], tuple[_OpInfo, list[_Group], _Tied | None]] = {}
     kinds: dict[tuple, _Kind] = {}
@@ -561,7 +565,6 @@ def build_type_view(
             bodies_of.setdefault(body.parent_scope, []).append(body_index)
 
     node_index, node_scope = view.node_index, view.node_scope
-    add_ins, add_outs = view.node_ins.append, view.node_outs.append
     v_node, v_kind = view.v_node, view.v_kind
     add_node, add_kind, code_of = v_node.append, v_kind.append, codes.__getitem__
     # Tensors read and written by float32 vertices, in id order, with how many each vertex has:
@@ -574,23 +577,22 @@ def build_type_view(
         node_scope.extend(array("i", [scope_index]) * len(g.node))
         scope_name = "graph" if graph_id == "" else f"body {graph_id}"
         if graph_id != "" or keep_io_types:
-            init_names = {t.name for t in g.initializer}
-            for t in g.input:
-                if t.name not in init_names:
-                    pinned.setdefault(t.name, f"input of {scope_name}")
+            for name in scope.inputs:
+                pinned.setdefault(name, f"input of {scope_name}")
             for t in g.output:
                 pinned.setdefault(t.name, f"output of {scope_name}")
         # Bodies are scopes too, listed in node and attribute order: no need to walk every node here.
         for body_index in bodies_of.get(scope_index, ()):
             for t in graph.outer_references(body_index):
                 pinned.setdefault(t, f"read by a subgraph of {graph.scopes[body_index].parent.name}")
-        for position, node in enumerate(g.node):
-            node_name, op_type = node.name, node.op_type
-            ins, outs = tuple(map(name_of, node.input)), tuple(map(name_of, node.output))
-            k = len(node_index)
-            node_index[node_name] = k  # normalize made node names unique across graphs
-            add_ins(ins)
-            add_outs(outs)
+        # The index read every node's names once; the view shares its lists' tuples.
+        first = len(view.node_ins)
+        node_index.update(zip(scope.names, itertools.count(first)))  # normalize made node names unique
+        view.node_ins += scope.ins
+        view.node_outs += scope.outs
+        for position, (node, node_name, ins, outs) in enumerate(zip(g.node, scope.names, scope.ins, scope.outs)):
+            op_type = node.op_type
+            k = first + position
             lkey = (op_type, node.domain, len(ins), len(outs))
             found = layouts.get(lkey)
             if found is None:
@@ -630,7 +632,7 @@ def build_type_view(
                     add_read(len(in_names))
                     written += out_names
                     add_written(len(out_names))
-    del codes, names
+    del codes
     require(len(node_index) == len(view.node_ins), "color", "node names unique across all graphs (normalize)")
     view.node_names = list(node_index)
     view.lst = list(map(attrgetter("list"), v_kind))
@@ -646,13 +648,6 @@ def build_type_view(
     view.groups = [g for g in _control_flow_groups(control_flow) if all(graph.dtype(t) == FLOAT for _, t in g.members)]
     _link(view, read, n_read, written, n_written)
     return view
-
-
-class _Interned(dict):
-    """name -> the same name as a shared string object; an unknown name maps to itself."""
-
-    def __missing__(self, name: str) -> str:
-        return name
 
 
 def _cut_to_floats(view: TypeView, vid: int, group: _Group, ins, outs, codes) -> tuple[list[str], list[str]]:
