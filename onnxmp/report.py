@@ -246,16 +246,22 @@ def tensor_core_findings(graph: ModelGraph, state: Coloring) -> list[tuple[str, 
     """For each low-precision MatMul/Gemm/Conv, the static K/N or channel dims that are not friendly,
     as (node, op, dimension, value): what the advice needs from the model (``advice_records``
     makes the report's records)."""
-    allow_nodes = {state.view.node_of(i) for i in state.allow_ids()}
+    view = state.view
+    node_of, op_of = view.node_of, view.op_of
+    # The nodes with a low-precision vertex of one of these ops (of any domain: the view keys an
+    # op as "[domain:]op_type"), found by id, so that only their protos are read below.
+    wanted = {node_of(i) for i in state.allow_ids() if op_of(i).rpartition(":")[2] in TENSOR_CORE_OPS}
     found = []
-    if not allow_nodes:
+    if not wanted:
         return found
     tensors = graph.tensors
-    for node in [n for scope in graph.scopes for n in scope.graph.node
-                 if n.op_type in TENSOR_CORE_OPS and n.name in allow_nodes]:
-        for label, dim in _dims(tensors, node):
-            if isinstance(dim, (int, np.integer)) and dim > 0 and not tensor_core_friendly(int(dim)):
-                found.append((node.name, node.op_type, label, dim))
+    for scope in graph.scopes:
+        nodes = scope.graph.node
+        for k in [k for k, name in enumerate(scope.names) if name in wanted]:
+            node = nodes[k]
+            for label, dim in _dims(tensors, node, scope.ins[k]):
+                if isinstance(dim, (int, np.integer)) and dim > 0 and not tensor_core_friendly(int(dim)):
+                    found.append((node.name, node.op_type, label, dim))
     return found
 
 
@@ -271,9 +277,9 @@ def _shape(tensors: dict[str, TensorInfo], name: str):
     return None if info is None else info.shape  # read only
 
 
-def _dims(tensors: dict[str, TensorInfo], node: onnx.NodeProto) -> list[tuple[str, Any]]:
-    # Called for every low-precision MatMul of a model: no closures, each shape read once.
-    inputs = node.input[:]
+def _dims(tensors: dict[str, TensorInfo], node: onnx.NodeProto, inputs: tuple[str, ...]) -> list[tuple[str, Any]]:
+    """``inputs``: the node's input names (the index has them).  Called for every low-precision
+    MatMul of a model: no closures, each shape read once."""
     if len(inputs) < 2:
         return []
     op_type = node.op_type
