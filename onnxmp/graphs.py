@@ -142,8 +142,10 @@ class Scope:
 class ModelGraph:
     """The normalized model and its tensor index; built once, in one pass per graph."""
 
-    def __init__(self, model: onnx.ModelProto, holding: list[onnx.NodeProto] | None = None):
-        """``holding``: ``holders(model.graph)`` when the caller has it already."""
+    def __init__(self, model: onnx.ModelProto, holding: list[onnx.NodeProto] | None = None,
+                 names: list[str] | None = None):
+        """``holding`` (``holders(model.graph)``) and ``names`` (the main graph's node names, in
+        order) when the caller has read them already."""
         self.model = model
         self.tensors: dict[str, TensorInfo] = {}
         self.scopes: list[Scope] = []
@@ -153,11 +155,12 @@ class ModelGraph:
         # outputs of earlier nodes.  Checked during the import, which reads each node's names anyway;
         # False may be a false alarm (normalize.is_sorted then decides), True is certain.
         self.in_order = True
-        self._import(model.graph, MAIN, None, None, {}, holding)
+        self._import(model.graph, MAIN, None, None, {}, holding, names)
 
     # -- GS importer rules ------------------------------------------------------------------
     def _import(self, g: onnx.GraphProto, gid: str, parent: onnx.NodeProto | None, parent_scope: int | None,
-                outer: dict[str, str], holding: list[onnx.NodeProto] | None = None) -> None:
+                outer: dict[str, str], holding: list[onnx.NodeProto] | None = None,
+                names: list[str] | None = None) -> None:
         index = len(self.scopes)
         scope = Scope(gid, g, parent, parent_scope)
         self.scopes.append(scope)
@@ -244,7 +247,7 @@ class ModelGraph:
                         local.add(name)
             for name in outputs:  # also out of order: it still shares the strs (a loop beats update(zip()))
                 known[name] = name
-        scope.names = list(map(_NAME, g.node))
+        scope.names = list(map(_NAME, g.node)) if names is None else names
 
     # -- queries ---------------------------------------------------------------------------------
     def opset_of(self, domain: str) -> int:

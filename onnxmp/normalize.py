@@ -110,8 +110,8 @@ def normalize(model: onnx.ModelProto) -> Normalized:
     # (a pass over all nodes), since no step before the sort adds, removes or replaces a node.
     holding = holders(model.graph)
     inferred, error = infer_types(model, holding)
-    renamed = make_node_names_unique(inferred.graph, holding)
-    graph = ModelGraph(inferred, holding)
+    renamed, names = _name_nodes(inferred.graph, holding)
+    graph = ModelGraph(inferred, holding, names)
     sorted_changed = False
     if not graph.in_order:  # the index's check is strict; is_sorted decides, and sorting is rare
         sorted_changed = toposort_all(inferred)
@@ -129,11 +129,18 @@ def make_node_names_unique(graph: onnx.GraphProto, holding: list[onnx.NodeProto]
     The first node holding a name keeps it, so already-unique models are untouched.
     Returns how many nodes were renamed.  ``holding``: ``holders(graph)`` when the caller has it.
     """
+    return _name_nodes(graph, holding)[0]
+
+
+def _name_nodes(graph: onnx.GraphProto, holding: list[onnx.NodeProto] | None) -> tuple[int, list[str] | None]:
+    """``make_node_names_unique``, and ``graph``'s own node names when it renamed none (the index
+    reads them otherwise once more)."""
     graphs = [g for _, g, _ in iter_graphs(graph, holding=holding)]
     # The common case, every node named once, reads only the names (no list of node objects).
-    taken = set(chain.from_iterable(map(_NAME, g.node) for g in graphs))
+    main = list(map(_NAME, graph.node))
+    taken = set(chain(main, chain.from_iterable(map(_NAME, g.node) for g in graphs[1:])))
     if len(taken) == sum(len(g.node) for g in graphs) and "" not in taken:
-        return 0
+        return 0, main
     all_nodes = [n for g in graphs for n in g.node]
     seen: set[str] = set()
     renamed = 0
@@ -153,7 +160,7 @@ def make_node_names_unique(graph: onnx.GraphProto, holding: list[onnx.NodeProto]
     require(len(seen) == len(all_nodes), "normalize", "node names unique across all graphs")
     if renamed:
         log.info("named %d unnamed or duplicate-named nodes", renamed)
-    return renamed
+    return renamed, None
 
 
 def is_sorted(g: onnx.GraphProto, constants: set[str], outer: frozenset[str] = frozenset()) -> bool:

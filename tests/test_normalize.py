@@ -61,6 +61,21 @@ def test_unique_names_are_left_alone_and_duplicates_renamed():
     assert [n.name for n in model.graph.node] == ["first", "Relu_onnxmp_0"]
 
 
+def test_the_index_holds_the_node_names_normalize_leaves():
+    """normalize hands the names it read to the index when it renamed nothing."""
+    for first, second, expected in (("first", "second", ["first", "second"]),
+                                    ("first", "first", ["first", "Relu_onnxmp_0"]), ("", "", None)):
+        model = parse(header() + """
+        g (float[4] x) => (float[4] y) {
+            a = Relu(x)
+            y = Relu(a)
+        }""")
+        model.graph.node[0].name, model.graph.node[1].name = first, second
+        names = normalize(model).graph.scopes[0].names
+        assert names == [n.name for n in model.graph.node] and len(set(names)) == 2 and "" not in names
+        assert expected is None or names == expected
+
+
 def _external(tensor: onnx.TensorProto) -> onnx.TensorProto:
     tensor.ClearField("raw_data")
     entry = tensor.external_data.add()
