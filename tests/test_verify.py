@@ -96,7 +96,10 @@ def _temp_files() -> set[str]:
 
 
 @pytest.fixture(params=["from a file", "from memory"])
-def route(request, monkeypatch):
+def route(request, monkeypatch, tmp_path):
+    # A temp folder of this test's own: another process converting at the same time must not
+    # make its files look like ours.
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
     if request.param == "from memory":
         monkeypatch.setattr(verify, "CHECK_FILE_BELOW", 0)
 
