@@ -327,5 +327,11 @@ def _shape_of(vi: onnx.ValueInfoProto) -> list | None:
     t = vi.type.tensor_type
     if not t.HasField("shape"):
         return None
-    return [d.dim_value if which == "dim_value" else (d.dim_param if which else None)
-            for d in t.shape.dim for which in (d.WhichOneof("value"),)]
+    # Most dims are a positive dim_value or a dim_param: read those without WhichOneof.
+    return [d.dim_value or d.dim_param or _dim(d) for d in t.shape.dim]
+
+
+def _dim(d: onnx.TensorShapeProto.Dimension):
+    """An int, a dim_param string, or None when unset."""
+    which = d.WhichOneof("value")
+    return d.dim_value if which == "dim_value" else (d.dim_param if which else None)
