@@ -119,6 +119,18 @@ class TensorInfo:
     def shape(self, value):
         self._shape = value
 
+    def rank_and_dim(self, axis: int) -> tuple[int, int | str | None]:
+        """``(len(shape), shape[axis])``: rank 0 for an unknown shape, None for a missing axis.
+        A declaration's other dims are not parsed: the report reads one dim of thousands of
+        activations whose shape nothing else reads."""
+        if self._shape is _UNPARSED and self.decl is not None:
+            dims = self.decl.type.tensor_type.shape.dim  # reading leaves an unset shape unset
+            rank = len(dims)
+            return (rank, _dim(dims[axis])) if -rank <= axis < rank else (rank, None)
+        shape = self.shape or ()
+        rank = len(shape)
+        return (rank, shape[axis]) if -rank <= axis < rank else (rank, None)
+
 
 @dataclass
 class Scope:

@@ -242,6 +242,9 @@ def tensor_core_friendly(dim: int) -> bool:
     return dim % 8 == 0 or (dim < 256 and dim > 0 and dim & (dim - 1) == 0)
 
 
+_INTS = (int, np.integer)
+
+
 def tensor_core_findings(graph: ModelGraph, state: Coloring) -> list[tuple[str, str, str, int]]:
     """For each low-precision MatMul/Gemm/Conv, the static K/N or channel dims that are not friendly,
     as (node, op, dimension, value): what the advice needs from the model (``advice_records``
@@ -260,7 +263,8 @@ def tensor_core_findings(graph: ModelGraph, state: Coloring) -> list[tuple[str, 
         for k in [k for k, name in enumerate(scope.names) if name in wanted]:
             node = nodes[k]
             for label, dim in _dims(tensors, node, scope.ins[k]):
-                if isinstance(dim, (int, np.integer)) and dim > 0 and not tensor_core_friendly(int(dim)):
+                # Most dims are multiples of 8: `dim % 8` settles them before the call.
+                if isinstance(dim, _INTS) and dim > 0 and dim % 8 and not tensor_core_friendly(int(dim)):
                     found.append((node.name, node.op_type, label, dim))
     return found
 
@@ -277,28 +281,34 @@ def _shape(tensors: dict[str, TensorInfo], name: str):
     return None if info is None else info.shape  # read only
 
 
+def _rank_and_dim(tensors: dict[str, TensorInfo], name: str, axis: int) -> tuple[int, Any]:
+    info = tensors.get(name) if name else None
+    return (0, None) if info is None else info.rank_and_dim(axis)
+
+
 def _dims(tensors: dict[str, TensorInfo], node: onnx.NodeProto, inputs: tuple[str, ...]) -> list[tuple[str, Any]]:
     """``inputs``: the node's input names (the index has them).  Called for every low-precision
-    MatMul of a model: no closures, each shape read once."""
+    MatMul of a model: no closures, and of a MatMul's or Gemm's inputs only the dim used is read."""
     if len(inputs) < 2:
         return []
     op_type = node.op_type
     if op_type == "MatMul":
-        a, b = _shape(tensors, inputs[0]), _shape(tensors, inputs[1])
+        (rank_a, k), (rank_b, n) = _rank_and_dim(tensors, inputs[0], -1), _rank_and_dim(tensors, inputs[1], -1)
         out = []
-        if a and len(a) >= 1:
-            out.append(("K", a[-1]))
-        if b and len(b) >= 2:
-            out.append(("N", b[-1]))
+        if rank_a >= 1:
+            out.append(("K", k))
+        if rank_b >= 2:
+            out.append(("N", n))
         return out
     if op_type == "Gemm":
-        a, b = _shape(tensors, inputs[0]), _shape(tensors, inputs[1])
         ta, tb = _attr(node, "transA", 0), _attr(node, "transB", 0)
+        (rank_a, k), (rank_b, n) = (_rank_and_dim(tensors, inputs[0], 0 if ta else 1),
+                                    _rank_and_dim(tensors, inputs[1], 0 if tb else 1))
         out = []
-        if a and len(a) == 2:
-            out.append(("K", a[0] if ta else a[1]))
-        if b and len(b) == 2:
-            out.append(("N", b[0] if tb else b[1]))
+        if rank_a == 2:
+            out.append(("K", k))
+        if rank_b == 2:
+            out.append(("N", n))
         return out
     if op_type in ("Conv", "ConvTranspose"):
         w = _shape(tensors, inputs[1])

@@ -151,6 +151,21 @@ def test_tensor_core_advice_reads_gemm_transposes_and_conv_groups():
                        ("c", "Conv", "output channels", 12)]
 
 
+def test_tensor_core_advice_reads_declared_activation_dims():
+    # K comes from an activation's declaration: a symbolic, an unknown and a last dim are read;
+    # a 1-D weight has no N.
+    model = parse(header() + """
+    g (float[B,S] x, float[S,12] w, float[12] v, float[4,30] u) => (float[B,12] y, float[B] z, float[4,12] t) {
+        y = MatMul(x, w)
+        z = MatMul(y, v)
+        t = MatMul(u, w)
+    }""")
+    for n in model.graph.node:
+        n.name = n.output[0]
+    flagged = [(a.node, a.dimension, a.value) for a in onnxmp.explain(model).advice]
+    assert flagged == [("y", "N", 12), ("z", "K", 12), ("t", "K", 30), ("t", "N", 12)]
+
+
 def test_unnamed_and_duplicate_nodes_get_unique_names():
     model = parse(header() + """
     g (float[4,4] x, float[4,4] w) => (float[4,4] y) {
