@@ -132,3 +132,20 @@ def test_index_notes_which_graphs_declare_non_tensor_values():
     assert not any(scope.non_tensor for scope in ModelGraph(model).scopes)
     model.graph.value_info.append(helper.make_tensor_sequence_value_info("s", TP.FLOAT, [2]))
     assert [scope.non_tensor for scope in ModelGraph(model).scopes] == [True, False, False]
+
+
+def test_rank_and_dim_reads_one_dim_as_the_parsed_shape_has_it():
+    model = helper.make_model(helper.make_graph(
+        [helper.make_node("Relu", ["x"], ["y"]), helper.make_node("Relu", ["u"], ["v"])], "g",
+        [helper.make_tensor_value_info("x", TP.FLOAT, ["N", 0, 8]),
+         helper.make_tensor_value_info("u", TP.FLOAT, None)],
+        [helper.make_tensor_value_info("y", TP.FLOAT, ["N", 0, 8]),
+         helper.make_tensor_value_info("v", TP.FLOAT, None)],
+        [numpy_helper.from_array(np.zeros((3, 5), np.float32), "w")]))
+    tensors = ModelGraph(model).tensors
+    x, u, w = tensors["x"], tensors["u"], tensors["w"]
+    assert [x.rank_and_dim(axis) for axis in (0, 1, -1, 3, -4)] == [(3, "N"), (3, 0), (3, 8), (3, None), (3, None)]
+    assert u.rank_and_dim(0) == (0, None)
+    assert w.rank_and_dim(-1) == (2, 5)
+    assert x.shape == ["N", 0, 8] and u.shape is None  # the parsed shape agrees
+    assert x.rank_and_dim(2) == (3, 8)  # once parsed, read from the list
