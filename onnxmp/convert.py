@@ -109,9 +109,9 @@ def _options(model: onnx.ModelProto, target, precision, level, lists, block_node
 
 
 def _analyse(proto: onnx.ModelProto, options: ColorOptions, timings: dict[str, float]):
-    options.initializer_inputs = initializer_inputs(proto)
     with _timed(timings, "normalize"):
         normalized = normalize(proto)
+    options.initializer_inputs = initializer_inputs(normalized.graph)
     with _timed(timings, "color"):
         colored = color(normalized.graph, options)
     report = Report(target=options.target, precision=options.precision, level=options.level, timings=timings,

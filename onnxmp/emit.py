@@ -61,10 +61,7 @@ def emit(graph: ModelGraph, edits: Edits, original: onnx.ModelProto) -> onnx.Mod
     for field_name in ("producer_name", "producer_version", "domain", "model_version", "doc_string"):
         setattr(model, field_name, getattr(original, field_name))
     model.metadata_props.extend(original.metadata_props)
-    # Graph inputs that are main-graph initializers, known from the index (reading every
-    # initializer's name again would cost more than the few inputs do).
-    restore_initializer_inputs(model, original,
-                               [vi.name for vi in original.graph.input if _dense_initializer(graph, vi.name)])
+    restore_initializer_inputs(model, original, initializer_inputs(graph))
     return model
 
 
@@ -75,10 +72,11 @@ def _dense_initializer(graph: ModelGraph, name: str) -> bool:
     return info is not None and info.init is not None and info.kind == TENSOR_KIND
 
 
-def initializer_inputs(model: onnx.ModelProto) -> tuple[str, ...]:
-    """Graph inputs that are also initializers (exports with keep_initializers_as_inputs)."""
-    inits = {t.name for t in model.graph.initializer}
-    return tuple(i.name for i in model.graph.input if i.name in inits)
+def initializer_inputs(graph: ModelGraph) -> tuple[str, ...]:
+    """Main-graph inputs that are also main-graph (dense) initializers (exports with
+    keep_initializers_as_inputs), in input order.  Known from the index: reading every
+    initializer's name again would cost more than the few inputs do."""
+    return tuple(vi.name for vi in graph.model.graph.input if _dense_initializer(graph, vi.name))
 
 
 def restore_initializer_inputs(model: onnx.ModelProto, original: onnx.ModelProto, names: Iterable[str]) -> None:
@@ -429,7 +427,7 @@ def _clean(node: onnx.NodeProto) -> bool:
     """True when GS would write the node back unchanged (the common case)."""
     if node.HasField("doc_string") or node.HasField("overload") or node.metadata_props or node.device_configurations:
         return False
-    for attr in node.attribute:
+    for attr in node.attribute[:]:  # a list: iterating the field itself is slower, even when empty
         t = attr.type
         if t in _SIMPLE:
             if attr.HasField("doc_string") or (t == A.TENSOR and not attr.t.HasField("name")):

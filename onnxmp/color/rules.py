@@ -185,12 +185,27 @@ def _dfs(adjacent: tuple[Adjacency, ...], roots: Iterable[int], enter: bytearray
     return order, parents
 
 
-def _reached(adjacent: tuple[Adjacency, ...], roots: Iterable[int], enter: bytearray) -> bytearray:
-    """1 for every vertex :func:`_dfs` visits."""
-    mask = bytearray(len(enter))
-    for k in _dfs(adjacent, roots, enter)[0]:
-        mask[k] = 1
-    return mask
+_SEEN = bytes(2) + bytes([1]) + bytes(253)  # translate table: state 2 (seen) -> 1, else 0
+
+
+def _reached(adjacent: Adjacency, roots: Iterable[int], enter: bytearray) -> bytearray:
+    """1 for every vertex :func:`_dfs` over ``(adjacent,)`` visits (the same walk, without its
+    order and parents)."""
+    state = bytearray(enter)  # as in _dfs: 1 may be entered, 0 may not, 2 seen
+    stack = []
+    for root in roots:
+        if state[root] != 2:
+            state[root] = 2
+            stack.append(root)
+    start, flat = adjacent.start, adjacent.flat
+    push, pop = stack.append, stack.pop
+    while stack:
+        current = pop()
+        for nxt in flat[start[current]:start[current + 1]]:
+            if state[nxt] == 1:
+                state[nxt] = 2
+                push(nxt)
+    return state.translate(_SEEN)
 
 
 def _allow_only_where_ok(state: Coloring) -> bool:
@@ -231,7 +246,7 @@ def propagate_deny_forward_through_clear_and_infer(state: Coloring) -> PassResul
             enter[k] = 1
     for k in roots:
         enter[k] = 1
-    upstream = _reached((view.fanin,), roots, enter)
+    upstream = _reached(view.fanin, roots, enter)
 
     painted = state.paint_all([k for k, list_name in enumerate(lst) if f32[k] and list_name == "deny" and not deny[k]],
                               DENY, rule, _list_op)
@@ -268,7 +283,7 @@ def add_clear_and_infer_to_allow_if_between_allow(state: Coloring) -> PassResult
             passable[k] = 1
     for k in allow_roots:
         passable[k] = 0
-    downstream = _reached((view.fanout,), allow_roots, passable)
+    downstream = _reached(view.fanout, allow_roots, passable)
     order, parents = _dfs((view.fanin,), allow_roots, downstream)
     between = [k for k, parent in zip(order, parents) if parent >= 0]  # the roots are already ALLOW
     # In the readable order reports were painted in.
