@@ -11,7 +11,7 @@ import pytest
 import onnxmp
 from onnxmp.cli import main as cli
 from onnxmp.verify import io_signature
-from tests.graphs import FLOAT, FLOAT16, header, parse
+from tests.graphs import FLOAT, FLOAT16, header, named, parse
 
 MODELS = Path(__file__).resolve().parent.parent / "models"
 ZOO = ["mlp", "cnn_bn", "cnn_bn_bigvar", "transformer_block", "gru", "lstm", "loop_if"]
@@ -121,14 +121,12 @@ def test_conversion_leaves_no_reference_cycles_behind():
 
 
 def test_tensor_core_advice_names_unfriendly_dims_only():
-    model = parse(header() + """
+    model = named(header() + """
     g (float[8,30] x, float[30,24] w, float[24,4] u, float[4,48] v) => (float[8,48] y) {
         a = MatMul(x, w)
         b = MatMul(a, u)
         y = MatMul(b, v)
     }""")
-    for n in model.graph.node:
-        n.name = n.output[0]
     advice = onnxmp.explain(model).advice
     flagged = {(a.node, a.dimension, a.value) for a in advice}
     assert ("a", "K", 30) in flagged
@@ -137,13 +135,11 @@ def test_tensor_core_advice_names_unfriendly_dims_only():
 
 
 def test_tensor_core_advice_reads_gemm_transposes_and_conv_groups():
-    model = parse(header() + """
+    model = named(header() + """
     g (float[30,8] x, float[24,30] w, float[2,12,5,5] img, float[12,6,3,3] k) => (float[8,24] y, float[2,12,3,3] c) {
         y = Gemm <transA = 1, transB = 1> (x, w)
         c = Conv <group = 2> (img, k)
     }""")
-    for n in model.graph.node:
-        n.name = n.output[0]
     flagged = [(a.node, a.op, a.dimension, a.value) for a in onnxmp.explain(model).advice]
     # Gemm: K is x's first dim (transA), N is w's first (transB): 30 and 24, only 30 unfriendly.
     # Conv: input channels = 6 * group = 12, output channels = 12: both unfriendly.
@@ -154,14 +150,12 @@ def test_tensor_core_advice_reads_gemm_transposes_and_conv_groups():
 def test_tensor_core_advice_reads_declared_activation_dims():
     # K comes from an activation's declaration: a symbolic, an unknown and a last dim are read;
     # a 1-D weight has no N.
-    model = parse(header() + """
+    model = named(header() + """
     g (float[B,S] x, float[S,12] w, float[12] v, float[4,30] u) => (float[B,12] y, float[B] z, float[4,12] t) {
         y = MatMul(x, w)
         z = MatMul(y, v)
         t = MatMul(u, w)
     }""")
-    for n in model.graph.node:
-        n.name = n.output[0]
     flagged = [(a.node, a.dimension, a.value) for a in onnxmp.explain(model).advice]
     assert flagged == [("y", "N", 12), ("z", "K", 12), ("t", "K", 30), ("t", "N", 12)]
 
