@@ -165,10 +165,7 @@ class KernelTable:
         kernel = self._kernel(provider, domain, op_type, opset)
         if kernel is None:
             return None
-        params = kernel[2]
-        if param is not None and param in params:
-            return dtype in params[param]
-        return any(dtype in types for types in params.values())
+        return _takes(kernel[2], param, dtype)
 
     def tied_params(self, provider: str, domain: str, op_type: str, opset: int) -> tuple[frozenset[str], ...]:
         """Groups of type parameters the kernel at ``opset`` binds to one type; ``()`` when none.
@@ -201,13 +198,8 @@ class KernelTable:
         if kernel is None:
             return None
         wanted = {param: self._dtype(dtype) for param, dtype in dtypes.items()}
-        params = kernel[2]
-        for param, dtype in wanted.items():
-            if param in params:
-                if dtype not in params[param]:
-                    return False
-            elif not any(dtype in types for types in params.values()):
-                return False
+        if not all(_takes(kernel[2], param, dtype) for param, dtype in wanted.items()):
+            return False
         for group in self.tied_params(provider, domain, op_type, opset):
             if len({wanted[param] for param in group if param in wanted}) > 1:
                 return False
@@ -225,6 +217,14 @@ class KernelTable:
             if hits:
                 result[op] = hits
         return result
+
+
+def _takes(params: dict[str, frozenset[str]], param: str | None, dtype: str) -> bool:
+    """Whether a kernel with these type parameters takes ``dtype`` for ``param``; a param the
+    kernel does not name (the table does not always use the schema's names) is any of its params."""
+    if param is not None and param in params:
+        return dtype in params[param]
+    return any(dtype in types for types in params.values())
 
 
 def _entry_key(entry: dict) -> tuple[str, str, str]:
