@@ -97,9 +97,9 @@ def test_remove_allow_set_with_fp32_removes_incapable_vertex():
 
 def test_remove_allow_set_with_fp32_keeps_capable_vertices():
     state = _state(named(BETWEEN))
-    before = set(state.allow_keys())
+    before = set(state.allow_ids())
     assert not remove_allow_set_with_fp32(state).modified
-    assert set(state.allow_keys()) == before
+    assert set(state.allow_ids()) == before
 
 
 IF_MODEL = header() + """

@@ -90,10 +90,6 @@ class Coloring:
     def has_allow(self) -> bool:
         return _ALLOW in self.codes
 
-    def allow_keys(self) -> list[str]:
-        key = self.view.key
-        return [key(i) for i in self.allow_ids()]
-
     def final(self, key: str | int) -> tuple[str, Reason]:
         vid = self._id(key)
         entry = self.colors.get(vid)
