@@ -6,6 +6,7 @@ unique across the main graph and all subgraphs.  The result is the model itself
 """
 from __future__ import annotations
 
+import functools
 import logging
 from dataclasses import dataclass
 from itertools import chain
@@ -15,11 +16,18 @@ import onnx
 
 from onnxmp.errors import OnnxMPError, first_line
 from onnxmp.external import SKELETON_TENSOR_BYTES, skeleton
-from onnxmp.graphs import ModelGraph, holders, iter_graphs, iter_proto_graphs, may_hold_graphs
+from onnxmp.graphs import (GRAPH, GRAPHS, ONNX_DOMAINS, ModelGraph, NodeSummary, holders, iter_graphs,
+                           iter_proto_graphs, may_hold_graphs, summarize)
 from onnxmp.passes import PassResult, require
 
 log = logging.getLogger("onnxmp.normalize")
 _NAME = attrgetter("name")
+_DOMAIN = attrgetter("domain")
+
+# The inputs whose propagated value onnx's own inference functions read (getShapeInput, the one
+# caller of InferenceContext::getSymbolicInput in onnx 1.16 to 1.23, pyproject's range).
+_SHAPE_INPUT = {"Reshape": 1, "Expand": 1, "ConstantOfShape": 0, "Resize": 3, "AffineGrid": 1}
+_BUILTIN_DOMAINS = frozenset({"", "ai.onnx", "ai.onnx.ml", "ai.onnx.preview.training"})
 
 
 @dataclass
@@ -29,23 +37,98 @@ class Normalized:
     inference_error: str | None = None
 
 
-def infer_types(model: onnx.ModelProto, holding: list[onnx.NodeProto] | None = None
+def infer_types(model: onnx.ModelProto, nodes: NodeSummary | None = None
                 ) -> tuple[onnx.ModelProto, str | None]:
     """Shape inference, tolerant: unknown ops or opsets leave types unknown rather than fail.
 
     Vertices with unknown types are simply not painted (spec §1), and the report says why.
     Inference runs on a weightless view of the model (protobuf cannot serialize more
-    than 2 GB), and the inferred value_info is copied back into ``model``.  ``holding`` is
-    ``holders(model.graph)`` when the caller has it already.
+    than 2 GB), and the inferred value_info is copied back into ``model``.  ``nodes`` is
+    ``summarize(model.graph)`` when the caller has it already.
     """
+    if nodes is None:
+        nodes = summarize(model.graph)
     try:
-        inferred = onnx.shape_inference.infer_shapes(_weightless(model, holding), data_prop=True)
+        inferred = onnx.shape_inference.infer_shapes(_weightless(model, nodes.holding),
+                                                     data_prop=data_propagation_matters(model, nodes))
     except Exception as exc:  # onnx raises InferenceError, ValidationError or RuntimeError
         message = first_line(exc)
         log.warning("shape inference failed (%s); types not declared in the model stay unknown", message)
         return model, message
-    _copy_value_info(inferred.graph, model.graph, holding=holding)
+    _copy_value_info(inferred.graph, model.graph, holding=nodes.holding)
     return model, None
+
+
+def data_propagation_matters(model: onnx.ModelProto, nodes: NodeSummary) -> bool:
+    """Whether ``infer_shapes(data_prop=True)`` may infer other types than ``data_prop=False``;
+    when not, inference skips propagation (about an eighth of inference on a large graph).
+
+    How onnx propagates (``shape_inference/implementation.{h,cc}``, ``defs/shape_inference.cc``):
+    after a node's type inference, if the schema inference resolves for it (node domain, model
+    opset) has a data-propagation function, that function may record a value (a
+    TensorShapeProto) for inputs it reads -- an int32/int64 initializer or Constant of rank 0 or
+    1, or any tensor of known 1-D shape -- and for its outputs.  The records are read back only
+    by later propagation functions; by type inference through ``getShapeInput``, for the inputs
+    in ``_SHAPE_INPUT`` and only when the input is no initializer (initializer data comes
+    first); by inference through a function body (a model-local function, or a schema with a
+    body but no inference function); and by subgraph inference.  So propagation cannot change
+    the result when the model has no subgraph and no local function, no node is inferred
+    through a body or through a schema registered outside onnx's domains (code onnx cannot
+    see into), and no node with a propagation function reads or writes a ``_SHAPE_INPUT``
+    input that is no initializer.  Names only (types are not known yet), so conservative.
+    ``nodes``: ``summarize(model.graph)``.
+    """
+    if model.functions or any(a.type in (GRAPH, GRAPHS) for node in nodes.holding for a in node.attribute):
+        return True
+    versions = {o.domain: o.version for o in model.opset_import}
+    graph_nodes = model.graph.node
+    op_types = nodes.op_types
+    if nodes.domains.issubset(ONNX_DOMAINS):
+        domains = None  # every node is ai.onnx: op types alone decide
+        kinds = {("", op) for op in set(op_types)}
+    else:
+        domains = ["" if d == "ai.onnx" else d for d in map(_DOMAIN, graph_nodes)]
+        kinds = set(zip(domains, op_types))
+    propagating: set[tuple[str, str]] = set()
+    for domain, op in kinds:
+        version = versions.get(domain) or (versions.get("ai.onnx") if domain == "" else None)
+        propagates, opaque = _schema_traits(op, version, domain) if version else (False, False)
+        if opaque:
+            return True
+        if propagates:
+            propagating.add((domain, op))
+    if not propagating:
+        return False
+    read = set()  # the shape inputs' names
+    for i, op in enumerate(op_types):
+        if op in _SHAPE_INPUT and (domains is None or domains[i] == ""):
+            inputs, k = graph_nodes[i].input, _SHAPE_INPUT[op]
+            if len(inputs) > k:
+                read.add(inputs[k])
+    read.discard("")
+    for init in model.graph.initializer if read else ():
+        read.discard(init.name)
+        if not read:
+            break
+    if not read:
+        return False
+    return any(not read.isdisjoint(graph_nodes[i].input) or not read.isdisjoint(graph_nodes[i].output)
+               for i, op in enumerate(op_types) if ("" if domains is None else domains[i], op) in propagating)
+
+
+@functools.lru_cache(maxsize=None)
+def _schema_traits(op_type: str, version: int, domain: str) -> tuple[bool, bool]:
+    """(has a data-propagation function, is inferred out of propagation's sight: through a
+    function body, or by a schema registered outside onnx's own domains) for the schema
+    inference resolves."""
+    try:
+        schema = onnx.defs.get_schema(op_type, version, domain)
+    except onnx.defs.SchemaError:
+        return False, False  # inference leaves the node's outputs unknown
+    opaque = domain not in _BUILTIN_DOMAINS or (
+        not schema.has_type_and_shape_inference_function
+        and (schema.has_function or schema.has_context_dependent_function))
+    return schema.has_data_propagation_function, opaque
 
 
 def _weightless(model: onnx.ModelProto, holding: list[onnx.NodeProto] | None = None) -> onnx.ModelProto:
@@ -106,12 +189,12 @@ def normalize(model: onnx.ModelProto) -> Normalized:
 
     Works on ``model`` in place (callers pass the copy ``load`` made).
     """
-    # Each step walks every graph; the main graph's nodes that may hold bodies are found once
-    # (a pass over all nodes), since no step before the sort adds, removes or replaces a node.
-    holding = holders(model.graph)
-    inferred, error = infer_types(model, holding)
-    renamed, names = _name_nodes(inferred.graph, holding)
-    graph = ModelGraph(inferred, holding, names)
+    # Each step walks every graph; the main graph's nodes are read once (which may hold bodies,
+    # names, op types), since no step before the sort adds, removes or replaces a node.
+    nodes = summarize(model.graph)
+    inferred, error = infer_types(model, nodes)
+    renamed, names = _name_nodes(inferred.graph, nodes.holding, nodes.names)
+    graph = ModelGraph(inferred, nodes.holding, names)
     sorted_changed = False
     if not graph.in_order:  # the index's check is strict; is_sorted decides, and sorting is rare
         sorted_changed = toposort_all(inferred)
@@ -132,12 +215,14 @@ def make_node_names_unique(graph: onnx.GraphProto, holding: list[onnx.NodeProto]
     return _name_nodes(graph, holding)[0]
 
 
-def _name_nodes(graph: onnx.GraphProto, holding: list[onnx.NodeProto] | None) -> tuple[int, list[str] | None]:
+def _name_nodes(graph: onnx.GraphProto, holding: list[onnx.NodeProto] | None, main: list[str] | None = None
+                ) -> tuple[int, list[str] | None]:
     """``make_node_names_unique``, and ``graph``'s own node names when it renamed none (the index
-    reads them otherwise once more)."""
+    reads them otherwise once more).  ``main``: those names when the caller has read them."""
     graphs = [g for _, g, _ in iter_graphs(graph, holding=holding)]
     # The common case, every node named once, reads only the names (no list of node objects).
-    main = list(map(_NAME, graph.node))
+    if main is None:
+        main = list(map(_NAME, graph.node))
     taken = set(chain(main, chain.from_iterable(map(_NAME, g.node) for g in graphs[1:])))
     if len(taken) == sum(len(g.node) for g in graphs) and "" not in taken:
         return 0, main
