@@ -162,7 +162,6 @@ class Scope:
     graph: onnx.GraphProto
     parent: onnx.NodeProto | None
     parent_scope: int | None
-    local: set[str] = field(default_factory=set)  # names GS registers in this graph's own map
     # Each node's name and input and output names, in node order, read from the proto once (each
     # read of a field makes new strs): the view, the rewrite and the emitter all walk these.
     # An input is the very str its producer's output holds, so the names exist once.
@@ -198,7 +197,8 @@ class ModelGraph:
         index = len(self.scopes)
         scope = Scope(gid, g, parent, parent_scope)
         self.scopes.append(scope)
-        tensors, local = self.tensors, scope.local
+        tensors = self.tensors
+        local = set()  # names GS registers in this graph's own map (only the import reads them)
         dense = set()
         for init in g.initializer:
             name = init.name
@@ -217,6 +217,13 @@ class ModelGraph:
             name = vi.name
             info = tensors.get(name)
             if info is None:
+                # Most are tensors with an element type: _from_value_info's first case, inlined
+                # (a set element type means the tensor_type field is the one set).
+                elem = vi.type.tensor_type.elem_type
+                if elem:
+                    tensors[name] = TensorInfo(name, None, elem, _UNPARSED, TENSOR_KIND, vi)
+                    local.add(name)
+                    continue
                 info = tensors[name] = _from_value_info(vi, name)
                 local.add(name)
                 kinds.add(info.kind)
