@@ -9,7 +9,7 @@ from __future__ import annotations
 import functools
 import logging
 from dataclasses import dataclass
-from itertools import chain
+from itertools import chain, compress
 from operator import attrgetter
 
 import onnx
@@ -97,12 +97,14 @@ def data_propagation_matters(model: onnx.ModelProto, nodes: NodeSummary) -> bool
             return True
         if propagates:
             propagating.add((domain, op))
-    if not propagating:
+    if not propagating or all(op not in _SHAPE_INPUT for _, op in kinds):
         return False
+    # Node indices found by C-level iteration: these lists are as long as the graph.
+    everywhere = range(len(op_types))
     read = set()  # the shape inputs' names
-    for i, op in enumerate(op_types):
-        if op in _SHAPE_INPUT and (domains is None or domains[i] == ""):
-            inputs, k = graph_nodes[i].input, _SHAPE_INPUT[op]
+    for i in compress(everywhere, map(_SHAPE_INPUT.__contains__, op_types)):
+        if domains is None or domains[i] == "":
+            inputs, k = graph_nodes[i].input, _SHAPE_INPUT[op_types[i]]
             if len(inputs) > k:
                 read.add(inputs[k])
     read.discard("")
@@ -112,8 +114,12 @@ def data_propagation_matters(model: onnx.ModelProto, nodes: NodeSummary) -> bool
             break
     if not read:
         return False
+    if domains is None:
+        candidates = map({op for _, op in propagating}.__contains__, op_types)
+    else:
+        candidates = map(propagating.__contains__, zip(domains, op_types))
     return any(not read.isdisjoint(graph_nodes[i].input) or not read.isdisjoint(graph_nodes[i].output)
-               for i, op in enumerate(op_types) if ("" if domains is None else domains[i], op) in propagating)
+               for i in compress(everywhere, candidates))
 
 
 @functools.lru_cache(maxsize=None)
