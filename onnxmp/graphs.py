@@ -48,8 +48,9 @@ def holders(graph: onnx.GraphProto) -> list[onnx.NodeProto]:
 
 @dataclass
 class NodeSummary:
-    """What the walks over a graph's nodes before its index read, read in one pass: each pass
-    costs about 0.3 µs a node in protobuf's wrappers alone, more than the fields it reads."""
+    """A graph's own nodes as normalize needs them before the index exists, read in one pass:
+    a pass over the nodes costs about 0.3 µs a node in protobuf's wrappers alone, more than
+    reading a field or two of each."""
 
     names: list[str]                 # node names, in node order
     op_types: list[str]              # node op types, in node order
