@@ -239,7 +239,7 @@ class ModelGraph:
                 kinds.add(vi.type.WhichOneof("value"))
         kinds.update(vi.type.WhichOneof("value") for vi in chain(g.input, g.output))
         scope.non_tensor = not kinds <= TENSOR_OR_UNTYPED
-        init_names = dense | {t.values.name for t in g.sparse_initializer}
+        init_names = dense | {t.values.name for t in g.sparse_initializer} if g.sparse_initializer else dense
         scope.inputs = [vi.name for vi in g.input if vi.name not in dense]
         for vi in g.input:
             name = vi.name
