@@ -200,19 +200,24 @@ class ModelGraph:
         self.scopes.append(scope)
         tensors = self.tensors
         local = set()  # names GS registers in this graph's own map (only the import reads them)
+        # Into an empty map (the main graph) every declaration below is this graph's own: the set
+        # is then made at once from the map after them instead of name by name.
+        own = not tensors
         dense = set()
         for init in g.initializer:
             name = init.name
             dense.add(name)
             if name not in tensors:
                 tensors[name] = TensorInfo(name, init, init.data_type, _UNPARSED)
-                local.add(name)
+                if not own:
+                    local.add(name)
         for sparse in g.sparse_initializer:
             name = sparse.values.name
             if name not in tensors:
                 tensors[name] = TensorInfo(name, init=sparse.values, dtype=sparse.values.data_type,
                                            shape=list(sparse.dims), kind="sparse_initializer")
-                local.add(name)
+                if not own:
+                    local.add(name)
         kinds = set()  # the kinds of type the declarations have
         for vi in g.value_info:
             name = vi.name
@@ -223,12 +228,14 @@ class ModelGraph:
                 elem = vi.type.tensor_type.elem_type
                 if elem:
                     tensors[name] = TensorInfo(name, None, elem, _UNPARSED, TENSOR_KIND, vi)
-                    local.add(name)
+                    if not own:
+                        local.add(name)
                     continue
                 info = tensors[name] = _from_value_info(vi, name)
-                local.add(name)
+                if not own:
+                    local.add(name)
                 kinds.add(info.kind)
-            elif info.init is None and name in local:
+            elif info.init is None and (own or name in local):
                 # GS overwrites with more information: falsy dtype/shape (None, 0, []) are replaced.
                 new = _from_value_info(vi, name)
                 info.dtype = info.dtype or new.dtype
@@ -237,6 +244,8 @@ class ModelGraph:
                 kinds.add(new.kind)
             else:
                 kinds.add(vi.type.WhichOneof("value"))
+        if own:
+            local = set(tensors)
         kinds.update(vi.type.WhichOneof("value") for vi in chain(g.input, g.output))
         scope.non_tensor = not kinds <= TENSOR_OR_UNTYPED
         init_names = dense | {t.values.name for t in g.sparse_initializer} if g.sparse_initializer else dense
