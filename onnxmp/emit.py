@@ -261,20 +261,24 @@ class _Emitter:
         write back unchanged is copied, then renamed or retyped in the copy; others are rebuilt.
 
         The copies are first taken as they are and checked all at once (:func:`_all_canonical`);
-        only when one is not canonical are they sorted one by one."""
+        only when one is not canonical are they sorted one by one.  A copy is retyped or renamed
+        in its bytes: a parse merges the fields appended to a message into the ones before, and a
+        later value of a singular field replaces an earlier one."""
         written, retyped, renamed = self._declarations(names, check_each=False)
-        data = _wire(value_info=list(map(_SERIALIZE_VALUE_INFO, written)))
+        blobs = list(map(_SERIALIZE_VALUE_INFO, written))
+        data = _wire(value_info=blobs)
         if not _all_canonical(data):
             written, retyped, renamed = self._declarations(names, check_each=True)
-            data = _wire(value_info=list(map(_SERIALIZE_VALUE_INFO, written)))
+            blobs = list(map(_SERIALIZE_VALUE_INFO, written))
+            data = None
         del written
-        out.MergeFromString(data)  # out holds nothing else yet: the copies are out.value_info
-        del data
-        copies = out.value_info
-        for position in [i for i, dtype in enumerate(retyped) if dtype is not None]:
-            copies[position].type.tensor_type.elem_type = retyped[position]
-        for position, name in renamed:
-            copies[position].name = name
+        patches = {dtype: _retyping(dtype) for dtype in set(retyped)}
+        if len(patches) > 1 or None not in patches or renamed:
+            blobs = list(map(bytes.__add__, blobs, map(patches.__getitem__, retyped)))
+            for position, name in renamed:
+                blobs[position] += onnx.ValueInfoProto(name=name).SerializeToString()
+            data = None
+        out.MergeFromString(_wire(value_info=blobs) if data is None else data)  # out holds nothing else yet
 
     def _declarations(self, names: list[str], check_each: bool) -> tuple[list, list, list]:
         """The declarations to write; for each, the dtype its copy takes (None: as it is); and
@@ -599,6 +603,16 @@ def _keeps_everything(schema: str, data: bytes) -> bool:
 
 _SERIALIZE_NODE = onnx.NodeProto.SerializeToString
 _SERIALIZE_VALUE_INFO = onnx.ValueInfoProto.SerializeToString
+
+
+@functools.cache
+def _retyping(dtype: int | None) -> bytes:
+    """Bytes that, appended to a serialized tensor declaration, set its element type to ``dtype``."""
+    if dtype is None:
+        return b""
+    vi = onnx.ValueInfoProto()
+    vi.type.tensor_type.elem_type = dtype
+    return vi.SerializeToString()
 
 
 def _wire(nodes: list[bytes] = (), value_info: list[bytes] = ()) -> bytes:
