@@ -203,7 +203,7 @@ class _Emitter:
                     child = self.scope_of[id(attr.g)]
                     bodies.setdefault(name, {})[attr.name] = self.graph(child)
                     body_scopes.setdefault(name, []).append(child)
-        kept, dead = self._used(nodes, g, bodies)
+        kept, dead = self._used(nodes, g, bodies, main=scope_index == 0)
         for k in dead:
             self._note_listed_graphs(nodes.items[k])
         kept_inputs = nodes.inputs if kept is None else [nodes.inputs[k] for k in kept]
@@ -313,9 +313,47 @@ class _Emitter:
                 add_retyped(None)
         return written, retyped, renamed
 
-    def _used(self, nodes: GraphNodes, g: onnx.GraphProto, bodies) -> tuple[list[int] | None, list[int]]:
+    def _used(self, nodes: GraphNodes, g: onnx.GraphProto, bodies, main: bool) -> tuple[list[int] | None, list[int]]:
         """GS cleanup: the positions of the nodes something reads on the way to a graph output
-        (None when that is all of them), and of the others."""
+        (None when that is all of them), and of the others.  (The main graph's ``g``, when ``main``.)"""
+        used = self._used_in_order(nodes, g, bodies) if main and self.model_graph.in_order else None
+        if used is None:
+            used = self._used_in_any_order(nodes, g, bodies)
+        dead = []
+        k = used.find(0)
+        while k >= 0:
+            dead.append(k)
+            k = used.find(0, k + 1)
+        return (list(compress(range(len(used)), used)) if dead else None), dead
+
+    def _used_in_order(self, nodes: GraphNodes, g: onnx.GraphProto, bodies) -> bytearray | None:
+        """:meth:`_used_in_any_order` in one pass from the last node to the first, for a graph whose
+        nodes read only graph inputs, initializers and earlier nodes' outputs (the index's
+        ``in_order``); None unless each tensor has one writer and that is a node: then every
+        reader of a node's output comes after it, so a node is used when a graph output or a
+        later used node reads an output of it."""
+        outputs = nodes.outputs
+        written = set(chain.from_iterable(outputs))
+        if len(written) != sum(map(len, outputs)) or "" in written or not written.isdisjoint(self.constants) \
+                or not written.isdisjoint(self.sparse) or not written.isdisjoint(self.model_graph.scopes[0].inputs):
+            return None
+        del written
+        inputs, names = nodes.inputs, nodes.names
+        used = bytearray(len(outputs))
+        live = {t.name for t in g.output}
+        for k in range(len(outputs) - 1, -1, -1):
+            if live.isdisjoint(outputs[k]):
+                continue
+            used[k] = 1
+            live.update(inputs[k])
+            if bodies and names[k] in bodies:
+                for _, foreign in bodies[names[k]].values():
+                    live.update(foreign)
+        return used
+
+    @staticmethod
+    def _used_in_any_order(nodes: GraphNodes, g: onnx.GraphProto, bodies) -> bytearray:
+        """For each node, 1 when a graph output reads it, through any chain of nodes."""
         producer = {t: k for k, outs in enumerate(nodes.outputs) for t in outs}  # the last writer, as in GS
         inputs, names = nodes.inputs, nodes.names
         used = bytearray(len(inputs))
@@ -336,12 +374,7 @@ class _Emitter:
                         if dep not in seen:
                             seen.add(dep)
                             queue.append(dep)
-        dead = []
-        k = used.find(0)
-        while k >= 0:
-            dead.append(k)
-            k = used.find(0, k + 1)
-        return (list(compress(range(len(used)), used)) if dead else None), dead
+        return used
 
     def _note_listed_graphs(self, item) -> None:
         if type(item) is not NewCast and may_hold_graphs(item):

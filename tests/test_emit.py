@@ -287,6 +287,8 @@ def test_the_bulk_check_and_batches_change_no_byte(build, monkeypatch):
     expected = emitted_graph(model)
     monkeypatch.setattr(emit_module, "_all_clean", lambda data: False)  # every node checked one by one
     assert emitted_graph(model) == expected
+    monkeypatch.setattr(emit_module._Emitter, "_used_in_order", lambda *args: None)  # GS's walk from the outputs
+    assert emitted_graph(model) == expected
     monkeypatch.undo()
     monkeypatch.setattr(emit_module, "_BATCH_BYTES", 100)  # a few nodes per batch, big ones alone
     assert emitted_graph(model) == expected
@@ -304,3 +306,54 @@ def test_an_empty_list_attribute_still_fails_as_gs_export_does():
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid("custom", 1)])
     with pytest.raises(ValueError, match="empty"):
         emitted_graph(model)
+
+
+def _main_used(model: onnx.ModelProto):
+    from onnxmp.emit import _Emitter
+    graph = ModelGraph(model)
+    edits = Edits.unchanged(graph)
+    emitter = _Emitter(graph, edits)
+    nodes = edits.graphs[graph.scopes[0].gid]
+    return emitter._used_in_order(nodes, model.graph, {}), emitter._used_in_any_order(nodes, model.graph, {})
+
+
+def dead_chains_model() -> onnx.ModelProto:
+    """Dead nodes before, between and after used ones; a dead node reading a used one; two outputs."""
+    return onnx.parser.parse_model(header() + """
+    g (float[2] x) => (float[2] y, float[2] z) {
+        d0 = Relu(x)
+        a = Abs(x)
+        d1 = Neg(d0)
+        b = Exp(a)
+        d2 = Sin(b)
+        y = Identity(b)
+        z = Cos(a)
+        d3 = Tan(z)
+    }""")
+
+
+@pytest.mark.parametrize("build", [dead_chains_model, odd_model, zoo.mlp, zoo.loop_if, zoo.cnn_bn])
+def test_the_pass_from_the_last_node_finds_the_nodes_gs_keeps(build):
+    model = build()
+    normalize(model)
+    in_order, walked = _main_used(model)
+    assert in_order == walked
+    if build is dead_chains_model:
+        assert list(walked) == [0, 1, 0, 1, 0, 1, 1, 0]
+
+
+@pytest.mark.parametrize("case", ["written twice", "an empty output name", "writes a graph input", "writes an initializer"])
+def test_the_pass_from_the_last_node_leaves_odd_writers_to_gs_walk(case):
+    # GS's walk takes each tensor's last writer, wherever it stands: the one pass could not.
+    writer = {"written twice": "a = Neg(x)", "an empty output name": "c, = Split(x)",
+              "writes a graph input": "x = Neg(a)", "writes an initializer": "w = Neg(a)"}[case]
+    model = onnx.parser.parse_model(header() + f"""
+    g (float[2] x) => (float[2] y) <float[2] w = {{1.0, 2.0}}> {{
+        a = Abs(x)
+        b = Add(a, w)
+        {writer}
+        y = Identity(b)
+    }}""")
+    if case == "an empty output name":
+        model.graph.node[2].output.append("")
+    assert _main_used(model)[0] is None
