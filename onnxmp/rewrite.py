@@ -148,17 +148,10 @@ class _Rewriter:
         self.nodes = [GraphNodes.of(scope) for scope in graph.scopes]
         self.constants = graph.constants
 
-        # Which inputs of each node read in low precision: bit i of low_inputs[node] for input i.
+        # Which inputs of each node read in low precision: bit i of low_inputs[node] for input i
+        # (the ALLOW vertices' are added by retype_low_outputs, which reads each of them anyway).
         self.low_inputs: dict[str, int] = {}
         low_inputs = self.low_inputs
-        node_names, v_node, v_kind, float_io = view.node_names, view.v_node, view.v_kind, view.float_io
-        for vid in allow_ids:
-            node = node_names[v_node[vid]]
-            if vid in float_io:
-                mask = sum(1 << i for i, _ in view.inputs(vid))
-            else:
-                mask = v_kind[vid].group.in_mask
-            low_inputs[node] = low_inputs.get(node, 0) | mask
         # Control-flow groups that go low: their tensors are retyped as a whole (spec §5.7).
         self.group_tensors: set[str] = set()
         self.body_members: set[str] = set()  # formal body I/O of low groups: retyped, no longer pinned
@@ -207,24 +200,37 @@ class _Rewriter:
 
     # -- phase 1 -------------------------------------------------------------------------------
     def retype_low_outputs(self) -> None:
-        """Retype outputs of ALLOW vertices and of low control-flow groups; retarget dtype attributes."""
+        """Retype outputs of ALLOW vertices and of low control-flow groups; retarget dtype attributes.
+        Notes which inputs each ALLOW vertex reads (``low_inputs``)."""
         view = self.view
-        pinned, body_members = view.pinned, self.body_members
+        pinned, body_members, low_inputs, retargeted = view.pinned, self.body_members, self.low_inputs, \
+            self.edits.retargeted
+        unpinned = pinned.keys().isdisjoint
         in_place: list[str] = []
         renaming: set[str] = set()  # nodes with an output the outside world sees: renamed below, in order
-        node_of, output_names, v_kind = view.node_of, view.output_names, view.v_kind
+        node_names, node_outs, v_node, v_kind, float_io = view.node_names, view.node_outs, view.v_node, view.v_kind, \
+            view.float_io
+        # view.inputs / view.output_names, inlined: this loop runs once per ALLOW vertex.
         for vid in self.allow_ids:
-            names = output_names(vid)
-            if pinned.keys().isdisjoint(names):
+            k = v_node[vid]
+            group = v_kind[vid].group
+            cut = float_io.get(vid) if float_io else None
+            if cut is None:
+                mask, names = group.in_mask, group.pick_out(node_outs[k])
+            else:
+                mask, names = sum(1 << i for i, _ in cut[0]), tuple(t for _, t in cut[1])
+            node = node_names[k]
+            low_inputs[node] = low_inputs.get(node, 0) | mask
+            if unpinned(names):
                 in_place += names
             else:
                 for name in names:
                     if name in pinned and name not in body_members:
-                        renaming.add(node_of(vid))
+                        renaming.add(node)
                     else:
                         in_place.append(name)
-            if v_kind[vid].group.op.op_type in RETARGETABLE:
-                self.edits.retargeted.add(node_of(vid))
+            if group.op.op_type in RETARGETABLE:
+                retargeted.add(node)
         self._retype_in_place(in_place)
         if renaming or self.group_outputs:
             self._retype_in_order(renaming)
