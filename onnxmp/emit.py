@@ -283,19 +283,18 @@ class _Emitter:
     def _declarations(self, names: list[str], check_each: bool) -> tuple[list, list, list]:
         """The declarations to write; for each, the dtype its copy takes (None: as it is); and
         (position, name) of the copies that take a new name."""
-        new_tensors, tensors, dtypes = self.edits.new_tensors, self.tensors, self.edits.dtypes
+        new_tensors, dtypes = self.edits.new_tensors, self.edits.dtypes
         written, retyped, renamed = [], [], []
         add_written, add_retyped = written.append, retyped.append
-        for name in names:
-            info = new_tensors.get(name)
-            if info is not None:
-                dtype = dtypes.get(name, info.dtype)
-            else:
-                info = tensors.get(name)
+        # The index's tensors first: the rewrite's new ones have fresh names, which no tensor has.
+        for name, info, dtype in zip(names, map(self.tensors.get, names), map(dtypes.get, names)):
+            if info is None:
+                info = new_tensors.get(name)
                 if info is None:
                     continue
+                dtype = dtypes.get(name, info.dtype)
+            else:
                 decl = info.decl
-                dtype = dtypes.get(name)
                 if decl is not None and not info.merged and (not check_each or _canonical(decl)):
                     add_written(decl)  # the common case: an input declaration copied, maybe retyped
                     add_retyped(dtype)
