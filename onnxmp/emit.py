@@ -391,50 +391,57 @@ class _Emitter:
         nodes of a batch copied as they are are first checked all at once (:func:`_all_clean`),
         and one by one only when one of them is not clean."""
         items, names, inputs, outputs = nodes.items, nodes.names, nodes.inputs, nodes.outputs
-        rebuilt = self.rebuilt
+        order = range(len(items)) if kept is None else kept
+        built_here = self.rebuilt.union(bodies, self.edits.casts)  # by name: the rest are copied
         batch: list[bytes] = []
-        as_is: list[int] = []  # the nodes copied as they are, and where they are in the batch
-        at: list[int] = []
-        size = 0
-        for k in range(len(items)) if kept is None else kept:
-            item = items[k]
-            if type(item) is NewCast:
-                casts.add(item.name)
-                blob = _SERIALIZE_NODE(_cast_node(item))
-            elif names[k] in rebuilt or names[k] in bodies:
-                blob = _SERIALIZE_NODE(self.node(item, inputs[k], outputs[k], bodies))
+        specials: list[int] = []  # where in the batch the nodes built here are
+        first = size = 0  # the batch's first position in `order`, its bytes
+        for k in order:
+            name = names[k]
+            if name in built_here:
+                item = items[k]
+                if type(item) is NewCast:
+                    casts.add(name)
+                    blob = _SERIALIZE_NODE(_cast_node(item))
+                else:
+                    blob = _SERIALIZE_NODE(self.node(item, inputs[k], outputs[k], bodies))
+                specials.append(len(batch))
             else:
-                blob = _SERIALIZE_NODE(item)
-                as_is.append(k)
-                at.append(len(batch))
+                blob = _SERIALIZE_NODE(items[k])
             batch.append(blob)
             size += len(blob)
             if size > _BATCH_BYTES:
-                self._write_batch(out, nodes, bodies, batch, as_is, at, size)
-                batch, as_is, at, size = [], [], [], 0
+                self._write_batch(out, nodes, bodies, batch, specials, order[first:first + len(batch)], size)
+                first += len(batch)
+                batch, specials, size = [], [], 0
         if batch:
-            self._write_batch(out, nodes, bodies, batch, as_is, at, size)
+            self._write_batch(out, nodes, bodies, batch, specials, order[first:], size)
 
-    def _write_batch(self, out: onnx.GraphProto, nodes: GraphNodes, bodies, batch: list[bytes], as_is: list[int],
-                     at: list[int], size: int) -> None:
-        """Write ``batch``, serialized nodes; nodes ``as_is`` (at positions ``at`` of the batch)
-        are the input's own, rebuilt here if GS would not write them back unchanged."""
+    def _write_batch(self, out: onnx.GraphProto, nodes: GraphNodes, bodies, batch: list[bytes], specials: list[int],
+                     ks, size: int) -> None:
+        """Write ``batch``, the serialized nodes ``ks``; those not at ``specials`` are the input's
+        own, rebuilt here if GS would not write them back unchanged."""
         data = None
+        plain = len(batch) - len(specials)
         # The check in bulk reads every byte a few times: for nodes holding big tensors, checking
         # them one by one costs less.
-        if as_is and size < _CHECK_IN_BULK_BELOW * len(batch):
-            data = _wire(nodes=batch if len(as_is) == len(batch) else [batch[i] for i in at])
-            clean = _all_clean(data)
-            if len(as_is) != len(batch):
-                data = None
+        if plain and size < _CHECK_IN_BULK_BELOW * len(batch):
+            if specials:
+                skip = set(specials)
+                clean = _all_clean(_wire(nodes=[blob for i, blob in enumerate(batch) if i not in skip]))
+            else:
+                data = _wire(nodes=batch)
+                clean = _all_clean(data)
         else:
-            clean = not as_is
+            clean = not plain
         if not clean:
             data = None
-            for k, i in zip(as_is, at):
-                item = nodes.items[k]
-                if not _clean(item):
-                    batch[i] = _SERIALIZE_NODE(self.node(item, nodes.inputs[k], nodes.outputs[k], bodies))
+            skip = set(specials)
+            for i, k in enumerate(ks):
+                if i not in skip:
+                    item = nodes.items[k]
+                    if not _clean(item):
+                        batch[i] = _SERIALIZE_NODE(self.node(item, nodes.inputs[k], nodes.outputs[k], bodies))
         if len(batch) == 1:
             out.node.add().MergeFromString(batch[0])  # a big one: no second copy of its bytes
         else:

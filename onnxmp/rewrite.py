@@ -93,6 +93,7 @@ class Edits:
     twins: dict[str, str] = field(default_factory=dict)            # twin name -> fp32 source initializer
     retargeted: set[str] = field(default_factory=set)              # Cast/Constant/ConstantOfShape nodes
     raw_constants: set[str] = field(default_factory=set)           # Constant nodes whose value is rewritten raw
+    casts: set[str] = field(default_factory=set)                   # names of the NewCasts (fresh: no node has one)
     emitted_casts: set[str] = field(default_factory=set)           # NewCasts the emitter wrote (cleanup drops some)
     low_np: np.dtype = FLOAT16.numpy
     low_enum: int = FLOAT16.onnx_type
@@ -121,6 +122,7 @@ def rewrite(graph: ModelGraph, state: Coloring, *, precision: str = "float16",
     for scope, nodes in zip(graph.scopes, rewriter.nodes):
         rewriter.edits.graphs[scope.gid] = place_after_producers(nodes, rewriter.new_nodes[scope.gid])
     stats = rewriter.stats
+    rewriter.edits.casts.update(stats.casts)
     modified = bool(stats.casts or stats.retyped_tensors or stats.converted_initializers or stats.twin_initializers)
     return PassResult(modified, {"casts": len(stats.casts)}), stats, rewriter.edits
 
