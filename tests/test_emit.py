@@ -342,7 +342,8 @@ def test_the_pass_from_the_last_node_finds_the_nodes_gs_keeps(build):
         assert list(walked) == [0, 1, 0, 1, 0, 1, 1, 0]
 
 
-@pytest.mark.parametrize("case", ["written twice", "an empty output name", "writes a graph input", "writes an initializer"])
+@pytest.mark.parametrize("case", ["written twice", "an empty output name", "writes a graph input",
+                                  "writes an initializer"])
 def test_the_pass_from_the_last_node_leaves_odd_writers_to_gs_walk(case):
     # GS's walk takes each tensor's last writer, wherever it stands: the one pass could not.
     writer = {"written twice": "a = Neg(x)", "an empty output name": "c, = Split(x)",
