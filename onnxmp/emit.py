@@ -203,7 +203,10 @@ class _Emitter:
                     child = self.scope_of[id(attr.g)]
                     bodies.setdefault(name, {})[attr.name] = self.graph(child)
                     body_scopes.setdefault(name, []).append(child)
-        kept, dead = self._used(nodes, g, bodies, main=scope_index == 0)
+        # The main graph in order, each tensor written by one node (the usual case): a node's
+        # inputs are then graph inputs, initializers or earlier nodes' outputs.
+        simple = scope_index == 0 and self.model_graph.in_order and self._single_writers(nodes)
+        kept, dead = self._used(nodes, g, bodies, simple)
         for k in dead:
             self._note_listed_graphs(nodes.items[k])
         kept_inputs = nodes.inputs if kept is None else [nodes.inputs[k] for k in kept]
@@ -214,18 +217,29 @@ class _Emitter:
             gs_inputs = [name for name in gs_inputs if name not in sparse]
         outputs = [t.name for t in g.output]
 
-        # First mention wins: graph inputs, then each node's inputs and outputs, then graph outputs.
-        tensor_order: dict[str, None] = dict.fromkeys(chain(
-            gs_inputs, chain.from_iterable(chain.from_iterable(zip(kept_inputs, kept_outputs))), outputs))
-        tensor_order.pop("", None)
-
+        # GS's tensor order: first mention wins, over the graph inputs, then each node's inputs
+        # and outputs, then the graph outputs.  Initializers are written in it, and value_info for
+        # the tensors that are none of those.
         if out is None:
             out = onnx.GraphProto()
-        skip = set(gs_inputs)
-        skip.update(outputs)
-        constants = [n for n in tensor_order if n in self.constants]
-        skip.update(constants)
-        self._write_value_info(out, [n for n in tensor_order if n not in skip])  # first: see there
+        if simple and not g.sparse_initializer and self.constants.isdisjoint(gs_inputs):
+            # Then an initializer is first mentioned by its first reader (or as a graph output),
+            # and the rest of value_info are the nodes' outputs, each mentioned there first.
+            constants = list(dict.fromkeys(filter(self.constants.__contains__,
+                                                  chain(chain.from_iterable(kept_inputs), outputs))))
+            graph_outputs = set(outputs)
+            declared = [n for n in chain.from_iterable(kept_outputs) if n not in graph_outputs]
+        else:
+            tensor_order: dict[str, None] = dict.fromkeys(chain(
+                gs_inputs, chain.from_iterable(chain.from_iterable(zip(kept_inputs, kept_outputs))), outputs))
+            tensor_order.pop("", None)
+            skip = set(gs_inputs)
+            skip.update(outputs)
+            constants = [n for n in tensor_order if n in self.constants]
+            skip.update(constants)
+            declared = [n for n in tensor_order if n not in skip]
+        self._write_value_info(out, declared)  # first: see there
+        del declared
         casts = self.kept_casts[scope_index] = set()
         self._write_nodes(out, nodes, kept, bodies, casts)
         if bodies:
@@ -312,11 +326,13 @@ class _Emitter:
                 add_retyped(None)
         return written, retyped, renamed
 
-    def _used(self, nodes: GraphNodes, g: onnx.GraphProto, bodies, main: bool) -> tuple[list[int] | None, list[int]]:
+    def _used(self, nodes: GraphNodes, g: onnx.GraphProto, bodies, simple: bool) -> tuple[list[int] | None, list[int]]:
         """GS cleanup: the positions of the nodes something reads on the way to a graph output
-        (None when that is all of them), and of the others.  (The main graph's ``g``, when ``main``.)"""
-        used = self._used_in_order(nodes, g, bodies) if main and self.model_graph.in_order else None
-        if used is None:
+        (None when that is all of them), and of the others.  ``simple``: the main graph, in
+        order, with single writers (see graph)."""
+        if simple:
+            used = self._used_in_order(nodes, g, bodies)
+        else:
             used = self._used_in_any_order(nodes, g, bodies)
         dead = []
         k = used.find(0)
@@ -325,19 +341,20 @@ class _Emitter:
             k = used.find(0, k + 1)
         return (list(compress(range(len(used)), used)) if dead else None), dead
 
-    def _used_in_order(self, nodes: GraphNodes, g: onnx.GraphProto, bodies) -> bytearray | None:
-        """:meth:`_used_in_any_order` in one pass from the last node to the first, for a graph whose
-        nodes read only graph inputs, initializers and earlier nodes' outputs (the index's
-        ``in_order``); None unless each tensor has one writer and that is a node: then every
-        reader of a node's output comes after it, so a node is used when a graph output or a
-        later used node reads an output of it."""
+    def _single_writers(self, nodes: GraphNodes) -> bool:
+        """Each tensor the main graph's ``nodes`` write has one writer and is no graph input,
+        initializer nor the empty name."""
         outputs = nodes.outputs
         written = set(chain.from_iterable(outputs))
-        if len(written) != sum(map(len, outputs)) or "" in written or not written.isdisjoint(self.constants) \
-                or not written.isdisjoint(self.sparse) or not written.isdisjoint(self.model_graph.scopes[0].inputs):
-            return None
-        del written
-        inputs, names = nodes.inputs, nodes.names
+        return len(written) == sum(map(len, outputs)) and "" not in written and written.isdisjoint(self.constants) \
+            and written.isdisjoint(self.sparse) and written.isdisjoint(self.model_graph.scopes[0].inputs)
+
+    def _used_in_order(self, nodes: GraphNodes, g: onnx.GraphProto, bodies) -> bytearray:
+        """:meth:`_used_in_any_order` in one pass from the last node to the first, for a graph whose
+        nodes read only graph inputs, initializers and earlier nodes' outputs (the index's
+        ``in_order``), with :meth:`_single_writers`: then every reader of a node's output comes
+        after it, so a node is used when a graph output or a later used node reads an output of it."""
+        outputs, inputs, names = nodes.outputs, nodes.inputs, nodes.names
         used = bytearray(len(outputs))
         live = {t.name for t in g.output}
         for k in range(len(outputs) - 1, -1, -1):

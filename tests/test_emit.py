@@ -279,7 +279,37 @@ def test_nodes_checked_in_bulk_are_written_as_gs_writes_them():
     assert emitted_graph(model) == gs_graph(model)
 
 
-@pytest.mark.parametrize("build", [variants_model, odd_model, zoo.loop_if, zoo.cnn_bn])
+def dead_chains_model() -> onnx.ModelProto:
+    """Dead nodes before, between and after used ones; a dead node reading a used one; two outputs."""
+    return onnx.parser.parse_model(header() + """
+    g (float[2] x) => (float[2] y, float[2] z) {
+        d0 = Relu(x)
+        a = Abs(x)
+        d1 = Neg(d0)
+        b = Exp(a)
+        d2 = Sin(b)
+        y = Identity(b)
+        z = Cos(a)
+        d3 = Tan(z)
+    }""")
+
+
+def initializer_io_model() -> onnx.ModelProto:
+    """An initializer that is also a graph input, one that is a graph output nothing reads, and one
+    read by two nodes before an output of theirs is."""
+    return onnx.parser.parse_model(header() + """
+    g (float[2] x, float[2] w_in) => (float[2] y, float[2] w_out, float[2] a)
+      <float[2] w_in = {1.0, 2.0}, float[2] w_out = {3.0, 4.0}, float[2] w = {5.0, 6.0}> {
+        a = Add(x, w_in)
+        b = Mul(x, w)
+        c = Mul(a, w)
+        y = Add(b, c)
+    }""")
+
+
+@pytest.mark.parametrize("build", [variants_model, odd_model, zoo.loop_if, zoo.cnn_bn, zoo.mlp, dead_chains_model,
+                                   initializer_io_model,
+                                   zoo.transformer_block])
 def test_the_bulk_check_and_batches_change_no_byte(build, monkeypatch):
     import onnxmp.emit as emit_module
     model = build()
@@ -287,7 +317,8 @@ def test_the_bulk_check_and_batches_change_no_byte(build, monkeypatch):
     expected = emitted_graph(model)
     monkeypatch.setattr(emit_module, "_all_clean", lambda data: False)  # every node checked one by one
     assert emitted_graph(model) == expected
-    monkeypatch.setattr(emit_module._Emitter, "_used_in_order", lambda *args: None)  # GS's walk from the outputs
+    # GS's walk from the outputs, and its tensor order over every mention
+    monkeypatch.setattr(emit_module._Emitter, "_single_writers", lambda *args: False)
     assert emitted_graph(model) == expected
     monkeypatch.undo()
     monkeypatch.setattr(emit_module, "_BATCH_BYTES", 100)  # a few nodes per batch, big ones alone
@@ -314,22 +345,8 @@ def _main_used(model: onnx.ModelProto):
     edits = Edits.unchanged(graph)
     emitter = _Emitter(graph, edits)
     nodes = edits.graphs[graph.scopes[0].gid]
-    return emitter._used_in_order(nodes, model.graph, {}), emitter._used_in_any_order(nodes, model.graph, {})
-
-
-def dead_chains_model() -> onnx.ModelProto:
-    """Dead nodes before, between and after used ones; a dead node reading a used one; two outputs."""
-    return onnx.parser.parse_model(header() + """
-    g (float[2] x) => (float[2] y, float[2] z) {
-        d0 = Relu(x)
-        a = Abs(x)
-        d1 = Neg(d0)
-        b = Exp(a)
-        d2 = Sin(b)
-        y = Identity(b)
-        z = Cos(a)
-        d3 = Tan(z)
-    }""")
+    in_order = emitter._used_in_order(nodes, model.graph, {}) if emitter._single_writers(nodes) else None
+    return in_order, emitter._used_in_any_order(nodes, model.graph, {})
 
 
 @pytest.mark.parametrize("build", [dead_chains_model, odd_model, zoo.mlp, zoo.loop_if, zoo.cnn_bn])
