@@ -19,8 +19,9 @@ So this module keeps GS's export conventions:
 
 What the rewrite leaves alone is not rebuilt: unchanged nodes and initializers are the
 input's own messages and declarations GS would write back unchanged are copies of the
-input's (retyped in the copy), all copied by protobuf in C; only rewired or unclean
-nodes, converted initializers and the inserted Casts are built here.
+input's (retyped in the copy), all copied by protobuf in C (nodes and declarations
+serialized one by one and parsed into the output in one call, see :func:`_wire`); only
+rewired or unclean nodes, converted initializers and the inserted Casts are built here.
 """
 from __future__ import annotations
 
