@@ -85,6 +85,9 @@ class Coloring:
         self.codes[vid] = 0
 
     def allow_ids(self) -> list[int]:
+        """ALLOW vertex ids in the order they were painted (the order the rewrite retypes in and
+        propagate_allow_through_clear walks from); :func:`_ids` of :meth:`marks` where order
+        does not matter."""
         return [i for i, entry in self.colors.items() if entry[0] == ALLOW]
 
     def has_allow(self) -> bool:
@@ -147,6 +150,11 @@ def _why_fp32(list_name: str | None, op: str) -> str:
     if list_name == "allow":
         return f"allow op {op} was not painted"
     return f"op {op} keeps its type"
+
+
+def _ids(marks: bytes | bytearray) -> list[int]:
+    """The ids whose byte in ``marks`` is non-zero, in id order."""
+    return np.flatnonzero(np.frombuffer(marks, dtype=np.uint8)).tolist()
 
 
 def _dfs(adjacent: tuple[Adjacency, ...], roots: Iterable[int], enter: bytearray
@@ -248,8 +256,8 @@ def propagate_deny_forward_through_clear_and_infer(state: Coloring) -> PassResul
                               DENY, rule, _list_op)
     deny = state.marks(DENY)
     deny_roots = [k for k in range(len(lst)) if f32[k] and deny[k]]
-    for k in state.allow_ids():
-        upstream[k] = 0
+    allow = state.marks(ALLOW)
+    upstream = bytearray(np.greater(np.frombuffer(upstream, dtype=np.uint8), np.frombuffer(allow, dtype=np.uint8)))
     origin: dict[int, int] = {k: k for k in deny_roots}
     for k, parent in zip(*_dfs((view.fanout,), deny_roots, upstream)):
         if parent < 0:
@@ -258,7 +266,7 @@ def propagate_deny_forward_through_clear_and_infer(state: Coloring) -> PassResul
         if deny[k]:
             continue
         painted += state.paint(k, DENY, rule, (_downstream_of_deny, source, parent if parent != source else -1))
-    require(not any(state.is_deny(i) for i in state.allow_ids()), rule, "no vertex is both ALLOW and DENY")
+    require(state.marks(ALLOW) == allow, rule, "no ALLOW vertex was painted DENY")
     return PassResult(painted > 0, {"painted": painted})
 
 
@@ -271,7 +279,7 @@ def add_clear_and_infer_to_allow_if_between_allow(state: Coloring) -> PassResult
     """
     view = state.view
     lst, ok = view.lst, view.ok
-    allow_roots = [i for i in state.allow_ids() if lst[i] == "allow"]
+    allow_roots = [i for i in _ids(state.marks(ALLOW)) if lst[i] == "allow"]  # any order: see ``between``
     deny = state.marks(DENY)
     passable = bytearray(len(lst))
     for k, list_name in enumerate(lst):
@@ -281,7 +289,8 @@ def add_clear_and_infer_to_allow_if_between_allow(state: Coloring) -> PassResult
         passable[k] = 0
     downstream = _reached(view.fanout, allow_roots, passable)
     order, parents = _dfs((view.fanin,), allow_roots, downstream)
-    between = [k for k, parent in zip(order, parents) if parent >= 0]  # the roots are already ALLOW
+    # The roots are already ALLOW.  Which vertices are reached does not depend on the roots' order.
+    between = [k for k, parent in zip(order, parents) if parent >= 0]
     # In the readable order reports were painted in.
     painted = state.paint_all(sorted(between, key=view.key), ALLOW, "add_clear_and_infer_to_allow_if_between_allow",
                               _between_allow)
@@ -334,12 +343,11 @@ def propagate_allow_through_clear(state: Coloring) -> PassResult:
 
 def remove_allow_set_with_fp32(state: Coloring) -> PassResult:
     """Remove from ALLOW any vertex whose schema or kernel cannot take the low-precision type."""
-    removed = 0
-    ok = state.view.ok
-    for k in state.allow_ids():
-        if not ok[k]:
-            state.unpaint(k)
-            removed += 1
+    allow = np.frombuffer(state.marks(ALLOW), dtype=np.uint8)
+    incapable = _ids(np.greater(allow, np.frombuffer(state.view.ok, dtype=np.uint8)))
+    for k in incapable:
+        state.unpaint(k)
+    removed = len(incapable)
     require(_allow_only_where_ok(state),
             "remove_allow_set_with_fp32", "every ALLOW vertex can take the low-precision type")
     return PassResult(removed > 0, {"removed": removed})
@@ -359,11 +367,12 @@ def force_color_match(state: Coloring) -> PassResult:
     """
     view = state.view
     changed = False
-    for k in state.allow_ids():
-        op_type = view.v_kind[k].group.op.op_type
-        if op_type in CONTROL_FLOW:
-            state.paint(k, DENY, "force_color_match", f"{op_type} inputs and outputs follow their color groups")
-            changed = True
+    for node in view.control_flow:
+        for k in range(view.node_first[node], view.node_first[node + 1]):
+            if state.is_allow(k):
+                op_type = view.v_kind[k].group.op.op_type
+                state.paint(k, DENY, "force_color_match", f"{op_type} inputs and outputs follow their color groups")
+                changed = True
     state.low_groups = []
     for group in view.groups:
         blocker = None

@@ -167,6 +167,7 @@ class TypeView:
         self.ok = bytearray()
         self.float_io: dict[int, tuple[list, list]] = {}  # schema-less vertices cut down to float tensors
         self.retargetable: list[int] = []  # Cast/Constant/ConstantOfShape vertices with outputs only
+        self.control_flow: list[int] = []  # node indices of the If/Loop/Scan nodes (of any domain)
         self.constant_at: dict[str, tuple[int, int]] = {}  # tensor -> (scope, position) of its Constant node
         self.fanin = self.fanout = Adjacency(array("i", [0]), array("i"))
         self.producer_of: Mapping[str, int] = {}    # tensor name -> producing float32 vertex id
@@ -606,6 +607,7 @@ def build_type_view(
                         view.constant_at[out] = (scope_index, position)
                 elif op_type in CONTROL_FLOW:
                     control_flow.append((graph_id, node))
+                    view.control_flow.append(k)
             if "" in ins or "" in outs:
                 groups = _present(groups, ins, outs)
             blocked = None
