@@ -13,7 +13,7 @@ from typing import Iterable, NamedTuple
 
 import numpy as np
 
-from onnxmp.color.vertices import CONTROL_FLOW, Adjacency, TypeView
+from onnxmp.color.vertices import LIST_CODES, Adjacency, TypeView
 from onnxmp.passes import PassResult, require
 
 ALLOW = "allow"
@@ -212,6 +212,14 @@ def _reached(adjacent: Adjacency, roots: Iterable[int], enter: bytearray) -> byt
     return state.translate(_SEEN)
 
 
+_ALLOW_LIST, _DENY_LIST, _INFER_LIST, _CLEAR_LIST = (LIST_CODES[name] for name in ("allow", "deny", "infer", "clear"))
+
+
+def _u8(marks: bytes | bytearray) -> np.ndarray:
+    """A byte per vertex (marks, view.f32, view.ok, view.list_codes) as a numpy array, not copied."""
+    return np.frombuffer(marks, dtype=np.uint8)
+
+
 def _allow_only_where_ok(state: Coloring) -> bool:
     """Every ALLOW vertex is processed, float32 and low-precision capable."""
     allow = np.frombuffer(state.marks(ALLOW), dtype=np.uint8)
@@ -221,8 +229,7 @@ def _allow_only_where_ok(state: Coloring) -> bool:
 def add_allow_ops(state: Coloring) -> PassResult:
     """Every vertex of a processed allow-list node joins ALLOW (unless a data seed denied it)."""
     view = state.view
-    lst, ok, codes = view.lst, view.ok, state.codes
-    listed = [k for k, list_name in enumerate(lst) if list_name == "allow" and ok[k] and codes[k] != _DENY]
+    listed = _ids((_u8(view.list_codes) == _ALLOW_LIST) & (_u8(view.ok) != 0) & (_u8(state.codes) != _DENY))
     painted = state.paint_all(listed, ALLOW, "add_allow_ops", _list_op)
     require(_allow_only_where_ok(state),
             "add_allow_ops", "every ALLOW vertex is processed, float32 and low-precision capable")
@@ -240,22 +247,16 @@ def propagate_deny_forward_through_clear_and_infer(state: Coloring) -> PassResul
     feeds only the allow op and is left for the allow passes.
     """
     view = state.view
-    lst, f32 = view.lst, view.f32
+    lists, f32 = _u8(view.list_codes), _u8(view.f32) != 0
     rule = "propagate_deny_forward_through_clear_and_infer"
-    deny = state.marks(DENY)
-    roots = [k for k, list_name in enumerate(lst) if f32[k] and (list_name in ("deny", "infer") or deny[k])]
-    enter = bytearray(len(lst))
-    for k, list_name in enumerate(lst):
-        if list_name == "clear":
-            enter[k] = 1
-    for k in roots:
-        enter[k] = 1
-    upstream = _reached(view.fanin, roots, enter)
+    seeded = _u8(state.marks(DENY)) != 0
+    deny_list = lists == _DENY_LIST
+    roots = f32 & (deny_list | (lists == _INFER_LIST) | seeded)
+    upstream = _reached(view.fanin, _ids(roots), bytearray(roots | (lists == _CLEAR_LIST)))
 
-    painted = state.paint_all([k for k, list_name in enumerate(lst) if f32[k] and list_name == "deny" and not deny[k]],
-                              DENY, rule, _list_op)
+    painted = state.paint_all(_ids(f32 & deny_list & ~seeded), DENY, rule, _list_op)
     deny = state.marks(DENY)
-    deny_roots = [k for k in range(len(lst)) if f32[k] and deny[k]]
+    deny_roots = _ids(f32 & (_u8(deny) != 0))
     allow = state.marks(ALLOW)
     upstream = bytearray(np.greater(np.frombuffer(upstream, dtype=np.uint8), np.frombuffer(allow, dtype=np.uint8)))
     origin: dict[int, int] = {k: k for k in deny_roots}
@@ -278,16 +279,12 @@ def add_clear_and_infer_to_allow_if_between_allow(state: Coloring) -> PassResult
     vertices through that set.  Reached both ways means between allow ops.
     """
     view = state.view
-    lst, ok = view.lst, view.ok
-    allow_roots = [i for i in _ids(state.marks(ALLOW)) if lst[i] == "allow"]  # any order: see ``between``
-    deny = state.marks(DENY)
-    passable = bytearray(len(lst))
-    for k, list_name in enumerate(lst):
-        if (list_name == "clear" or list_name == "infer") and ok[k] and not deny[k]:
-            passable[k] = 1
-    for k in allow_roots:
-        passable[k] = 0
-    downstream = _reached(view.fanout, allow_roots, passable)
+    lists = _u8(view.list_codes)
+    roots = (_u8(state.marks(ALLOW)) != 0) & (lists == _ALLOW_LIST)
+    allow_roots = _ids(roots)  # any order: see ``between``
+    passable = ((lists == _CLEAR_LIST) | (lists == _INFER_LIST)) & (_u8(view.ok) != 0) \
+        & (_u8(state.marks(DENY)) == 0) & ~roots
+    downstream = _reached(view.fanout, allow_roots, bytearray(passable))
     order, parents = _dfs((view.fanin,), allow_roots, downstream)
     # The roots are already ALLOW.  Which vertices are reached does not depend on the roots' order.
     between = [k for k, parent in zip(order, parents) if parent >= 0]
@@ -301,12 +298,9 @@ def add_infer_to_allow_if_follow_allow(state: Coloring) -> PassResult:
     """bfloat16 only (as in TF): in one sweep, an infer vertex with at least one ALLOW
     direct input and no DENY direct input becomes ALLOW."""
     view = state.view
-    lst, ok = view.lst, view.ok
     deny, allow = state.marks(DENY), state.marks(ALLOW)
     promote = []
-    for k, list_name in enumerate(lst):
-        if list_name != "infer" or not ok[k] or deny[k] or allow[k]:
-            continue
+    for k in _ids((_u8(view.list_codes) == _INFER_LIST) & (_u8(view.ok) != 0) & (_u8(deny) == 0) & (_u8(allow) == 0)):
         fanin = view.fanin[k]
         if any(deny[f] for f in fanin):
             continue
@@ -322,15 +316,8 @@ def propagate_allow_through_clear(state: Coloring) -> PassResult:
     """Walk both ways from ALLOW vertices through processed, capable, float32 clear
     vertices that are not DENY; they join ALLOW.  Infer vertices are not crossed."""
     view = state.view
-    lst, ok = view.lst, view.ok
     roots = state.allow_ids()
-    deny = state.marks(DENY)
-    enter = bytearray(len(lst))
-    for k, list_name in enumerate(lst):
-        if list_name == "clear" and ok[k] and not deny[k]:
-            enter[k] = 1
-    for k in roots:
-        enter[k] = 0
+    enter = bytearray((_u8(view.list_codes) == _CLEAR_LIST) & (_u8(view.ok) != 0) & (_u8(state.codes) == 0))
     origin: dict[int, int] = {}  # reached clear vertex -> the allow vertex its walk started from
     for k, parent in zip(*_dfs((view.fanin, view.fanout), roots, enter)):
         if parent >= 0:

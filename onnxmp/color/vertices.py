@@ -36,6 +36,9 @@ log = logging.getLogger("onnxmp.color")
 RETARGETABLE = ("Cast", "Constant", "ConstantOfShape")
 CONTROL_FLOW = ("If", "Loop", "Scan")
 
+# TypeView.list_codes: the list of each vertex's op as a byte (0: on no list), for array masks.
+LIST_CODES = {None: 0, "allow": 1, "deny": 2, "infer": 3, "clear": 4}
+
 _WHOLE_NODE = "*"  # param of the single vertex of an op with no known schema
 NOT_A_TENSOR = -1  # dtype marker for sequence/optional/map values
 FLOAT = onnx.TensorProto.FLOAT
@@ -145,8 +148,9 @@ class TypeView:
     """Vertices of every graph plus fan-in/fan-out over float32 tensors (built by :func:`build_type_view`).
 
     Per vertex (index = vertex id): ``v_node`` (node index), ``v_kind`` (shared :class:`_Kind`:
-    op, param, positions, facts), and the arrays the passes read: ``lst`` (list name), ``f32``
-    and ``ok`` (processed, float32 and low-precision capable).
+    op, param, positions, facts), and the arrays the passes read: ``lst`` (list name),
+    ``list_codes`` (the same as bytes, see LIST_CODES), ``f32`` and ``ok`` (processed, float32
+    and low-precision capable).
     Per node (index = node index, scopes in order, nodes in graph order): ``node_names``,
     ``node_scope``, ``node_ins``/``node_outs`` (tensor names) and ``node_first`` (its first
     vertex id; the node's vertices are ``node_first[k]:node_first[k + 1]``).
@@ -163,6 +167,7 @@ class TypeView:
         self.v_node = array("i")
         self.v_kind: list[_Kind] = []
         self.lst: list[str | None] = []
+        self.list_codes = b""
         self.f32 = bytearray()
         self.ok = bytearray()
         self.float_io: dict[int, tuple[list, list]] = {}  # schema-less vertices cut down to float tensors
@@ -638,6 +643,7 @@ def build_type_view(
     require(len(node_index) == len(view.node_ins), "color", "node names unique across all graphs (normalize)")
     view.node_names = list(node_index)
     view.lst = list(map(attrgetter("list"), v_kind))
+    view.list_codes = bytes(map(LIST_CODES.__getitem__, view.lst))
     view.f32 = bytearray(map(attrgetter("float32"), v_kind))
     view.ok = bytearray(map(attrgetter("ok"), v_kind))
     nodes = np.frombuffer(v_node, dtype=np.intc) if v_node else np.zeros(0, np.intc)
