@@ -11,7 +11,7 @@ from onnxmp.color import ColorOptions, color
 from onnxmp.color.rules import ALLOW, DENY, force_color_match, remove_allow_set_with_fp32
 from onnxmp.lists import resolve_lists
 from onnxmp.normalize import normalize
-from tests.graphs import FLOAT, FLOAT16, header, named, parse
+from tests.graphs import FLOAT, FLOAT16, header, named, parse, vertex
 
 
 def colors(model, **kw) -> dict[str, str]:
@@ -78,6 +78,26 @@ def test_propagate_allow_through_clear_fires_and_does_not_cross_infer():
     result = colors(blocked)
     assert result["s"] == "fp32" and result["y"] == "fp32"
 
+
+
+@pytest.mark.parametrize("first", ["a", "b"])
+def test_propagate_allow_through_clear_names_the_allow_vertex_painted_first(first):
+    # c is next to both MatMuls; r and y only to clear vertices: each walk starts from the allow
+    # vertices in paint order (node order here), so the first MatMul names every cause.
+    second = "b" if first == "a" else "a"
+    model = named(header() + f"""
+    g (float[4,4] x, float[4,4] w) => (float[4,4] y) {{
+        {first} = MatMul(x, w)
+        {second} = MatMul(w, x)
+        c = Max(a, b)
+        r = Relu(c)
+        y = Identity(r)
+    }}""")
+    report = onnxmp.explain(model)
+    for key in ("c:T", "r:T", "y:V"):
+        row = vertex(report, key)
+        assert (row.color, row.rule) == (ALLOW, "propagate_allow_through_clear")
+        assert row.cause == f"clear op connected to allow MatMul `{first}`"
 
 def _state(model, **kw):
     normalized = normalize(model)

@@ -189,6 +189,16 @@ def _dfs(adjacent: tuple[Adjacency, ...], roots: Iterable[int], enter: bytearray
     return order, parents
 
 
+def _next_to(adjacent: tuple[Adjacency, ...], targets: np.ndarray) -> np.ndarray:
+    """Per vertex: whether one of its neighbours in ``adjacent`` is in ``targets`` (a bool mask)."""
+    near = np.zeros(len(targets), dtype=bool)
+    for adj in adjacent:
+        start = np.frombuffer(adj.start, dtype=np.intc)
+        edges = np.flatnonzero(targets[np.frombuffer(adj.flat, dtype=np.intc)])
+        near[np.searchsorted(start, edges, side="right") - 1] = True  # the vertex each edge leaves
+    return near
+
+
 _SEEN = bytes(2) + bytes([1]) + bytes(253)  # translate table: state 2 (seen) -> 1, else 0
 
 
@@ -285,9 +295,8 @@ def add_clear_and_infer_to_allow_if_between_allow(state: Coloring) -> PassResult
     passable = ((lists == _CLEAR_LIST) | (lists == _INFER_LIST)) & (_u8(view.ok) != 0) \
         & (_u8(state.marks(DENY)) == 0) & ~roots
     downstream = _reached(view.fanout, allow_roots, bytearray(passable))
-    order, parents = _dfs((view.fanin,), allow_roots, downstream)
-    # The roots are already ALLOW.  Which vertices are reached does not depend on the roots' order.
-    between = [k for k, parent in zip(order, parents) if parent >= 0]
+    # Which vertices the walks reach does not depend on the roots' order; the roots are ALLOW already.
+    between = _ids((_u8(_reached(view.fanin, allow_roots, downstream)) != 0) & ~roots)
     # In the readable order reports were painted in.
     painted = state.paint_all(sorted(between, key=view.key), ALLOW, "add_clear_and_infer_to_allow_if_between_allow",
                               _between_allow)
@@ -316,8 +325,14 @@ def propagate_allow_through_clear(state: Coloring) -> PassResult:
     """Walk both ways from ALLOW vertices through processed, capable, float32 clear
     vertices that are not DENY; they join ALLOW.  Infer vertices are not crossed."""
     view = state.view
-    roots = state.allow_ids()
-    enter = bytearray((_u8(view.list_codes) == _CLEAR_LIST) & (_u8(view.ok) != 0) & (_u8(state.codes) == 0))
+    enter = (_u8(view.list_codes) == _CLEAR_LIST) & (_u8(view.ok) != 0) & (_u8(state.codes) == 0)
+    if not enter.any():
+        return PassResult(False, {"painted": 0})
+    # A root with no enterable neighbour reaches nothing: only the others are walked from, in
+    # paint order (the first walk to reach a clear vertex names its cause).
+    near = _next_to((view.fanin, view.fanout), enter)
+    roots = [k for k in state.allow_ids() if near[k]]
+    enter = bytearray(enter)
     origin: dict[int, int] = {}  # reached clear vertex -> the allow vertex its walk started from
     for k, parent in zip(*_dfs((view.fanin, view.fanout), roots, enter)):
         if parent >= 0:
