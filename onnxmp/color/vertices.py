@@ -573,10 +573,10 @@ def build_type_view(
     node_index, node_scope = view.node_index, view.node_scope
     v_node, v_kind = view.v_node, view.v_kind
     add_node, add_kind, code_of = v_node.append, v_kind.append, codes.__getitem__
-    # Tensors read and written by float32 vertices, in id order, with how many each vertex has:
-    # _link makes the edges from them.
-    read, written, n_read, n_written = [], [], array("i"), array("i")
-    add_read, add_written = n_read.append, n_written.append
+    # The tensors each float32 vertex reads and writes, in id order: _link makes the edges from them.
+    reads: list[Sequence[str]] = []
+    writes: list[Sequence[str]] = []
+    add_reads, add_writes = reads.append, writes.append
     for scope_index, scope in enumerate(graph.scopes):
         graph_id, g = scope.gid, scope.graph
         view.scope_gids.append(graph_id)
@@ -596,9 +596,8 @@ def build_type_view(
         node_index.update(zip(scope.names, itertools.count(first)))  # normalize made node names unique
         view.node_ins += scope.ins
         view.node_outs += scope.outs
-        for position, (node, node_name, ins, outs) in enumerate(zip(g.node, scope.names, scope.ins, scope.outs)):
+        for k, node, ins, outs in zip(itertools.count(first), g.node, scope.ins, scope.outs):
             op_type = node.op_type
-            k = first + position
             lkey = (op_type, node.domain, len(ins), len(outs))
             found = layouts.get(lkey)
             if found is None:
@@ -609,7 +608,7 @@ def build_type_view(
             if op.special:
                 if op_type == "Constant":
                     for out in outs:
-                        view.constant_at[out] = (scope_index, position)
+                        view.constant_at[out] = (scope_index, k - first)
                 elif op_type in CONTROL_FLOW:
                     control_flow.append((graph_id, node))
                     view.control_flow.append(k)
@@ -617,6 +616,7 @@ def build_type_view(
                 groups = _present(groups, ins, outs)
             blocked = None
             if block:
+                node_name = scope.names[k - first]
                 hits = [p.pattern for p in block if p.search(node_name)]
                 block_hits.update(hits)
                 blocked = hits[0] if hits else None
@@ -635,10 +635,8 @@ def build_type_view(
                     if op_type in RETARGETABLE and out_names and not in_names:
                         view.retargetable.append(vid)
                 if kind.float32:
-                    read += in_names
-                    add_read(len(in_names))
-                    written += out_names
-                    add_written(len(out_names))
+                    add_reads(in_names)
+                    add_writes(out_names)
     del codes
     require(len(node_index) == len(view.node_ins), "color", "node names unique across all graphs (normalize)")
     view.node_names = list(node_index)
@@ -654,7 +652,8 @@ def build_type_view(
             log.warning("block pattern %r matches no node name; nothing is blocked by it", pattern.pattern)
 
     view.groups = [g for g in _control_flow_groups(control_flow) if all(graph.dtype(t) == FLOAT for _, t in g.members)]
-    _link(view, read, n_read, written, n_written)
+    _link(view, list(itertools.chain.from_iterable(reads)), array("i", map(len, reads)),
+          list(itertools.chain.from_iterable(writes)), array("i", map(len, writes)))
     return view
 
 
