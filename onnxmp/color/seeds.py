@@ -205,7 +205,7 @@ def seed_deny_from_initializer_range(state: Coloring, graph: ModelGraph, *,
     limit, low_dtype = low.max, low.numpy
     view = state.view
     tensors, constant_at = graph.tensors, view.constant_at
-    lst, f32, v_kind, node_first = view.lst, view.f32, view.v_kind, view.node_first
+    lst, f32, v_kind, node_first, float_io = view.lst, view.f32, view.v_kind, view.node_first, view.float_io
     listed = ("allow", "infer", "clear")
     # Each candidate: (float32 vertex ids of a listed, processed node; its float inputs that hold
     # constants, in input order).  Other inputs have no values, so no cause.
@@ -236,7 +236,7 @@ def seed_deny_from_initializer_range(state: Coloring, graph: ModelGraph, *,
             if not (kind.float32 and kind.processed and kind.list in listed):
                 continue
             vids = [first]
-            float_inputs = view.input_names(first)
+            float_inputs = kind.group.pick_in(ins) if first not in float_io else view.input_names(first)
         else:
             vids = [v for v in range(first, end) if f32[v]]
             if not vids or lst[first] not in listed or not any(v_kind[v].processed for v in vids):
