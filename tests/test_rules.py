@@ -368,3 +368,21 @@ def test_bfloat16_has_its_own_lists_pow_is_range_only():
     }""")
     assert colors(model, precision="float16")["p"] == DENY
     assert colors(model, precision="bfloat16")["p"] == ALLOW
+
+
+
+def test_vertices_of_one_op_on_float32_other_and_blocked_tensors_keep_their_own_facts():
+    # The view shares one kind per op type parameter and dtypes: a double MatMul and a blocked
+    # one met first must not lend their facts to the float32 MatMuls after them.
+    model = named(header() + """
+    g (double[4,4] d, float[4,4] x, float[4,4] w) => (double[4,4] b, float[4,4] c, float[4,4] a, float[4,4] e) {
+        b = MatMul(d, d)
+        c = MatMul(x, w)
+        a = MatMul(x, w)
+        e = MatMul(a, w)
+    }""")
+    report = onnxmp.explain(model, block_nodes=["^c$"])
+    rows = {row.node: row for row in report.vertices}
+    assert "b" not in rows  # a double vertex is no candidate: reports leave it out
+    assert rows["c"].color == "fp32" and rows["c"].cause == "node name matches block pattern '^c$'"
+    assert rows["a"].color == ALLOW and rows["e"].color == ALLOW

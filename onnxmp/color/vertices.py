@@ -540,6 +540,8 @@ def build_type_view(
     # float32 tensors (they never change type); None when unknown.
     codes = {name: (NOT_A_TENSOR if info.init is None and info.kind != TENSOR_KIND else info.dtype)
              for name, info in tensors.items()}
+    floats = frozenset(name for name, code in codes.items() if code == FLOAT)
+    float_kinds: dict[_Group, _Kind] = {}  # the kind of a group's unblocked vertex on float32 tensors only
     ops: dict[tuple[str, str], _OpInfo] = {}
     layouts: dict[tuple[str, str, int, int], tuple[_OpInfo, list[_Group], _Tied | None]] = {}
     kinds: dict[tuple, _Kind] = {}
@@ -622,10 +624,17 @@ def build_type_view(
                 blocked = hits[0] if hits else None
             for group in groups:
                 in_names, out_names = group.pick_in(ins), group.pick_out(outs)
-                signature = (group, blocked, *map(code_of, in_names), *map(code_of, out_names))
-                kind = kinds.get(signature)
+                # Most vertices read and write float32 tensors only: their kind is known by group,
+                # with no tuple of dtypes to build.
+                all_float = blocked is None and floats.issuperset(in_names) and floats.issuperset(out_names)
+                kind = float_kinds.get(group) if all_float else None
                 if kind is None:
-                    kind = kinds[signature] = _decide(group, signature[2:], len(in_names), blocked, capability)
+                    signature = (group, blocked, *map(code_of, in_names), *map(code_of, out_names))
+                    kind = kinds.get(signature)
+                    if kind is None:
+                        kind = kinds[signature] = _decide(group, signature[2:], len(in_names), blocked, capability)
+                    if all_float:
+                        float_kinds[group] = kind
                 add_node(k)
                 add_kind(kind)
                 if kind.special:
