@@ -268,7 +268,7 @@ def propagate_deny_forward_through_clear_and_infer(state: Coloring) -> PassResul
     deny = state.marks(DENY)
     deny_roots = _ids(f32 & (_u8(deny) != 0))
     allow = state.marks(ALLOW)
-    upstream = bytearray(np.greater(np.frombuffer(upstream, dtype=np.uint8), np.frombuffer(allow, dtype=np.uint8)))
+    upstream = bytearray(_u8(upstream) > _u8(allow))
     origin: dict[int, int] = {k: k for k in deny_roots}
     for k, parent in zip(*_dfs((view.fanout,), deny_roots, upstream)):
         if parent < 0:
@@ -345,8 +345,7 @@ def propagate_allow_through_clear(state: Coloring) -> PassResult:
 
 def remove_allow_set_with_fp32(state: Coloring) -> PassResult:
     """Remove from ALLOW any vertex whose schema or kernel cannot take the low-precision type."""
-    allow = np.frombuffer(state.marks(ALLOW), dtype=np.uint8)
-    incapable = _ids(np.greater(allow, np.frombuffer(state.view.ok, dtype=np.uint8)))
+    incapable = _ids(_u8(state.marks(ALLOW)) > _u8(state.view.ok))
     for k in incapable:
         state.unpaint(k)
     removed = len(incapable)
