@@ -327,19 +327,10 @@ def _rank_and_dim(tensors: dict[str, TensorInfo], name: str, axis: int) -> tuple
 
 
 def _dims(tensors: dict[str, TensorInfo], node: onnx.NodeProto, inputs: tuple[str, ...]) -> list[tuple[str, Any]]:
-    """``inputs``: the node's input names (the index has them).  Called for every low-precision
-    MatMul of a model: no closures, and of a MatMul's or Gemm's inputs only the dim used is read."""
-    if len(inputs) < 2:
-        return []
+    """The K/N or channel dims of a Gemm, Conv or ConvTranspose (tensor_core_findings reads a
+    MatMul's itself); ``inputs``: the node's input names (the index has them).  Of a Gemm's
+    inputs only the dim used is read; the caller checks there are two."""
     op_type = node.op_type
-    if op_type == "MatMul":
-        (rank_a, k), (rank_b, n) = _rank_and_dim(tensors, inputs[0], -1), _rank_and_dim(tensors, inputs[1], -1)
-        out = []
-        if rank_a >= 1:
-            out.append(("K", k))
-        if rank_b >= 2:
-            out.append(("N", n))
-        return out
     if op_type == "Gemm":
         ta, tb = _attr(node, "transA", 0), _attr(node, "transB", 0)
         (rank_a, k), (rank_b, n) = (_rank_and_dim(tensors, inputs[0], 0 if ta else 1),
