@@ -28,8 +28,8 @@ class Reason(NamedTuple):
 
 @dataclass
 class Coloring:
-    """Colors by vertex id (insertion-ordered: passes walk ALLOW vertices in the order they were
-    painted).  Methods take an id or, for callers, the readable "node:param" key."""
+    """Colors by vertex id (insertion-ordered: see :meth:`allow_ids`).  Methods take an id or, for
+    callers, the readable "node:param" key."""
 
     view: TypeView
     # id -> (color, rule, cause); a cause is a string, or a writer that makes the string from the
