@@ -734,21 +734,27 @@ def _readers_of(view: TypeView, read: list[str], source: np.ndarray, reader: np.
                 position: dict[str, int]) -> dict[str, list[int]]:
     """The float32 vertices reading each tensor the passes ask about (outputs of capable
     retargetable vertices, control-flow group members), in id order, across graphs."""
-    asked = [t for vid in view.retargetable if view.ok[vid] for _, t in view.outputs(vid)]
+    ok = view.ok
+    asked = [t for vid in view.retargetable if ok[vid] for t in view.output_names(vid)]
     asked += [t for group in view.groups for _, t in group.members]
     if not asked:
         return {}
     by_source = np.argsort(source, kind="stable")
-    sorted_source = source[by_source]
+    sorted_source, sorted_reader = source[by_source], reader[by_source]
     found: dict[str, list[int]] = {}
     unproduced = set()
+    produced = []
     for t in asked:
-        w = position.get(t)
-        if w is None:
+        if t in position:
+            produced.append(t)
+        else:
             unproduced.add(t)
-            continue
-        lo, hi = np.searchsorted(sorted_source, [w, w + 1])
-        found[t] = list(dict.fromkeys(reader[by_source[lo:hi]].tolist()))  # read order; one may read t twice
+    # Each produced tensor's readers are one run of the readers sorted by what they read.
+    written_at = np.fromiter(map(position.__getitem__, produced), dtype=np.int64, count=len(produced))
+    low = np.searchsorted(sorted_source, written_at).tolist()
+    high = np.searchsorted(sorted_source, written_at + 1).tolist()
+    for t, lo, hi in zip(produced, low, high):
+        found[t] = list(dict.fromkeys(sorted_reader[lo:hi].tolist()))  # read order; one may read t twice
     if unproduced:  # graph and body inputs in groups: found by name
         for t in unproduced:
             found[t] = []
