@@ -398,16 +398,16 @@ def make_casts_allow_if_all_outputs_allow(state: Coloring) -> PassResult:
     """An existing Cast(to=FLOAT), ConstantOfShape or float Constant whose consumers are
     all ALLOW is retargeted to the low-precision type (its output vertex joins ALLOW)."""
     view = state.view
-    ok = view.ok
+    ok, codes, pinned, consumers_of = view.ok, state.codes, view.pinned, view.consumers_of
     painted = 0
     for k in view.retargetable:
-        if not ok[k] or state.is_deny(k) or state.is_allow(k):
+        if not ok[k] or codes[k]:  # incapable, or painted already
             continue
-        (_, tensor), = view.outputs(k)
-        if tensor in view.pinned:
+        tensor, = view.output_names(k)
+        if tensor in pinned:
             continue
-        consumers = view.consumers_of.get(tensor, [])
-        if consumers and all(state.is_allow(c) for c in consumers):
+        consumers = consumers_of.get(tensor, [])
+        if consumers and all(codes[c] == _ALLOW for c in consumers):
             painted += state.paint(k, ALLOW, "make_casts_allow_if_all_outputs_allow",
                                    f"every consumer of `{tensor}` is ALLOW")
     return PassResult(painted > 0, {"painted": painted})
