@@ -386,3 +386,29 @@ def test_vertices_of_one_op_on_float32_other_and_blocked_tensors_keep_their_own_
     assert "b" not in rows  # a double vertex is no candidate: reports leave it out
     assert rows["c"].color == "fp32" and rows["c"].cause == "node name matches block pattern '^c$'"
     assert rows["a"].color == ALLOW and rows["e"].color == ALLOW
+
+
+def test_range_seed_reads_constant_nodes_up_to_the_first_cause():
+    # Constant-node values the seed reads are recorded (the emitter writes them back as raw data);
+    # a node's inputs are read in order up to the first with a cause.  A value_float Constant has
+    # no `value` tensor, and a constant nothing listed reads is not read at all.
+    helper, numpy_helper = onnx.helper, onnx.numpy_helper
+
+    def const(name, values):
+        return helper.make_node("Constant", [], [name], name=name, value=numpy_helper.from_array(
+            np.asarray(values, np.float32), name + "_value"))
+
+    nodes = [const("big", np.full((4, 4), 1e6)), const("w1", np.full((4, 4), 0.5)),
+             const("w2", np.full((4, 4), 0.5)), const("unread", np.full((4, 4), 0.5)),
+             helper.make_node("Constant", [], ["eps"], name="eps", value_float=0.5),
+             helper.make_node("Add", ["big", "w1"], ["s1"], name="s1"),   # w1 comes after the cause
+             helper.make_node("Add", ["w2", "big"], ["s2"], name="s2"),   # w2 comes before it
+             helper.make_node("Add", ["x", "eps"], ["s3"], name="s3"),
+             helper.make_node("Sum", ["s1", "s2", "s3"], ["y"], name="y")]
+    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", FLOAT, [4, 4])],
+                              [helper.make_tensor_value_info("y", FLOAT, [4, 4]),
+                               helper.make_tensor_value_info("unread", FLOAT, [4, 4])])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8)
+    state = _state(model)
+    assert state.read_constants == {"big", "w2"}
+    assert state.is_deny("s1:T") and state.is_deny("s2:T") and not state.is_deny("s3:T")

@@ -226,6 +226,7 @@ def seed_deny_from_initializer_range(state: Coloring, graph: ModelGraph, *,
         raw_size = 0
 
     small: dict[str, np.ndarray] = {}  # other small constants, checked together
+    value_node: dict[str, str | None] = {}  # Constant output read below -> its node, if it has a `value` tensor
     constants = graph.constants.union(constant_at)
     for k, ins in enumerate(view.node_ins):
         if constants.isdisjoint(ins):
@@ -256,6 +257,7 @@ def seed_deny_from_initializer_range(state: Coloring, graph: ModelGraph, *,
                 scope, position = constant_at[name]
                 node = graph.scopes[scope].graph.node[position]
                 init = _value_tensor(node)
+                value_node[name] = node.name if init is not None else None
             if init is None:
                 raw = None
             elif node is None and info.kind == TENSOR_KIND:  # the index's dtype and (cached) shape, read once
@@ -291,9 +293,11 @@ def seed_deny_from_initializer_range(state: Coloring, graph: ModelGraph, *,
             for name in names:
                 at = constant_at.get(name)
                 if at is not None:
-                    node = graph.scopes[at[0]].graph.node[at[1]]
-                    if _value_tensor(node) is not None:
-                        state.read_constants.add(node.name)
+                    if name not in value_node:  # an initializer too: its node was not read above
+                        node = graph.scopes[at[0]].graph.node[at[1]]
+                        value_node[name] = node.name if _value_tensor(node) is not None else None
+                    if value_node[name] is not None:
+                        state.read_constants.add(value_node[name])
                 if causes.get(name):
                     break
     painted = 0
