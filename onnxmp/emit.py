@@ -19,8 +19,9 @@ So this module keeps GS's export conventions:
 
 What the rewrite leaves alone is not rebuilt: unchanged nodes and initializers are the
 input's own messages and declarations GS would write back unchanged are copies of the
-input's (retyped in the copy), all copied by protobuf in C; only rewired or unclean
-nodes, converted initializers and the inserted Casts are built here.
+input's (retyped in the copy), all copied by protobuf in C (nodes and declarations
+serialized one by one and parsed into the output in one call, see :func:`_wire`); only
+rewired or unclean nodes, converted initializers and the inserted Casts are built here.
 """
 from __future__ import annotations
 
@@ -42,6 +43,8 @@ A = onnx.AttributeProto
 _SIMPLE = (A.INT, A.FLOAT, A.STRING, A.TENSOR)
 _LISTS = (A.INTS, A.FLOATS, A.STRINGS)
 _CHUNK = 2048  # initializers converted per numpy call at most
+_BATCH_BYTES = 16 << 20  # serialized nodes written at once, at most (unless one is bigger)
+_CHECK_IN_BULK_BELOW = 2048  # serialized bytes per node, on average
 FLOAT = onnx.TensorProto.FLOAT
 
 
@@ -201,7 +204,10 @@ class _Emitter:
                     child = self.scope_of[id(attr.g)]
                     bodies.setdefault(name, {})[attr.name] = self.graph(child)
                     body_scopes.setdefault(name, []).append(child)
-        kept, dead = self._used(nodes, g, bodies)
+        # The main graph in order, each tensor written by one node (the usual case): a node's
+        # inputs are then graph inputs, initializers or earlier nodes' outputs.
+        simple = scope_index == 0 and self.model_graph.in_order and self._single_writers(nodes)
+        kept, dead = self._used(nodes, g, bodies, simple)
         for k in dead:
             self._note_listed_graphs(nodes.items[k])
         kept_inputs = nodes.inputs if kept is None else [nodes.inputs[k] for k in kept]
@@ -212,21 +218,31 @@ class _Emitter:
             gs_inputs = [name for name in gs_inputs if name not in sparse]
         outputs = [t.name for t in g.output]
 
-        # First mention wins: graph inputs, then each node's inputs and outputs, then graph outputs.
-        tensor_order: dict[str, None] = dict.fromkeys(chain(
-            gs_inputs, chain.from_iterable(chain.from_iterable(zip(kept_inputs, kept_outputs))), outputs))
-        tensor_order.pop("", None)
-
+        # GS's tensor order: first mention wins, over the graph inputs, then each node's inputs
+        # and outputs, then the graph outputs.  Initializers are written in it, and value_info for
+        # the tensors that are none of those.
         if out is None:
             out = onnx.GraphProto()
-        skip = set(gs_inputs)
-        skip.update(outputs)
-        constants = [n for n in tensor_order if n in self.constants]
-        skip.update(constants)
-        self._write_value_info(out, [n for n in tensor_order if n not in skip])  # first: see there
+        if simple and not g.sparse_initializer and self.constants.isdisjoint(gs_inputs):
+            # Then an initializer is first mentioned by its first reader (or as a graph output),
+            # and the rest of value_info are the nodes' outputs, each mentioned there first.
+            constants = list(dict.fromkeys(filter(self.constants.__contains__,
+                                                  chain(chain.from_iterable(kept_inputs), outputs))))
+            graph_outputs = set(outputs)
+            declared = [n for n in chain.from_iterable(kept_outputs) if n not in graph_outputs]
+        else:
+            tensor_order: dict[str, None] = dict.fromkeys(chain(
+                gs_inputs, chain.from_iterable(chain.from_iterable(zip(kept_inputs, kept_outputs))), outputs))
+            tensor_order.pop("", None)
+            skip = set(gs_inputs)
+            skip.update(outputs)
+            constants = [n for n in tensor_order if n in self.constants]
+            skip.update(constants)
+            declared = [n for n in tensor_order if n not in skip]
+        self._write_value_info(out, declared)  # first: see there
+        del declared
         casts = self.kept_casts[scope_index] = set()
-        # A generator, not a list: extend copies each message, so no list of temporaries builds up.
-        out.node.extend(self._nodes(nodes, kept, bodies, casts))
+        self._write_nodes(out, nodes, kept, bodies, casts)
         if bodies:
             kept_names = set(nodes.names) if kept is None else {nodes.names[k] for k in kept}
             bodies = {name: graphs for name, graphs in bodies.items() if name in kept_names}
@@ -259,38 +275,41 @@ class _Emitter:
         """GS writes value_info for each variable with a dtype or a shape.  A declaration GS would
         write back unchanged is copied, then renamed or retyped in the copy; others are rebuilt.
 
-        ``out`` holds nothing else yet, so the copies are first taken as they are and checked
-        all at once (:func:`_all_canonical`); only when one is not canonical are they
-        sorted one by one."""
+        The copies are first taken as they are and checked all at once (:func:`_all_canonical`);
+        only when one is not canonical are they sorted one by one.  A copy is retyped or renamed
+        in its bytes: a parse merges the fields appended to a message into the ones before, and a
+        later value of a singular field replaces an earlier one."""
         written, retyped, renamed = self._declarations(names, check_each=False)
-        out.value_info.extend(written)
-        if not _all_canonical(out):
-            del out.value_info[:]
+        blobs = list(map(_SERIALIZE_VALUE_INFO, written))
+        data = _wire(value_info=blobs)
+        if not _all_canonical(data):
             written, retyped, renamed = self._declarations(names, check_each=True)
-            out.value_info.extend(written)
+            blobs = list(map(_SERIALIZE_VALUE_INFO, written))
+            data = None
         del written
-        copies = out.value_info
-        for position in [i for i, dtype in enumerate(retyped) if dtype is not None]:
-            copies[position].type.tensor_type.elem_type = retyped[position]
-        for position, name in renamed:
-            copies[position].name = name
+        patches = {dtype: _retyping(dtype) for dtype in set(retyped)}
+        if len(patches) > 1 or None not in patches or renamed:
+            blobs = list(map(bytes.__add__, blobs, map(patches.__getitem__, retyped)))
+            for position, name in renamed:
+                blobs[position] += onnx.ValueInfoProto(name=name).SerializeToString()
+            data = None
+        out.MergeFromString(_wire(value_info=blobs) if data is None else data)  # out holds nothing else yet
 
     def _declarations(self, names: list[str], check_each: bool) -> tuple[list, list, list]:
         """The declarations to write; for each, the dtype its copy takes (None: as it is); and
         (position, name) of the copies that take a new name."""
-        new_tensors, tensors, dtypes = self.edits.new_tensors, self.tensors, self.edits.dtypes
+        new_tensors, dtypes = self.edits.new_tensors, self.edits.dtypes
         written, retyped, renamed = [], [], []
         add_written, add_retyped = written.append, retyped.append
-        for name in names:
-            info = new_tensors.get(name)
-            if info is not None:
-                dtype = dtypes.get(name, info.dtype)
-            else:
-                info = tensors.get(name)
+        # The index's tensors first: the rewrite's new ones have fresh names, which no tensor has.
+        for name, info, dtype in zip(names, map(self.tensors.get, names), map(dtypes.get, names)):
+            if info is None:
+                info = new_tensors.get(name)
                 if info is None:
                     continue
+                dtype = dtypes.get(name, info.dtype)
+            else:
                 decl = info.decl
-                dtype = dtypes.get(name)
                 if decl is not None and not info.merged and (not check_each or _canonical(decl)):
                     add_written(decl)  # the common case: an input declaration copied, maybe retyped
                     add_retyped(dtype)
@@ -308,9 +327,50 @@ class _Emitter:
                 add_retyped(None)
         return written, retyped, renamed
 
-    def _used(self, nodes: GraphNodes, g: onnx.GraphProto, bodies) -> tuple[list[int] | None, list[int]]:
+    def _used(self, nodes: GraphNodes, g: onnx.GraphProto, bodies, simple: bool) -> tuple[list[int] | None, list[int]]:
         """GS cleanup: the positions of the nodes something reads on the way to a graph output
-        (None when that is all of them), and of the others."""
+        (None when that is all of them), and of the others.  ``simple``: the main graph, in
+        order, with single writers (see graph)."""
+        if simple:
+            used = self._used_in_order(nodes, g, bodies)
+        else:
+            used = self._used_in_any_order(nodes, g, bodies)
+        dead = []
+        k = used.find(0)
+        while k >= 0:
+            dead.append(k)
+            k = used.find(0, k + 1)
+        return (list(compress(range(len(used)), used)) if dead else None), dead
+
+    def _single_writers(self, nodes: GraphNodes) -> bool:
+        """Each tensor the main graph's ``nodes`` write has one writer and is no graph input,
+        initializer nor the empty name."""
+        outputs = nodes.outputs
+        written = set(chain.from_iterable(outputs))
+        return len(written) == sum(map(len, outputs)) and "" not in written and written.isdisjoint(self.constants) \
+            and written.isdisjoint(self.sparse) and written.isdisjoint(self.model_graph.scopes[0].inputs)
+
+    def _used_in_order(self, nodes: GraphNodes, g: onnx.GraphProto, bodies) -> bytearray:
+        """:meth:`_used_in_any_order` in one pass from the last node to the first, for a graph whose
+        nodes read only graph inputs, initializers and earlier nodes' outputs (the index's
+        ``in_order``), with :meth:`_single_writers`: then every reader of a node's output comes
+        after it, so a node is used when a graph output or a later used node reads an output of it."""
+        outputs, inputs, names = nodes.outputs, nodes.inputs, nodes.names
+        used = bytearray(len(outputs))
+        live = {t.name for t in g.output}
+        for k in range(len(outputs) - 1, -1, -1):
+            if live.isdisjoint(outputs[k]):
+                continue
+            used[k] = 1
+            live.update(inputs[k])
+            if bodies and names[k] in bodies:
+                for _, foreign in bodies[names[k]].values():
+                    live.update(foreign)
+        return used
+
+    @staticmethod
+    def _used_in_any_order(nodes: GraphNodes, g: onnx.GraphProto, bodies) -> bytearray:
+        """For each node, 1 when a graph output reads it, through any chain of nodes."""
         producer = {t: k for k, outs in enumerate(nodes.outputs) for t in outs}  # the last writer, as in GS
         inputs, names = nodes.inputs, nodes.names
         used = bytearray(len(inputs))
@@ -331,12 +391,7 @@ class _Emitter:
                         if dep not in seen:
                             seen.add(dep)
                             queue.append(dep)
-        dead = []
-        k = used.find(0)
-        while k >= 0:
-            dead.append(k)
-            k = used.find(0, k + 1)
-        return (list(compress(range(len(used)), used)) if dead else None), dead
+        return used
 
     def _note_listed_graphs(self, item) -> None:
         if type(item) is not NewCast and may_hold_graphs(item):
@@ -345,20 +400,70 @@ class _Emitter:
                     self.listed_graphs.extend(attr.graphs)
 
     # -- nodes -----------------------------------------------------------------------------
-    def _nodes(self, nodes: GraphNodes, kept: list[int] | None, bodies, casts: set[str]):
+    def _write_nodes(self, out: onnx.GraphProto, nodes: GraphNodes, kept: list[int] | None, bodies,
+                     casts: set[str]) -> None:
         """The kept nodes as GS writes them: most are the input's own NodeProtos; adds the
-        names of the inserted Casts written to ``casts``."""
+        names of the inserted Casts written to ``casts``.
+
+        Written serialized, in batches of at most about ``_BATCH_BYTES`` (:func:`_wire`); the
+        nodes of a batch copied as they are are first checked all at once (:func:`_all_clean`),
+        and one by one only when one of them is not clean."""
         items, names, inputs, outputs = nodes.items, nodes.names, nodes.inputs, nodes.outputs
-        rebuilt = self.rebuilt
-        for k in range(len(items)) if kept is None else kept:
-            item = items[k]
-            if type(item) is NewCast:
-                casts.add(item.name)
-                yield _cast_node(item)
-            elif names[k] in rebuilt or names[k] in bodies or not _clean(item):
-                yield self.node(item, inputs[k], outputs[k], bodies)
+        order = range(len(items)) if kept is None else kept
+        built_here = self.rebuilt.union(bodies, self.edits.casts)  # by name: the rest are copied
+        batch: list[bytes] = []
+        specials: list[int] = []  # where in the batch the nodes built here are
+        first = size = 0  # the batch's first position in `order`, its bytes
+        for k in order:
+            name = names[k]
+            if name in built_here:
+                item = items[k]
+                if type(item) is NewCast:
+                    casts.add(name)
+                    blob = _SERIALIZE_NODE(_cast_node(item))
+                else:
+                    blob = _SERIALIZE_NODE(self.node(item, inputs[k], outputs[k], bodies))
+                specials.append(len(batch))
             else:
-                yield item
+                blob = _SERIALIZE_NODE(items[k])
+            batch.append(blob)
+            size += len(blob)
+            if size > _BATCH_BYTES:
+                self._write_batch(out, nodes, bodies, batch, specials, order[first:first + len(batch)], size)
+                first += len(batch)
+                batch, specials, size = [], [], 0
+        if batch:
+            self._write_batch(out, nodes, bodies, batch, specials, order[first:], size)
+
+    def _write_batch(self, out: onnx.GraphProto, nodes: GraphNodes, bodies, batch: list[bytes], specials: list[int],
+                     ks, size: int) -> None:
+        """Write ``batch``, the serialized nodes ``ks``; those not at ``specials`` are the input's
+        own, rebuilt here if GS would not write them back unchanged."""
+        data = None
+        plain = len(batch) - len(specials)
+        # The check in bulk reads every byte a few times: for nodes holding big tensors, checking
+        # them one by one costs less.
+        if plain and size < _CHECK_IN_BULK_BELOW * len(batch):
+            if specials:
+                skip = set(specials)
+                clean = _all_clean(_wire(nodes=[blob for i, blob in enumerate(batch) if i not in skip]))
+            else:
+                data = _wire(nodes=batch)
+                clean = _all_clean(data)
+        else:
+            clean = not plain
+        if not clean:
+            data = None
+            skip = set(specials)
+            for i, k in enumerate(ks):
+                if i not in skip:
+                    item = nodes.items[k]
+                    if not _clean(item):
+                        batch[i] = _SERIALIZE_NODE(self.node(item, nodes.inputs[k], nodes.outputs[k], bodies))
+        if len(batch) == 1:
+            out.node.add().MergeFromString(batch[0])  # a big one: no second copy of its bytes
+        else:
+            out.MergeFromString(_wire(nodes=batch) if data is None else data)
 
     def node(self, item: onnx.NodeProto, inputs, outputs, bodies) -> onnx.NodeProto:
         """A NodeProto as GS writes it, with the rewrite's edits."""
@@ -456,49 +561,167 @@ def _canonical(vi: onnx.ValueInfoProto) -> bool:
     return True
 
 
+# Message types over onnx's own field numbers that keep only some fields: bytes parsed as one
+# of them and measured again tell, in C and for thousands of messages at once, whether any
+# other field was there (see _all_canonical and _all_clean).  Strings are read as bytes (no
+# UTF-8 check), and so is a message nothing needs to look into.  Closed (proto2) enums keep
+# only the values they list: any other value is an unknown field, dropped with the rest.
+_SCHEMAS = (
+    # value_info as GS writes it: a name and a tensor type with an element type and plain dims
+    ("Dim", (), [("dim_value", 1, "optional", "int64"), ("dim_param", 2, "optional", "bytes")]),
+    ("Shape", (), [("dim", 1, "repeated", "Dim")]),
+    ("TensorType", (), [("elem_type", 1, "required", "int32"), ("shape", 2, "optional", "Shape")]),
+    ("Type", (), [("tensor_type", 1, "required", "TensorType")]),
+    ("ValueInfo", (), [("name", 1, "required", "bytes"), ("type", 2, "required", "Type")]),
+    ("Graph", (), [("value_info", 13, "repeated", "ValueInfo")]),
+    # what makes a node one GS would not write back as it is (_clean), but for two conditions on the
+    # attribute type: such fields, and the attribute types GS models (a closed enum)
+    ("ShapeAttribute", [("GsType", {"FLOAT": 1, "INT": 2, "STRING": 3, "TENSOR": 4, "FLOATS": 6, "INTS": 7,
+                                    "STRINGS": 8})],
+     [("type", 20, "optional", "ShapeAttribute.GsType"),
+      *[(name, number, "repeated", "bytes") for name, number in (
+          ("g", 6), ("tensors", 10), ("graphs", 11), ("doc_string", 13), ("tp", 14), ("type_protos", 15),
+          ("sparse_tensor", 22), ("sparse_tensors", 23))]]),
+    ("ShapeNode", (), [("attribute", 5, "repeated", "ShapeAttribute"),
+                       *[(name, number, "repeated", "bytes") for name, number in (
+                           ("doc_string", 6), ("overload", 8), ("metadata_props", 9),
+                           ("device_configurations", 10))]]),
+    ("ShapeNodes", (), [("node", 1, "repeated", "ShapeNode")]),
+    # list attributes with their values only: an empty one is just its type
+    ("ListAttribute", [("ListType", {"FLOATS": 6, "INTS": 7, "STRINGS": 8})],
+     [("floats", 7, "repeated", "float"), ("ints", 8, "repeated", "int64"), ("strings", 9, "repeated", "bytes"),
+      ("type", 20, "optional", "ListAttribute.ListType")]),
+    ("ListNode", (), [("attribute", 5, "repeated", "ListAttribute")]),
+    ("ListNodes", (), [("node", 1, "repeated", "ListNode")]),
+    # tensor attributes with their tensor's name only
+    ("TensorName", (), [("name", 8, "optional", "bytes")]),
+    ("TensorAttribute", [("TensorType", {"TENSOR": 4})],
+     [("t", 5, "optional", "TensorName"), ("type", 20, "optional", "TensorAttribute.TensorType")]),
+    ("TensorNode", (), [("attribute", 5, "repeated", "TensorAttribute")]),
+    ("TensorNodes", (), [("node", 1, "repeated", "TensorNode")]),
+    # a graph's nodes and value_info as serialized messages, parsed into the output in one call
+    ("Wire", (), [("node", 1, "repeated", "bytes"), ("value_info", 13, "repeated", "bytes")]),
+)
+
+# How _all_clean's ShapeNodes write an attribute of each type GS models, with nothing else; and how
+# its ListNodes and TensorNodes write an attribute _clean rejects: a list type without values, a
+# tensor type without a tensor or with a tensor without a name (either field order).
+_ATTRIBUTE = 5 << 3 | 2  # NodeProto.attribute's tag
+_PLAIN_ATTRIBUTE = {kind: bytes([_ATTRIBUTE, 3, 160, 1, kind]) for kind in (*_SIMPLE, *_LISTS)}
+_EMPTY_LIST = tuple(_PLAIN_ATTRIBUTE[kind] for kind in _LISTS)
+_UNNAMED_TENSOR = (_PLAIN_ATTRIBUTE[A.TENSOR], bytes([_ATTRIBUTE, 5, _ATTRIBUTE, 0, 160, 1, A.TENSOR]),
+                   bytes([_ATTRIBUTE, 5, 160, 1, A.TENSOR, _ATTRIBUTE, 0]))
+
+
 @functools.cache
-def _gs_value_info_schema():
-    """A message type holding a graph's value_info as GS writes it: a name and a tensor type
-    with an element type and plain dims, all required, nothing else."""
+def _schema(name: str):
+    """The message class ``name`` of :data:`_SCHEMAS`."""
     from google.protobuf import descriptor_pb2, descriptor_pool, message_factory
 
     F = descriptor_pb2.FieldDescriptorProto
-    file = descriptor_pb2.FileDescriptorProto(name="onnxmp_gs_value_info.proto", package="onnxmp_gs",
-                                              syntax="proto2")
-    # (message, [(field, number, label, type, message type)]), numbered as in onnx.proto
-    for message, fields in (
-            ("Dim", [("dim_value", 1, F.LABEL_OPTIONAL, F.TYPE_INT64, ""),
-                     ("dim_param", 2, F.LABEL_OPTIONAL, F.TYPE_STRING, "")]),
-            ("Shape", [("dim", 1, F.LABEL_REPEATED, F.TYPE_MESSAGE, "Dim")]),
-            ("TensorType", [("elem_type", 1, F.LABEL_REQUIRED, F.TYPE_INT32, ""),
-                            ("shape", 2, F.LABEL_OPTIONAL, F.TYPE_MESSAGE, "Shape")]),
-            ("Type", [("tensor_type", 1, F.LABEL_REQUIRED, F.TYPE_MESSAGE, "TensorType")]),
-            ("ValueInfo", [("name", 1, F.LABEL_REQUIRED, F.TYPE_STRING, ""),
-                           ("type", 2, F.LABEL_REQUIRED, F.TYPE_MESSAGE, "Type")]),
-            ("Graph", [("value_info", 13, F.LABEL_REPEATED, F.TYPE_MESSAGE, "ValueInfo")])):
+    labels = {"optional": F.LABEL_OPTIONAL, "repeated": F.LABEL_REPEATED, "required": F.LABEL_REQUIRED}
+    scalars = {"int64": F.TYPE_INT64, "int32": F.TYPE_INT32, "float": F.TYPE_FLOAT, "bytes": F.TYPE_BYTES}
+    file = descriptor_pb2.FileDescriptorProto(name="onnxmp_gs.proto", package="onnxmp_gs", syntax="proto2")
+    enums = {f"{message}.{enum}" for message, nested, _ in _SCHEMAS for enum, _ in nested}
+    for message, nested, fields in _SCHEMAS:
         proto = file.message_type.add(name=message)
-        for name, number, label, kind, type_name in fields:
-            field = proto.field.add(name=name, number=number, label=label, type=kind)
-            if type_name:
-                field.type_name = f".onnxmp_gs.{type_name}"
+        for enum, values in nested:
+            kind = proto.enum_type.add(name=enum)
+            for value_name, number in values.items():
+                kind.value.add(name=value_name, number=number)
+        for field_name, number, label, kind in fields:
+            field = proto.field.add(name=field_name, number=number, label=labels[label])
+            if kind in scalars:
+                field.type = scalars[kind]
+            else:
+                field.type = F.TYPE_ENUM if kind in enums else F.TYPE_MESSAGE
+                field.type_name = f".onnxmp_gs.{kind}"
     pool = descriptor_pool.DescriptorPool()
     pool.Add(file)
-    descriptor = pool.FindMessageTypeByName("onnxmp_gs.Graph")
+    descriptor = pool.FindMessageTypeByName(f"onnxmp_gs.{name}")
     if hasattr(message_factory, "GetMessageClass"):
         return message_factory.GetMessageClass(descriptor)
     return message_factory.MessageFactory(pool).GetPrototype(descriptor)  # protobuf < 4.22
 
 
-def _all_canonical(graph: onnx.GraphProto) -> bool:
-    """True when every value_info of ``graph`` passes :func:`_canonical`, checked in C rather
-    than field by field: parsed as :func:`_gs_value_info_schema`, a declaration with any
-    other field (a doc string, a denotation, another kind of type) loses bytes when unknown
-    fields are dropped, and one lacking a name, type or element type is not initialized."""
-    data = graph.SerializeToString()
-    parsed = _gs_value_info_schema()()
+def _keeps_everything(schema: str, data: bytes) -> bool:
+    """``data`` parsed as ``schema`` has all its required fields and loses no byte when the
+    fields ``schema`` does not list are dropped."""
+    from google.protobuf.message import EncodeError
+
+    parsed = _schema(schema)()
     parsed.MergeFromString(data)
     parsed.DiscardUnknownFields()
-    return parsed.IsInitialized() and parsed.ByteSize() == len(data)
+    try:
+        return len(parsed.SerializeToString()) == len(data)  # checks required fields on the way
+    except EncodeError:
+        return False
+
+
+_SERIALIZE_NODE = onnx.NodeProto.SerializeToString
+_SERIALIZE_VALUE_INFO = onnx.ValueInfoProto.SerializeToString
+
+
+@functools.cache
+def _retyping(dtype: int | None) -> bytes:
+    """Bytes that, appended to a serialized tensor declaration, set its element type to ``dtype``."""
+    if dtype is None:
+        return b""
+    vi = onnx.ValueInfoProto()
+    vi.type.tensor_type.elem_type = dtype
+    return vi.SerializeToString()
+
+
+def _wire(nodes: list[bytes] = (), value_info: list[bytes] = ()) -> bytes:
+    """A serialized graph holding these serialized nodes and declarations.  Parsed into a graph,
+    it adds them all in one call: protobuf copies each message appended to a repeated field by
+    serializing and parsing it, which costs more per message than serializing it here."""
+    wire = _schema("Wire")()
+    wire.node.extend(nodes)
+    wire.value_info.extend(value_info)
+    return wire.SerializeToString()
+
+
+def _all_canonical(data: bytes) -> bool:
+    """True when every declaration in ``data`` (a serialized graph holding only value_info)
+    passes :func:`_canonical`: one with any other field (a doc string, a denotation, another kind
+    of type) loses bytes as a ``Graph``, and one lacking a name, type or element type is not
+    initialized."""
+    return _keeps_everything("Graph", data)
+
+
+def _kept_fields(schema: str, data: bytes) -> bytes:
+    """``data`` parsed as ``schema`` and written again without the fields ``schema`` does not list."""
+    parsed = _schema(schema)()
+    parsed.MergeFromString(data)
+    parsed.DiscardUnknownFields()
+    return parsed.SerializeToString()
+
+
+def _all_clean(data: bytes) -> bool:
+    """True when every node in ``data`` (a serialized graph holding only nodes) passes
+    :func:`_clean`, checked in C rather than field by field.
+
+    Written as ``ShapeNodes``, a clean node is its tag and length followed by one of five-byte
+    :data:`_PLAIN_ATTRIBUTE` per attribute.  Anything else there (a doc string, an attribute
+    without a type GS models, or with a field GS drops) is left when those are taken out.  Left
+    are then the tags and lengths of the nodes, in pairs, with no byte over 127: a bad field's tag
+    would be the first byte after its node's pair, never 10 (a node's tag), and a length of 128
+    or more has two bytes.  The rest depends on the attribute type, so lists and tensors are read
+    as ``ListNodes`` and ``TensorNodes``: each bad attribute is then one of a few byte strings
+    (any of them elsewhere is a false alarm, which only costs the check node by node)."""
+    shapes = _kept_fields("ShapeNodes", data)
+    left = shapes
+    for plain in _PLAIN_ATTRIBUTE.values():
+        left = left.replace(plain, b"")
+    if not (left.isascii() and len(left) % 2 == 0 and left[::2] == b"\n" * (len(left) // 2)):
+        return False
+    for kinds, schema, bad in ((_LISTS, "ListNodes", _EMPTY_LIST), ((A.TENSOR,), "TensorNodes", _UNNAMED_TENSOR)):
+        if any(_PLAIN_ATTRIBUTE[kind] in shapes for kind in kinds):
+            written = _kept_fields(schema, data)
+            if any(pattern in written for pattern in bad):
+                return False
+    return True
 
 
 def _tensor_value_info(name: str, dtype: int, shape) -> onnx.ValueInfoProto:

@@ -72,6 +72,20 @@ def _attribute_tensors(graph, with_initializers: bool = False) -> Iterator[onnx.
 
 # How every TensorProto with data_location = EXTERNAL serializes that field (field 14, varint 1).
 _EXTERNAL_FIELD = bytes([14 << 3, onnx.TensorProto.EXTERNAL])
+_SEARCH_WINDOW = 16 << 20  # bytes searched per numpy call: bounds the temporary arrays
+
+
+def _holds(data: bytes, pair: bytes) -> bool:
+    """``pair in data``, for two bytes: numpy finds the first byte's places, then checks the next.
+    (A two-byte ``in`` crawls when the first byte is common, as field tags are.)"""
+    first, second = pair
+    array = np.frombuffer(data, np.uint8)
+    for start in range(0, len(array) - 1, _SEARCH_WINDOW):
+        window = array[start:start + _SEARCH_WINDOW + 1]
+        places = np.flatnonzero(window[:-1] == first)
+        if places.size and (window[places + 1] == second).any():
+            return True
+    return False
 
 
 def has_external_data(model: onnx.ModelProto, serialized: bytes | None = None) -> bool:
@@ -82,7 +96,7 @@ def has_external_data(model: onnx.ModelProto, serialized: bytes | None = None) -
     without the field's encoding hold no external tensor, nested ones included.  Weights
     usually contain those two bytes by chance, and then the walk decides.
     """
-    if serialized is not None and _EXTERNAL_FIELD not in serialized:
+    if serialized is not None and not _holds(serialized, _EXTERNAL_FIELD):
         return False
     external = onnx.TensorProto.EXTERNAL
     if any(t.data_location == external for t in model.graph.initializer):

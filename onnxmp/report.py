@@ -2,6 +2,7 @@
 Tensor Core advice from the seed documents."""
 from __future__ import annotations
 
+import itertools
 import json
 from collections import Counter, defaultdict
 from dataclasses import asdict, dataclass, field
@@ -250,23 +251,62 @@ def tensor_core_findings(graph: ModelGraph, state: Coloring) -> list[tuple[str, 
     as (node, op, dimension, value): what the advice needs from the model (``advice_records``
     makes the report's records)."""
     view = state.view
-    node_of, op_of = view.node_of, view.op_of
-    # The nodes with a low-precision vertex of one of these ops (of any domain: the view keys an
-    # op as "[domain:]op_type"), found by id, so that only their protos are read below.
-    wanted = {node_of(i) for i in state.allow_ids() if op_of(i).rpartition(":")[2] in TENSOR_CORE_OPS}
-    found = []
-    if not wanted:
+    found: list[tuple[str, str, str, int]] = []
+    nodes = _low_tensor_core_nodes(state)
+    if not nodes:
         return found
     tensors = graph.tensors
-    for scope in graph.scopes:
-        nodes = scope.graph.node
-        for k in [k for k, name in enumerate(scope.names) if name in wanted]:
-            node = nodes[k]
-            for label, dim in _dims(tensors, node, scope.ins[k]):
-                # Most dims are multiples of 8: `dim % 8` settles them before the call.
-                if isinstance(dim, _INTS) and dim > 0 and dim % 8 and not tensor_core_friendly(int(dim)):
-                    found.append((node.name, node.op_type, label, dim))
+    names, node_ins, node_scope, v_kind, node_first = (view.node_names, view.node_ins, view.node_scope,
+                                                       view.v_kind, view.node_first)
+    scope_first = list(itertools.accumulate((len(scope.names) for scope in graph.scopes), initial=0))
+    for k in nodes:
+        ins = node_ins[k]
+        if len(ins) < 2:
+            continue
+        op_type = v_kind[node_first[k]].group.op.op_type
+        if op_type == "MatMul":  # most of them: read here, one dim of each input
+            a, b = ins[0], ins[1]
+            info = tensors.get(a) if a else None
+            if info is not None:
+                rank, dim = info.rank_and_dim(-1)
+                if rank >= 1 and isinstance(dim, _INTS) and dim > 0 and dim % 8 \
+                        and not tensor_core_friendly(int(dim)):
+                    found.append((names[k], op_type, "K", dim))
+            info = tensors.get(b) if b else None
+            if info is not None:
+                rank, dim = info.rank_and_dim(-1)
+                if rank >= 2 and isinstance(dim, _INTS) and dim > 0 and dim % 8 \
+                        and not tensor_core_friendly(int(dim)):
+                    found.append((names[k], op_type, "N", dim))
+            continue
+        scope = node_scope[k]
+        node = graph.scopes[scope].graph.node[k - scope_first[scope]]
+        for label, dim in _dims(tensors, node, ins):
+            # Most dims are multiples of 8: `dim % 8` settles them before the call.
+            if isinstance(dim, _INTS) and dim > 0 and dim % 8 and not tensor_core_friendly(int(dim)):
+                found.append((names[k], op_type, label, dim))
     return found
+
+
+class _TensorCoreKinds(dict):
+    """_Kind -> 1 when its op (of any domain) is a Tensor Core op, filled as kinds are met."""
+
+    def __missing__(self, kind) -> int:
+        flag = self[kind] = int(kind.group.op.op_type in TENSOR_CORE_OPS)
+        return flag
+
+
+def _low_tensor_core_nodes(state: Coloring) -> list[int]:
+    """Indices (view order: scopes in order, nodes in graph order) of the nodes with an ALLOW vertex
+    of a Tensor Core op, found with array operations so that only their protos are read."""
+    view = state.view
+    flags = _TensorCoreKinds()
+    heavy = bytes(map(flags.__getitem__, view.v_kind))
+    if not any(flags.values()):
+        return []
+    low = np.frombuffer(heavy, dtype=np.uint8) & np.frombuffer(state.marks(ALLOW), dtype=np.uint8)
+    vids = np.flatnonzero(low)
+    return np.unique(np.frombuffer(view.v_node, dtype=np.intc)[vids]).tolist()
 
 
 def advice_records(findings: list[tuple[str, str, str, int]]) -> list[Advice]:
@@ -287,19 +327,10 @@ def _rank_and_dim(tensors: dict[str, TensorInfo], name: str, axis: int) -> tuple
 
 
 def _dims(tensors: dict[str, TensorInfo], node: onnx.NodeProto, inputs: tuple[str, ...]) -> list[tuple[str, Any]]:
-    """``inputs``: the node's input names (the index has them).  Called for every low-precision
-    MatMul of a model: no closures, and of a MatMul's or Gemm's inputs only the dim used is read."""
-    if len(inputs) < 2:
-        return []
+    """The K/N or channel dims of a Gemm, Conv or ConvTranspose (tensor_core_findings reads a
+    MatMul's itself); ``inputs``: the node's input names (the index has them).  Of a Gemm's
+    inputs only the dim used is read; the caller checks there are two."""
     op_type = node.op_type
-    if op_type == "MatMul":
-        (rank_a, k), (rank_b, n) = _rank_and_dim(tensors, inputs[0], -1), _rank_and_dim(tensors, inputs[1], -1)
-        out = []
-        if rank_a >= 1:
-            out.append(("K", k))
-        if rank_b >= 2:
-            out.append(("N", n))
-        return out
     if op_type == "Gemm":
         ta, tb = _attr(node, "transA", 0), _attr(node, "transB", 0)
         (rank_a, k), (rank_b, n) = (_rank_and_dim(tensors, inputs[0], 0 if ta else 1),

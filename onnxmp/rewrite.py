@@ -93,6 +93,7 @@ class Edits:
     twins: dict[str, str] = field(default_factory=dict)            # twin name -> fp32 source initializer
     retargeted: set[str] = field(default_factory=set)              # Cast/Constant/ConstantOfShape nodes
     raw_constants: set[str] = field(default_factory=set)           # Constant nodes whose value is rewritten raw
+    casts: set[str] = field(default_factory=set)                   # names of the NewCasts (fresh: no node has one)
     emitted_casts: set[str] = field(default_factory=set)           # NewCasts the emitter wrote (cleanup drops some)
     low_np: np.dtype = FLOAT16.numpy
     low_enum: int = FLOAT16.onnx_type
@@ -121,6 +122,7 @@ def rewrite(graph: ModelGraph, state: Coloring, *, precision: str = "float16",
     for scope, nodes in zip(graph.scopes, rewriter.nodes):
         rewriter.edits.graphs[scope.gid] = place_after_producers(nodes, rewriter.new_nodes[scope.gid])
     stats = rewriter.stats
+    rewriter.edits.casts.update(stats.casts)
     modified = bool(stats.casts or stats.retyped_tensors or stats.converted_initializers or stats.twin_initializers)
     return PassResult(modified, {"casts": len(stats.casts)}), stats, rewriter.edits
 
@@ -148,17 +150,12 @@ class _Rewriter:
         self.nodes = [GraphNodes.of(scope) for scope in graph.scopes]
         self.constants = graph.constants
 
-        # Which inputs of each node read in low precision: bit i of low_inputs[node] for input i.
-        self.low_inputs: dict[str, int] = {}
-        low_inputs = self.low_inputs
-        node_names, v_node, v_kind, float_io = view.node_names, view.v_node, view.v_kind, view.float_io
-        for vid in allow_ids:
-            node = node_names[v_node[vid]]
-            if vid in float_io:
-                mask = sum(1 << i for i, _ in view.inputs(vid))
-            else:
-                mask = v_kind[vid].group.in_mask
-            low_inputs[node] = low_inputs.get(node, 0) | mask
+        # Which inputs of each node read in low precision: bit i of low_inputs[k] for input i of the
+        # view's node k (the ALLOW vertices' are added by retype_low_outputs, which reads each of
+        # them anyway).  A list by node index: the phases walk it beside the nodes, without a
+        # look-up by name.
+        self.low_inputs: list[int] = [0] * len(view.node_names)
+        low_inputs, node_index = self.low_inputs, view.node_index
         # Control-flow groups that go low: their tensors are retyped as a whole (spec §5.7).
         self.group_tensors: set[str] = set()
         self.body_members: set[str] = set()  # formal body I/O of low groups: retyped, no longer pinned
@@ -169,7 +166,7 @@ class _Rewriter:
             self.body_members.update(t for gid, t in group.members if gid != outer)
             self.group_outputs.add(group.output)
             for node, i in group.low_inputs:
-                low_inputs[node] = low_inputs.get(node, 0) | 1 << i
+                low_inputs[node_index[node]] |= 1 << i
 
         self.fixed = set(view.pinned)
         for scope in graph.scopes:
@@ -181,6 +178,15 @@ class _Rewriter:
         self.fp32_read: set[str] = set()  # initializers some node reads in float32
         self.new_nodes: dict[str, list[NewCast]] = {s.gid: [] for s in graph.scopes}
         self.twin_of: dict[str, str] = {}  # initializer -> its low twin
+
+    def masks(self) -> list[list[int]]:
+        """``low_inputs`` cut into one list per graph, beside ``self.nodes``' lists (the view numbers
+        nodes graph after graph, in node order, as the index lists them)."""
+        cut, start = [], 0
+        for nodes in self.nodes:
+            cut.append(self.low_inputs[start:start + len(nodes.names)])
+            start += len(nodes.names)
+        return cut
 
     # -- tensor state --------------------------------------------------------------------------
     def dtype(self, name: str):
@@ -207,24 +213,37 @@ class _Rewriter:
 
     # -- phase 1 -------------------------------------------------------------------------------
     def retype_low_outputs(self) -> None:
-        """Retype outputs of ALLOW vertices and of low control-flow groups; retarget dtype attributes."""
+        """Retype outputs of ALLOW vertices and of low control-flow groups; retarget dtype attributes.
+        Notes which inputs each ALLOW vertex reads (``low_inputs``)."""
         view = self.view
-        pinned, body_members = view.pinned, self.body_members
+        pinned, body_members, low_inputs, retargeted = view.pinned, self.body_members, self.low_inputs, \
+            self.edits.retargeted
+        unpinned = pinned.keys().isdisjoint
         in_place: list[str] = []
         renaming: set[str] = set()  # nodes with an output the outside world sees: renamed below, in order
-        node_of, output_names, v_kind = view.node_of, view.output_names, view.v_kind
+        node_names, node_outs, v_node, v_kind, float_io = view.node_names, view.node_outs, view.v_node, view.v_kind, \
+            view.float_io
+        # view.inputs / view.output_names, inlined: this loop runs once per ALLOW vertex.
         for vid in self.allow_ids:
-            names = output_names(vid)
-            if pinned.keys().isdisjoint(names):
+            k = v_node[vid]
+            group = v_kind[vid].group
+            cut = float_io.get(vid) if float_io else None
+            if cut is None:
+                mask, names = group.in_mask, group.pick_out(node_outs[k])
+            else:
+                mask, names = sum(1 << i for i, _ in cut[0]), tuple(t for _, t in cut[1])
+            low_inputs[k] |= mask
+            node = node_names[k]
+            if unpinned(names):
                 in_place += names
             else:
                 for name in names:
                     if name in pinned and name not in body_members:
-                        renaming.add(node_of(vid))
+                        renaming.add(node)
                     else:
                         in_place.append(name)
-            if v_kind[vid].group.op.op_type in RETARGETABLE:
-                self.edits.retargeted.add(node_of(vid))
+            if group.op.op_type in RETARGETABLE:
+                retargeted.add(node)
         self._retype_in_place(in_place)
         if renaming or self.group_outputs:
             self._retype_in_order(renaming)
@@ -280,11 +299,10 @@ class _Rewriter:
         inputs = self.graph.scopes[0].inputs
         candidates = set(inputs)
         all_low: dict[str, bool] = {}  # input -> every reader so far reads low (absent: no reader)
-        for nodes in self.nodes:
-            for name, node_inputs in zip(nodes.names, nodes.inputs):
+        for nodes, masks in zip(self.nodes, self.masks()):
+            for node_inputs, mask in zip(nodes.inputs, masks):
                 if candidates.isdisjoint(node_inputs):
                     continue
-                mask = self.low_inputs.get(name, 0)
                 for i, t in enumerate(node_inputs):
                     if t in candidates:
                         all_low[t] = all_low.get(t, True) and bool(mask >> i & 1)
@@ -299,13 +317,12 @@ class _Rewriter:
         """A float32 initializer read only in low precision (in any graph) is stored in low
         precision, unless it is a master weight or the outside world may feed it.  Listed in
         the order of their first low reads."""
-        constants, low_inputs = self.constants, self.low_inputs
+        constants = self.constants
         low_read: dict[str, None] = {}
-        for nodes in self.nodes:
-            for name, inputs in zip(nodes.names, nodes.inputs):
+        for nodes, masks in zip(self.nodes, self.masks()):
+            for inputs, mask in zip(nodes.inputs, masks):
                 if constants.isdisjoint(inputs):
                     continue
-                mask = low_inputs.get(name, 0)
                 for i, t in enumerate(inputs):
                     if t in constants:
                         if mask >> i & 1:
@@ -324,14 +341,13 @@ class _Rewriter:
         """Low readers of fp32 sources and fp32 readers of low tensors get a Cast, in the reader's
         graph, shared per (tensor, target type); low readers of an initializer that stays float32
         read a Cast of it or its low twin."""
-        low_inputs, renamed, constants, edited = self.low_inputs, self.renamed, self.constants, self.edits.inputs
+        renamed, constants, edited = self.renamed, self.constants, self.edits.inputs
         # Low readers read these as they are: tensors retyped in place and converted initializers.
         low_as_is = self.edits.dtypes
-        for scope, nodes in zip(self.graph.scopes, self.nodes):
+        for scope, nodes, masks in zip(self.graph.scopes, self.nodes, self.masks()):
             graph_id, g = scope.gid, scope.graph
             shared: dict[tuple[str, int], str] = {}
-            for k, (node_name, inputs) in enumerate(zip(nodes.names, nodes.inputs)):
-                mask = low_inputs.get(node_name, 0)
+            for k, (node_name, inputs, mask) in enumerate(zip(nodes.names, nodes.inputs, masks)):
                 if mask == 0:
                     if low_as_is.keys().isdisjoint(inputs):
                         continue  # float32 reads of float32 values

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import numpy as np
 import onnx
+import pytest
 from onnx import TensorProto as TP
 from onnx import helper, numpy_helper
 
@@ -112,6 +113,19 @@ def test_weights_that_hold_the_external_fields_bytes_are_not_external_data():
     data = model.SerializeToString()
     assert bytes([0x70, 0x01]) in data
     assert not has_external_data(model, data)
+
+
+@pytest.mark.parametrize("window", [3, 4, 1 << 20])
+def test_the_two_byte_search_finds_the_pair_anywhere_and_nowhere_else(window, monkeypatch):
+    import onnxmp.external as external
+    monkeypatch.setattr(external, "_SEARCH_WINDOW", window)
+    pair = bytes([0x70, 0x01])
+    for data in (b"", b"\x70", b"\x70\x70\x02\x01", b"\x70\x00" * 5 + b"\x01"):
+        assert not external._holds(data, pair)
+    for at in range(9):  # every place, across the window borders too
+        data = bytearray(b"\x70\x00" * 5)
+        data[at:at + 2] = pair
+        assert external._holds(bytes(data), pair)
 
 
 def test_index_reads_each_nodes_names_once_and_shares_the_producers_strs():

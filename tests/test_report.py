@@ -66,3 +66,84 @@ def test_deferred_rows_are_built_once_and_read_like_plain_fields():
     later.defer("advice", lambda: calls.append(2) or ["never built"])
     later.advice = []
     assert later.advice == [] and calls == [1]
+
+
+def _findings(model, paint=()):
+    """tensor_core_findings of ``model`` colored with the defaults, after painting ``paint`` (vertex
+    keys) ALLOW."""
+    from onnxmp.color import ColorOptions, color
+    from onnxmp.lists import resolve_lists
+    from onnxmp.normalize import normalize
+    from onnxmp.report import tensor_core_findings
+
+    graph = normalize(model).graph
+    state = color(graph, ColorOptions(lists=resolve_lists())).coloring
+    for key in paint:
+        state.paint(key, "allow", "test", "painted by the test")
+    return tensor_core_findings(graph, state)
+
+
+def _value(name, shape):
+    return helper.make_tensor_value_info(name, TP.FLOAT, shape)
+
+
+def _weight(name, shape, value=0.1):
+    return numpy_helper.from_array(np.full(shape, value, np.float32), name)
+
+
+def test_tensor_core_findings_cover_each_op_in_graph_order_across_bodies():
+    # A Gemm in each If branch (transposes read), a ConvTranspose (groups), a MatMul with a symbolic
+    # K and one whose A has no shape: findings come in the view's node order, bodies after the main
+    # graph, and the nodes inside bodies are read from their own graph.
+    then_g = helper.make_graph([helper.make_node("Gemm", ["a", "wt"], ["t"], name="gemm_then", transA=1)],
+                               "then", [], [_value("t", [8, 20])])
+    else_g = helper.make_graph([helper.make_node("Gemm", ["a2", "we"], ["e"], name="gemm_else", transB=1)],
+                               "else", [], [_value("e", [8, 20])])
+    nodes = [
+        helper.make_node("ConvTranspose", ["img", "k"], ["ct"], name="ct", group=2),
+        helper.make_node("MatMul", ["x", "w"], ["mm"], name="mm"),
+        helper.make_node("MatMul", ["s", "w"], ["sym"], name="sym"),
+        helper.make_node("Relu", ["u"], ["r"], name="r"),
+        helper.make_node("MatMul", ["r", "w"], ["unknown"], name="unknown"),
+        helper.make_node("If", ["c"], ["y"], name="if", then_branch=then_g, else_branch=else_g),
+    ]
+    graph = helper.make_graph(
+        nodes, "g",
+        [_value("img", [1, 12, 5, 5]), _value("x", [4, 30]), _value("s", [4, "K"]), _value("u", None),
+         _value("a", [30, 8]), _value("a2", [8, 30]), helper.make_tensor_value_info("c", TP.BOOL, [])],
+        [_value("ct", None), _value("mm", [4, 20]), _value("sym", [4, 20]), _value("unknown", None),
+         _value("y", [8, 20])],
+        [_weight("k", (12, 6, 3, 3)), _weight("w", (30, 20)), _weight("wt", (30, 20)), _weight("we", (20, 30))])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8)
+    assert _findings(model) == [
+        ("ct", "ConvTranspose", "input channels", 12), ("ct", "ConvTranspose", "output channels", 12),
+        ("mm", "MatMul", "K", 30), ("mm", "MatMul", "N", 20),
+        ("sym", "MatMul", "N", 20),             # K = "K" is symbolic
+        ("unknown", "MatMul", "N", 20),         # no K: A's shape is unknown
+        # bodies in attribute order (make_node sorts them: else_branch first)
+        ("gemm_else", "Gemm", "K", 30), ("gemm_else", "Gemm", "N", 20),  # transB: N is we's first dim
+        ("gemm_then", "Gemm", "K", 30), ("gemm_then", "Gemm", "N", 20),  # transA: K is a's first dim
+    ]
+
+
+def test_tensor_core_findings_skip_nodes_that_stay_float32_and_friendly_dims():
+    nodes = [helper.make_node("MatMul", ["x", "big"], ["d"], name="denied"),   # range seed: stays fp32
+             helper.make_node("MatMul", ["x", "w"], ["f"], name="friendly"),   # K = 16, N = 4: friendly
+             helper.make_node("MatMul", ["v", "w1"], ["o"], name="vector")]    # 1-D B: no N
+    graph = helper.make_graph(
+        nodes, "g", [_value("x", [4, 16]), _value("v", [30])],
+        [_value("d", [4, 30]), _value("f", [4, 4]), _value("o", [])],
+        [_weight("big", (16, 30), 1e6), _weight("w", (16, 4)), _weight("w1", (30,))])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8)
+    assert _findings(model) == [("vector", "MatMul", "K", 30)]
+
+
+def test_tensor_core_findings_read_ops_of_any_domain():
+    # An op of another domain named like a Tensor Core op is advised on once it goes low precision
+    # (here painted by hand: no kernel table knows it).
+    node = helper.make_node("MatMul", ["x", "w"], ["y"], name="custom", domain="com.example")
+    graph = helper.make_graph([node], "g", [_value("x", [4, 30])], [_value("y", [4, 20])], [_weight("w", (30, 20))])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid("com.example", 1)],
+                              ir_version=8)
+    assert _findings(model) == []
+    assert _findings(model, paint=["custom:*"]) == [("custom", "MatMul", "K", 30), ("custom", "MatMul", "N", 20)]

@@ -11,7 +11,7 @@ from onnxmp.color import ColorOptions, color
 from onnxmp.color.rules import ALLOW, DENY, force_color_match, remove_allow_set_with_fp32
 from onnxmp.lists import resolve_lists
 from onnxmp.normalize import normalize
-from tests.graphs import FLOAT, FLOAT16, header, named, parse
+from tests.graphs import FLOAT, FLOAT16, header, named, parse, vertex
 
 
 def colors(model, **kw) -> dict[str, str]:
@@ -78,6 +78,26 @@ def test_propagate_allow_through_clear_fires_and_does_not_cross_infer():
     result = colors(blocked)
     assert result["s"] == "fp32" and result["y"] == "fp32"
 
+
+
+@pytest.mark.parametrize("first", ["a", "b"])
+def test_propagate_allow_through_clear_names_the_allow_vertex_painted_first(first):
+    # c is next to both MatMuls; r and y only to clear vertices: each walk starts from the allow
+    # vertices in paint order (node order here), so the first MatMul names every cause.
+    second = "b" if first == "a" else "a"
+    model = named(header() + f"""
+    g (float[4,4] x, float[4,4] w) => (float[4,4] y) {{
+        {first} = MatMul(x, w)
+        {second} = MatMul(w, x)
+        c = Max(a, b)
+        r = Relu(c)
+        y = Identity(r)
+    }}""")
+    report = onnxmp.explain(model)
+    for key in ("c:T", "r:T", "y:V"):
+        row = vertex(report, key)
+        assert (row.color, row.rule) == (ALLOW, "propagate_allow_through_clear")
+        assert row.cause == f"clear op connected to allow MatMul `{first}`"
 
 def _state(model, **kw):
     normalized = normalize(model)
@@ -348,3 +368,47 @@ def test_bfloat16_has_its_own_lists_pow_is_range_only():
     }""")
     assert colors(model, precision="float16")["p"] == DENY
     assert colors(model, precision="bfloat16")["p"] == ALLOW
+
+
+
+def test_vertices_of_one_op_on_float32_other_and_blocked_tensors_keep_their_own_facts():
+    # The view shares one kind per op type parameter and dtypes: a double MatMul and a blocked
+    # one met first must not lend their facts to the float32 MatMuls after them.
+    model = named(header() + """
+    g (double[4,4] d, float[4,4] x, float[4,4] w) => (double[4,4] b, float[4,4] c, float[4,4] a, float[4,4] e) {
+        b = MatMul(d, d)
+        c = MatMul(x, w)
+        a = MatMul(x, w)
+        e = MatMul(a, w)
+    }""")
+    report = onnxmp.explain(model, block_nodes=["^c$"])
+    rows = {row.node: row for row in report.vertices}
+    assert "b" not in rows  # a double vertex is no candidate: reports leave it out
+    assert rows["c"].color == "fp32" and rows["c"].cause == "node name matches block pattern '^c$'"
+    assert rows["a"].color == ALLOW and rows["e"].color == ALLOW
+
+
+def test_range_seed_reads_constant_nodes_up_to_the_first_cause():
+    # Constant-node values the seed reads are recorded (the emitter writes them back as raw data);
+    # a node's inputs are read in order up to the first with a cause.  A value_float Constant has
+    # no `value` tensor, and a constant nothing listed reads is not read at all.
+    helper, numpy_helper = onnx.helper, onnx.numpy_helper
+
+    def const(name, values):
+        return helper.make_node("Constant", [], [name], name=name, value=numpy_helper.from_array(
+            np.asarray(values, np.float32), name + "_value"))
+
+    nodes = [const("big", np.full((4, 4), 1e6)), const("w1", np.full((4, 4), 0.5)),
+             const("w2", np.full((4, 4), 0.5)), const("unread", np.full((4, 4), 0.5)),
+             helper.make_node("Constant", [], ["eps"], name="eps", value_float=0.5),
+             helper.make_node("Add", ["big", "w1"], ["s1"], name="s1"),   # w1 comes after the cause
+             helper.make_node("Add", ["w2", "big"], ["s2"], name="s2"),   # w2 comes before it
+             helper.make_node("Add", ["x", "eps"], ["s3"], name="s3"),
+             helper.make_node("Sum", ["s1", "s2", "s3"], ["y"], name="y")]
+    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", FLOAT, [4, 4])],
+                              [helper.make_tensor_value_info("y", FLOAT, [4, 4]),
+                               helper.make_tensor_value_info("unread", FLOAT, [4, 4])])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8)
+    state = _state(model)
+    assert state.read_constants == {"big", "w2"}
+    assert state.is_deny("s1:T") and state.is_deny("s2:T") and not state.is_deny("s3:T")

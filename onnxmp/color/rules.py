@@ -13,7 +13,7 @@ from typing import Iterable, NamedTuple
 
 import numpy as np
 
-from onnxmp.color.vertices import CONTROL_FLOW, Adjacency, TypeView
+from onnxmp.color.vertices import LIST_CODES, Adjacency, TypeView
 from onnxmp.passes import PassResult, require
 
 ALLOW = "allow"
@@ -28,8 +28,8 @@ class Reason(NamedTuple):
 
 @dataclass
 class Coloring:
-    """Colors by vertex id (insertion-ordered: passes walk ALLOW vertices in the order they were
-    painted).  Methods take an id or, for callers, the readable "node:param" key."""
+    """Colors by vertex id (insertion-ordered: see :meth:`allow_ids`).  Methods take an id or, for
+    callers, the readable "node:param" key."""
 
     view: TypeView
     # id -> (color, rule, cause); a cause is a string, or a writer that makes the string from the
@@ -85,6 +85,9 @@ class Coloring:
         self.codes[vid] = 0
 
     def allow_ids(self) -> list[int]:
+        """ALLOW vertex ids in the order they were painted (the order the rewrite retypes in and
+        propagate_allow_through_clear walks from); :func:`_ids` of :meth:`marks` where order
+        does not matter."""
         return [i for i, entry in self.colors.items() if entry[0] == ALLOW]
 
     def has_allow(self) -> bool:
@@ -149,6 +152,11 @@ def _why_fp32(list_name: str | None, op: str) -> str:
     return f"op {op} keeps its type"
 
 
+def _ids(marks: bytes | bytearray) -> list[int]:
+    """The ids whose byte in ``marks`` is non-zero, in id order."""
+    return np.flatnonzero(np.frombuffer(marks, dtype=np.uint8)).tolist()
+
+
 def _dfs(adjacent: tuple[Adjacency, ...], roots: Iterable[int], enter: bytearray
          ) -> tuple[list[int], list[int]]:
     """Depth-first traversal over float32 edges (fan-in, fan-out or both); ``enter`` guards every
@@ -181,6 +189,16 @@ def _dfs(adjacent: tuple[Adjacency, ...], roots: Iterable[int], enter: bytearray
     return order, parents
 
 
+def _next_to(adjacent: tuple[Adjacency, ...], targets: np.ndarray) -> np.ndarray:
+    """Per vertex: whether one of its neighbours in ``adjacent`` is in ``targets`` (a bool mask)."""
+    near = np.zeros(len(targets), dtype=bool)
+    for adj in adjacent:
+        start = np.frombuffer(adj.start, dtype=np.intc)
+        edges = np.flatnonzero(targets[np.frombuffer(adj.flat, dtype=np.intc)])
+        near[np.searchsorted(start, edges, side="right") - 1] = True  # the vertex each edge leaves
+    return near
+
+
 _SEEN = bytes(2) + bytes([1]) + bytes(253)  # translate table: state 2 (seen) -> 1, else 0
 
 
@@ -204,6 +222,14 @@ def _reached(adjacent: Adjacency, roots: Iterable[int], enter: bytearray) -> byt
     return state.translate(_SEEN)
 
 
+_ALLOW_LIST, _DENY_LIST, _INFER_LIST, _CLEAR_LIST = (LIST_CODES[name] for name in ("allow", "deny", "infer", "clear"))
+
+
+def _u8(marks: bytes | bytearray) -> np.ndarray:
+    """A byte per vertex (marks, view.f32, view.ok, view.list_codes) as a numpy array, not copied."""
+    return np.frombuffer(marks, dtype=np.uint8)
+
+
 def _allow_only_where_ok(state: Coloring) -> bool:
     """Every ALLOW vertex is processed, float32 and low-precision capable."""
     allow = np.frombuffer(state.marks(ALLOW), dtype=np.uint8)
@@ -213,8 +239,7 @@ def _allow_only_where_ok(state: Coloring) -> bool:
 def add_allow_ops(state: Coloring) -> PassResult:
     """Every vertex of a processed allow-list node joins ALLOW (unless a data seed denied it)."""
     view = state.view
-    lst, ok, codes = view.lst, view.ok, state.codes
-    listed = [k for k, list_name in enumerate(lst) if list_name == "allow" and ok[k] and codes[k] != _DENY]
+    listed = _ids((_u8(view.list_codes) == _ALLOW_LIST) & (_u8(view.ok) != 0) & (_u8(state.codes) != _DENY))
     painted = state.paint_all(listed, ALLOW, "add_allow_ops", _list_op)
     require(_allow_only_where_ok(state),
             "add_allow_ops", "every ALLOW vertex is processed, float32 and low-precision capable")
@@ -232,24 +257,18 @@ def propagate_deny_forward_through_clear_and_infer(state: Coloring) -> PassResul
     feeds only the allow op and is left for the allow passes.
     """
     view = state.view
-    lst, f32 = view.lst, view.f32
+    lists, f32 = _u8(view.list_codes), _u8(view.f32) != 0
     rule = "propagate_deny_forward_through_clear_and_infer"
-    deny = state.marks(DENY)
-    roots = [k for k, list_name in enumerate(lst) if f32[k] and (list_name in ("deny", "infer") or deny[k])]
-    enter = bytearray(len(lst))
-    for k, list_name in enumerate(lst):
-        if list_name == "clear":
-            enter[k] = 1
-    for k in roots:
-        enter[k] = 1
-    upstream = _reached(view.fanin, roots, enter)
+    seeded = _u8(state.marks(DENY)) != 0
+    deny_list = lists == _DENY_LIST
+    roots = f32 & (deny_list | (lists == _INFER_LIST) | seeded)
+    upstream = _reached(view.fanin, _ids(roots), bytearray(roots | (lists == _CLEAR_LIST)))
 
-    painted = state.paint_all([k for k, list_name in enumerate(lst) if f32[k] and list_name == "deny" and not deny[k]],
-                              DENY, rule, _list_op)
+    painted = state.paint_all(_ids(f32 & deny_list & ~seeded), DENY, rule, _list_op)
     deny = state.marks(DENY)
-    deny_roots = [k for k in range(len(lst)) if f32[k] and deny[k]]
-    for k in state.allow_ids():
-        upstream[k] = 0
+    deny_roots = _ids(f32 & (_u8(deny) != 0))
+    allow = state.marks(ALLOW)
+    upstream = bytearray(_u8(upstream) > _u8(allow))
     origin: dict[int, int] = {k: k for k in deny_roots}
     for k, parent in zip(*_dfs((view.fanout,), deny_roots, upstream)):
         if parent < 0:
@@ -258,7 +277,7 @@ def propagate_deny_forward_through_clear_and_infer(state: Coloring) -> PassResul
         if deny[k]:
             continue
         painted += state.paint(k, DENY, rule, (_downstream_of_deny, source, parent if parent != source else -1))
-    require(not any(state.is_deny(i) for i in state.allow_ids()), rule, "no vertex is both ALLOW and DENY")
+    require(state.marks(ALLOW) == allow, rule, "no ALLOW vertex was painted DENY")
     return PassResult(painted > 0, {"painted": painted})
 
 
@@ -270,18 +289,14 @@ def add_clear_and_infer_to_allow_if_between_allow(state: Coloring) -> PassResult
     vertices through that set.  Reached both ways means between allow ops.
     """
     view = state.view
-    lst, ok = view.lst, view.ok
-    allow_roots = [i for i in state.allow_ids() if lst[i] == "allow"]
-    deny = state.marks(DENY)
-    passable = bytearray(len(lst))
-    for k, list_name in enumerate(lst):
-        if (list_name == "clear" or list_name == "infer") and ok[k] and not deny[k]:
-            passable[k] = 1
-    for k in allow_roots:
-        passable[k] = 0
-    downstream = _reached(view.fanout, allow_roots, passable)
-    order, parents = _dfs((view.fanin,), allow_roots, downstream)
-    between = [k for k, parent in zip(order, parents) if parent >= 0]  # the roots are already ALLOW
+    lists = _u8(view.list_codes)
+    roots = (_u8(state.marks(ALLOW)) != 0) & (lists == _ALLOW_LIST)
+    allow_roots = _ids(roots)  # any order: see ``between``
+    passable = ((lists == _CLEAR_LIST) | (lists == _INFER_LIST)) & (_u8(view.ok) != 0) \
+        & (_u8(state.marks(DENY)) == 0) & ~roots
+    downstream = _reached(view.fanout, allow_roots, bytearray(passable))
+    # Which vertices the walks reach does not depend on the roots' order; the roots are ALLOW already.
+    between = _ids((_u8(_reached(view.fanin, allow_roots, downstream)) != 0) & ~roots)
     # In the readable order reports were painted in.
     painted = state.paint_all(sorted(between, key=view.key), ALLOW, "add_clear_and_infer_to_allow_if_between_allow",
                               _between_allow)
@@ -292,12 +307,9 @@ def add_infer_to_allow_if_follow_allow(state: Coloring) -> PassResult:
     """bfloat16 only (as in TF): in one sweep, an infer vertex with at least one ALLOW
     direct input and no DENY direct input becomes ALLOW."""
     view = state.view
-    lst, ok = view.lst, view.ok
     deny, allow = state.marks(DENY), state.marks(ALLOW)
     promote = []
-    for k, list_name in enumerate(lst):
-        if list_name != "infer" or not ok[k] or deny[k] or allow[k]:
-            continue
+    for k in _ids((_u8(view.list_codes) == _INFER_LIST) & (_u8(view.ok) != 0) & (_u8(deny) == 0) & (_u8(allow) == 0)):
         fanin = view.fanin[k]
         if any(deny[f] for f in fanin):
             continue
@@ -313,15 +325,14 @@ def propagate_allow_through_clear(state: Coloring) -> PassResult:
     """Walk both ways from ALLOW vertices through processed, capable, float32 clear
     vertices that are not DENY; they join ALLOW.  Infer vertices are not crossed."""
     view = state.view
-    lst, ok = view.lst, view.ok
-    roots = state.allow_ids()
-    deny = state.marks(DENY)
-    enter = bytearray(len(lst))
-    for k, list_name in enumerate(lst):
-        if list_name == "clear" and ok[k] and not deny[k]:
-            enter[k] = 1
-    for k in roots:
-        enter[k] = 0
+    enter = (_u8(view.list_codes) == _CLEAR_LIST) & (_u8(view.ok) != 0) & (_u8(state.codes) == 0)
+    if not enter.any():
+        return PassResult(False, {"painted": 0})
+    # A root with no enterable neighbour reaches nothing: only the others are walked from, in
+    # paint order (the first walk to reach a clear vertex names its cause).
+    near = _next_to((view.fanin, view.fanout), enter)
+    roots = [k for k in state.allow_ids() if near[k]]
+    enter = bytearray(enter)
     origin: dict[int, int] = {}  # reached clear vertex -> the allow vertex its walk started from
     for k, parent in zip(*_dfs((view.fanin, view.fanout), roots, enter)):
         if parent >= 0:
@@ -334,12 +345,10 @@ def propagate_allow_through_clear(state: Coloring) -> PassResult:
 
 def remove_allow_set_with_fp32(state: Coloring) -> PassResult:
     """Remove from ALLOW any vertex whose schema or kernel cannot take the low-precision type."""
-    removed = 0
-    ok = state.view.ok
-    for k in state.allow_ids():
-        if not ok[k]:
-            state.unpaint(k)
-            removed += 1
+    incapable = _ids(_u8(state.marks(ALLOW)) > _u8(state.view.ok))
+    for k in incapable:
+        state.unpaint(k)
+    removed = len(incapable)
     require(_allow_only_where_ok(state),
             "remove_allow_set_with_fp32", "every ALLOW vertex can take the low-precision type")
     return PassResult(removed > 0, {"removed": removed})
@@ -359,11 +368,12 @@ def force_color_match(state: Coloring) -> PassResult:
     """
     view = state.view
     changed = False
-    for k in state.allow_ids():
-        op_type = view.v_kind[k].group.op.op_type
-        if op_type in CONTROL_FLOW:
-            state.paint(k, DENY, "force_color_match", f"{op_type} inputs and outputs follow their color groups")
-            changed = True
+    for node in view.control_flow:
+        for k in range(view.node_first[node], view.node_first[node + 1]):
+            if state.is_allow(k):
+                op_type = view.v_kind[k].group.op.op_type
+                state.paint(k, DENY, "force_color_match", f"{op_type} inputs and outputs follow their color groups")
+                changed = True
     state.low_groups = []
     for group in view.groups:
         blocker = None
@@ -388,16 +398,16 @@ def make_casts_allow_if_all_outputs_allow(state: Coloring) -> PassResult:
     """An existing Cast(to=FLOAT), ConstantOfShape or float Constant whose consumers are
     all ALLOW is retargeted to the low-precision type (its output vertex joins ALLOW)."""
     view = state.view
-    ok = view.ok
+    ok, codes, pinned, consumers_of = view.ok, state.codes, view.pinned, view.consumers_of
     painted = 0
     for k in view.retargetable:
-        if not ok[k] or state.is_deny(k) or state.is_allow(k):
+        if not ok[k] or codes[k]:  # incapable, or painted already
             continue
-        (_, tensor), = view.outputs(k)
-        if tensor in view.pinned:
+        tensor, = view.output_names(k)
+        if tensor in pinned:
             continue
-        consumers = view.consumers_of.get(tensor, [])
-        if consumers and all(state.is_allow(c) for c in consumers):
+        consumers = consumers_of.get(tensor, [])
+        if consumers and all(codes[c] == _ALLOW for c in consumers):
             painted += state.paint(k, ALLOW, "make_casts_allow_if_all_outputs_allow",
                                    f"every consumer of `{tensor}` is ALLOW")
     return PassResult(painted > 0, {"painted": painted})

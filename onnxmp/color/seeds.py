@@ -205,7 +205,7 @@ def seed_deny_from_initializer_range(state: Coloring, graph: ModelGraph, *,
     limit, low_dtype = low.max, low.numpy
     view = state.view
     tensors, constant_at = graph.tensors, view.constant_at
-    lst, f32, v_kind, node_first = view.lst, view.f32, view.v_kind, view.node_first
+    lst, f32, v_kind, node_first, float_io = view.lst, view.f32, view.v_kind, view.node_first, view.float_io
     listed = ("allow", "infer", "clear")
     # Each candidate: (float32 vertex ids of a listed, processed node; its float inputs that hold
     # constants, in input order).  Other inputs have no values, so no cause.
@@ -226,6 +226,7 @@ def seed_deny_from_initializer_range(state: Coloring, graph: ModelGraph, *,
         raw_size = 0
 
     small: dict[str, np.ndarray] = {}  # other small constants, checked together
+    value_node: dict[str, str | None] = {}  # Constant output read below -> its node, if it has a `value` tensor
     constants = graph.constants.union(constant_at)
     for k, ins in enumerate(view.node_ins):
         if constants.isdisjoint(ins):
@@ -236,7 +237,7 @@ def seed_deny_from_initializer_range(state: Coloring, graph: ModelGraph, *,
             if not (kind.float32 and kind.processed and kind.list in listed):
                 continue
             vids = [first]
-            float_inputs = view.input_names(first)
+            float_inputs = kind.group.pick_in(ins) if first not in float_io else view.input_names(first)
         else:
             vids = [v for v in range(first, end) if f32[v]]
             if not vids or lst[first] not in listed or not any(v_kind[v].processed for v in vids):
@@ -256,6 +257,7 @@ def seed_deny_from_initializer_range(state: Coloring, graph: ModelGraph, *,
                 scope, position = constant_at[name]
                 node = graph.scopes[scope].graph.node[position]
                 init = _value_tensor(node)
+                value_node[name] = node.name if init is not None else None
             if init is None:
                 raw = None
             elif node is None and info.kind == TENSOR_KIND:  # the index's dtype and (cached) shape, read once
@@ -291,9 +293,11 @@ def seed_deny_from_initializer_range(state: Coloring, graph: ModelGraph, *,
             for name in names:
                 at = constant_at.get(name)
                 if at is not None:
-                    node = graph.scopes[at[0]].graph.node[at[1]]
-                    if _value_tensor(node) is not None:
-                        state.read_constants.add(node.name)
+                    if name not in value_node:  # an initializer too: its node was not read above
+                        node = graph.scopes[at[0]].graph.node[at[1]]
+                        value_node[name] = node.name if _value_tensor(node) is not None else None
+                    if value_node[name] is not None:
+                        state.read_constants.add(value_node[name])
                 if causes.get(name):
                     break
     painted = 0

@@ -36,6 +36,9 @@ log = logging.getLogger("onnxmp.color")
 RETARGETABLE = ("Cast", "Constant", "ConstantOfShape")
 CONTROL_FLOW = ("If", "Loop", "Scan")
 
+# TypeView.list_codes: the list of each vertex's op as a byte (0: on no list), for array masks.
+LIST_CODES = {None: 0, "allow": 1, "deny": 2, "infer": 3, "clear": 4}
+
 _WHOLE_NODE = "*"  # param of the single vertex of an op with no known schema
 NOT_A_TENSOR = -1  # dtype marker for sequence/optional/map values
 FLOAT = onnx.TensorProto.FLOAT
@@ -145,8 +148,9 @@ class TypeView:
     """Vertices of every graph plus fan-in/fan-out over float32 tensors (built by :func:`build_type_view`).
 
     Per vertex (index = vertex id): ``v_node`` (node index), ``v_kind`` (shared :class:`_Kind`:
-    op, param, positions, facts), and the arrays the passes read: ``lst`` (list name), ``f32``
-    and ``ok`` (processed, float32 and low-precision capable).
+    op, param, positions, facts), and the arrays the passes read: ``lst`` (list name),
+    ``list_codes`` (the same as bytes, see LIST_CODES), ``f32`` and ``ok`` (processed, float32
+    and low-precision capable).
     Per node (index = node index, scopes in order, nodes in graph order): ``node_names``,
     ``node_scope``, ``node_ins``/``node_outs`` (tensor names) and ``node_first`` (its first
     vertex id; the node's vertices are ``node_first[k]:node_first[k + 1]``).
@@ -163,10 +167,12 @@ class TypeView:
         self.v_node = array("i")
         self.v_kind: list[_Kind] = []
         self.lst: list[str | None] = []
+        self.list_codes = b""
         self.f32 = bytearray()
         self.ok = bytearray()
         self.float_io: dict[int, tuple[list, list]] = {}  # schema-less vertices cut down to float tensors
         self.retargetable: list[int] = []  # Cast/Constant/ConstantOfShape vertices with outputs only
+        self.control_flow: list[int] = []  # node indices of the If/Loop/Scan nodes (of any domain)
         self.constant_at: dict[str, tuple[int, int]] = {}  # tensor -> (scope, position) of its Constant node
         self.fanin = self.fanout = Adjacency(array("i", [0]), array("i"))
         self.producer_of: Mapping[str, int] = {}    # tensor name -> producing float32 vertex id
@@ -534,6 +540,8 @@ def build_type_view(
     # float32 tensors (they never change type); None when unknown.
     codes = {name: (NOT_A_TENSOR if info.init is None and info.kind != TENSOR_KIND else info.dtype)
              for name, info in tensors.items()}
+    floats = frozenset(name for name, code in codes.items() if code == FLOAT)
+    float_kinds: dict[_Group, _Kind] = {}  # the kind of a group's unblocked vertex on float32 tensors only
     ops: dict[tuple[str, str], _OpInfo] = {}
     layouts: dict[tuple[str, str, int, int], tuple[_OpInfo, list[_Group], _Tied | None]] = {}
     kinds: dict[tuple, _Kind] = {}
@@ -567,10 +575,10 @@ def build_type_view(
     node_index, node_scope = view.node_index, view.node_scope
     v_node, v_kind = view.v_node, view.v_kind
     add_node, add_kind, code_of = v_node.append, v_kind.append, codes.__getitem__
-    # Tensors read and written by float32 vertices, in id order, with how many each vertex has:
-    # _link makes the edges from them.
-    read, written, n_read, n_written = [], [], array("i"), array("i")
-    add_read, add_written = n_read.append, n_written.append
+    # The tensors each float32 vertex reads and writes, in id order: _link makes the edges from them.
+    reads: list[Sequence[str]] = []
+    writes: list[Sequence[str]] = []
+    add_reads, add_writes = reads.append, writes.append
     for scope_index, scope in enumerate(graph.scopes):
         graph_id, g = scope.gid, scope.graph
         view.scope_gids.append(graph_id)
@@ -590,9 +598,8 @@ def build_type_view(
         node_index.update(zip(scope.names, itertools.count(first)))  # normalize made node names unique
         view.node_ins += scope.ins
         view.node_outs += scope.outs
-        for position, (node, node_name, ins, outs) in enumerate(zip(g.node, scope.names, scope.ins, scope.outs)):
+        for k, node, ins, outs in zip(itertools.count(first), g.node, scope.ins, scope.outs):
             op_type = node.op_type
-            k = first + position
             lkey = (op_type, node.domain, len(ins), len(outs))
             found = layouts.get(lkey)
             if found is None:
@@ -603,22 +610,31 @@ def build_type_view(
             if op.special:
                 if op_type == "Constant":
                     for out in outs:
-                        view.constant_at[out] = (scope_index, position)
+                        view.constant_at[out] = (scope_index, k - first)
                 elif op_type in CONTROL_FLOW:
                     control_flow.append((graph_id, node))
+                    view.control_flow.append(k)
             if "" in ins or "" in outs:
                 groups = _present(groups, ins, outs)
             blocked = None
             if block:
+                node_name = scope.names[k - first]
                 hits = [p.pattern for p in block if p.search(node_name)]
                 block_hits.update(hits)
                 blocked = hits[0] if hits else None
             for group in groups:
                 in_names, out_names = group.pick_in(ins), group.pick_out(outs)
-                signature = (group, blocked, *map(code_of, in_names), *map(code_of, out_names))
-                kind = kinds.get(signature)
+                # Most vertices read and write float32 tensors only: their kind is known by group,
+                # with no tuple of dtypes to build.
+                all_float = blocked is None and floats.issuperset(in_names) and floats.issuperset(out_names)
+                kind = float_kinds.get(group) if all_float else None
                 if kind is None:
-                    kind = kinds[signature] = _decide(group, signature[2:], len(in_names), blocked, capability)
+                    signature = (group, blocked, *map(code_of, in_names), *map(code_of, out_names))
+                    kind = kinds.get(signature)
+                    if kind is None:
+                        kind = kinds[signature] = _decide(group, signature[2:], len(in_names), blocked, capability)
+                    if all_float:
+                        float_kinds[group] = kind
                 add_node(k)
                 add_kind(kind)
                 if kind.special:
@@ -628,14 +644,13 @@ def build_type_view(
                     if op_type in RETARGETABLE and out_names and not in_names:
                         view.retargetable.append(vid)
                 if kind.float32:
-                    read += in_names
-                    add_read(len(in_names))
-                    written += out_names
-                    add_written(len(out_names))
+                    add_reads(in_names)
+                    add_writes(out_names)
     del codes
     require(len(node_index) == len(view.node_ins), "color", "node names unique across all graphs (normalize)")
     view.node_names = list(node_index)
     view.lst = list(map(attrgetter("list"), v_kind))
+    view.list_codes = bytes(map(LIST_CODES.__getitem__, view.lst))
     view.f32 = bytearray(map(attrgetter("float32"), v_kind))
     view.ok = bytearray(map(attrgetter("ok"), v_kind))
     nodes = np.frombuffer(v_node, dtype=np.intc) if v_node else np.zeros(0, np.intc)
@@ -646,7 +661,8 @@ def build_type_view(
             log.warning("block pattern %r matches no node name; nothing is blocked by it", pattern.pattern)
 
     view.groups = [g for g in _control_flow_groups(control_flow) if all(graph.dtype(t) == FLOAT for _, t in g.members)]
-    _link(view, read, n_read, written, n_written)
+    _link(view, list(itertools.chain.from_iterable(reads)), array("i", map(len, reads)),
+          list(itertools.chain.from_iterable(writes)), array("i", map(len, writes)))
     return view
 
 
@@ -718,21 +734,27 @@ def _readers_of(view: TypeView, read: list[str], source: np.ndarray, reader: np.
                 position: dict[str, int]) -> dict[str, list[int]]:
     """The float32 vertices reading each tensor the passes ask about (outputs of capable
     retargetable vertices, control-flow group members), in id order, across graphs."""
-    asked = [t for vid in view.retargetable if view.ok[vid] for _, t in view.outputs(vid)]
+    ok = view.ok
+    asked = [t for vid in view.retargetable if ok[vid] for t in view.output_names(vid)]
     asked += [t for group in view.groups for _, t in group.members]
     if not asked:
         return {}
     by_source = np.argsort(source, kind="stable")
-    sorted_source = source[by_source]
+    sorted_source, sorted_reader = source[by_source], reader[by_source]
     found: dict[str, list[int]] = {}
     unproduced = set()
+    produced = []
     for t in asked:
-        w = position.get(t)
-        if w is None:
+        if t in position:
+            produced.append(t)
+        else:
             unproduced.add(t)
-            continue
-        lo, hi = np.searchsorted(sorted_source, [w, w + 1])
-        found[t] = list(dict.fromkeys(reader[by_source[lo:hi]].tolist()))  # read order; one may read t twice
+    # Each produced tensor's readers are one run of the readers sorted by what they read.
+    written_at = np.fromiter(map(position.__getitem__, produced), dtype=np.int64, count=len(produced))
+    low = np.searchsorted(sorted_source, written_at).tolist()
+    high = np.searchsorted(sorted_source, written_at + 1).tolist()
+    for t, lo, hi in zip(produced, low, high):
+        found[t] = list(dict.fromkeys(sorted_reader[lo:hi].tolist()))  # read order; one may read t twice
     if unproduced:  # graph and body inputs in groups: found by name
         for t in unproduced:
             found[t] = []
