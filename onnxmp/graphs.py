@@ -135,7 +135,7 @@ class TensorInfo:
     @property
     def shape(self):
         if self._shape is _UNPARSED:
-            self._shape = _shape_of(self.decl) if self.decl is not None else list(self.init.dims)
+            self._shape = _shape_of(self.decl) if self.decl is not None else self.init.dims[:]  # [:]: 2x list()
         return self._shape
 
     @shape.setter
