@@ -149,7 +149,10 @@ class TensorInfo:
         if self._shape is _UNPARSED and self.decl is not None:
             dims = self.decl.type.tensor_type.shape.dim  # reading leaves an unset shape unset
             rank = len(dims)
-            return (rank, _dim(dims[axis])) if -rank <= axis < rank else (rank, None)
+            if not -rank <= axis < rank:
+                return rank, None
+            d = dims[axis]
+            return rank, d.dim_value or d.dim_param or _dim(d)  # as _shape_of: WhichOneof only for 0 or unset
         shape = self.shape or ()
         rank = len(shape)
         return (rank, shape[axis]) if -rank <= axis < rank else (rank, None)
