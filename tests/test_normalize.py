@@ -163,3 +163,14 @@ def test_rank_and_dim_reads_one_dim_as_the_parsed_shape_has_it():
     assert w.rank_and_dim(-1) == (2, 5)
     assert x.shape == ["N", 0, 8] and u.shape is None  # the parsed shape agrees
     assert x.rank_and_dim(2) == (3, 8)  # once parsed, read from the list
+
+
+def test_rank_and_dim_reads_an_unset_dim_as_none():
+    model = helper.make_model(helper.make_graph(
+        [helper.make_node("Relu", ["x"], ["y"])], "g",
+        [helper.make_tensor_value_info("x", TP.FLOAT, [None, 4, "", 0])],
+        [helper.make_tensor_value_info("y", TP.FLOAT, None)]))
+    x = ModelGraph(model).tensors["x"]
+    dims = [x.rank_and_dim(axis) for axis in range(4)]
+    assert dims == [(4, None), (4, 4), (4, ""), (4, 0)]  # a set but empty dim_param stays ""
+    assert [dim for _, dim in dims] == x.shape  # the parsed shape agrees
