@@ -23,6 +23,7 @@ from onnxmp.precision import low_precision
 
 DEFAULT_UNDERFLOW_SHARE = 0.5     # share of an initializer's values that may flush or turn subnormal
 DEFAULT_THRESHOLD = 65504.0 / 4   # calibration: |x| above which an intermediate's node is denied
+FLOAT, EXTERNAL = onnx.TensorProto.FLOAT, onnx.TensorProto.EXTERNAL
 
 
 
@@ -181,19 +182,6 @@ def _value_tensor(node: onnx.NodeProto) -> onnx.TensorProto | None:
     return None
 
 
-def _small_raw_float(tensor: onnx.TensorProto, data_type: int, dims) -> bytes | None:
-    """The raw little-endian bytes of a small in-memory float32 tensor whose size matches its
-    dims (read without building an array per tensor); None for any other tensor.  ``data_type``
-    and ``dims`` are the tensor's, as the index knows them."""
-    if data_type != onnx.TensorProto.FLOAT or tensor.data_location == onnx.TensorProto.EXTERNAL:
-        return None
-    raw = tensor.raw_data
-    size = math.prod(dims)
-    if not 0 < size < BATCH_BELOW or len(raw) != 4 * size:
-        return None
-    return raw
-
-
 def seed_deny_from_initializer_range(state: Coloring, graph: ModelGraph, *,
                                      underflow_share: float = DEFAULT_UNDERFLOW_SHARE
                                      ) -> PassResult:
@@ -258,12 +246,20 @@ def seed_deny_from_initializer_range(state: Coloring, graph: ModelGraph, *,
                 node = graph.scopes[scope].graph.node[position]
                 init = _value_tensor(node)
                 value_node[name] = node.name if init is not None else None
-            if init is None:
-                raw = None
-            elif node is None and info.kind == TENSOR_KIND:  # the index's dtype and (cached) shape, read once
-                raw = _small_raw_float(init, info.dtype, info.shape)
-            else:
-                raw = _small_raw_float(init, init.data_type, init.dims)
+            raw = None
+            if init is not None:
+                # The raw little-endian bytes of a small in-memory float32 tensor whose size matches
+                # its dims, read inline (thousands of tiny initializers come this way).
+                if node is None and info.kind == TENSOR_KIND:  # the index's dtype and (cached) shape
+                    dtype, dims = info.dtype, info.shape
+                else:
+                    dtype, dims = init.data_type, init.dims
+                if dtype == FLOAT and init.data_location != EXTERNAL:
+                    size = math.prod(dims)
+                    if 0 < size < BATCH_BELOW:
+                        raw = init.raw_data
+                        if len(raw) != 4 * size:
+                            raw = None
             if raw is not None:
                 causes[name] = None  # decided with the other raw ones
                 raw_names.append(name)
