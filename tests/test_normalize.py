@@ -174,3 +174,35 @@ def test_rank_and_dim_reads_an_unset_dim_as_none():
     dims = [x.rank_and_dim(axis) for axis in range(4)]
     assert dims == [(4, None), (4, 4), (4, ""), (4, 0)]  # a set but empty dim_param stays ""
     assert [dim for _, dim in dims] == x.shape  # the parsed shape agrees
+
+
+def _with_initializer(tensor: onnx.TensorProto, in_body: bool = False) -> onnx.ModelProto:
+    """Identity of `x`, with ``tensor`` as an initializer of the main graph or of an If body."""
+    x = helper.make_tensor_value_info("x", TP.FLOAT, [2])
+    if not in_body:
+        return helper.make_model(helper.make_graph([helper.make_node("Identity", ["x"], ["y"])], "g", [x],
+                                                   [helper.make_tensor_value_info("y", TP.FLOAT, [2])], [tensor]))
+    body = helper.make_graph([helper.make_node("Identity", ["x"], ["b"])], "body", [],
+                             [helper.make_tensor_value_info("b", TP.FLOAT, [2])], [tensor])
+    cond = numpy_helper.from_array(np.array(True), "c")
+    node = helper.make_node("If", ["c"], ["y"], then_branch=body, else_branch=body)
+    return helper.make_model(helper.make_graph([node], "g", [x], [helper.make_tensor_value_info("y", TP.FLOAT, [2])],
+                                               [cond]))
+
+
+@pytest.mark.parametrize("in_body", [False, True])
+def test_weightless_takes_the_skeleton_only_past_the_raw_byte_threshold(in_body):
+    from onnxmp.external import SKELETON_TENSOR_BYTES
+    from onnxmp.normalize import _weightless
+    at = numpy_helper.from_array(np.zeros(SKELETON_TENSOR_BYTES // 4, np.float32), "w")
+    past = numpy_helper.from_array(np.zeros(SKELETON_TENSOR_BYTES // 4 + 1, np.float32), "w")
+    typed = helper.make_tensor("w", TP.FLOAT, [1000], np.zeros(1000, np.float32).tolist())  # float_data
+    assert len(at.raw_data) == SKELETON_TENSOR_BYTES and not typed.raw_data
+    for tensor in (at, typed):  # at the threshold, and data outside raw_data: the model itself
+        model = _with_initializer(tensor, in_body)
+        assert _weightless(model) is model
+    model = _with_initializer(past, in_body)
+    assert _weightless(model) is not model
+    external = onnx.TensorProto(name="w", data_type=TP.FLOAT, dims=[1], data_location=TP.EXTERNAL)
+    model = _with_initializer(external, in_body)
+    assert _weightless(model) is not model
