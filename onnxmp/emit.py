@@ -136,30 +136,30 @@ class _Emitter:
             return vi
         return _tensor_value_info(name, dtype, info.shape)
 
-    def _convert_small(self, names: list[str]) -> dict[str, tuple[list[int], bytes]]:
+    def _convert_small(self, names: list[str]) -> tuple[list, bytes]:
         """Small raw float32 initializers converted in one numpy call (thousands of biases and
-        scalars would each pay numpy's per-call overhead): name -> (dims, low-precision bytes)."""
+        scalars would each pay numpy's per-call overhead).  For each of ``names``, in order:
+        ``(name, dims, size)`` when its low-precision bytes are the next ``size`` of the bytes
+        returned, else the name alone (an initializer kept, or one converted on its own)."""
         edits, tensors = self.edits, self.tensors
-        sources = []
-        for name in names:
-            info = tensors[edits.twins.get(name, name)]
-            dims = info.shape
-            count = math.prod(dims)
-            if info.dtype == FLOAT and count < 1 << 14 and info.init.data_location != onnx.TensorProto.EXTERNAL:
-                raw = info.init.raw_data
-                if len(raw) == 4 * count:
-                    sources.append((name, dims, raw))
-        if not sources:
-            return {}
-        low = np.frombuffer(b"".join([raw for _, _, raw in sources]), dtype="<f4").astype(edits.low_np).tobytes()
+        converted, twins = edits.converted, edits.twins
         width = edits.low_np.itemsize
-        ready = {}
-        start = 0
-        for name, dims, raw in sources:
-            stop = start + len(raw) // 4 * width
-            ready[name] = (dims, low[start:stop])
-            start = stop
-        return ready
+        plan, raws = [], []
+        for name in names:
+            if name in converted or name in twins:
+                info = tensors[twins.get(name, name)]
+                dims = info.shape
+                count = math.prod(dims)
+                if info.dtype == FLOAT and count < 1 << 14 and info.init.data_location != onnx.TensorProto.EXTERNAL:
+                    raw = info.init.raw_data
+                    if len(raw) == 4 * count:
+                        plan.append((name, dims, count * width))
+                        raws.append(raw)
+                        continue
+            plan.append(name)
+        if not raws:
+            return plan, b""
+        return plan, np.frombuffer(b"".join(raws), dtype="<f4").astype(edits.low_np).tobytes()
 
     def initializer(self, name: str) -> onnx.TensorProto:
         edits = self.edits
@@ -177,17 +177,19 @@ class _Emitter:
 
     def _write_initializers(self, out: onnx.GraphProto, names: list[str]) -> None:
         """In GS's order; converted in chunks, so that the converted bytes waiting to be written stay few."""
-        edits = self.edits
+        low_enum = self.edits.low_enum
         add, append = out.initializer.add, out.initializer.append
         for start in range(0, len(names), _CHUNK):
-            chunk = names[start:start + _CHUNK]
-            ready = self._convert_small([n for n in chunk if n in edits.converted or n in edits.twins])
-            for name in chunk:
-                converted = ready.get(name)
-                if converted is None:
-                    append(self.initializer(name))
+            plan, low = self._convert_small(names[start:start + _CHUNK])
+            position = 0
+            for entry in plan:
+                if type(entry) is str:
+                    append(self.initializer(entry))
                 else:
-                    add(name=name, data_type=edits.low_enum, dims=converted[0], raw_data=converted[1])
+                    name, dims, size = entry
+                    stop = position + size
+                    add(name=name, data_type=low_enum, dims=dims, raw_data=low[position:stop])
+                    position = stop
 
     # -- graphs ----------------------------------------------------------------------------
     def graph(self, scope_index: int, out: onnx.GraphProto | None = None) -> tuple[onnx.GraphProto, set[str]]:
