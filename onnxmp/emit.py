@@ -27,7 +27,8 @@ from __future__ import annotations
 
 import functools
 import math
-from itertools import chain, compress
+from itertools import chain, compress, repeat
+from operator import is_
 from typing import Iterable
 
 import numpy as np
@@ -136,30 +137,30 @@ class _Emitter:
             return vi
         return _tensor_value_info(name, dtype, info.shape)
 
-    def _convert_small(self, names: list[str]) -> dict[str, tuple[list[int], bytes]]:
+    def _convert_small(self, names: list[str]) -> tuple[list, bytes]:
         """Small raw float32 initializers converted in one numpy call (thousands of biases and
-        scalars would each pay numpy's per-call overhead): name -> (dims, low-precision bytes)."""
+        scalars would each pay numpy's per-call overhead).  For each of ``names``, in order:
+        ``(name, dims, size)`` when its low-precision bytes are the next ``size`` of the bytes
+        returned, else the name alone (an initializer kept, or one converted on its own)."""
         edits, tensors = self.edits, self.tensors
-        sources = []
-        for name in names:
-            info = tensors[edits.twins.get(name, name)]
-            dims = info.shape
-            count = math.prod(dims)
-            if info.dtype == FLOAT and count < 1 << 14 and info.init.data_location != onnx.TensorProto.EXTERNAL:
-                raw = info.init.raw_data
-                if len(raw) == 4 * count:
-                    sources.append((name, dims, raw))
-        if not sources:
-            return {}
-        low = np.frombuffer(b"".join([raw for _, _, raw in sources]), dtype="<f4").astype(edits.low_np).tobytes()
+        converted, twins = edits.converted, edits.twins
         width = edits.low_np.itemsize
-        ready = {}
-        start = 0
-        for name, dims, raw in sources:
-            stop = start + len(raw) // 4 * width
-            ready[name] = (dims, low[start:stop])
-            start = stop
-        return ready
+        plan, raws = [], []
+        for name in names:
+            if name in converted or name in twins:
+                info = tensors[twins.get(name, name)]
+                dims = info.shape
+                count = math.prod(dims)
+                if info.dtype == FLOAT and count < 1 << 14 and info.init.data_location != onnx.TensorProto.EXTERNAL:
+                    raw = info.init.raw_data
+                    if len(raw) == 4 * count:
+                        plan.append((name, dims, count * width))
+                        raws.append(raw)
+                        continue
+            plan.append(name)
+        if not raws:
+            return plan, b""
+        return plan, np.frombuffer(b"".join(raws), dtype="<f4").astype(edits.low_np).tobytes()
 
     def initializer(self, name: str) -> onnx.TensorProto:
         edits = self.edits
@@ -177,17 +178,19 @@ class _Emitter:
 
     def _write_initializers(self, out: onnx.GraphProto, names: list[str]) -> None:
         """In GS's order; converted in chunks, so that the converted bytes waiting to be written stay few."""
-        edits = self.edits
+        low_enum = self.edits.low_enum
         add, append = out.initializer.add, out.initializer.append
         for start in range(0, len(names), _CHUNK):
-            chunk = names[start:start + _CHUNK]
-            ready = self._convert_small([n for n in chunk if n in edits.converted or n in edits.twins])
-            for name in chunk:
-                converted = ready.get(name)
-                if converted is None:
-                    append(self.initializer(name))
+            plan, low = self._convert_small(names[start:start + _CHUNK])
+            position = 0
+            for entry in plan:
+                if type(entry) is str:
+                    append(self.initializer(entry))
                 else:
-                    add(name=name, data_type=edits.low_enum, dims=converted[0], raw_data=converted[1])
+                    name, dims, size = entry
+                    stop = position + size
+                    add(name=name, data_type=low_enum, dims=dims, raw_data=low[position:stop])
+                    position = stop
 
     # -- graphs ----------------------------------------------------------------------------
     def graph(self, scope_index: int, out: onnx.GraphProto | None = None) -> tuple[onnx.GraphProto, set[str]]:
@@ -298,34 +301,51 @@ class _Emitter:
     def _declarations(self, names: list[str], check_each: bool) -> tuple[list, list, list]:
         """The declarations to write; for each, the dtype its copy takes (None: as it is); and
         (position, name) of the copies that take a new name."""
-        new_tensors, dtypes = self.edits.new_tensors, self.edits.dtypes
-        written, retyped, renamed = [], [], []
-        add_written, add_retyped = written.append, retyped.append
-        # The index's tensors first: the rewrite's new ones have fresh names, which no tensor has.
-        for name, info, dtype in zip(names, map(self.tensors.get, names), map(dtypes.get, names)):
+        infos = list(map(self.tensors.get, names))
+        dtypes = list(map(self.edits.dtypes.get, names))
+        if check_each:
+            written, odd = [], range(len(names))
+        else:
+            # The common case, picked out in C: a tensor of the index with a declaration of its
+            # own, copied (maybe retyped).  The others are looked at one by one.
+            written = list(map(getattr, infos, repeat("decl"), repeat(None)))
+            odd = sorted({*_positions(bytearray(map(is_, written, repeat(None))), 1),
+                          *_positions(bytearray(map(getattr, infos, repeat("merged"), repeat(False))), 1)})
+            if not odd:
+                return written, dtypes, []
+        kept, retyped, renamed = [], [], []
+        start = 0
+        for k in odd:
+            kept += written[start:k]
+            retyped += dtypes[start:k]
+            start = k + 1
+            declaration = self._declaration(names[k], infos[k], dtypes[k], check_each)
+            if declaration is not None:
+                if declaration[2]:
+                    renamed.append((len(kept), names[k]))
+                kept.append(declaration[0])
+                retyped.append(declaration[1])
+        kept += written[start:]
+        retyped += dtypes[start:]
+        return kept, retyped, renamed
+
+    def _declaration(self, name: str, info: TensorInfo | None, dtype: int | None, check_each: bool):
+        """One tensor's declaration to write, the dtype its copy takes and whether it takes the
+        name ``name``; None when GS writes none.  ``info``: the index's, when it has the tensor."""
+        if info is None:
+            # The rewrite's new tensors have fresh names, which no tensor of the index has.
+            info = self.edits.new_tensors.get(name)
             if info is None:
-                info = new_tensors.get(name)
-                if info is None:
-                    continue
-                dtype = dtypes.get(name, info.dtype)
-            else:
-                decl = info.decl
-                if decl is not None and not info.merged and (not check_each or _canonical(decl)):
-                    add_written(decl)  # the common case: an input declaration copied, maybe retyped
-                    add_retyped(dtype)
-                    continue
-                if decl is None and dtype is None:
-                    continue
-            decl = info.decl
-            if decl is not None and not info.merged and (not check_each or _canonical(decl)):
-                if name in new_tensors:
-                    renamed.append((len(written), name))
-                add_written(decl)
-                add_retyped(dtype)
-            elif self.dtype(name) is not None or info.shape is not None:
-                add_written(self.value_info(name))
-                add_retyped(None)
-        return written, retyped, renamed
+                return None
+            dtype = self.edits.dtypes.get(name, info.dtype)
+        elif info.decl is None and dtype is None:
+            return None
+        decl = info.decl
+        if decl is not None and not info.merged and (not check_each or _canonical(decl)):
+            return decl, dtype, name in self.edits.new_tensors
+        if self.dtype(name) is not None or info.shape is not None:
+            return self.value_info(name), None, False
+        return None
 
     def _used(self, nodes: GraphNodes, g: onnx.GraphProto, bodies, simple: bool) -> tuple[list[int] | None, list[int]]:
         """GS cleanup: the positions of the nodes something reads on the way to a graph output
@@ -335,11 +355,7 @@ class _Emitter:
             used = self._used_in_order(nodes, g, bodies)
         else:
             used = self._used_in_any_order(nodes, g, bodies)
-        dead = []
-        k = used.find(0)
-        while k >= 0:
-            dead.append(k)
-            k = used.find(0, k + 1)
+        dead = _positions(used, 0)
         return (list(compress(range(len(used)), used)) if dead else None), dead
 
     def _single_writers(self, nodes: GraphNodes) -> bool:
@@ -517,6 +533,16 @@ class _Emitter:
                 out.t.name = out.t.name  # GS names every tensor it writes, even with ""
             return out
         return None  # sparse tensors, tensor/graph lists, type protos: GS does not import them
+
+
+def _positions(mask: bytearray, value: int) -> list[int]:
+    """Where ``mask`` holds ``value``, searched in C."""
+    found = []
+    k = mask.find(value)
+    while k >= 0:
+        found.append(k)
+        k = mask.find(value, k + 1)
+    return found
 
 
 def _cast_node(cast: NewCast) -> onnx.NodeProto:

@@ -342,16 +342,17 @@ class _Rewriter:
         graph, shared per (tensor, target type); low readers of an initializer that stays float32
         read a Cast of it or its low twin."""
         renamed, constants, edited = self.renamed, self.constants, self.edits.inputs
-        # Low readers read these as they are: tensors retyped in place and converted initializers.
-        low_as_is = self.edits.dtypes
+        # Low readers read these as they are: tensors retyped in place and converted initializers
+        # (a set of them: one issuperset call per node in a low region, which most nodes are).
+        low_as_is = set(self.edits.dtypes)
         for scope, nodes, masks in zip(self.graph.scopes, self.nodes, self.masks()):
             graph_id, g = scope.gid, scope.graph
             shared: dict[tuple[str, int], str] = {}
             for k, (node_name, inputs, mask) in enumerate(zip(nodes.names, nodes.inputs, masks)):
                 if mask == 0:
-                    if low_as_is.keys().isdisjoint(inputs):
+                    if low_as_is.isdisjoint(inputs):
                         continue  # float32 reads of float32 values
-                elif mask == (1 << len(inputs)) - 1 and all(map(low_as_is.__contains__, inputs)):
+                elif mask == (1 << len(inputs)) - 1 and low_as_is.issuperset(inputs):
                     continue  # inside a low-precision region
                 for i, name in enumerate(inputs):
                     if not name:
