@@ -41,6 +41,23 @@ def test_bench_convert_smallest(tmp_path):
         assert {"ours_over_occ_at_largest", "ours_growth_per_4x", "peak_rss_ours_over_occ"} <= set(shape["targets"])
 
 
+def test_bench_passes_prints_growth_per_pass():
+    proc = run([sys.executable, str(SCRIPTS / "bench_passes.py"), "--sizes", "300,1200", "--repeat", "1"],
+               timeout=120)
+    lines = proc.stdout.strip().splitlines()
+    assert lines[0].split(" | ")[-1] == "growth per 4x"
+    rows = [line.split(" | ") for line in lines[1:]]
+    assert any(row[0].startswith("onnx infer_shapes") for row in rows) and len(rows) == 5
+    for row in rows:
+        assert float(row[-1].rstrip("x")) > 0
+
+
+def test_bench_passes_refuses_one_size():
+    proc = subprocess.run([sys.executable, str(SCRIPTS / "bench_passes.py"), "--sizes", "20k"], cwd=ROOT,
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2 and "two or more increasing sizes" in proc.stderr
+
+
 def test_bench_models_two_models(tmp_path):
     out = tmp_path / "models.json"
     run([sys.executable, str(SCRIPTS / "bench_models.py"), "--only", "mlp,cnn_bn", "--json", str(out)], timeout=60)
