@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
-from typing import Iterable, Sequence
+from typing import AbstractSet, Iterable, Iterator, Sequence
 
 import numpy as np
 import onnx
@@ -188,6 +188,17 @@ class _Rewriter:
             start += len(nodes.names)
         return cut
 
+    def _reads(self, names: AbstractSet[str]) -> Iterator[tuple[str, bool]]:
+        """Each read of a tensor in ``names``, graph after graph and in node and input order:
+        (the tensor, whether that input is read in low precision)."""
+        for nodes, masks in zip(self.nodes, self.masks()):
+            for inputs, mask in zip(nodes.inputs, masks):
+                if names.isdisjoint(inputs):  # most nodes read none of them
+                    continue
+                for i, t in enumerate(inputs):
+                    if t in names:
+                        yield t, bool(mask >> i & 1)
+
     # -- tensor state --------------------------------------------------------------------------
     def dtype(self, name: str):
         if name in self.edits.dtypes:
@@ -299,13 +310,8 @@ class _Rewriter:
         inputs = self.graph.scopes[0].inputs
         candidates = set(inputs)
         all_low: dict[str, bool] = {}  # input -> every reader so far reads low (absent: no reader)
-        for nodes, masks in zip(self.nodes, self.masks()):
-            for node_inputs, mask in zip(nodes.inputs, masks):
-                if candidates.isdisjoint(node_inputs):
-                    continue
-                for i, t in enumerate(node_inputs):
-                    if t in candidates:
-                        all_low[t] = all_low.get(t, True) and bool(mask >> i & 1)
+        for t, low in self._reads(candidates):
+            all_low[t] = all_low.get(t, True) and low
         for name in inputs:
             if self.dtype(name) != FLOAT or name in self.view.pinned:
                 continue
@@ -319,16 +325,11 @@ class _Rewriter:
         the order of their first low reads."""
         constants = self.constants
         low_read: dict[str, None] = {}
-        for nodes, masks in zip(self.nodes, self.masks()):
-            for inputs, mask in zip(nodes.inputs, masks):
-                if constants.isdisjoint(inputs):
-                    continue
-                for i, t in enumerate(inputs):
-                    if t in constants:
-                        if mask >> i & 1:
-                            low_read[t] = None
-                        else:
-                            self.fp32_read.add(t)
+        for t, low in self._reads(constants):
+            if low:
+                low_read[t] = None
+            else:
+                self.fp32_read.add(t)
         tensors = self.graph.tensors
         converted = [t for t in low_read if t not in self.fp32_read and t not in self.master
                      and t not in self.fixed and tensors[t].dtype == FLOAT]
