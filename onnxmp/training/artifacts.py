@@ -39,7 +39,8 @@ from onnxmp.precision import FLOAT32
 from onnxmp.precision import PRECISIONS as LOW_PRECISIONS
 from onnxmp.training import _ort
 from onnxmp.training.labels import output_shape
-from onnxmp.training.prepare import describe, deterministic_gather_grads, prepare_for_gradient, promote_constants
+from onnxmp.training.prepare import (describe, deterministic_gather_grads, prepare_for_gradient, promote_constants,
+                                     unprove_symbolic_dims)
 
 log = logging.getLogger("onnxmp.training.artifacts")
 
@@ -275,6 +276,12 @@ def _gradient_graph(forward: onnx.ModelProto, loss_block, label_name: str, requi
             graph.node.append(helper.make_node("Mul", [LOSS, LOSS_SCALE], [LOSS_SCALED], name="onnxmp/loss_scale"))
             # The first output is where backpropagation starts: the scaled loss.
             return LOSS_SCALED, LOSS
+
+        def infer_shapes_on_base(self):
+            # onnxblock's shape inference is what ORT's gradient builder reads shapes from.
+            model = super().infer_shapes_on_base()
+            unprove_symbolic_dims(model.graph)
+            return model
 
     block = LossScaledTraining()
     for name in requires_grad:
@@ -587,3 +594,4 @@ def _ort_version() -> str:
     import onnxruntime
 
     return onnxruntime.__version__
+

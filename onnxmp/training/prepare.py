@@ -16,11 +16,17 @@ inference model the user exported is never changed):
   variadic ``Sum`` and ``Mean``;
 * ``Where`` whose trainable ``X`` or ``Y`` input is broadcast (torch's dynamo
   exporter stores an attention mask's ``0`` and ``float32.min`` fill as 0-d
-  initializers): ORT's Where gradient keeps the output's shape instead of
+  initializers), and ``Pow`` whose trainable base is broadcast against its
+  exponent: ORT's gradients of these two keep the output's shape instead of
   summing back to the input's, and ``InPlaceAccumulatorV2`` then writes that
-  full-size gradient into the parameter's one-element buffer (heap corruption:
-  a wrong Reshape error, a segfault, or silently wrong weights).  Such an input
-  is first ``Expand``-ed to the output's shape, whose gradient ORT reduces.
+  full-size gradient into the parameter's buffer (heap corruption: a wrong
+  Reshape error, a segfault, or silently wrong weights), or a Slice's gradient
+  silently takes a wrong part of it.  Such an input is first ``Expand``-ed to
+  the output's shape, whose gradient ORT reduces.
+
+Separately, :func:`unprove_symbolic_dims` runs on the shape-inferred model ORT's
+gradient builder reads, so that the ops which do sum back (Add, Sub, Mul, Div,
+Expand...) do so wherever a broadcast is hidden behind symbolic dims.
 
 Ops left without a gradient (:data:`NO_GRADIENT`) on a path from a trainable
 parameter to the loss raise :class:`OnnxMPError` naming the op and node, and
@@ -323,23 +329,38 @@ def _variadic(node, b, types):
     return b.nodes, "decomposed into a chain of Add" + (" and a Div" if node.op_type == "Mean" else "")
 
 
-def _where(node, b, types):
-    cond, out = node.input[0], node.output[0]
-    out_shape = _static_shape(types.get(out))
-    broadcast = [i for i in (1, 2) if node.input[i] in b.trainable
+def _expand_broadcast(node, b, types, slots: tuple[int, ...]):
+    """Expand the trainable inputs at ``slots`` that broadcast to the output's shape.
+
+    For ops whose ORT 1.19 gradient returns the output's shape for every input
+    instead of summing back over the broadcast axes (see :data:`_REWRITES`).
+    Expand's own gradient does sum back, so each such input is first expanded
+    by the shapes of the node's other inputs: to the output's shape, without
+    computing the node twice.  Shape inputs carry no gradient.
+    """
+    out_shape = _static_shape(types.get(node.output[0]))
+    broadcast = [i for i in slots if i < len(node.input) and node.input[i] in b.trainable
                  and (out_shape is None or _static_shape(types.get(node.input[i])) != out_shape)]
     if not broadcast:
         return None
     new = onnx.NodeProto()
     new.CopyFrom(node)
     for i in broadcast:
-        # Expand to the shapes of the condition and the other branch: the output's shape,
-        # without computing the Where twice.  Shape inputs carry no gradient.
-        other = node.input[3 - i]
-        wide = b.op("Expand", [node.input[i], b.op("Shape", [cond])])
-        new.input[i] = b.op("Expand", [wide, b.op("Shape", [other])])
+        wide = node.input[i]
+        for j, other in enumerate(node.input):
+            if j != i and other:
+                wide = b.op("Expand", [wide, b.op("Shape", [other])])
+        new.input[i] = wide
     b.nodes.append(new)
-    return b.nodes, "expanded a broadcast trainable branch to the output's shape, so its gradient is summed back"
+    return b.nodes, "expanded a broadcast trainable input to the output's shape, so its gradient is summed back"
+
+
+def _where(node, b, types):
+    return _expand_broadcast(node, b, types, (1, 2))
+
+
+def _pow(node, b, types):
+    return _expand_broadcast(node, b, types, (0,))  # ORT computes no gradient for the exponent
 
 
 def _static_shape(tp: onnx.TypeProto | None) -> tuple | None:
@@ -370,7 +391,9 @@ _REWRITES: dict[str, Callable] = {
     "LayerNormalization": _layer_norm, "Dropout": _dropout, "Transpose": _transpose, "Gelu": _gelu,
     "Softplus": _softplus, "Mish": _mish, "Softsign": _softsign, "Elu": _elu, "Celu": _celu, "Selu": _selu,
     "HardSigmoid": _hard_sigmoid, "HardSwish": _hard_swish, "PRelu": _prelu, "Sum": _variadic,
-    "Mean": _variadic, "Where": _where,
+    "Mean": _variadic,
+    # ORT 1.19's Where and Pow gradients keep the output's shape for a broadcast input.
+    "Where": _where, "Pow": _pow,
 }
 
 
@@ -492,6 +515,38 @@ def describe(preparations: list[Preparation]) -> list[dict[str, str | int]]:
     """One summary row per op type: what was done and to how many nodes (for the manifest)."""
     rows: dict[tuple[str, str], int] = Counter((p.op_type, p.action) for p in preparations)
     return [{"op_type": op, "action": action, "nodes": n} for (op, action), n in sorted(rows.items())]
+
+
+def unprove_symbolic_dims(graph: onnx.GraphProto) -> int:
+    """Clear the symbolic dims of intermediate tensors that no graph input or output declares.
+
+    ORT 1.19's gradient builders for broadcasting ops (Add, Sub, Mul, Div, Pow,
+    Where, Expand, ...) choose the axes to sum a gradient back over from the
+    static shapes (``ComputeBroadcastBackwardAxes``), and two *different*
+    symbolic dims at one position count as equal: no sum.  onnx's shape
+    inference names every dim it cannot work out with a fresh ``unk__N``, so
+    ``[1, S]`` position ids sliced from a buffer become ``[unk__0, unk__1]``, and
+    their embedding added to ``[batch, sequence, H]`` word embeddings gets the
+    whole ``[batch, sequence, H]`` gradient instead of its sum over the batch
+    (a Reshape error downstream at best, a silently wrong embedding gradient at
+    worst).  A dim with no value and no name makes ORT build the gradient from
+    the runtime shapes instead (``BroadcastGradientArgs``), which is right for
+    every broadcast.  Names the graph's inputs and outputs declare are the
+    user's facts and stay, as do dim values.  Returns the number of dims cleared.
+    """
+    declared = {d.dim_param for v in (*graph.input, *graph.output) if v.type.HasField("tensor_type")
+                for d in v.type.tensor_type.shape.dim if d.dim_param}
+    cleared = 0
+    for value in graph.value_info:
+        if not value.type.HasField("tensor_type"):
+            continue
+        for dim in value.type.tensor_type.shape.dim:
+            if dim.dim_param and dim.dim_param not in declared:
+                dim.ClearField("dim_param")
+                cleared += 1
+    if cleared:
+        log.debug("%d intermediate symbolic dim(s) left to onnxruntime's runtime shapes", cleared)
+    return cleared
 
 
 # --- after the gradient graph ------------------------------------------------------------

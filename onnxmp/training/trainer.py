@@ -299,6 +299,16 @@ class Trainer:
         """Copies of the current float32 parameters (trainable and frozen), by name."""
         return {name: np.array(param.data, copy=True) for name, param in self._state.parameters}
 
+    def gradients(self) -> dict[str, np.ndarray]:
+        """Copies of the trainable parameters' accumulated gradients, by name.
+
+        After :meth:`train_step` they hold the unscaled gradient of the micro-batches
+        accumulated so far, weighted ``1/grad_accum_steps`` each; onnxruntime resets
+        them lazily, at the next :meth:`train_step` after an effective batch.
+        """
+        return {name: np.array(param.grad, copy=True) for name, param in self._state.parameters
+                if param.requires_grad and param.grad is not None}
+
     @property
     def learning_rate(self) -> float:
         return self._optimizer.get_learning_rate()

@@ -356,3 +356,204 @@ def test_dynamo_style_scalar_initializers_all_train_in_float16(tmp_path):
     assert {p: g.shape for p, g in grads.items()} == {p: shapes[p] for p in requires}
     step = Trainer(artifacts).train_step(*feeds.values())
     assert np.isfinite(step.loss)
+
+
+# --- gradients summed back over broadcasts ORT cannot see -------------------------------------
+# ``buf`` holds positions 0..7 as a [1, 8] buffer, as BERT's position_ids; slicing it to the input's
+# length gives a [1, S] tensor that onnx's shape inference calls [unk__0, unk__1].  Whatever reads
+# it broadcasts over the batch, and ORT 1.19's gradient builders take two different symbolic dims
+# for equal, so without unprove_symbolic_dims the gradient was never summed over the batch.
+_SLICED = """
+  shape = Shape(x)
+  one = Constant<value=int64[1] {1}>()
+  two = Constant<value=int64[1] {2}>()
+  zero = Constant<value=int64[1] {0}>()
+  s = Slice(shape, one, two)
+"""
+BROADCASTS = {  # op -> (body, numpy forward of x, h = x @ W [N,S,4] and b [1,S,4])
+    "Add": ("y = Add(h, b)", lambda x, h, b: h + b),
+    "Sub": ("y = Sub(b, h)", lambda x, h, b: b - h),
+    "Mul": ("y = Mul(h, b)", lambda x, h, b: h * b),
+    "Div": ("y = Div(h, b)", lambda x, h, b: h / b),
+    # ORT differentiates the base only; the exponent is what b broadcasts against.
+    "Pow": ("a = Abs(x)\n p = Pow(b, a)\n y = Add(p, h)", lambda x, h, b: b ** np.abs(x) + h),
+    "Where": ("c = Greater(h, b)\n y = Where(c, h, b)", lambda x, h, b: np.where(h > b, h, b)),
+    "Expand": ("hs = Shape(h)\n e = Expand(b, hs)\n y = Mul(e, h)", lambda x, h, b: h * b),
+    "Max": ("y = Max(h, b)", lambda x, h, b: np.maximum(h, b)),
+    "Min": ("y = Min(b, h)", lambda x, h, b: np.minimum(h, b)),
+}
+
+
+def _broadcast_model(body: str, dims: str) -> onnx.ModelProto:
+    model = onnx.parser.parse_model(f"""<ir_version: 8, opset_import: ["" : 17]>
+g (float[{dims},4] x) => (float[{dims},4] y) {{
+  h = MatMul(x, W)
+{_SLICED}
+  b = Slice(B, zero, s, one)
+  {body}
+}}""")
+    rng = np.random.default_rng(0)
+    model.graph.initializer.extend([numpy_helper.from_array(rng.normal(size=(4, 4)).astype(np.float32), "W"),
+                                    numpy_helper.from_array((1.5 + 0.3 * rng.normal(size=(1, 8, 4))).astype(
+                                        np.float32), "B")])
+    return model
+
+
+def _numeric_gradient(loss, value: np.ndarray, step: float = 1e-6) -> np.ndarray:
+    grad = np.zeros_like(value)
+    for i in np.ndindex(value.shape):
+        plus, minus = value.copy(), value.copy()
+        plus[i] += step
+        minus[i] -= step
+        grad[i] = (loss(plus) - loss(minus)) / (2 * step)
+    return grad
+
+
+def _one_step_gradients(model, names, arrays, tmp_path, **kwargs):
+    from onnxmp.training import DynamicLossScaler, Trainer
+
+    artifacts = build_artifacts(model, requires_grad=names, loss="mse", optimizer="sgd", out_dir=tmp_path / "a",
+                                **{"precision": "float32", **kwargs})
+    trainer = Trainer(artifacts, lr=0.0, scaler=DynamicLossScaler.static(1.0))
+    trainer.train_step(*arrays)
+    return trainer.gradients(), trainer.parameters()
+
+
+@pytest.mark.parametrize("dims", ["N,S", "3,5"], ids=["symbolic", "static"])
+@pytest.mark.parametrize("op", sorted(BROADCASTS))
+def test_gradient_through_a_hidden_broadcast_is_summed_back(op, dims, tmp_path):
+    body, forward = BROADCASTS[op]
+    model = _broadcast_model(body, dims)
+    x = np.random.default_rng(1).normal(size=(3, 5, 4)).astype(np.float32)
+    target = np.zeros((3, 5, 4), np.float32)
+    grads, params = _one_step_gradients(model, ["W", "B"], (x, target), tmp_path)
+    w, bias = params["W"].astype(np.float64), params["B"].astype(np.float64)
+
+    def loss(b_full):
+        return np.mean((forward(x.astype(np.float64), x.astype(np.float64) @ w, b_full[:, :5]) - target) ** 2)
+
+    assert grads["B"].shape == (1, 8, 4)
+    np.testing.assert_allclose(grads["B"], _numeric_gradient(loss, bias), rtol=1e-3, atol=1e-6)
+
+
+POSITION_EMBEDDING = f"""<ir_version: 8, opset_import: ["" : 17]>
+g (int64[N,S] x) => (float[N,S,4] y) {{
+  e = Gather(E, x)
+{_SLICED}
+  pos = Slice(buf, zero, s, one)
+  p = Gather(P, pos)
+  h = Add(e, p)
+  y = MatMul(h, W)
+}}"""
+
+
+def _position_embedding_model() -> onnx.ModelProto:
+    model = onnx.parser.parse_model(POSITION_EMBEDDING)
+    rng = np.random.default_rng(0)
+    model.graph.initializer.extend([
+        numpy_helper.from_array(rng.normal(size=(6, 4)).astype(np.float32), "E"),
+        numpy_helper.from_array(rng.normal(size=(8, 4)).astype(np.float32), "P"),
+        numpy_helper.from_array(rng.normal(size=(4, 4)).astype(np.float32), "W"),
+        numpy_helper.from_array(np.arange(8, dtype=np.int64)[None], "buf")])
+    return model
+
+
+def _position_embedding_reference(params, ids):
+    e, p, w = (params[k].astype(np.float64) for k in ("E", "P", "W"))
+    seq = ids.shape[1]
+    dy = 2 * ((e[ids] + p[None, :seq]) @ w) / (ids.size * 4)
+    dh = dy @ w.T
+    expected = {"P": np.zeros_like(p), "E": np.zeros_like(e)}
+    expected["P"][:seq] = dh.sum(axis=0)
+    np.add.at(expected["E"], ids.ravel(), dh.reshape(-1, 4))
+    return expected
+
+
+@pytest.mark.parametrize("target", ["cpu", "cuda"])  # cuda: ORT's own GatherGrad, built for the GPU
+@pytest.mark.parametrize("batch", [1, 3])
+def test_broadcast_position_embedding_gradient(batch, target, tmp_path):
+    # The most common BERT export: position embeddings of a [1, S] index buffer added to [N, S, H].
+    from onnxmp.training import DynamicLossScaler, Trainer
+
+    model = _position_embedding_model()
+    ids = np.random.default_rng(1).integers(0, 6, (batch, 5))
+    artifacts = build_artifacts(model, requires_grad=["E", "P", "W"], loss="mse", optimizer="sgd",
+                                precision="float32", target=target, out_dir=tmp_path / "a")
+    gather_grads = sum(n.op_type == "GatherGrad" for n in onnx.load(artifacts.training_model).graph.node)
+    assert gather_grads == (2 if target == "cuda" else 0)
+    if target == "cuda":
+        return  # ORT's CUDA GatherGrad runs on a GPU only; its CPU twin is checked below
+    trainer = Trainer(artifacts, lr=0.0, scaler=DynamicLossScaler.static(1.0))
+    trainer.train_step(ids, np.zeros((batch, 5, 4), np.float32))
+    expected = _position_embedding_reference(trainer.parameters(), ids)
+    for name in ("E", "P"):
+        np.testing.assert_allclose(trainer.gradients()[name], expected[name], rtol=1e-5, atol=1e-7)
+
+
+def test_without_unproving_dims_the_broadcast_gradient_fails(tmp_path, monkeypatch):
+    # The failure the rule prevents, kept visible: ORT's builder skips the sum over the batch.
+    import onnxmp.training.artifacts as artifacts
+    from onnxmp.training import Trainer
+
+    monkeypatch.setattr(artifacts, "unprove_symbolic_dims", lambda graph: 0)
+    built = build_artifacts(_position_embedding_model(), requires_grad=["E", "P", "W"], loss="mse",
+                            precision="float32", out_dir=tmp_path / "a")
+    with pytest.raises(OnnxMPError, match="Reshape|shape"):
+        Trainer(built).train_step(np.zeros((3, 5), np.int64), np.zeros((3, 5, 4), np.float32))
+
+
+def test_unprove_symbolic_dims_keeps_declared_names_and_values():
+    from onnxmp.training.prepare import unprove_symbolic_dims
+
+    inferred = onnx.shape_inference.infer_shapes(_position_embedding_model())
+    dims = {v.name: [d.dim_param or d.dim_value for d in v.type.tensor_type.shape.dim]
+            for v in inferred.graph.value_info}
+    assert dims["e"] == ["N", "S", 4] and all(str(d).startswith("unk__") for d in dims["pos"])
+    assert unprove_symbolic_dims(inferred.graph) > 0
+    after = {v.name: [d.dim_param or d.dim_value for d in v.type.tensor_type.shape.dim]
+             for v in inferred.graph.value_info}
+    assert after["e"] == ["N", "S", 4]  # the user's names stay
+    assert after["pos"] == [0, 0] and after["p"] == [0, 0, 4]  # invented names go, values stay
+    # Nothing to clear: every dim is a value or a name the graph declares.
+    assert unprove_symbolic_dims(inferred.graph) == 0
+    static = onnx.shape_inference.infer_shapes(_model("y = MatMul(h, V)"))
+    assert unprove_symbolic_dims(static.graph) == 0
+
+
+GATHER_GRAD_CASES = {  # name -> (data shape, indices, axis)
+    "rows, repeated": ((6, 4), np.array([[0, 2, 2], [5, 0, 2]]), 0),
+    "rows, one index": ((6, 4), np.array(3), 0),
+    "rows, 1-d": ((6, 4), np.array([1, 1, 1, 4]), 0),
+    "axis 1": ((3, 6, 2), np.array([[0, 5], [5, 5]]), 1),
+    "last axis": ((2, 3, 5), np.array([4, 0, 4]), 2),
+}
+
+
+@pytest.mark.parametrize("case", sorted(GATHER_GRAD_CASES))
+def test_deterministic_gather_grad_equals_orts_gather_grad(case):
+    from onnxmp.training.prepare import deterministic_gather_grads
+
+    shape, indices, axis = GATHER_GRAD_CASES[case]
+    dy_shape = shape[:axis] + indices.shape + shape[axis + 1:]
+    graph = helper.make_graph(
+        [helper.make_node("Shape", ["data"], ["shape"]),
+         helper.make_node("GatherGrad", ["shape", "indices", "dy"], ["dx"], domain="com.microsoft", axis=axis,
+                          name="gather_grad")],
+        "g", [helper.make_tensor_value_info("data", onnx.TensorProto.FLOAT, list(shape)),
+              helper.make_tensor_value_info("indices", onnx.TensorProto.INT64, list(indices.shape)),
+              helper.make_tensor_value_info("dy", onnx.TensorProto.FLOAT, list(dy_shape))],
+        [helper.make_tensor_value_info("dx", onnx.TensorProto.FLOAT, list(shape))])
+    theirs = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid(
+        "com.microsoft", 1)], ir_version=8)
+    ours = onnx.ModelProto()
+    ours.CopyFrom(theirs)
+    assert deterministic_gather_grads(ours) == 1
+    assert "GatherGrad" not in {n.op_type for n in ours.graph.node}
+    rng = np.random.default_rng(0)
+    feeds = {"data": np.zeros(shape, np.float32), "indices": indices,
+             "dy": rng.normal(size=dy_shape).astype(np.float32)}
+    want = ort.InferenceSession(theirs.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, feeds)[0]
+    got = ort.InferenceSession(ours.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, feeds)[0]
+    np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
+    again = ort.InferenceSession(ours.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, feeds)[0]
+    np.testing.assert_array_equal(got, again)
