@@ -51,6 +51,24 @@ from onnxmp.load import load
 
 log = logging.getLogger("onnxmp.emulate")
 
+
+def session_options():
+    """onnxruntime SessionOptions for running an emulated model on the CPU EP.
+
+    ORT's extended fusions (level 2) take a ``Cast`` from a low-precision type
+    in front of a decomposed LayerNorm into the fused ``LayerNormalization``, as
+    they would on a GPU; the CPU EP has no bfloat16 kernel for it and refuses the
+    model, and elsewhere such a fusion would compute past the rounding the
+    emulation exists for.  The basic level keeps constant folding and the
+    eliminations of redundant nodes, and leaves the emulated graph's arithmetic
+    as written.
+    """
+    import onnxruntime as ort
+
+    options = ort.SessionOptions()
+    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_BASIC
+    return options
+
 _DEFAULT_DOMAINS = ("", "ai.onnx")
 
 # Default-domain ops whose low-precision outputs only copy or select input

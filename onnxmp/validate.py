@@ -53,6 +53,7 @@ import numpy as np
 import onnx
 
 from onnxmp.emulate import as_model, emulate, low_precision_types
+from onnxmp.emulate import session_options as emulation_session_options
 from onnxmp.errors import OnnxMPError, first_line
 from onnxmp.inputs import Sample, as_samples, check_inputs, drop_extra_inputs, generate_inputs
 from onnxmp.metrics import as_output_array
@@ -285,7 +286,9 @@ def _session(model: onnx.ModelProto, provider: str, role: str, stack: contextlib
         raise OnnxMPError(f"this onnxruntime build has no {ep}",
                           "install onnxruntime-gpu (onnxmp[gpu]), or use --provider cpu to emulate "
                           "low precision")
-    options = ort.SessionOptions()
+    # On the CPU the candidate is emulated; the reference runs the same way, so that
+    # neither side's numbers depend on which fusions ORT picks.
+    options = emulation_session_options() if provider == "cpu" else ort.SessionOptions()
     options.log_severity_level = 3
     source: str | bytes
     if model.ByteSize() > _PROTOBUF_LIMIT:

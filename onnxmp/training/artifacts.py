@@ -39,8 +39,8 @@ from onnxmp.precision import FLOAT32
 from onnxmp.precision import PRECISIONS as LOW_PRECISIONS
 from onnxmp.training import _ort
 from onnxmp.training.labels import output_shape
-from onnxmp.training.prepare import (describe, deterministic_gather_grads, prepare_for_gradient, promote_constants,
-                                     unprove_symbolic_dims)
+from onnxmp.training.prepare import (describe, deterministic_gather_grads, float32_cpu_grad_kernels,
+                                     prepare_for_gradient, promote_constants, unprove_symbolic_dims)
 
 log = logging.getLogger("onnxmp.training.artifacts")
 
@@ -194,6 +194,7 @@ def build_artifacts(
                                                        requires_grad, frozen)
     add_loss_scaling(training)
     if target == "cpu":
+        float32_cpu_grad_kernels(training)
         deterministic_gather_grads(training)
     _make_eval_outputs(evaluation, train_forward)
     opset = _default_opset(forward)

@@ -67,7 +67,9 @@ NO_GRADIENT = frozenset({
 # Float input slots ORT 1.19 computes no gradient for (each confirmed: a parameter read only
 # there makes ORT fail with "failed to find NodeArg by name: <param>_grad").
 NOT_DIFFERENTIATED = {"Clip": {1: "min", 2: "max"}, "Pow": {1: "exponent"}, "Pad": {2: "constant_value"},
-                      "Dropout": {1: "ratio"}, "Resize": {1: "roi", 2: "scales"}}
+                      "Dropout": {1: "ratio"}, "Resize": {1: "roi", 2: "scales"},
+                      # the running statistics of an inference-mode BatchNormalization
+                      "BatchNormalization": {3: "input_mean", 4: "input_var"}}
 
 _FLOATS = {TensorProto.FLOAT, TensorProto.FLOAT16, TensorProto.BFLOAT16, TensorProto.DOUBLE}
 
@@ -346,7 +348,7 @@ def _expand_broadcast(node, b, types, slots: tuple[int, ...]):
     new = onnx.NodeProto()
     new.CopyFrom(node)
     for i in broadcast:
-        wide = node.input[i]
+        wide = _runtime_shaped(b, node.input[i], i)  # the Expands sum back by runtime shapes too
         for j, other in enumerate(node.input):
             if j != i and other:
                 wide = b.op("Expand", [wide, b.op("Shape", [other])])
@@ -361,6 +363,52 @@ def _where(node, b, types):
 
 def _pow(node, b, types):
     return _expand_broadcast(node, b, types, (0,))  # ORT computes no gradient for the exponent
+
+
+# Prefix of the tensors whose dims ORT's gradient builder must not read (unprove_symbolic_dims).
+RUNTIME_SHAPE = "onnxmp_runtime_shape/"
+
+
+def _hidden_broadcast(x: tuple | None, y: tuple | None) -> bool:
+    """Whether ORT 1.19 could get the broadcast of shapes ``x`` and ``y`` wrong statically.
+
+    ``ComputeBroadcastBackwardAxes`` takes two different symbolic dims for equal
+    and a symbolic dim against a value other than 1 for that value: no sum back,
+    though either may be 1 at run time.  Two values, or a 1 on either side (the
+    1 is summed over), it gets right.
+    """
+    if x is None or y is None:
+        return True
+    return any(p != q and 1 not in (p, q) and not (isinstance(p, int) and isinstance(q, int))
+               for p, q in zip(reversed(x), reversed(y)))
+
+
+def _runtime_shaped(b: _Builder, x: str, slot: int) -> str:
+    """``x`` through ``Reshape(x, Shape(x))``: an identity, named for :func:`unprove_symbolic_dims`."""
+    return b.op("Reshape", [x, b.op("Shape", [x])], output=b.names(f"{RUNTIME_SHAPE}{b.scope}/{slot}"))
+
+
+def _runtime_broadcast(node, b, types):
+    """Hand ORT a broadcasting node whose shapes hide a broadcast with shapes it cannot read.
+
+    Each trainable input is read through ``Reshape(x, Shape(x))``, an identity
+    whose output :func:`unprove_symbolic_dims` leaves without dims: the gradient
+    builder then sums back over the axes the shapes have at run time
+    (``BroadcastGradientArgs``) for this node alone.  Other consumers keep the
+    static shapes (ORT's MatMul gradient, for one, goes wrong on the runtime
+    path: batch-size dependent gradients on wav2vec2).
+    """
+    shapes = [_static_shape(types.get(i)) if i else () for i in node.input]
+    slots = [i for i, name in enumerate(node.input) if name in b.trainable]
+    if not slots or not any(_hidden_broadcast(shapes[i], shapes[j])
+                            for i in slots for j in range(len(node.input)) if j != i and node.input[j]):
+        return None
+    new = onnx.NodeProto()
+    new.CopyFrom(node)
+    for i in slots:
+        new.input[i] = _runtime_shaped(b, node.input[i], i)
+    b.nodes.append(new)
+    return b.nodes, "read its inputs with runtime shapes, so a broadcast symbolic dims hide is summed back"
 
 
 def _static_shape(tp: onnx.TypeProto | None) -> tuple | None:
@@ -394,6 +442,8 @@ _REWRITES: dict[str, Callable] = {
     "Mean": _variadic,
     # ORT 1.19's Where and Pow gradients keep the output's shape for a broadcast input.
     "Where": _where, "Pow": _pow,
+    # ORT sums these back over broadcast axes, but decides which from static shapes.
+    **dict.fromkeys(("Add", "Sub", "Mul", "Div", "Max", "Min", "Expand"), _runtime_broadcast),
 }
 
 
@@ -518,38 +568,84 @@ def describe(preparations: list[Preparation]) -> list[dict[str, str | int]]:
 
 
 def unprove_symbolic_dims(graph: onnx.GraphProto) -> int:
-    """Clear the symbolic dims of intermediate tensors that no graph input or output declares.
+    """Clear the dims of the tensors :func:`_runtime_broadcast` made, in the shape-inferred model.
 
-    ORT 1.19's gradient builders for broadcasting ops (Add, Sub, Mul, Div, Pow,
-    Where, Expand, ...) choose the axes to sum a gradient back over from the
-    static shapes (``ComputeBroadcastBackwardAxes``), and two *different*
-    symbolic dims at one position count as equal: no sum.  onnx's shape
-    inference names every dim it cannot work out with a fresh ``unk__N``, so
-    ``[1, S]`` position ids sliced from a buffer become ``[unk__0, unk__1]``, and
-    their embedding added to ``[batch, sequence, H]`` word embeddings gets the
-    whole ``[batch, sequence, H]`` gradient instead of its sum over the batch
-    (a Reshape error downstream at best, a silently wrong embedding gradient at
-    worst).  A dim with no value and no name makes ORT build the gradient from
-    the runtime shapes instead (``BroadcastGradientArgs``), which is right for
-    every broadcast.  Names the graph's inputs and outputs declare are the
-    user's facts and stay, as do dim values.  Returns the number of dims cleared.
+    ORT 1.19's gradient builders for broadcasting ops (Add, Sub, Mul, Div,
+    Expand, ...) choose the axes to sum a gradient back over from the static
+    shapes (``ComputeBroadcastBackwardAxes``), and two *different* symbolic dims
+    at one position count as equal: no sum.  onnx's shape inference names every
+    dim it cannot work out with a fresh ``unk__N``, so ``[1, S]`` position ids
+    sliced from a buffer become ``[unk__0, unk__1]``, and their embedding added
+    to ``[batch, sequence, H]`` word embeddings gets the whole gradient instead
+    of its sum over the batch (a Reshape error downstream at best, a silently
+    wrong embedding gradient at worst).  A tensor with dims of no value and no
+    name makes ORT build that node's gradient from the runtime shapes instead
+    (``BroadcastGradientArgs``), which is right for every broadcast.  Returns
+    the number of dims cleared.
     """
-    declared = {d.dim_param for v in (*graph.input, *graph.output) if v.type.HasField("tensor_type")
-                for d in v.type.tensor_type.shape.dim if d.dim_param}
     cleared = 0
     for value in graph.value_info:
-        if not value.type.HasField("tensor_type"):
-            continue
-        for dim in value.type.tensor_type.shape.dim:
-            if dim.dim_param and dim.dim_param not in declared:
-                dim.ClearField("dim_param")
-                cleared += 1
+        if value.name.startswith(RUNTIME_SHAPE) and value.type.HasField("tensor_type"):
+            for dim in value.type.tensor_type.shape.dim:
+                if dim.HasField("dim_param") or dim.HasField("dim_value"):
+                    dim.Clear()
+                    cleared += 1
     if cleared:
-        log.debug("%d intermediate symbolic dim(s) left to onnxruntime's runtime shapes", cleared)
+        log.debug("%d dim(s) left to onnxruntime's runtime shapes", cleared)
     return cleared
 
-
 # --- after the gradient graph ------------------------------------------------------------
+
+# ORT 1.19's CPU gradient kernels that take float and double only: op -> index of the gradient input.
+_CPU_FLOAT_ONLY_GRADS = {"SliceGrad": 0, "GatherGrad": 2}
+_LOW = (TensorProto.FLOAT16, TensorProto.BFLOAT16)
+
+
+def float32_cpu_grad_kernels(training: onnx.ModelProto) -> int:
+    """Run low-precision ``SliceGrad`` and ``GatherGrad`` nodes (com.microsoft) in float32.
+
+    The emulated forward graph holds only float32 arithmetic, but the compute
+    optimizer of ORT's training build hoists a Slice or Gather above the
+    emulation's rounding ``Cast``, so the Slice then reads the float16 (or
+    bfloat16) tensor and its gradient is built in that type, which the CPU
+    kernels refuse ("Type for T or Tind not supported yet in SliceGrad").
+    Both kernels only move and add gradient values, so casting the gradient in
+    to float32 and the result back gives what a low-precision kernel would.
+    Returns how many nodes were wrapped.
+    """
+    graph = training.graph
+    types = {v.name: v.type.tensor_type.elem_type for v in (*graph.value_info, *graph.input, *graph.output)
+             if v.type.HasField("tensor_type")}
+    names = FreshNames(proto_names(graph))
+    nodes: list[onnx.NodeProto] = []
+    wrapped = 0
+    for node in graph.node:
+        slot = _CPU_FLOAT_ONLY_GRADS.get(node.op_type) if node.domain == "com.microsoft" else None
+        low = types.get(node.input[slot]) if slot is not None and len(node.input) > slot else None
+        if low not in _LOW:
+            nodes.append(node)
+            continue
+        scope = node.name or node.output[0]
+        new = onnx.NodeProto()
+        new.CopyFrom(node)
+        wide = names(f"{scope}/float32_input")
+        nodes.append(helper.make_node("Cast", [node.input[slot]], [wide], name=names(f"{scope}/Cast_in"),
+                                      to=TensorProto.FLOAT))
+        new.input[slot] = wide
+        new.output[0] = names(f"{scope}/float32_output")
+        nodes.append(new)
+        nodes.append(helper.make_node("Cast", [new.output[0]], [node.output[0]], name=names(f"{scope}/Cast_out"),
+                                      to=low))
+        for value in graph.value_info:  # ORT's type for the renamed output no longer holds
+            if value.name == node.output[0]:
+                value.type.tensor_type.elem_type = low
+        wrapped += 1
+    if wrapped:
+        graph.ClearField("node")
+        graph.node.extend(nodes)
+        log.info("%d low-precision gradient node(s) run in float32 (no CPU kernel for their type)", wrapped)
+    return wrapped
+
 
 _SCATTER_REDUCTION_OPSET = 16
 

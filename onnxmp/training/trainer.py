@@ -129,7 +129,7 @@ class Trainer:
             self._state = api.CheckpointState.load_checkpoint(str(self.artifacts.checkpoint))
             self._module = api.Module(str(self.artifacts.training_model), self._state,
                                       str(self.artifacts.eval_model), device=self.device,
-                                      session_options=_session_options())
+                                      session_options=_session_options(self.artifacts))
             self._optimizer = self._make_optimizer(api)
         except OnnxMPError:
             raise
@@ -490,10 +490,16 @@ def _check_device(device: str, artifacts: Artifacts) -> str:
     return device
 
 
-def _session_options():
-    import onnxruntime
+def _session_options(artifacts: Artifacts):
+    from onnxmp.emulate import session_options as emulation_options
 
-    options = onnxruntime.SessionOptions()
+    emulated = artifacts.target == "cpu" and artifacts.precision != "float32"
+    if emulated:
+        options = emulation_options()
+    else:
+        import onnxruntime
+
+        options = onnxruntime.SessionOptions()
     # Deterministic kernels where ORT has a choice (CUDA); on the CPU the nondeterministic
     # gradient kernels (GatherGrad, InplaceClipGradNorm) are kept out of the graphs instead.
     options.use_deterministic_compute = True

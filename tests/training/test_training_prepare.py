@@ -502,22 +502,26 @@ def test_without_unproving_dims_the_broadcast_gradient_fails(tmp_path, monkeypat
         Trainer(built).train_step(np.zeros((3, 5), np.int64), np.zeros((3, 5, 4), np.float32))
 
 
-def test_unprove_symbolic_dims_keeps_declared_names_and_values():
-    from onnxmp.training.prepare import unprove_symbolic_dims
+def test_only_a_hidden_broadcast_is_left_to_runtime_shapes():
+    from onnxmp.training.prepare import RUNTIME_SHAPE, unprove_symbolic_dims
 
-    inferred = onnx.shape_inference.infer_shapes(_position_embedding_model())
+    # [N, S, 4] + [unk, unk, 4]: ORT would take unk for N and never sum over the batch.
+    prepared, done = prepare_for_gradient(_position_embedding_model(), ["E", "P", "W"])
+    assert [p.op_type for p in done] == ["Add"]
+    inferred = onnx.shape_inference.infer_shapes(prepared)
+    marked = [v for v in inferred.graph.value_info if v.name.startswith(RUNTIME_SHAPE)]
+    assert len(marked) == 2 and unprove_symbolic_dims(inferred.graph) > 0
+    assert all(not (d.dim_param or d.dim_value) for v in marked for d in v.type.tensor_type.shape.dim)
     dims = {v.name: [d.dim_param or d.dim_value for d in v.type.tensor_type.shape.dim]
             for v in inferred.graph.value_info}
-    assert dims["e"] == ["N", "S", 4] and all(str(d).startswith("unk__") for d in dims["pos"])
-    assert unprove_symbolic_dims(inferred.graph) > 0
-    after = {v.name: [d.dim_param or d.dim_value for d in v.type.tensor_type.shape.dim]
-             for v in inferred.graph.value_info}
-    assert after["e"] == ["N", "S", 4]  # the user's names stay
-    assert after["pos"] == [0, 0] and after["p"] == [0, 0, 4]  # invented names go, values stay
-    # Nothing to clear: every dim is a value or a name the graph declares.
-    assert unprove_symbolic_dims(inferred.graph) == 0
-    static = onnx.shape_inference.infer_shapes(_model("y = MatMul(h, V)"))
-    assert unprove_symbolic_dims(static.graph) == 0
+    assert dims["e"] == ["N", "S", 4]  # everything else keeps its dims
+    # Not fired: equal names, static shapes, a 1 against a name, no trainable input.
+    for body, dims in (("y = Add(h, h)", "N,S"), ("y = Add(h, h)", "3,5")):
+        model = _broadcast_model(body, dims)
+        assert prepare_for_gradient(model, ["W"])[1] == []
+    one = _model("c = Constant<value=float[1,4] {1,2,3,4}>()\n y = Add(h, c)")
+    assert prepare_for_gradient(one, ["W"])[1] == []
+    assert prepare_for_gradient(_position_embedding_model(), ["W"])[1] == []
 
 
 GATHER_GRAD_CASES = {  # name -> (data shape, indices, axis)
