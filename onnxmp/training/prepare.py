@@ -213,6 +213,31 @@ def _layer_norm(node, b, types):
     return _add_outputs(node, b, 3, ["Y", "Mean", "InvStdDev"])
 
 
+def _batch_norm(node, b, types):
+    # ORT trains BatchNormalization on batch statistics (BatchNormInternal, training_mode=1) and
+    # never writes the running ones back: an eval-mode export would be fine-tuned as another
+    # function than the one it computes, and deployed with statistics that do not match its
+    # weights.  Written out with the running statistics as constants, it trains as exported.
+    if _attr(node, "training_mode", 0) or any(node.output[1:]):
+        return None
+    tp = types.get(node.input[0])
+    if tp is None or not tp.tensor_type.HasField("shape") or len(tp.tensor_type.shape.dim) < 2:
+        log.warning("BatchNormalization %r: rank of its input unknown, so onnxruntime trains it on batch "
+                    "statistics", node.name)
+        return None
+    rank = len(tp.tensor_type.shape.dim)
+    x, scale, bias, mean, var = node.input[:5]
+    per_channel = b.names(f"{b.scope}/per_channel")
+    b.nodes.append(helper.make_node("Constant", [], [per_channel], name=b.names(f"{b.scope}/Constant"),
+                                    value=numpy_helper.from_array(np.array([-1] + [1] * (rank - 2), np.int64),
+                                                                  per_channel)))
+    inv = b.op("Div", [scale, b.op("Sqrt", [b.op("Add", [var, b.const(_attr(node, "epsilon", 1e-5))])])])
+    shift = b.op("Sub", [bias, b.op("Mul", [mean, inv])])
+    b.op("Add", [b.op("Mul", [x, b.op("Reshape", [inv, per_channel])]), b.op("Reshape", [shift, per_channel])],
+         node.output[0])
+    return b.nodes, "written out with its running statistics, which an eval-mode export trains with"
+
+
 def _dropout(node, b, types):
     return _add_outputs(node, b, 2, ["output", "mask"])
 
@@ -436,7 +461,7 @@ def _downstream(graph: onnx.GraphProto, sources: Iterable[str]) -> frozenset[str
 
 
 _REWRITES: dict[str, Callable] = {
-    "LayerNormalization": _layer_norm, "Dropout": _dropout, "Transpose": _transpose, "Gelu": _gelu,
+    "LayerNormalization": _layer_norm, "Dropout": _dropout, "BatchNormalization": _batch_norm, "Transpose": _transpose, "Gelu": _gelu,
     "Softplus": _softplus, "Mish": _mish, "Softsign": _softsign, "Elu": _elu, "Celu": _celu, "Selu": _selu,
     "HardSigmoid": _hard_sigmoid, "HardSwish": _hard_swish, "PRelu": _prelu, "Sum": _variadic,
     "Mean": _variadic,
@@ -491,11 +516,17 @@ def without_gradient(model: onnx.ModelProto, names: Iterable[str]) -> dict[str, 
     torch's dynamo exporter store constants (a clamp's minimum, a mask fill) as
     initializers, and ORT computes no gradient for them.
     """
+    statistics = {n.input[i]: f"it is BatchNormalization {n.name!r}'s running {what}"
+                  for n in model.graph.node if n.op_type == "BatchNormalization" and n.domain in ("", "ai.onnx")
+                  for i, what in ((3, "mean"), (4, "variance")) if len(n.input) > i}
     # The checks of prepare_for_gradient have nothing to check with no trainable parameter.
     model, _ = _rewritten(model, [])
     paths = _GradientPaths(model, infer_tensor_types(model))
     result = {}
     for name in names:
+        if name in statistics:
+            result[name] = statistics[name]
+            continue
         if name not in paths.needed:
             result[name] = f"the output {paths.target!r} does not use it"
             continue

@@ -35,6 +35,10 @@ REWRITTEN = {
     "LayerNormalization": (f"g1 = Constant<value=float[4] {ONES}>()\n b1 = Constant<value=float[4] {ZEROS}>()\n"
                            " y = LayerNormalization<axis=-1>(h, g1, b1)", 17),
     "Dropout": ("r = Constant<value=float {0.1}>()\n y = Dropout(h, r)", 17),
+    "BatchNormalization": (f"g1 = Constant<value=float[4] {{1,2,3,4}}>()\n b1 = Constant<value=float[4] {ONES}>()\n"
+                           " mu = Constant<value=float[4] {0.5,0,-1,2}>()\n"
+                           " var = Constant<value=float[4] {4,0.25,1,9}>()\n"
+                           " y = BatchNormalization<epsilon=0.01>(h, g1, b1, mu, var)", 17),
     "Transpose": ("t = Transpose(h)\n y = Transpose(t)", 17),
     "Gelu": ("y = Gelu(h)", 20),
     "Gelu_tanh": ('y = Gelu<approximate="tanh">(h)', 20),
@@ -561,3 +565,27 @@ def test_deterministic_gather_grad_equals_orts_gather_grad(case):
     np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
     again = ort.InferenceSession(ours.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, feeds)[0]
     np.testing.assert_array_equal(got, again)
+
+
+def test_batch_norm_running_statistics_are_not_trained(tmp_path):
+    # Eval-mode BatchNormalization trains with its running statistics (ORT would switch it to
+    # batch statistics and never write them back); the statistics themselves are no parameters.
+    from onnxmp.training.prepare import without_gradient
+
+    model = _model("y = BatchNormalization(h, S, B, M, Q)")
+    rng = np.random.default_rng(3)
+    for name, value in (("S", rng.normal(size=4)), ("B", rng.normal(size=4)), ("M", rng.normal(size=4)),
+                        ("Q", rng.uniform(0.5, 2, 4))):
+        model.graph.initializer.append(numpy_helper.from_array(value.astype(np.float32), name))
+    assert set(without_gradient(model, ["W", "S", "B", "M", "Q"])) == {"M", "Q"}
+    assert "running mean" in without_gradient(model, ["M"])["M"]
+    grads, params = _one_step_gradients(model, ["W", "S", "B"], (np.ones((2, 4), np.float32),
+                                                                 np.zeros((2, 4), np.float32)), tmp_path,
+                                        frozen=["M", "Q"])
+    x = np.ones((2, 4))
+    mean, var = (numpy_helper.to_array(t) for t in model.graph.initializer if t.name in ("M", "Q"))
+    h = x @ params["W"].astype(np.float64)
+    norm = (h - mean) / np.sqrt(var + 1e-5)
+    y = norm * params["S"] + params["B"]
+    np.testing.assert_allclose(grads["B"], (2 * y / y.size).sum(0), rtol=1e-4)
+    np.testing.assert_allclose(grads["S"], (2 * y / y.size * norm).sum(0), rtol=1e-4)
