@@ -205,5 +205,8 @@ def abort_on_error(comm: Communicator | None, report=None) -> Iterator[None]:
             else:
                 log.error("rank %d of %d failed: %s", comm.rank, comm.size, exc)
         finally:
-            comm.abort(int(code) if isinstance(code, int) and code else 1)
-        raise
+            code = int(code) if isinstance(code, int) and code else 1
+            comm.abort(code)
+            # MPICH's MPI_Abort can return to a caller that is handling an exception (seen with
+            # mpi4py 4.1 and MPICH 5.0); the job is ending, so leave without Python's traceback.
+            os._exit(code)
