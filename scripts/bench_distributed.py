@@ -84,7 +84,8 @@ def _launch(ranks: int, k: int, args, out: Path) -> dict:
     env = {k: v for k, v in os.environ.items() if k not in ("PMI_RANK", "PMI_SIZE", "PMI_FD")}
     # The ranks import the onnxmp this script imported, installed or not.
     env["PYTHONPATH"] = os.pathsep.join([str(Path(onnxmp.__file__).parents[1]), env.get("PYTHONPATH", "")])
-    done = subprocess.run(command, capture_output=True, text=True, env=env, timeout=args.timeout)
+    done = subprocess.run(command, capture_output=True, text=True, env=env, timeout=args.timeout,
+                          stdin=subprocess.DEVNULL)
     if done.returncode:
         raise SystemExit(f"bench_distributed.py: error: a run on {ranks} rank(s) failed: "
                          f"{(done.stderr.strip().splitlines() or ['?'])[-1]}")

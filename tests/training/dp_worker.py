@@ -60,7 +60,8 @@ def run(config: dict, comm, folder: Path) -> dict[str, np.ndarray]:
     else:
         model = mlp(SIZES, seed=config.get("seed_on_rank_1", 0) if rank == 1 else 0)
         artifacts = build_artifacts(model, requires_grad=trainable(model), out_dir=folder / f"artifacts{rank}",
-                                    precision=config["precision"], target="cpu")
+                                    precision=config["precision"], target="cpu",
+                                    optimizer=config.get("optimizer", "adamw"))
         trainer = Trainer(artifacts, grad_accum_steps=k, communicator=comm, scaler=scaler(),
                           clip_global_norm=config.get("clip"),
                           lr_schedule=None if not config.get("schedule") else lambda step: 1e-2 / (1 + step))

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -51,8 +52,17 @@ def _launch(ranks: int, *args: str, timeout: float = TIMEOUT) -> subprocess.Comp
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
     for name in ("PMI_RANK", "PMI_SIZE", "PMI_FD", "OMPI_COMM_WORLD_SIZE"):  # not nested in another job
         env.pop(name, None)
-    return subprocess.run([_mpiexec(), "-n", str(ranks), sys.executable, *args], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=timeout)
+    # A session of its own: on a timeout the launcher and every rank it started go, not only mpiexec.
+    process = subprocess.Popen([_mpiexec(), "-n", str(ranks), sys.executable, *args], cwd=ROOT, env=env,
+                               stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                               start_new_session=True)
+    try:
+        stdout, stderr = process.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)
+        stdout, stderr = process.communicate()
+        pytest.fail(f"{ranks} ranks still ran after {timeout} s (a hang): {stderr[-2000:]}")
+    return subprocess.CompletedProcess(process.args, process.returncode, stdout, stderr)
 
 
 def _run_ranks(tmp_path: Path, ranks: int, configs: list[dict]) -> list[list[dict]]:
@@ -151,14 +161,17 @@ def test_a_world_of_one_trains_as_alone(tmp_path, fp16_artifacts, batches):
 @needs_mpi
 def test_two_ranks_equal_one_process_accumulating_two(tmp_path):
     """Bit for bit: fp32; emulated fp16 with a batch of rank 1 that overflows (both ranks
-    skip, same scale history); fp32 with clipping (on the reduced gradients) and an lr schedule."""
+    skip, same scale history), with AdamW and SGD; fp32 with clipping (on the reduced gradients)
+    and an lr schedule; emulated bfloat16."""
     # 13 batches: the last effective batch (one micro-batch) leaves rank 1 padding.
     # Batch 3 (rank 1's in the 2nd effective batch of epoch 0's order) overflows in float16.
     order = np.random.default_rng([0, 0]).permutation(13)
     poison = int(order[3])
     configs = [dict(precision="float32", k=1, batches=13, epochs=2),
                dict(precision="float16", k=1, batches=13, epochs=2, poison=poison),
-               dict(precision="float32", k=1, batches=13, epochs=2, clip=0.05, schedule=True)]
+               dict(precision="float32", k=1, batches=13, epochs=2, clip=0.05, schedule=True),
+               dict(precision="float16", k=1, batches=13, epochs=2, poison=poison, optimizer="sgd"),
+               dict(precision="bfloat16", k=1, batches=13, epochs=2)]
     results = _run_ranks(tmp_path, 2, configs)
     for config, (rank0, rank1) in zip(configs, results):
         _assert_identical(rank0, rank1)  # the ranks agree on everything
