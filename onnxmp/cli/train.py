@@ -80,7 +80,7 @@ def _train(args) -> int:
     from onnxmp.training.distributed import abort_on_error, from_environment
 
     comm = from_environment(args.distributed)
-    if comm is None:
+    if comm is None or comm.size == 1:
         return _train_on(args, None)
     from onnxmp.cli import report_exception
 

@@ -293,3 +293,19 @@ def test_a_killed_rank_ends_the_job_and_leaves_no_output(cli_files):
     done = _launch(2, str(WORKER), "cli", "kill", "--", *_cli_args(cli_files, cli_files / "out"), timeout=60)
     assert done.returncode != 0
     assert not (cli_files / "out").exists()  # rank 0's folder is renamed into place only at the end
+
+
+@needs_mpi
+def test_cli_resumes_a_two_rank_run_alone_exactly(cli_files):
+    from onnxmp.cli import main
+
+    done = _launch(2, str(WORKER), "cli", "none", "--", *_cli_args(cli_files, cli_files / "two"))
+    assert done.returncode == 0, done.stderr[-3000:]
+    args = _cli_args(cli_files, cli_files / "part")
+    part = _launch(2, str(WORKER), "cli", "none", "--", *[("1" if a == "2" and args[i - 1] == "--epochs" else a)
+                                                          for i, a in enumerate(args)])
+    assert part.returncode == 0, part.stderr[-3000:]
+    # Alone, the effective batch of 2 ranks x 1 becomes 2 micro-batches per update.
+    assert main(["train", *_cli_args(cli_files, cli_files / "part", "--resume", str(cli_files / "part"))]) == 0
+    for name in ("model.onnx", "model.float16.onnx"):
+        assert (cli_files / "two" / name).read_bytes() == (cli_files / "part" / name).read_bytes(), name
