@@ -107,7 +107,7 @@ def load_script(name: str):
 
 @pytest.mark.parametrize("name, argv", [
     ("bench_calibrate", []), ("bench_convert", []), ("bench_models", []), ("bench_training", []),
-    ("fuzz_convert", []), ("gpu_check", []), ("validate_inference", ["--out", "{tmp}"]),
+    ("bench_distributed", []), ("fuzz_convert", []), ("gpu_check", []), ("validate_inference", ["--out", "{tmp}"]),
     ("validate_training", []), ("check_real_export", ["{tmp}"]),
 ])
 def test_scripts_refuse_an_unwritable_json_before_any_work_in_one_line(tmp_path, capsys, monkeypatch, name, argv):

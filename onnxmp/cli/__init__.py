@@ -164,17 +164,29 @@ def main(argv: list[str] | None = None) -> int:
         sys.stderr.write(f"{prog}: interrupted\n")
         return 130
     except Exception as exc:  # the boundary: a user sees one line, -v the traceback
-        if verbose:
-            traceback.print_exc()
-        if isinstance(exc, OnnxMPError):
-            report_error(prog, exc.message, exc.hint)
-            return EXIT_USAGE if isinstance(exc, UsageError) else EXIT_ERROR
-        if isinstance(exc, OSError):
-            report_error(prog, _os_error_line(exc), "check the path and its permissions")
-        else:
-            report_error(prog, f"{type(exc).__name__}: {exc}",
-                   None if verbose else "run again with -v for the traceback, and please report it")
-        return EXIT_ERROR
+        return report_exception(prog, exc, verbose)
+
+
+def report_exception(prog: str, exc: BaseException, verbose: bool) -> int:
+    """Report ``exc`` in the contract's format; returns the exit status it calls for.
+
+    ``main`` calls it at the boundary; a data-parallel rank calls it before it
+    aborts the job (the other ranks would wait for it forever otherwise).
+    """
+    if isinstance(exc, KeyboardInterrupt):
+        sys.stderr.write(f"{prog}: interrupted\n")
+        return 130
+    if verbose:
+        traceback.print_exception(exc)
+    if isinstance(exc, OnnxMPError):
+        report_error(prog, exc.message, exc.hint)
+        return EXIT_USAGE if isinstance(exc, UsageError) else EXIT_ERROR
+    if isinstance(exc, OSError):
+        report_error(prog, _os_error_line(exc), "check the path and its permissions")
+    else:
+        report_error(prog, f"{type(exc).__name__}: {exc}",
+                     None if verbose else "run again with -v for the traceback, and please report it")
+    return EXIT_ERROR
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -13,13 +13,20 @@ The data is checked (keys, rows, dtypes, labels against the loss) before
 anything is written; ``DIR`` is built as a temporary folder beside it and
 renamed into place when the run succeeds, so a failed run leaves nothing (and
 an earlier ``DIR`` stays as it was).
+
+Under ``mpiexec -n W`` the run is data-parallel (docs/distributed.md):
+``--batch-size`` and ``--grad-accum-steps`` are per rank, every rank reads the
+data (and ``--resume``), rank 0 alone writes ``DIR`` and prints, and an error
+on any rank ends the job.
 """
 from __future__ import annotations
 
 import json
 import logging
+import contextlib
 import math
 import sys
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -60,6 +67,9 @@ def register(sub) -> None:
     p.add_argument("--grad-accum-steps", type=at_least(1), default=1, metavar="K")
     p.add_argument("--clip-global-norm", type=positive_float, default=None, metavar="C")
     p.add_argument("--seed", type=at_least(0), default=0, help="shuffling seed (default 0)")
+    p.add_argument("--distributed", choices=["auto", "mpi", "none"], default="auto",
+                   help="data-parallel backend: auto (MPI when launched by mpiexec with more than one rank), "
+                        "mpi, or none (train alone)")
     p.add_argument("--no-progress", dest="progress", action="store_false",
                    help="no progress bar (there is none when stderr is not a terminal either)")
     add_verbosity_flags(p)
@@ -67,10 +77,28 @@ def register(sub) -> None:
 
 
 def _train(args) -> int:
+    from onnxmp.training.distributed import abort_on_error, from_environment
+
+    comm = from_environment(args.distributed)
+    if comm is None or comm.size == 1:
+        return _train_on(args, None)
+    from onnxmp.cli import report_exception
+
+    if comm.rank:  # rank 0 speaks for the job; the others only report their warnings and errors
+        logging.getLogger("onnxmp").setLevel(max(logging.WARNING, logging.getLogger().level))
+    prog = f"onnxmp train (rank {comm.rank} of {comm.size})"
+    with abort_on_error(comm, lambda exc: report_exception(prog, exc, args.verbose > 0)):
+        code = _train_on(args, comm)
+        comm.barrier()  # the job ends when rank 0 has written DIR
+    return code
+
+
+def _train_on(args, comm) -> int:
     from onnxmp.files import atomic_directory, guard_outputs
     from onnxmp.training import Trainer, build_artifacts
     from onnxmp.training.artifacts import check_replaceable
 
+    root = comm is None or comm.is_root
     out = Path(args.out)
     resume = _state_folder(Path(args.resume)) if args.resume else None
     inputs = {"model": None if resume else args.model, "--data": args.data, "--eval": args.eval_data}
@@ -78,11 +106,12 @@ def _train(args) -> int:
     # one is complete, and the state is read before that.
     if resume is not None and not resume.resolve().is_relative_to(out.resolve()):
         inputs["--resume"] = resume
-    guard_outputs({"--out": out}, inputs, folders=["--out"])
-    check_replaceable(out, marker="history.json", what="train output folder")
+    if root:  # only rank 0 writes; on another host --out's folder need not exist
+        guard_outputs({"--out": out}, inputs, folders=["--out"])
+        check_replaceable(out, marker="history.json", what="train output folder")
 
     if resume is not None:
-        trainer = Trainer.resume(resume, device=args.device)
+        trainer = Trainer.resume(resume, device=args.device, communicator=comm)
         log.info("resumed at epoch %d (%d updates); the model file argument is not used", trainer.epoch,
                  trainer.optimizer_steps)
         spec = _DataSpec.of_manifest(trainer.artifacts.manifest)
@@ -95,7 +124,10 @@ def _train(args) -> int:
     train = _read_arrays(args.data, args.inputs, args.labels, spec)
     evaluation = _read_arrays(args.eval_data, args.inputs, args.labels, spec) if args.eval_data else None
 
-    with atomic_directory(out) as folder:
+    # The other ranks build their own artifacts (the same graphs; rank 0's weights are broadcast)
+    # in a private folder, which goes when they are done.
+    workspace = atomic_directory(out) if root else _private_folder(f"onnxmp-rank{comm.rank}-")
+    with workspace as folder:
         if resume is None:
             from onnxmp.training.models import trainable
 
@@ -111,8 +143,13 @@ def _train(args) -> int:
                                         frozen=[*args.frozen, *constant], loss=args.loss, optimizer=args.optimizer,
                                         precision=args.precision, target=args.device, out_dir=folder / "artifacts")
             trainer = Trainer(artifacts, device=args.device, lr=args.lr, grad_accum_steps=args.grad_accum_steps,
-                              clip_global_norm=args.clip_global_norm)
+                              clip_global_norm=args.clip_global_norm, communicator=comm)
         summaries, exported = _fit_and_export(trainer, train, evaluation, args, folder)
+    if not root:
+        return 0
+    if comm is not None:
+        sys.stdout.write(f"data-parallel on {comm.size} ranks: {trainer.grad_accum_steps} micro-batch(es) of "
+                         f"{args.batch_size} rows per rank per update\n")
     _print_table(summaries)
     sys.stdout.write(f"skipped steps: {trainer.skipped_steps}, updates: {trainer.optimizer_steps}, "
                      f"final loss scale: {trainer.scaler.scale:g}\n")
@@ -122,32 +159,52 @@ def _train(args) -> int:
     return 0
 
 
+@contextlib.contextmanager
+def _private_folder(prefix: str):
+    with tempfile.TemporaryDirectory(prefix=prefix) as folder:
+        yield Path(folder)
+
+
 def _fit_and_export(trainer, train, evaluation, args, folder: Path) -> tuple[list[dict], list[str]]:
     from onnxmp.files import write_text_atomic
+    from onnxmp.training.distributed import contiguous_shard, shard
 
     manifest = trainer.artifacts.manifest
     metrics = _METRICS.get(manifest["loss"], [])
     rows = len(train[0])
 
+    comm = trainer.comm
+    root = comm is None or comm.is_root
+
     def epoch_batches(epoch: int):
-        # Seeded by the epoch, so a resumed run sees the same order.
+        # Seeded by the epoch, so a resumed run sees the same order.  Every rank builds the same
+        # global list and runs its shard of it.
         order = np.random.default_rng([args.seed, epoch]).permutation(rows)
-        return [tuple(a[order[i:i + args.batch_size]] for a in train) for i in range(0, rows, args.batch_size)]
+        batches = [order[i:i + args.batch_size] for i in range(0, rows, args.batch_size)]
+        if comm is not None:
+            batches = shard(batches, comm.rank, comm.size, trainer.grad_accum_steps)
+        return [None if rows_ is None else tuple(a[rows_] for a in train) for rows_ in batches]
 
     eval_batches = None
     if evaluation is not None:
         n = len(evaluation[0])
         eval_batches = [tuple(a[i:i + args.batch_size] for a in evaluation) for i in range(0, n, args.batch_size)]
+        if comm is not None:
+            eval_batches = contiguous_shard(eval_batches, comm.rank, comm.size)
 
     # As convert's bars: none in a log file or a pipe, where it is only noise.
     progress = args.progress and sys.stderr.isatty()
     history = trainer.fit(epoch_batches, args.epochs, eval_batches, metrics, progress=progress,
                           on_epoch_end=lambda t, _: t.save(folder / "state"))
-    if not (folder / "state").exists():  # nothing left to train: keep the state resumable
+    if not history.epochs:  # nothing left to train: keep the state resumable
         trainer.save(folder / "state")
-    write_text_atomic(folder / "history.json", json.dumps({
-        "epochs": history.epochs, "skipped_steps": trainer.skipped_steps,
-        "optimizer_steps": trainer.optimizer_steps, "loss_scale": trainer.scaler.scale}, indent=2) + "\n")
+    if not root:
+        return history.epochs, []
+    summary = {"epochs": history.epochs, "skipped_steps": trainer.skipped_steps,
+               "optimizer_steps": trainer.optimizer_steps, "loss_scale": trainer.scaler.scale}
+    if comm is not None:
+        summary.update(world_size=comm.size, grad_accum_steps_per_rank=trainer.grad_accum_steps)
+    write_text_atomic(folder / "history.json", json.dumps(summary, indent=2) + "\n")
     exported = ["model.onnx"]
     trainer.export_inference(folder / "model.onnx", precision="float32")
     if manifest["precision"] != "float32":

@@ -11,6 +11,12 @@ effective batch (the AND of the micro-steps' ``all_finite``):
   count stay exactly as they were; the loss scale backs off.
 
 Either way ``lazy_reset_grad()`` clears the accumulation buffers.
+
+With a ``communicator`` (data-parallel, :mod:`onnxmp.training.distributed`)
+the decision is the same on every rank: the finite flag is all-reduced with
+MIN, and a finite effective batch's gradients are all-reduced (summed) and
+written back into ORT's buffers before ``optimizer.step()``, so the clipping
+in the optimizer graph sees the reduced gradients.
 """
 from __future__ import annotations
 
@@ -21,6 +27,7 @@ import os
 import re
 import shutil
 import tempfile
+import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterable, Mapping, Sequence
@@ -43,6 +50,7 @@ from onnxmp.training.artifacts import (
     build_optimizer_model,
     check_replaceable,
 )
+from onnxmp.training.distributed import Communicator
 from onnxmp.training.labels import check_labels
 from onnxmp.training.scaler import DynamicLossScaler
 
@@ -108,11 +116,25 @@ class Trainer:
     ``lr_schedule(step)`` sets it before each applied update, ``step`` counting
     applied updates.  ``clip_global_norm`` clips the unscaled gradients of each
     effective batch by their global L2 norm.
+
+    ``communicator`` (a :class:`~onnxmp.training.distributed.Communicator` of
+    ``W`` ranks) trains data-parallel: each rank runs ``grad_accum_steps``
+    micro-batches of its shard per effective batch, and the run equals one
+    process with ``grad_accum_steps * W``.  Parameters are broadcast from rank 0
+    here; every rank must then make the same calls (``fit``, ``flush``, ``save``,
+    ``evaluate``) with the same number of micro-batches (``None`` pads a shard,
+    see :func:`~onnxmp.training.distributed.shard`).  Wrap the calls in
+    :func:`~onnxmp.training.distributed.abort_on_error` so that an error on one
+    rank ends the job instead of leaving the others waiting.
     """
 
     def __init__(self, artifacts: Artifacts | str | os.PathLike, *, device: str = "cpu",
                  scaler: DynamicLossScaler | None = None, grad_accum_steps: int = 1, lr: float | None = 1e-3,
-                 lr_schedule: Callable[[int], float] | None = None, clip_global_norm: float | None = None):
+                 lr_schedule: Callable[[int], float] | None = None, clip_global_norm: float | None = None,
+                 communicator: Communicator | None = None):
+        self.comm = communicator if communicator is not None and communicator.size > 1 else None
+        self.world_size = 1 if self.comm is None else self.comm.size
+        self.rank = 0 if self.comm is None else self.comm.rank
         self.artifacts = artifacts if isinstance(artifacts, Artifacts) else Artifacts.load(artifacts)
         if int(grad_accum_steps) != grad_accum_steps or grad_accum_steps < 1:
             raise OnnxMPError(f"grad_accum_steps must be a positive integer, got {grad_accum_steps}")
@@ -129,7 +151,7 @@ class Trainer:
             self._state = api.CheckpointState.load_checkpoint(str(self.artifacts.checkpoint))
             self._module = api.Module(str(self.artifacts.training_model), self._state,
                                       str(self.artifacts.eval_model), device=self.device,
-                                      session_options=_session_options(self.artifacts))
+                                      session_options=_session_options(self.artifacts, self._threads()))
             self._optimizer = self._make_optimizer(api)
         except OnnxMPError:
             raise
@@ -153,6 +175,43 @@ class Trainer:
         self.epoch = 0  # completed fit() epochs
         self._pending = 0  # micro-batches accumulated towards the current effective batch
         self._pending_finite = True
+        # Data-parallel: this rank's losses of the current effective batch (None for padding),
+        # whether it ran a micro-batch since the last reset, and the last batch's losses, all ranks'.
+        self._pending_losses: list[float | None] = []
+        self._ran_since_reset = False
+        self.last_batch_losses: list[float] = []
+        self.communication_seconds = 0.0  # time spent in collectives (the benchmark's share)
+        if self.comm is not None:
+            self._broadcast_parameters()
+
+    def _threads(self) -> int:
+        # Ranks on one host share its cores; ORT's default (all cores per process) oversubscribes them.
+        if self.comm is None:
+            return 0
+        return max(1, (os.cpu_count() or 1) // max(1, self.comm.local_size))
+
+    def _broadcast_parameters(self) -> None:
+        """Rank 0's parameters to every rank, one flat buffer per dtype."""
+        params = sorted(self._state.parameters, key=lambda item: item[0])
+        by_dtype: dict[np.dtype, list] = {}
+        for name, param in params:
+            data = param.data
+            by_dtype.setdefault(data.dtype, []).append((param, data))
+        for dtype, group in sorted(by_dtype.items(), key=lambda item: str(item[0])):
+            flat = np.concatenate([data.ravel() for _, data in group]) if group else np.zeros(0, dtype)
+            self._collective(self.comm.broadcast, np.ascontiguousarray(flat))
+            if not self.comm.is_root:
+                offset = 0
+                for param, data in group:
+                    param.data = flat[offset:offset + data.size].reshape(data.shape)
+                    offset += data.size
+
+    def _collective(self, call, *args):
+        start = time.perf_counter()
+        try:
+            return call(*args)
+        finally:
+            self.communication_seconds += time.perf_counter() - start
 
     def _make_optimizer(self, api):
         # SGDOptimizerV2's schema infers a scalar flag where onnxblock declares [1]; ORT
@@ -177,22 +236,44 @@ class Trainer:
         scale = self.scaler.scale
         feeds = self._feeds(arrays)
         feeds[LOSS_SCALE] = np.array(scale, dtype=np.float32)
-        feeds[GRAD_WEIGHT] = np.array(1.0 / self.grad_accum_steps, dtype=np.float32)
+        # Each micro-batch of the effective batch (all ranks') weighs the same, as in one process.
+        feeds[GRAD_WEIGHT] = np.array(1.0 / (self.grad_accum_steps * self.world_size), dtype=np.float32)
         outputs = self._run(self._train_inputs, feeds)
         named = dict(zip(self._train_outputs, outputs))
         finite = bool(named[ALL_FINITE])
-        self.micro_steps += 1
+        loss = float(named[LOSS])
+        if self.comm is None:
+            self.micro_steps += 1
+        self._ran_since_reset = True
+        return self._count_micro_step(loss, finite, scale)
+
+    def pad_step(self) -> StepResult:
+        """A micro-step with no batch: it counts towards the effective batch and adds no gradient.
+
+        Data-parallel ranks pad a short last group with it, so that all run the same
+        number of micro-steps (:func:`~onnxmp.training.distributed.shard` marks them ``None``).
+        """
+        return self._count_micro_step(None, True, self.scaler.scale)
+
+    def _count_micro_step(self, loss: float | None, finite: bool, scale: float) -> StepResult:
         self._pending += 1
         self._pending_finite &= finite
+        self._pending_losses.append(loss)
         stepped = skipped = False
         if self._pending == self.grad_accum_steps:
-            stepped = self._finish_effective_batch()
+            stepped = bool(self._finish_effective_batch())
             skipped = not stepped
-        return StepResult(loss=float(named[LOSS]), all_finite=finite, stepped=stepped, loss_scale=scale,
-                          skipped=skipped)
+        return StepResult(loss=math.nan if loss is None else loss, all_finite=finite, stepped=stepped,
+                          loss_scale=scale, skipped=skipped)
 
-    def _finish_effective_batch(self) -> bool:
-        apply = self.scaler.update(self._pending_finite)
+    def _finish_effective_batch(self) -> bool | None:
+        """Decide on the effective batch; ``None`` when no rank has anything pending."""
+        finite = self._pending_finite
+        if self.comm is not None:
+            finite = self._reduce_effective_batch()
+            if finite is None:
+                return None
+        apply = self.scaler.update(finite)
         if apply:
             if self.lr_schedule is not None:
                 self._optimizer.set_learning_rate(float(self.lr_schedule(self.optimizer_steps)))
@@ -204,12 +285,71 @@ class Trainer:
         self._module.lazy_reset_grad()
         self._pending = 0
         self._pending_finite = True
+        self._pending_losses = []
+        self._ran_since_reset = False
         return apply
 
-    def flush(self) -> StepResult | None:
-        """Decide on a partly accumulated effective batch now (its gradients weigh ``m/k``)."""
-        if not self._pending:
+    def _reduce_effective_batch(self) -> bool | None:
+        """The collectives of one effective batch; returns the all-reduced finite flag.
+
+        First a MIN over ``[finite, buffers exist, pending, -pending]``: every rank
+        learns the same decision and that all ran as many micro-steps (a mismatch is
+        reported on every rank alike rather than hanging in the next collective).  Then
+        one SUM over this rank's gradients (if finite) followed by each micro-batch's
+        loss and presence in its rank's slots, zeros elsewhere (so the sum is exact).
+        """
+        grads = [self._state.parameters[name]._parameter.grad for name in self.artifacts.manifest["requires_grad"]]
+        ready = all(g.has_value() for g in grads)
+        meta = np.array([self._pending_finite, ready, self._pending, -self._pending], dtype=np.float64)
+        self._collective(self.comm.allreduce_min, meta)
+        low, high = int(meta[2]), int(-meta[3])
+        if low != high:
+            raise OnnxMPError(f"the ranks ran different numbers of micro-batches in one effective batch "
+                              f"({low} to {high})", "give every rank the same number of batches per epoch: "
+                              "onnxmp.training.distributed.shard pads the last group with None")
+        if high == 0:
             return None
+        finite = bool(meta[0])
+        if finite and not meta[1]:
+            raise OnnxMPError("a rank reached its first update without having run a micro-batch",
+                              "the data has fewer micro-batches than ranks: use fewer ranks or a smaller batch size")
+        slots = self.grad_accum_steps * self.world_size
+        sizes = [int(np.prod(g.shape())) for g in grads] if finite else []
+        total = sum(sizes)
+        buffer = np.zeros(total + 2 * slots, dtype=np.float32)
+        if finite and self._ran_since_reset:  # a rank that only padded adds zeros, not stale buffers
+            offset = 0
+            for g, size in zip(grads, sizes):
+                buffer[offset:offset + size] = g.numpy().ravel()
+                offset += size
+        first = total + self.rank * self.grad_accum_steps
+        for i, loss in enumerate(self._pending_losses):
+            if loss is not None:
+                buffer[first + i] = loss
+                buffer[first + slots + i] = 1.0
+        self._collective(self.comm.allreduce_sum, buffer)
+        if finite:
+            offset = 0
+            for g, size in zip(grads, sizes):
+                g.update_inplace(buffer[offset:offset + size].reshape(g.shape()))
+                offset += size
+        losses, present = buffer[total:total + slots], buffer[total + slots:]
+        self.last_batch_losses = [float(x) for x, p in zip(losses, present) if p]
+        self.micro_steps += len(self.last_batch_losses)
+        return finite
+
+    def flush(self) -> StepResult | None:
+        """Decide on a partly accumulated effective batch now (its gradients weigh ``m/k``).
+
+        Data-parallel, every rank must call it, pending or not."""
+        if not self._pending and self.comm is None:
+            return None
+        if self.comm is not None:
+            stepped = self._finish_effective_batch()
+            if stepped is None:
+                return None
+            return StepResult(loss=math.nan, all_finite=stepped, stepped=stepped, loss_scale=self.scaler.scale,
+                              skipped=not stepped)
         finite = self._pending_finite
         stepped = self._finish_effective_batch()
         return StepResult(loss=math.nan, all_finite=finite, stepped=stepped, loss_scale=self.scaler.scale,
@@ -228,6 +368,11 @@ class Trainer:
         and a resumed run sees the same data).  A partial effective batch left
         at an epoch's end is applied then.  ``on_epoch_end(trainer, summary)``
         runs after each epoch (to save, for example).
+
+        Data-parallel, each rank passes its own shard (``None`` entries pad it) and
+        its own eval shard; the history and summaries hold every rank's losses in the
+        global order, as one process would record them, and only rank 0 shows a
+        progress bar and logs.
         """
         from tqdm.auto import tqdm
 
@@ -236,21 +381,40 @@ class Trainer:
         for epoch in range(self.epoch, epochs):
             batches = train_batches(epoch) if callable(train_batches) else train_batches
             total = len(batches) if hasattr(batches, "__len__") else None
-            bar = tqdm(batches, total=total, desc=f"epoch {epoch + 1}/{epochs}", disable=not progress,
-                       dynamic_ncols=True)
+            bar = tqdm(batches, total=total, desc=f"epoch {epoch + 1}/{epochs}",
+                       disable=not progress or self.rank != 0, dynamic_ncols=True)
             loss_sum, loss_count, skipped_before = 0.0, 0, self.skipped_steps
-            for batch in bar:
-                result = self.train_step(*batch)
-                history.step_loss.append(result.loss)
-                history.step_loss_scale.append(result.loss_scale)
-                history.step_skipped.append(result.skipped)
-                if math.isfinite(result.loss):
-                    loss_sum += result.loss
+
+            def record(loss: float, loss_scale: float, skipped: bool) -> None:
+                nonlocal loss_sum, loss_count
+                history.step_loss.append(loss)
+                history.step_loss_scale.append(loss_scale)
+                history.step_skipped.append(skipped)
+                if math.isfinite(loss):
+                    loss_sum += loss
                     loss_count += 1
+
+            def record_batch(loss_scale: float, skipped: bool) -> None:
+                # All ranks' micro-batches of the effective batch just decided, in the global order.
+                # One process marks a skip on the micro-step that ends a full effective batch; a
+                # short last one is decided by flush(), which it does not record.
+                losses = self.last_batch_losses
+                full = len(losses) == self.grad_accum_steps * self.world_size
+                for i, loss in enumerate(losses):
+                    record(loss, loss_scale, skipped and full and i == len(losses) - 1)
+
+            for batch in bar:
+                result = self.train_step(*batch) if batch is not None else self.pad_step()
+                if self.comm is None:
+                    record(result.loss, result.loss_scale, result.skipped)
+                elif result.stepped or result.skipped:
+                    record_batch(result.loss_scale, result.skipped)
                 bar.set_postfix(loss=f"{loss_sum / max(loss_count, 1):.4f}", scale=f"{self.scaler.scale:g}",
                                 skipped=self.skipped_steps, refresh=False)
             bar.close()
-            self.flush()
+            scale = self.scaler.scale
+            if self.flush() is not None and self.comm is not None:
+                record_batch(scale, False)
             self.epoch = epoch + 1
             summary = {"epoch": self.epoch, "loss": loss_sum / loss_count if loss_count else math.nan,
                        "loss_scale": self.scaler.scale, "skipped_steps": self.skipped_steps - skipped_before,
@@ -258,7 +422,7 @@ class Trainer:
             if eval_batches is not None:
                 summary.update({f"eval_{k}": v for k, v in self.evaluate(eval_batches, metric_fns).items()})
             history.epochs.append(summary)
-            log.info("epoch %d: %s", self.epoch,
+            (log.info if self.rank == 0 else log.debug)("epoch %d: %s", self.epoch,
                      ", ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}"
                                for k, v in summary.items() if k != "epoch"))
             if on_epoch_end is not None:
@@ -271,27 +435,46 @@ class Trainer:
 
         A metric is a name from :data:`METRICS` or ``(name, fn(labels, predictions))``;
         predictions are the model's first output.
+
+        Data-parallel, each rank passes its block of the batches (rank 0's first,
+        :func:`~onnxmp.training.distributed.contiguous_shard`); the per-batch sums are
+        gathered and added in that global order, so the result equals one process's.
         """
         metric_fns = _metric_functions(metrics)
         prediction = self.artifacts.manifest["forward_outputs"][0]
         label = self.artifacts.manifest["label_input"]
-        totals = {LOSS: 0.0, **{name: 0.0 for name, _ in metric_fns}}
-        count = 0
+        names = [LOSS, *(name for name, _ in metric_fns)]
+        rows = []  # per batch: each total times the batch's rows, then the rows
         self._module.eval()
         try:
             for batch in batches:
                 feeds = self._feeds(batch)
                 named = dict(zip(self._eval_outputs, self._run(self._eval_inputs, feeds)))
                 n = len(feeds[label])
-                totals[LOSS] += float(named[LOSS]) * n
-                for name, fn in metric_fns:
-                    totals[name] += fn(feeds[label], named[prediction]) * n
-                count += n
+                rows.append([float(named[LOSS]) * n, *(fn(feeds[label], named[prediction]) * n
+                                                       for _, fn in metric_fns), n])
         finally:
             self._module.train()
+        if self.comm is not None:
+            rows = self._gather_rows(rows, len(names) + 1)
+        totals = dict.fromkeys(names, 0.0)
+        count = 0
+        for row in rows:
+            for name, value in zip(names, row):
+                totals[name] += value
+            count += row[-1]
         if not count:
             raise OnnxMPError("evaluate() got no batches")
         return {name: value / count for name, value in totals.items()}
+
+    def _gather_rows(self, rows: list[list[float]], width: int) -> list[list[float]]:
+        """Every rank's rows, rank 0's first (sums with zeros elsewhere, so exact)."""
+        most = self._collective(self.comm.allreduce_max, np.array([len(rows)], dtype=np.int64))[0]
+        table = np.zeros((self.world_size, int(most), width), dtype=np.float64)
+        if rows:
+            table[self.rank, :len(rows)] = rows
+        self._collective(self.comm.allreduce_sum, table)
+        return [list(row) for block in table for row in block if row[-1] > 0]
 
     # --- state ------------------------------------------------------------------------
 
@@ -315,11 +498,22 @@ class Trainer:
 
     def save(self, path: str | os.PathLike) -> Path:
         """Write a resumable folder: the artifacts plus a checkpoint holding parameters,
-        optimizer state, loss-scaler state and counters."""
+        optimizer state, loss-scaler state and counters.
+
+        Data-parallel, every rank calls it: rank 0 writes (atomically, as alone) while
+        the others wait for it, as their state is the same."""
         if self._pending:
             raise OnnxMPError("cannot save in the middle of an accumulated batch",
                               f"save after a multiple of grad_accum_steps={self.grad_accum_steps} steps, "
                               "or call flush() first")
+        if self.comm is not None:
+            if self.comm.is_root:
+                self._save(path)
+            self._collective(self.comm.barrier)
+            return Path(path)
+        return self._save(path)
+
+    def _save(self, path: str | os.PathLike) -> Path:
         from onnxmp.files import atomic_directory, atomic_write, destination, guard_outputs, write_text_atomic
 
         path = Path(path)
@@ -336,6 +530,11 @@ class Trainer:
             # A schedule is a Python function, which a checkpoint cannot hold: record that
             # there was one, so resume() can refuse to continue silently without it.
             "lr_schedule": self.lr_schedule is not None,
+            # grad_accum_steps is per rank: the effective batch is grad_accum_steps * world_size
+            # micro-batches, sharded by distributed.shard.
+            "world_size": self.world_size,
+            "sharding": "groups of grad_accum_steps * world_size micro-batches; rank r runs the r-th "
+                        "grad_accum_steps of each; the last group padded",
         })
         manifest = self.artifacts.manifest
         # Built beside ``path`` and renamed into place whole; resuming and saving into the same
@@ -354,12 +553,18 @@ class Trainer:
 
     @classmethod
     def resume(cls, path: str | os.PathLike, *, device: str = "cpu",
-               lr_schedule: Callable[[int], float] | None = None, **overrides: Any) -> "Trainer":
+               lr_schedule: Callable[[int], float] | None = None, communicator: Communicator | None = None,
+               **overrides: Any) -> "Trainer":
         """Continue from a folder written by :meth:`save`, bit for bit.
 
         Saved settings (``grad_accum_steps``, ``clip_global_norm``, the scaler,
         the learning rate) apply unless given in ``overrides``.  A run saved with
         an ``lr_schedule`` must be given it again: a function cannot be saved.
+
+        Data-parallel (``communicator``), every rank reads ``path``.  Another world
+        size than the saved one keeps the effective batch (``grad_accum_steps *
+        world_size`` micro-batches) when it divides it, so the run continues as it
+        would have; otherwise it is refused unless ``grad_accum_steps`` is given.
         """
         artifacts = Artifacts.load(path)
         properties = _ort.api().CheckpointState.load_checkpoint(str(artifacts.checkpoint)).properties
@@ -372,14 +577,41 @@ class Trainer:
                               "pass the same lr_schedule to Trainer.resume (it is called with the update count, "
                               "so the schedule continues where it stopped)")
         scaler = DynamicLossScaler.from_state_dict(json.loads(properties[_SCALER_PROPERTY]))
-        settings = {"scaler": scaler, "grad_accum_steps": saved["grad_accum_steps"],
+        world = 1 if communicator is None else communicator.size
+        saved_world = saved.get("world_size", 1)
+        per_rank = saved["grad_accum_steps"]
+        if world != saved_world and "grad_accum_steps" not in overrides:
+            effective = per_rank * saved_world
+            if effective % world:
+                raise OnnxMPError(f"{path} was trained on {saved_world} rank(s) with {per_rank} micro-batch(es) "
+                                  f"each, an effective batch of {effective} micro-batches, which {world} ranks "
+                                  "cannot split evenly",
+                                  f"resume on a number of ranks dividing {effective}, or pass grad_accum_steps "
+                                  "to change the effective batch")
+            per_rank = effective // world
+            log.info("resuming a %d-rank run on %d rank(s): %d micro-batch(es) per rank keep the effective "
+                     "batch of %d", saved_world, world, per_rank, effective)
+        settings = {"scaler": scaler, "grad_accum_steps": per_rank,
                     "clip_global_norm": saved["clip_global_norm"], "lr": saved["learning_rate"], **overrides}
-        trainer = cls(artifacts, device=device, lr_schedule=lr_schedule, **settings)
+        trainer = cls(artifacts, device=device, lr_schedule=lr_schedule, communicator=communicator, **settings)
         trainer.optimizer_steps = saved["optimizer_steps"]
         trainer.skipped_steps = saved["skipped_steps"]
         trainer.micro_steps = saved["micro_steps"]
         trainer.epoch = saved["epoch"]
+        if trainer.comm is not None:
+            trainer._check_same_state(path)
         return trainer
+
+    def _check_same_state(self, path) -> None:
+        """Refuse (on every rank alike) to go on when the ranks resumed from different states:
+        the parameters come from rank 0, but each rank's optimizer moments from its own file."""
+        state = np.array([self.optimizer_steps, self.skipped_steps, self.micro_steps, self.epoch,
+                          self.scaler.scale, self.scaler.good_steps, self.learning_rate], dtype=np.float64)
+        low = self._collective(self.comm.allreduce_min, state.copy())
+        high = self._collective(self.comm.allreduce_max, state.copy())
+        if not np.array_equal(low, high):
+            raise OnnxMPError(f"the ranks resumed from different training states ({path} differs between them)",
+                              "give every rank the same saved state (a shared folder, or the same copy on each host)")
 
     def export_inference(self, path: str | os.PathLike, precision: str = "float16", *,
                          target: str = "cuda") -> Path:
@@ -490,7 +722,7 @@ def _check_device(device: str, artifacts: Artifacts) -> str:
     return device
 
 
-def _session_options(artifacts: Artifacts):
+def _session_options(artifacts: Artifacts, threads: int = 0):
     from onnxmp.emulate import session_options as emulation_options
 
     emulated = artifacts.target == "cpu" and artifacts.precision != "float32"
@@ -500,6 +732,7 @@ def _session_options(artifacts: Artifacts):
         import onnxruntime
 
         options = onnxruntime.SessionOptions()
+    options.intra_op_num_threads = threads  # 0: ORT's default
     # Deterministic kernels where ORT has a choice (CUDA); on the CPU the nondeterministic
     # gradient kernels (GatherGrad, InplaceClipGradNorm) are kept out of the graphs instead.
     options.use_deterministic_compute = True

@@ -36,3 +36,19 @@ def test_bench_training_small(tmp_path):
     assert set(figures["results"]) == {"float32", "float16"}
     assert all(r["steps_per_s"] > 0 for r in figures["results"].values())
     assert "steps/s" in out
+
+
+def test_bench_distributed_small(tmp_path):
+    import shutil
+
+    import pytest
+
+    pytest.importorskip("mpi4py")
+    if shutil.which("mpiexec", path=str(Path(sys.executable).parent)) is None:
+        pytest.skip("no mpiexec beside this Python")
+    out = _run(SCRIPTS / "bench_distributed.py", "--sizes", "16-32-4", "--batch-size", "8", "--steps", "3",
+               "--warmup", "1", "--rounds", "1", "--json", tmp_path / "b.json", cwd=tmp_path)
+    runs = json.loads((tmp_path / "b.json").read_text())["runs"]
+    assert [(r["ranks"], r["k"]) for r in runs] == [(1, 1), (1, 2), (2, 1)]
+    assert all(r["updates_per_s"] > 0 for r in runs) and 0 < runs[-1]["comm_share"] < 1
+    assert "2 rank(s) x 1 micro-batch" in out and "comm" in out
