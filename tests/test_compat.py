@@ -1,4 +1,7 @@
-"""onnxmp.compat.convert_float_to_float16: onnxconverter-common's API, onnxmp's conversion."""
+"""onnxmp.compat: onnxconverter-common's float16 API and onnxruntime's float16 converter, onnxmp's conversion.
+
+Written from the originals' code and docstrings (onnxconverter-common 1.16, onnxruntime 1.19): what a
+caller feeds and reads, what is modified in place, the files written and the errors raised."""
 from __future__ import annotations
 
 import inspect
@@ -9,7 +12,11 @@ import numpy as np
 import onnx
 import pytest
 
-from onnxmp.compat import convert_float_to_float16
+import onnxmp
+from onnxmp.compat import (
+    CompatError, auto_convert_mixed_precision, auto_convert_mixed_precision_model_path, convert_float_to_float16,
+    convert_float_to_float16_model_path, ort_float16,
+)
 from tests.graphs import FLOAT, FLOAT16, header, parse, tensor_types
 
 MODELS = Path(__file__).resolve().parent.parent / "models"
@@ -37,11 +44,26 @@ def between_matmuls(middle: str, extra_inits: str = "") -> onnx.ModelProto:
     return model
 
 
-def test_signature_matches_onnxconverter_common():
-    theirs = inspect.signature(occ_convert()).parameters
-    ours = inspect.signature(convert_float_to_float16).parameters
-    assert [(p.name, p.kind, p.default) for p in ours.values()] == \
-        [(p.name, p.kind, p.default) for p in theirs.values()]
+def _signature(fn):
+    return [(p.name, p.kind, p.default) for p in inspect.signature(fn).parameters.values()]
+
+
+@pytest.mark.parametrize("module, name", [
+    ("float16", "convert_float_to_float16"), ("float16", "convert_float_to_float16_model_path"),
+    ("auto_mixed_precision", "auto_convert_mixed_precision"),
+    ("auto_mixed_precision_model_path", "auto_convert_mixed_precision_model_path")])
+def test_signatures_match_onnxconverter_common(module, name):
+    import importlib
+
+    theirs = getattr(pytest.importorskip(f"onnxconverter_common.{module}"), name)
+    ours = getattr(importlib.import_module(f"onnxmp.compat.{module}"), name)
+    assert _signature(ours) == _signature(theirs)
+    assert getattr(onnxmp.compat, name) is ours  # `from onnxconverter_common import name` works too
+
+
+def test_signature_matches_onnxruntime_float16():
+    theirs = pytest.importorskip("onnxruntime.transformers.float16").convert_float_to_float16
+    assert _signature(ort_float16.convert_float_to_float16) == _signature(theirs)
 
 
 @pytest.mark.parametrize("name", ZOO)
@@ -98,7 +120,9 @@ def test_op_block_list_keeps_those_ops_fp32_and_denies_downstream():
 def test_op_block_list_of_an_allow_op():
     model = between_matmuls("m = Relu(h)")
     types = tensor_types(convert_float_to_float16(model, op_block_list=["MatMul"]))
-    assert FLOAT16 not in types.values()
+    # Only the interface is float16 (keep_io_types=False), Cast inside to the float32 nodes.
+    assert {n for n, t in types.items() if t == FLOAT16} == {"x", "y"}
+    assert types["h"] == types["m"] == FLOAT
 
 
 def test_node_block_list_blocks_exact_names_only():
@@ -177,18 +201,26 @@ def test_values_are_never_clamped():
     assert clamped[0] == np.float16(1e4) and clamped[2] == np.float16(1e-7)
 
 
-def test_converting_an_fp16_model_is_idempotent_instead_of_an_error():
+def test_an_fp16_model_is_refused_unless_check_fp16_ready_is_false_then_idempotent():
     once = convert_float_to_float16(onnx.load(str(MODELS / "mlp.onnx")))
-    twice = convert_float_to_float16(once)  # onnxconverter-common raises here (check_fp16_ready)
+    with pytest.raises(ValueError, match="already converted to float16"):  # as onnxconverter-common
+        convert_float_to_float16(once)
+    twice = convert_float_to_float16(once, check_fp16_ready=False)
     assert twice.SerializeToString() == once.SerializeToString()
+    # onnxruntime's converter has no such check: it converts again, and so does onnxmp.
+    assert ort_float16.convert_float_to_float16(once).SerializeToString() == once.SerializeToString()
     theirs = occ_convert()(onnx.load(str(MODELS / "mlp.onnx")))
-    assert convert_float_to_float16(theirs).SerializeToString() == theirs.SerializeToString()
+    assert convert_float_to_float16(theirs, check_fp16_ready=False).SerializeToString() == \
+        theirs.SerializeToString()
 
 
-def test_model_without_allow_ops_comes_back_unchanged():
+def test_model_without_allow_ops_comes_back_unchanged_when_its_io_is_kept():
     model = parse(header() + """
     g (float[2,4] x) => (float[2,4] y) { y = Tanh(x) }""")
-    assert convert_float_to_float16(model).SerializeToString() == model.SerializeToString()
+    assert convert_float_to_float16(model, keep_io_types=True).SerializeToString() == model.SerializeToString()
+    lowered = convert_float_to_float16(model)  # the interface is float16 all the same
+    assert io_types(lowered) == {"x": FLOAT16, "y": FLOAT16}
+    assert [n.op_type for n in lowered.graph.node] == ["Cast", "Tanh", "Cast"]
 
 
 def test_constant_node_range_is_checked_like_an_initializer():
