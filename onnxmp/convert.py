@@ -130,12 +130,12 @@ def kept_io(model: onnx.ModelProto, keep_io_types) -> bool | frozenset[str]:
         try:
             pattern = re.compile(entry)
         except re.error as exc:
-            raise OnnxMPError(f"bad --keep-io-types pattern {entry!r}: {exc}",
+            raise OnnxMPError(f"bad keep_io_types pattern {entry!r}: {exc}",
                               hint="a name, or a Python regular expression matching whole names") from None
         hits = [n for n in names if n == entry or pattern.fullmatch(n)]
         if not hits:
             close = difflib.get_close_matches(entry, names, n=3)
-            raise OnnxMPError(f"--keep-io-types {entry!r} matches no graph input or output",
+            raise OnnxMPError(f"keep_io_types {entry!r} matches no graph input or output",
                               hint=(f"did you mean {', '.join(map(repr, close))}? " if close else "")
                               + f"inputs and outputs: {', '.join(names[:12])}")
         kept.update(hits)

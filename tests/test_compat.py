@@ -604,3 +604,13 @@ def test_auto_model_path_never_writes_over_its_source(tmp_path):
     with pytest.raises(onnxmp.OnnxMPError, match="never writes over its input"):
         auto_convert_mixed_precision_model_path(str(source), mlp_feed(), str(source), ["CPUExecutionProvider"])
     assert snapshot(source.parent) == before
+
+
+@pytest.mark.parametrize("ours, module", [(onnxmp.compat.float16, "onnxconverter_common.float16"),
+                                          (ort_float16, "onnxruntime.transformers.float16")])
+def test_default_op_block_list_is_the_originals_and_passing_it_denies_those_ops(ours, module):
+    assert ours.DEFAULT_OP_BLOCK_LIST == pytest.importorskip(module).DEFAULT_OP_BLOCK_LIST
+    model = between_matmuls("m = Max(h, h)")  # Max is a clear op for onnxmp, blocked by the originals' list
+    assert tensor_types(ours.convert_float_to_float16(model))["m"] == FLOAT16
+    blocked = ours.convert_float_to_float16(model, op_block_list=ours.DEFAULT_OP_BLOCK_LIST + ["Relu"])
+    assert tensor_types(blocked)["m"] == FLOAT

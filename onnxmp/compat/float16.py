@@ -15,7 +15,17 @@ from onnxmp.compat._convert import check_fp16_ready as _check_fp16_ready
 from onnxmp.compat._convert import convert_model
 from onnxmp.load import ModelLike, load
 
-__all__ = ["convert_float_to_float16", "convert_float_to_float16_model_path"]
+__all__ = ["DEFAULT_OP_BLOCK_LIST", "convert_float_to_float16", "convert_float_to_float16_model_path"]
+
+# onnxconverter-common's list, for code that reads or extends it.  None (the default) does not mean this list
+# here but onnxmp's own lists; passing it puts these ops on the deny list.
+DEFAULT_OP_BLOCK_LIST = [
+    'ArrayFeatureExtractor', 'Binarizer', 'CastMap', 'CategoryMapper', 'DictVectorizer', 'FeatureVectorizer',
+    'Imputer', 'LabelEncoder', 'LinearClassifier', 'LinearRegressor', 'Normalizer', 'OneHotEncoder',
+    'RandomUniformLike', 'SVMClassifier', 'SVMRegressor', 'Scaler', 'TreeEnsembleClassifier',
+    'TreeEnsembleRegressor', 'ZipMap', 'NonMaxSuppression', 'TopK', 'RoiAlign', 'Resize', 'Range', 'CumSum',
+    'Min', 'Max', 'Upsample',
+]
 
 
 def convert_float_to_float16(

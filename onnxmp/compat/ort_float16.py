@@ -18,10 +18,20 @@ from onnxmp.load import ModelLike, load
 
 log = logging.getLogger("onnxmp.compat")
 
-__all__ = ["convert_float_to_float16"]
+__all__ = ["DEFAULT_OP_BLOCK_LIST", "convert_float_to_float16"]
 
 FP16_SUBNORMAL_MIN = 5.96e-08
 FP16_MAX = float(np.finfo(np.float16).max)
+
+# onnxruntime's list, for code that reads or extends it.  None (the default) does not mean this list
+# here but onnxmp's own lists; passing it puts these ops on the deny list.
+DEFAULT_OP_BLOCK_LIST = [
+    'ArrayFeatureExtractor', 'Binarizer', 'CastMap', 'CategoryMapper', 'DictVectorizer', 'FeatureVectorizer',
+    'Imputer', 'LabelEncoder', 'LinearClassifier', 'LinearRegressor', 'Normalizer', 'OneHotEncoder',
+    'RandomUniformLike', 'SVMClassifier', 'SVMRegressor', 'Scaler', 'TreeEnsembleClassifier',
+    'TreeEnsembleRegressor', 'ZipMap', 'NonMaxSuppression', 'TopK', 'RoiAlign', 'Range', 'CumSum', 'Min', 'Max',
+    'Upsample',
+]
 
 
 def convert_float_to_float16(
