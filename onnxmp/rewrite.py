@@ -324,22 +324,26 @@ class _Rewriter:
         (the output was also read by a body), the Cast reads that low tensor."""
         main = self.nodes[0]
         casts = self.new_nodes[MAIN]
+        renames: dict[str, str] = {}  # output -> the float32 tensor its producer writes now
         for name in dict.fromkeys(t.name for t in self.graph.scopes[0].graph.output):
             if keeps_io(keep_io_types, name) or name in self.edits.dtypes or self.dtype(name) != FLOAT:
                 continue  # kept, low already (retyped in place, a lowered input), or not float32
             if name in self.constants:
                 log.warning("graph output %r is an initializer; it stays float32", name)
                 continue
-            fp32 = self.names(f"{name}_onnxmp_{FLOAT32.suffix}")
+            renames[name] = fp32 = self.names(f"{name}_onnxmp_{FLOAT32.suffix}")
             self.edits.new_tensors[fp32] = self._like(name, fp32, FLOAT)
-            writer = next((c for c in casts if c.dst == name), None)
-            if writer is not None:
-                writer.dst = fp32  # the Cast restoring a renamed low output
-            else:
-                k = next(k for k, outs in enumerate(main.outputs) if name in outs)
-                outputs = main.outputs[k] = [fp32 if t == name else t for t in main.outputs[k]]
+        if not renames:
+            return
+        for cast in casts:
+            if cast.dst in renames:
+                cast.dst = renames[cast.dst]  # the Cast restoring a renamed low output
+        for k, outputs in enumerate(main.outputs):
+            if not renames.keys().isdisjoint(outputs):
+                outputs = main.outputs[k] = [renames.get(t, t) for t in outputs]
                 self.edits.outputs[main.names[k]] = outputs
-            self._reread(name, fp32)
+        self._reread(renames)
+        for name, fp32 in renames.items():
             cast = NewCast(self.names(f"{name}_onnxmp_cast_{self.low_sfx}"), self.renamed.get(name, fp32), name,
                            self.low_enum)
             casts.append(cast)
@@ -347,17 +351,16 @@ class _Rewriter:
             self.edits.dtypes[name] = self.low_enum
             self.stats.retyped_tensors += 1
 
-    def _reread(self, old: str, new: str) -> None:
-        """Every reader of ``old``, in any graph and the added Casts included, reads ``new``."""
+    def _reread(self, renames: dict[str, str]) -> None:
+        """Every reader of a renamed tensor, in any graph and the added Casts included, reads the new name."""
         for nodes in self.nodes:
             for k, inputs in enumerate(nodes.inputs):
-                if old in inputs:
-                    rewired = nodes.inputs[k] = [new if t == old else t for t in inputs]
+                if not renames.keys().isdisjoint(inputs):
+                    rewired = nodes.inputs[k] = [renames.get(t, t) for t in inputs]
                     self.edits.inputs[nodes.names[k]] = rewired
-        for casts in self.new_nodes.values():
-            for cast in casts:
-                if cast.src == old:
-                    cast.src = new
+        for graph_casts in self.new_nodes.values():
+            for cast in graph_casts:
+                cast.src = renames.get(cast.src, cast.src)
 
     # -- phase 3 -------------------------------------------------------------------------------
     def convert_initializers(self) -> None:
