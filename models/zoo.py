@@ -33,6 +33,7 @@ COMMITTED = (
     "lstm",
     "loop_if",
     "transformer_classifier",
+    "kv_decoder",
 )
 
 FP16_MAX = 65504.0
@@ -668,6 +669,67 @@ def loop_if() -> onnx.ModelProto:
 # Sample inputs
 # ---------------------------------------------------------------------------
 
+# ---------------------------------------------------------------------------
+# Decoder with a KV cache
+# ---------------------------------------------------------------------------
+
+KV_LAYERS, KV_HEADS, KV_DH, KV_VOCAB, KV_PAST, KV_NEW = 2, 2, 8, 32, 3, 1
+KV_HIDDEN = KV_HEADS * KV_DH
+
+
+def kv_decoder() -> onnx.ModelProto:
+    """GPT-style decoder step as optimum exports one: input_ids[N,S] int64 and, per layer,
+    past_key_values.{i}.key/value[N,h,P,d] -> logits[N,S,V] and present.{i}.key/value[N,h,P+S,d].
+
+    Pre-LN layers (LayerNormalization op, q/k/v/out/FFN as MatMul+Add, Relu FFN); the new keys
+    and values are Concat'ed onto the past ones on the sequence axis; tied embeddings (the LM
+    head reads the transposed word embedding).  The cache is what a decoder wants in fp16.
+    """
+    g = _Graph(np.random.default_rng(4004))
+    h, heads, dh = KV_HIDDEN, KV_HEADS, KV_DH
+    wte = g.init("wte", (g.rng.standard_normal((KV_VOCAB, h)) * 0.5).astype(np.float32))
+    split = g.init("shape_heads", np.array([0, 0, heads, dh], np.int64))
+    merge = g.init("shape_merge", np.array([0, 0, h], np.int64))
+    scale = g.init("attn_scale", np.array(math.sqrt(dh), np.float32))
+    x = g.op("Gather", [wte, "input_ids"], "embed")
+    inputs = [_vi("input_ids", TensorProto.INT64, [BATCH, "S"])]
+    outputs = [_vi("logits", TensorProto.FLOAT, [BATCH, "S", KV_VOCAB])]
+
+    def norm(src: str, scope: str) -> str:
+        gamma = g.init(f"{scope}.weight", np.ones(h, np.float32))
+        beta = g.init(f"{scope}.bias", np.zeros(h, np.float32))
+        return g.op("LayerNormalization", [src, gamma, beta], scope, axis=-1, epsilon=1e-5)
+
+    def linear(src: str, n_in: int, n_out: int, scope: str) -> str:
+        w = g.xavier(f"{scope}.weight", (n_in, n_out), n_in, n_out)
+        return g.op("Add", [g.op("MatMul", [src, w], scope), g.bias(f"{scope}.bias", n_out)], scope)
+
+    for i in range(KV_LAYERS):
+        p = f"layer{i}"
+        a = norm(x, f"{p}/ln1")
+        q, k, v = (g.op("Transpose", [g.op("Reshape", [linear(a, h, h, f"{p}/{n}"), split], f"{p}/{n}")],
+                        f"{p}/{n}", perm=[0, 2, 1, 3]) for n in ("q", "k", "v"))
+        cache = [BATCH, heads, "P", dh]
+        grown = [BATCH, heads, "T", dh]
+        for kind, new in (("key", k), ("value", v)):
+            inputs.append(_vi(f"past_key_values.{i}.{kind}", TensorProto.FLOAT, cache))
+            outputs.append(_vi(f"present.{i}.{kind}", TensorProto.FLOAT, grown))
+            g.nodes.append(helper.make_node("Concat", [f"past_key_values.{i}.{kind}", new], [f"present.{i}.{kind}"],
+                                            name=f"{p}/{kind}/Concat", axis=2))
+        kt = g.op("Transpose", [f"present.{i}.key"], f"{p}/kT", perm=[0, 1, 3, 2])
+        scores = g.op("Div", [g.op("MatMul", [q, kt], f"{p}/scores"), scale], f"{p}/scores")
+        ctx = g.op("MatMul", [g.op("Softmax", [scores], f"{p}/attn", axis=-1), f"present.{i}.value"], f"{p}/ctx")
+        ctx = g.op("Reshape", [g.op("Transpose", [ctx], f"{p}/ctx", perm=[0, 2, 1, 3]), merge], f"{p}/ctx")
+        x = g.op("Add", [x, linear(ctx, h, h, f"{p}/out")], f"{p}/residual1")
+        f = linear(g.op("Relu", [linear(norm(x, f"{p}/ln2"), h, 4 * h, f"{p}/fc1")], f"{p}/act"), 4 * h, h,
+                   f"{p}/fc2")
+        x = g.op("Add", [x, f], f"{p}/residual2")
+    head = g.op("Transpose", [wte], "lm_head", perm=[1, 0])
+    g.nodes.append(helper.make_node("MatMul", [norm(x, "ln_f"), head], ["logits"], name="lm_head/MatMul"))
+    return _finish(g, "kv_decoder", inputs, outputs,
+                   f"{KV_LAYERS}-layer decoder step with a KV cache, hidden={h}, heads={heads}, vocab={KV_VOCAB}")
+
+
 BUILDERS = {
     "mlp": mlp,
     "cnn_bn": cnn_bn,
@@ -677,6 +739,7 @@ BUILDERS = {
     "lstm": lstm,
     "loop_if": loop_if,
     "transformer_classifier": transformer_classifier,
+    "kv_decoder": kv_decoder,
 }
 
 
@@ -720,4 +783,10 @@ def inputs_for(name: str, batch: int = 2, *, seq: int = 16, hidden: int = 64) ->
         # Pin the branch: sum > 0 takes then_branch. Flip the sign for else.
         x += f32(0.5)
         return {"x": x}
+    if name == "kv_decoder":
+        feeds = {"input_ids": rng.integers(0, KV_VOCAB, (batch, KV_NEW)).astype(np.int64)}
+        for i in range(KV_LAYERS):
+            for kind in ("key", "value"):
+                feeds[f"past_key_values.{i}.{kind}"] = rng.standard_normal((batch, KV_HEADS, KV_PAST, KV_DH)).astype(f32)
+        return feeds
     raise KeyError(f"no sample inputs for model {name!r}")

@@ -5,6 +5,7 @@
 """
 from __future__ import annotations
 
+import difflib
 import gc
 import logging
 import re
@@ -13,6 +14,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Iterable, Mapping
 
+import numpy as np
 import onnx
 
 from onnxmp.calibrate import ACCURACY_FALLBACK, DEFAULT_TOLERANCE, MAX_RUNS, convert_with_calibration, observe_magnitudes
@@ -20,6 +22,7 @@ from onnxmp.color import ColorOptions, ColorResult, color
 from onnxmp.color.seeds import DEFAULT_THRESHOLD, DEFAULT_UNDERFLOW_SHARE
 from onnxmp.emit import emit, initializer_inputs
 from onnxmp.errors import OnnxMPError, first_line
+from onnxmp.graphs import keeps_io
 from onnxmp.lists import TARGETS, ListOverrides, resolve_lists
 from onnxmp.load import ModelLike, load
 from onnxmp.normalize import normalize
@@ -102,10 +105,56 @@ def _options(model: onnx.ModelProto, target, precision, level, lists, block_node
             raise OnnxMPError(f"bad --block-node pattern {pattern!r}: {exc}", hint="use a Python regular expression") \
                 from None
     return ColorOptions(lists=resolve_lists(target, precision, level, lists), target=target, precision=precision,
-                        level=level, block_nodes=block, keep_io_types=keep_io_types,
+                        level=level, block_nodes=block, keep_io_types=kept_io(model, keep_io_types),
                         calibration_magnitudes=calibration_magnitudes,
                         calibration_threshold=calibration_threshold, underflow_share=underflow_share,
                         forced_deny=forced_deny)
+
+
+def kept_io(model: onnx.ModelProto, keep_io_types) -> bool | frozenset[str]:
+    """``keep_io_types`` as the stages take it: True, False, or the set of main-graph input and
+    output names that keep their type.  A list (or one string) holds names or Python regular
+    expressions matched against whole names; every other float32 input and output takes the
+    low-precision type, as a list means in onnxruntime's float16 converter."""
+    if isinstance(keep_io_types, (bool, np.bool_)):
+        return bool(keep_io_types)
+    if isinstance(keep_io_types, frozenset):
+        return keep_io_types  # resolved already (calibration converts many times)
+    entries = [keep_io_types] if isinstance(keep_io_types, str) else list(keep_io_types)
+    names = list(dict.fromkeys([v.name for v in model.graph.input] + [v.name for v in model.graph.output]))
+    kept: set[str] = set()
+    for entry in entries:
+        if not isinstance(entry, str):
+            raise OnnxMPError(f"keep_io_types takes True, False or input/output names; got {entry!r} in the list",
+                              hint="e.g. keep_io_types=['logits'] or --keep-io-types logits")
+        try:
+            pattern = re.compile(entry)
+        except re.error as exc:
+            raise OnnxMPError(f"bad keep_io_types pattern {entry!r}: {exc}",
+                              hint="a name, or a Python regular expression matching whole names") from None
+        hits = [n for n in names if n == entry or pattern.fullmatch(n)]
+        if not hits:
+            close = difflib.get_close_matches(entry, names, n=3)
+            raise OnnxMPError(f"keep_io_types {entry!r} matches no graph input or output",
+                              hint=(f"did you mean {', '.join(map(repr, close))}? " if close else "")
+                              + f"inputs and outputs: {', '.join(names[:12])}")
+        kept.update(hits)
+    return frozenset(kept)
+
+
+def lowered_io(model: onnx.ModelProto, keep_io_types: bool | frozenset[str]) -> list[str]:
+    """The float32 main-graph inputs and outputs that conversion turns low precision (not kept)."""
+    initializers = {t.name for t in model.graph.initializer}
+    return [v.name for v in list(model.graph.input) + list(model.graph.output)
+            if v.name not in initializers and not keeps_io(keep_io_types, v.name)
+            and v.type.WhichOneof("value") == "tensor_type" and v.type.tensor_type.elem_type == onnx.TensorProto.FLOAT]
+
+
+def _expected_io(original_io: tuple[list, list], lowered: Iterable[str], low_enum: int) -> tuple[list, list]:
+    """``io_signature`` of the converted model: the original's, with the lowered tensors low precision."""
+    lowered = set(lowered)
+    return tuple([(name, (sig[0], low_enum, sig[2]) if name in lowered else sig) for name, sig in side]
+                 for side in original_io)
 
 
 def _analyse(proto: onnx.ModelProto, options: ColorOptions, timings: dict[str, float]):
@@ -126,7 +175,8 @@ def _analyse(proto: onnx.ModelProto, options: ColorOptions, timings: dict[str, f
     return normalized, colored, report
 
 
-def explain(model: ModelLike, *, target: str = "cuda", precision: str = "float16", keep_io_types: bool = True,
+def explain(model: ModelLike, *, target: str = "cuda", precision: str = "float16",
+            keep_io_types: bool | Iterable[str] = True,
             level: str = "default", lists: Mapping[str, Iterable[str]] | ListOverrides | None = None,
             block_nodes: Iterable[str] = (), calibration=None, calibration_threshold: float = DEFAULT_THRESHOLD,
             underflow_share: float = DEFAULT_UNDERFLOW_SHARE) -> Report:
@@ -151,7 +201,8 @@ def explain(model: ModelLike, *, target: str = "cuda", precision: str = "float16
     return report
 
 
-def convert(model: ModelLike, *, target: str = "cuda", precision: str = "float16", keep_io_types: bool = True,
+def convert(model: ModelLike, *, target: str = "cuda", precision: str = "float16",
+            keep_io_types: bool | Iterable[str] = True,
             level: str = "default", lists: Mapping[str, Iterable[str]] | ListOverrides | None = None,
             block_nodes: Iterable[str] = (), calibration=None, tolerance: float | None = None,
             calibration_threshold: float = DEFAULT_THRESHOLD, underflow_share: float = DEFAULT_UNDERFLOW_SHARE,
@@ -169,6 +220,11 @@ def convert(model: ModelLike, *, target: str = "cuda", precision: str = "float16
     share of an initializer's values that may flush or turn subnormal before its node
     stays float32.  ``master_weights`` names initializers that must stay float32 and be
     Cast at each low-precision use (training).
+
+    ``keep_io_types``: True keeps every graph input and output as declared; False turns every
+    float32 one low precision, Cast inside the graph where its reader or producer stays float32;
+    a list of names or regular expressions (whole names) keeps those and lowers the other
+    float32 ones (a decoder's KV cache in fp16, its logits in fp32: ``keep_io_types=["logits"]``).
     """
     if calibration is not None:
         return convert_with_calibration(
@@ -186,7 +242,8 @@ def convert(model: ModelLike, *, target: str = "cuda", precision: str = "float16
                         underflow_share=underflow_share)
 
 
-def convert_once(model: ModelLike, *, target: str = "cuda", precision: str = "float16", keep_io_types: bool = True,
+def convert_once(model: ModelLike, *, target: str = "cuda", precision: str = "float16",
+                 keep_io_types: bool | Iterable[str] = True,
                  level: str = "default", lists=None, block_nodes: Iterable[str] = (),
                  master_weights: Iterable[str] = (), calibration_magnitudes: Mapping[str, float] | None = None,
                  calibration_threshold: float = DEFAULT_THRESHOLD, underflow_share: float = DEFAULT_UNDERFLOW_SHARE,
@@ -227,7 +284,8 @@ def _convert_loaded(model: ModelLike, handover: list[onnx.ModelProto], timings: 
                     options: ColorOptions, master_weights: tuple[str, ...]) -> ConversionResult:
     original = handover.pop()
     normalized, colored, report = _analyse(original, options, timings)
-    if not colored.coloring.has_allow():
+    lowered = lowered_io(original, options.keep_io_types)
+    if not colored.coloring.has_allow() and not lowered:
         report.unchanged_reason = _unchanged_reason(report)
         log.info("model unchanged: %s", report.unchanged_reason)
         # normalize annotated `original` with inferred types; hand back the model as it came.
@@ -243,12 +301,13 @@ def _convert_loaded(model: ModelLike, handover: list[onnx.ModelProto], timings: 
             raise OnnxMPError(f"rewrite failed: {type(exc).__name__}: {first_line(exc)}",
                               hint="please report this model; --block-node or --deny-add can route around "
                                    "the failing node meanwhile") from exc
-    original_io, emitted_casts = io_signature(original), edits.emitted_casts
+    original_io = _expected_io(io_signature(original), lowered, low_precision(options.precision).onnx_type)
+    emitted_casts = edits.emitted_casts
     # The analysed model, its index and the edits (which point into it) are no longer needed;
     # freeing them now lowers the peak the checker's copies reach.
     del original, normalized, edits
     with _timed(timings, "verify"):
-        verify(converted, original_io=original_io, keep_io_types=options.keep_io_types,
+        verify(converted, original_io=original_io,
                reload_original=lambda: normalize(load(model, lazy_external=True)).graph.model)
     report.changed = result.modified
     # The emitter drops restore Casts nobody ended up reading; count what is really there.

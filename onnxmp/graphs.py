@@ -15,11 +15,20 @@ import functools
 from dataclasses import dataclass, field
 from itertools import chain
 from operator import attrgetter, itemgetter
-from typing import Iterator
+from typing import AbstractSet, Iterator
 
 import onnx
 
 MAIN = ""  # graph id of the main graph; subgraphs are "<node name>/<attribute>"
+
+
+def keeps_io(keep_io_types: bool | AbstractSet[str], name: str) -> bool:
+    """Whether main-graph input or output ``name`` keeps its declared type: ``keep_io_types`` is
+    True (all do), False (none: float32 ones take the low-precision type) or the set of names
+    that do (as :func:`onnxmp.convert` resolves a list of names and patterns)."""
+    if isinstance(keep_io_types, bool):
+        return keep_io_types
+    return name in keep_io_types
 GRAPH = onnx.AttributeProto.GRAPH
 GRAPHS = onnx.AttributeProto.GRAPHS
 TENSOR_KIND = "tensor_type"

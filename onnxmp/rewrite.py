@@ -27,7 +27,7 @@ import onnx
 
 from onnxmp.color.rules import Coloring
 from onnxmp.color.vertices import RETARGETABLE
-from onnxmp.graphs import MAIN, ModelGraph, Scope, TensorInfo
+from onnxmp.graphs import MAIN, ModelGraph, Scope, TensorInfo, keeps_io
 from onnxmp.naming import FreshNames
 from onnxmp.passes import PassResult, require
 from onnxmp.precision import FLOAT16, FLOAT32, low_precision
@@ -111,14 +111,19 @@ def _fresh_names(graph: ModelGraph, node_names) -> FreshNames:
 
 
 def rewrite(graph: ModelGraph, state: Coloring, *, precision: str = "float16",
-            master_weights: Iterable[str] = (), keep_io_types: bool = True) -> tuple[PassResult, RewriteStats, Edits]:
-    """Work out the edits that apply ``state``; returns whether anything changed, what was done, and the edits."""
+            master_weights: Iterable[str] = (), keep_io_types: bool | AbstractSet[str] = True
+            ) -> tuple[PassResult, RewriteStats, Edits]:
+    """Work out the edits that apply ``state``; returns whether anything changed, what was done, and the edits.
+
+    Main-graph float32 inputs and outputs that ``keep_io_types`` does not keep (see
+    :func:`onnxmp.graphs.keeps_io`) take the low-precision type whatever their readers and
+    producers run in: a Cast inside the graph bridges to a float32 reader or producer."""
     rewriter = _Rewriter(graph, state, precision, set(master_weights))
     rewriter.retype_low_outputs()
-    if not keep_io_types:
-        rewriter.lower_main_inputs()
+    rewriter.lower_main_inputs(keep_io_types)
     rewriter.convert_initializers()
     rewriter.fix_consumers()
+    rewriter.lower_main_outputs(keep_io_types)
     for scope, nodes in zip(graph.scopes, rewriter.nodes):
         rewriter.edits.graphs[scope.gid] = place_after_producers(nodes, rewriter.new_nodes[scope.gid])
     stats = rewriter.stats
@@ -304,19 +309,58 @@ class _Rewriter:
         self.edits.dtypes.update(dict.fromkeys(names, self.low_enum))
         self.stats.retyped_tensors += len(names)
 
-    # -- phase 2 (keep_io_types=False) ------------------------------------------------------------
-    def lower_main_inputs(self) -> None:
-        """A float32 main-graph input whose readers all read low precision takes the low type."""
-        inputs = self.graph.scopes[0].inputs
-        candidates = set(inputs)
-        all_low: dict[str, bool] = {}  # input -> every reader so far reads low (absent: no reader)
-        for t, low in self._reads(candidates):
-            all_low[t] = all_low.get(t, True) and low
-        for name in inputs:
-            if self.dtype(name) != FLOAT or name in self.view.pinned:
-                continue
-            if all_low.get(name, False):
+    # -- phase 2 (I/O not kept) ---------------------------------------------------------------------
+    def lower_main_inputs(self, keep_io_types) -> None:
+        """A float32 main-graph input that is not kept takes the low type; fix_consumers then gives
+        its float32 readers (a body's too) a Cast back."""
+        for name in self.graph.scopes[0].inputs:  # initializers listed as inputs are not among them
+            if not keeps_io(keep_io_types, name) and self.dtype(name) == FLOAT:
                 self._retype_in_place((name,))
+
+    def lower_main_outputs(self, keep_io_types) -> None:
+        """A float32 main-graph output that is not kept and no low producer writes in place: its
+        producer writes a renamed float32 tensor, which the graph's own readers read, and a Cast to
+        the low type writes the output.  Where the producer writes low precision under a new name
+        (the output was also read by a body), the Cast reads that low tensor."""
+        main = self.nodes[0]
+        casts = self.new_nodes[MAIN]
+        renames: dict[str, str] = {}  # output -> the float32 tensor its producer writes now
+        for name in dict.fromkeys(t.name for t in self.graph.scopes[0].graph.output):
+            if keeps_io(keep_io_types, name) or name in self.edits.dtypes or self.dtype(name) != FLOAT:
+                continue  # kept, low already (retyped in place, a lowered input), or not float32
+            if name in self.constants:
+                log.warning("graph output %r is an initializer; it stays float32", name)
+                continue
+            renames[name] = fp32 = self.names(f"{name}_onnxmp_{FLOAT32.suffix}")
+            self.edits.new_tensors[fp32] = self._like(name, fp32, FLOAT)
+        if not renames:
+            return
+        for cast in casts:
+            if cast.dst in renames:
+                cast.dst = renames[cast.dst]  # the Cast restoring a renamed low output
+        for k, outputs in enumerate(main.outputs):
+            if not renames.keys().isdisjoint(outputs):
+                outputs = main.outputs[k] = [renames.get(t, t) for t in outputs]
+                self.edits.outputs[main.names[k]] = outputs
+        self._reread(renames)
+        for name, fp32 in renames.items():
+            cast = NewCast(self.names(f"{name}_onnxmp_cast_{self.low_sfx}"), self.renamed.get(name, fp32), name,
+                           self.low_enum)
+            casts.append(cast)
+            self.stats.casts.append(cast.name)
+            self.edits.dtypes[name] = self.low_enum
+            self.stats.retyped_tensors += 1
+
+    def _reread(self, renames: dict[str, str]) -> None:
+        """Every reader of a renamed tensor, in any graph and the added Casts included, reads the new name."""
+        for nodes in self.nodes:
+            for k, inputs in enumerate(nodes.inputs):
+                if not renames.keys().isdisjoint(inputs):
+                    rewired = nodes.inputs[k] = [renames.get(t, t) for t in inputs]
+                    self.edits.inputs[nodes.names[k]] = rewired
+        for graph_casts in self.new_nodes.values():
+            for cast in graph_casts:
+                cast.src = renames.get(cast.src, cast.src)
 
     # -- phase 3 -------------------------------------------------------------------------------
     def convert_initializers(self) -> None:

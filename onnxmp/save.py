@@ -8,6 +8,7 @@ from pathlib import Path
 
 import onnx
 
+from onnxmp.errors import OnnxMPError
 from onnxmp.external import has_external_data, read_locations, write_with_external_data
 from onnxmp.files import atomic_write, destination, guard_outputs
 
@@ -24,8 +25,11 @@ def external_data_path(path: str | os.PathLike) -> Path:
 
 
 def save(model: onnx.ModelProto, path: str | os.PathLike, *, external_data: bool | None = None,
-         source: str | os.PathLike | None = None) -> Path:
+         source: str | os.PathLike | None = None, location: str | None = None) -> Path:
     """Write ``model`` to ``path``; large models put initializers in ``<name>.data`` beside it.
+
+    ``location`` names that file instead (a bare file name: it lies beside ``path``, as
+    onnx records external data relative to the model).
 
     The destination is checked before anything is written (see
     :func:`onnxmp.files.guard_outputs`); ``source``, the file the model was
@@ -35,7 +39,10 @@ def save(model: onnx.ModelProto, path: str | os.PathLike, *, external_data: bool
     path = Path(path)
     if external_data is None:
         external_data = has_external_data(model) or model.ByteSize() > EXTERNAL_DATA_THRESHOLD
-    data_path = external_data_path(path) if external_data else None
+    if location is not None and Path(location).name != location:
+        raise OnnxMPError(f"external data location {location!r} is not a bare file name",
+                          hint="the data file is written beside the model; pass its name only")
+    data_path = (path.with_name(location) if location else external_data_path(path)) if external_data else None
     guard_outputs({"output": path, "external data": data_path},
                   {"source model": source, "weights file the model reads": read_locations(model)})
     if external_data:

@@ -387,3 +387,41 @@ def test_python_explain_refuses_an_invalid_input_model_as_convert_does():
           y = Relu(a)
         }""")
     assert onnxmp.explain(valid).changed
+
+
+# --- --keep-io-types NAME... ----------------------------------------------------------------------
+
+
+def _io_types(path) -> dict[str, int]:
+    import onnx
+
+    model = onnx.load(str(path), load_external_data=False)
+    return {v.name: v.type.tensor_type.elem_type for v in list(model.graph.input) + list(model.graph.output)}
+
+
+def test_keep_io_types_names_keep_those_and_lower_the_rest_then_validate_feeds_fp16(work, capsys):
+    import onnx
+
+    shutil.copy(MODELS / "kv_decoder.onnx", work / "dec.onnx")
+    shutil.copy(MODELS / "kv_decoder.inputs.npz", work / "dec.npz")
+    assert main(["convert", "dec.onnx", "-o", "dec16.onnx", "--keep-io-types", "logits"]) == 0
+    types = _io_types(work / "dec16.onnx")
+    assert types["logits"] == onnx.TensorProto.FLOAT and types["input_ids"] == onnx.TensorProto.INT64
+    assert {t for n, t in types.items() if n.startswith(("past_key_values.", "present."))} == {onnx.TensorProto.FLOAT16}
+    assert main(["validate", "dec.onnx", "dec16.onnx", "--inputs", "dec.npz"]) == 0
+    # Without names the flag is the default: everything kept.
+    assert main(["convert", "m.onnx", "-o", "kept.onnx", "--keep-io-types"]) == 0
+    assert set(_io_types(work / "kept.onnx").values()) == {onnx.TensorProto.FLOAT}
+    assert main(["convert", "m.onnx", "-o", "low.onnx", "--no-keep-io-types"]) == 0
+    assert set(_io_types(work / "low.onnx").values()) == {onnx.TensorProto.FLOAT16}
+
+
+def test_keep_io_types_name_matching_nothing_is_one_error_line(work, capsys):
+    assert main(["convert", "m.onnx", "-o", "out.onnx", "--keep-io-types", "logit"]) == EXIT_ERROR
+    line = one_error(capsys.readouterr().err, "convert")
+    assert "'logit' matches no graph input or output" in line
+    assert not (work / "out.onnx").exists()
+
+
+def test_keep_io_types_and_no_keep_io_types_together_is_a_usage_error(work, capsys):
+    assert main(["convert", "m.onnx", "-o", "out.onnx", "--keep-io-types", "x", "--no-keep-io-types"]) == EXIT_USAGE

@@ -63,8 +63,13 @@ def register(sub) -> None:
 def _add_common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--target", choices=TARGETS, default="cuda", help="execution provider to convert for")
     p.add_argument("--precision", choices=PRECISIONS, default="float16")
-    p.add_argument("--no-keep-io-types", dest="keep_io_types", action="store_false",
-                   help="let graph inputs/outputs take the low-precision type")
+    io = p.add_mutually_exclusive_group()
+    io.add_argument("--keep-io-types", dest="keep_io_types", nargs="*", metavar="NAME", default=True,
+                    help="keep graph inputs/outputs as declared (the default); with names (or regular "
+                         "expressions matching whole names), keep only those and turn every other float32 "
+                         "input/output low precision, e.g. --keep-io-types logits")
+    io.add_argument("--no-keep-io-types", dest="keep_io_types", action="store_false",
+                    help="turn every float32 graph input/output low precision (Cast inside where needed)")
     p.add_argument("--level", choices=LEVELS, default="default")
     for name in LIST_NAMES:
         p.add_argument(f"--{name}-add", action="append", default=[], metavar="OP", help=f"add OP to the {name} list")
@@ -85,7 +90,10 @@ def _overrides(args) -> dict[str, list[str]]:
 
 
 def _common_kwargs(args) -> dict:
-    return dict(target=args.target, precision=args.precision, keep_io_types=args.keep_io_types, level=args.level,
+    keep = args.keep_io_types
+    if isinstance(keep, list):  # --keep-io-types NAME...; without names, the default
+        keep = keep or True
+    return dict(target=args.target, precision=args.precision, keep_io_types=keep, level=args.level,
                 lists=_overrides(args), block_nodes=args.block_node)
 
 

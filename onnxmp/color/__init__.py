@@ -36,7 +36,7 @@ class ColorOptions:
     precision: str = "float16"
     level: str = "default"
     block_nodes: Iterable[str] = ()
-    keep_io_types: bool = True
+    keep_io_types: bool | frozenset[str] = True  # or the main-graph I/O names kept (convert resolves lists)
     underflow_share: float = DEFAULT_UNDERFLOW_SHARE
     calibration_magnitudes: Mapping[str, float] | None = None
     calibration_threshold: float = DEFAULT_THRESHOLD

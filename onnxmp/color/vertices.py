@@ -20,12 +20,12 @@ import re
 from array import array
 from dataclasses import dataclass, field
 from operator import attrgetter, itemgetter
-from typing import Iterable, Iterator, Mapping, Sequence
+from typing import AbstractSet, Iterable, Iterator, Mapping, Sequence
 
 import numpy as np
 import onnx
 
-from onnxmp.graphs import GRAPH, TENSOR_KIND, ModelGraph
+from onnxmp.graphs import GRAPH, TENSOR_KIND, ModelGraph, keeps_io
 from onnxmp.lists import list_of, op_key
 from onnxmp.passes import require
 from onnxmp.precision import Precision
@@ -528,7 +528,7 @@ def build_type_view(
     provider: str,
     kernels,
     block_nodes: Iterable[str] = (),
-    keep_io_types: bool = True,
+    keep_io_types: bool | AbstractSet[str] = True,
     initializer_inputs: Iterable[str] = (),
 ) -> TypeView:
     """Build vertices and edges for the main graph and all bodies, in one pass over the nodes."""
@@ -584,10 +584,12 @@ def build_type_view(
         view.scope_gids.append(graph_id)
         node_scope.extend(array("i", [scope_index]) * len(g.node))
         scope_name = "graph" if graph_id == "" else f"body {graph_id}"
-        if graph_id != "" or keep_io_types:
-            for name in scope.inputs:
+        # Main-graph I/O that keeps its type is pinned; the rest the rewrite lowers at the interface.
+        for name in scope.inputs:
+            if graph_id != "" or keeps_io(keep_io_types, name):
                 pinned.setdefault(name, f"input of {scope_name}")
-            for t in g.output:
+        for t in g.output:
+            if graph_id != "" or keeps_io(keep_io_types, t.name):
                 pinned.setdefault(t.name, f"output of {scope_name}")
         # Bodies are scopes too, listed in node and attribute order: no need to walk every node here.
         for body_index in bodies_of.get(scope_index, ()):
