@@ -44,6 +44,18 @@ SPECS = {
 }
 
 
+# The learning rate the matrix trains each architecture with (AdamW), and its batch size.
+LR = {"mobilenetv2": 1e-3}  # deep and narrow: 5e-3 overshoots in float32 too
+DEFAULT_LR, BATCH = 5e-3, 8
+
+
+def batches(arch: str, inputs: list[str], rows: int, seed: int = 0) -> list[tuple[np.ndarray, ...]]:
+    """``make(arch, rows, seed)`` as batches of ``BATCH`` rows: ``inputs`` in order, then the labels."""
+    data = make(arch, rows, seed)
+    order = [*inputs, "labels"]
+    return [tuple(data[k][i:i + BATCH] for k in order) for i in range(0, rows, BATCH)]
+
+
 def make(arch: str, rows: int, seed: int) -> dict[str, np.ndarray]:
     """The inputs of ``arch`` (named as its export names them) and ``labels``, ``rows`` rows."""
     spec = SPECS[arch]

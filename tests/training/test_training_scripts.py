@@ -52,3 +52,11 @@ def test_bench_distributed_small(tmp_path):
     assert [(r["ranks"], r["k"]) for r in runs] == [(1, 1), (1, 2), (2, 1)]
     assert all(r["updates_per_s"] > 0 for r in runs) and 0 < runs[-1]["comm_share"] < 1
     assert "2 rank(s) x 1 micro-batch" in out and "comm" in out
+
+
+def test_train_matrix_one_entry(tmp_path):
+    out = _run(SCRIPTS / "train_matrix.py", "resnet.torchscript17-bn", "--json", cwd=tmp_path)
+    row = json.loads(out)["resnet.torchscript17-bn"]
+    for precision in ("float32", "float16", "bfloat16"):
+        assert row[precision]["final"] < row[precision]["initial"], precision
+    assert row["float32"]["frozen"] == 12  # each BatchNormalization's running mean and variance
