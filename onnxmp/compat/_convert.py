@@ -48,6 +48,15 @@ def convert_model(model: ModelLike, *, min_positive_val: float, max_finite_val: 
     return convert_once(original, **options).model
 
 
+def returned(model: ModelLike, result: onnx.ModelProto, disable_shape_infer: bool) -> onnx.ModelProto:
+    """What the originals return: with ``disable_shape_infer=True`` they edit a ModelProto argument
+    in place, so it is updated as well."""
+    if disable_shape_infer and isinstance(model, onnx.ModelProto):
+        model.CopyFrom(result)
+        return model
+    return result
+
+
 def io_names(model: onnx.ModelProto, keep_io_types) -> bool | list[str]:
     """``keep_io_types`` for onnxmp: a bool as it is; a list (onnxruntime's form) names inputs and
     outputs exactly, and names the model does not have are ignored, as onnxruntime ignores them."""

@@ -12,7 +12,7 @@ from typing import Iterable
 import onnx
 
 from onnxmp.compat._convert import check_fp16_ready as _check_fp16_ready
-from onnxmp.compat._convert import convert_model
+from onnxmp.compat._convert import convert_model, returned
 from onnxmp.load import ModelLike, load
 
 __all__ = ["DEFAULT_OP_BLOCK_LIST", "convert_float_to_float16", "convert_float_to_float16_model_path"]
@@ -52,10 +52,7 @@ def convert_float_to_float16(
         _check_fp16_ready(proto)
     result = convert_model(proto, min_positive_val=min_positive_val, max_finite_val=max_finite_val,
                            keep_io_types=keep_io_types, op_block_list=op_block_list, node_block_list=node_block_list)
-    if disable_shape_infer and isinstance(model, onnx.ModelProto):
-        model.CopyFrom(result)
-        return model
-    return result
+    return returned(model, result, disable_shape_infer)
 
 
 def convert_float_to_float16_model_path(

@@ -12,7 +12,7 @@ from typing import Iterable, Mapping
 import numpy as np
 import onnx
 
-from onnxmp.compat._convert import convert_model
+from onnxmp.compat._convert import convert_model, returned
 from onnxmp.errors import OnnxMPError
 from onnxmp.load import ModelLike, load
 
@@ -73,7 +73,4 @@ def convert_float_to_float16(
     proto = load(model)
     result = convert_model(proto, min_positive_val=min_positive_val, max_finite_val=max_finite_val,
                            keep_io_types=keep_io_types, op_block_list=op_block_list, node_block_list=node_block_list)
-    if disable_shape_infer and isinstance(model, onnx.ModelProto):
-        model.CopyFrom(result)
-        return model
-    return result
+    return returned(model, result, disable_shape_infer)

@@ -43,7 +43,11 @@ def test_the_exported_inference_model_is_unchanged(artifacts, classifier):
     forward = onnx.load(artifacts["float32"].path("forward_model"))
     assert forward.graph == classifier.graph  # still single-output LayerNormalization
     prepared = artifacts["float32"].manifest["prepared_for_gradient"]
-    assert [(row["op_type"], row["nodes"]) for row in prepared] == [("LayerNormalization", 1 + 2 * zoo.TC_LAYERS)]
+    rows = {row["op_type"]: row["nodes"] for row in prepared}
+    assert rows.pop("LayerNormalization") == 1 + 2 * zoo.TC_LAYERS
+    # The residual and mask Adds of tensors whose dims onnx could not name alike: summed back by
+    # runtime shapes (prepare._runtime_broadcast).
+    assert set(rows) == {"Add"}
 
 
 def test_fp32_and_fp16_both_learn_and_agree(artifacts, task):
