@@ -52,6 +52,7 @@ import onnx
 from onnx import TensorProto, helper
 
 from onnxmp.errors import OnnxMPError, first_line
+from onnxmp.external import session_source
 from onnxmp.graphs import proto_subgraphs
 from onnxmp.metrics import as_output_array
 from onnxmp.naming import FreshNames, proto_names
@@ -189,7 +190,10 @@ def cpu_session(model: onnx.ModelProto, what: str, options=None):
     options = options or ort.SessionOptions()
     options.log_severity_level = 3
     try:
-        return ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
+        with session_source(model, "calibration") as source:
+            return ort.InferenceSession(source, options, providers=["CPUExecutionProvider"])
+    except OnnxMPError:
+        raise
     except Exception as exc:  # onnxruntime's exceptions share no public base class
         raise OnnxMPError(f"onnxruntime cannot load the {what} for calibration: {first_line(exc)}",
                           hint="check that the float32 model runs on onnxruntime CPU") from None
