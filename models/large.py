@@ -14,6 +14,12 @@ float32 the offset costs nothing: LayerNorm's variance keeps about three digits)
 from __future__ import annotations
 
 import argparse
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -87,6 +93,66 @@ def reference(path: str | Path, x: np.ndarray) -> np.ndarray:
         m = (m - m.mean(-1, keepdims=True)) / np.sqrt(m.var(-1, keepdims=True) + eps)
         x = np.maximum(m, 0.0).astype(np.float32)
     return x
+
+
+def write_sparse_model(folder: Path, total_bytes: int) -> Path:
+    """A float32 MatMul chain (8192-wide weights) whose external data file is sparse: about
+    ``total_bytes`` of zeros that take no disk, for checks that must not read the weights."""
+    folder.mkdir()
+    width = 8192
+    per = width * width * 4
+    count = total_bytes // per
+    data = folder / "m.onnx.data"
+    with open(data, "wb") as f:
+        f.truncate(count * per)
+    inits, nodes, cur = [], [], "x"
+    for i in range(count):
+        t = onnx.TensorProto(name=f"w{i}", data_type=onnx.TensorProto.FLOAT, dims=[width, width],
+                             data_location=onnx.TensorProto.EXTERNAL)
+        for key, value in (("location", data.name), ("offset", str(i * per)), ("length", str(per))):
+            entry = t.external_data.add()
+            entry.key, entry.value = key, value
+        inits.append(t)
+        nodes.append(onnx.helper.make_node("MatMul", [cur, f"w{i}"], [f"m{i}"], name=f"mm{i}"))
+        cur = f"m{i}"
+    graph = onnx.helper.make_graph(nodes, "g", [onnx.helper.make_tensor_value_info("x", 1, [1, width])],
+                                   [onnx.helper.make_tensor_value_info(cur, 1, [1, width])], inits)
+    model = onnx.helper.make_model(graph, opset_imports=[onnx.helper.make_opsetid("", 17)])
+    model.ir_version = 8
+    path = folder / "m.onnx"
+    path.write_bytes(model.SerializeToString())
+    return path
+
+
+@dataclass
+class Measured:
+    returncode: int
+    seconds: float
+    peak_rss: int  # bytes: the child's own ru_maxrss, from wait4 (not the max over all children)
+    stdout: str
+    stderr: str
+
+
+def run_measured(argv: list[str], cwd: str | Path | None = None, timeout: float = 1800) -> Measured:
+    """Run ``python argv...`` in a fresh process; its wall time and peak resident memory."""
+    with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
+        start = time.perf_counter()
+        proc = subprocess.Popen([sys.executable, *argv], stdout=out, stderr=err, cwd=cwd, text=True)
+        deadline = start + timeout
+        while True:
+            pid, status, usage = os.wait4(proc.pid, os.WNOHANG)
+            if pid:
+                break
+            if time.perf_counter() > deadline:
+                proc.kill()
+                pid, status, usage = os.wait4(proc.pid, 0)
+                break
+            time.sleep(0.05)
+        seconds = time.perf_counter() - start
+        proc.returncode = os.waitstatus_to_exitcode(status)  # reaped here; Popen must not wait again
+        out.seek(0)
+        err.seek(0)
+        return Measured(proc.returncode, seconds, usage.ru_maxrss * 1024, out.read(), err.read())
 
 
 if __name__ == "__main__":

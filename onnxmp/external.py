@@ -1,14 +1,20 @@
 """Models whose initializers live in external files (and models over 2 GB).
 
-Such models are converted without ever holding all their weights, or the
-serialized proto, in memory at once:
+Such models are converted, emulated, validated and calibrated without ever holding all their
+weights, or the serialized proto, in memory at once (see docs/large-models.md):
 
 * ``load`` leaves external tensors where they are and records absolute
   locations, so the source folder no longer matters;
 * each external initializer is read only when a seed checks it or the rewrite
   converts it, one at a time (:func:`tensor_array`, :func:`converted_external`);
+  converted values wait in a spill folder (:func:`spilled`), deleted by
+  :func:`discard_spilled` once no model needs them;
 * ``verify`` checks a weightless skeleton of the model from a temporary folder;
+* onnxruntime loads a small model file whose tensors point at the weight files
+  (:func:`session_source`, :func:`runtime_file`);
 * ``save`` streams tensor data into the output's data file tensor by tensor.
+
+:func:`is_large` is the one test that sends a model down these paths.
 """
 from __future__ import annotations
 
