@@ -183,3 +183,125 @@ def test_runtime_file_refuses_relative_external_data_of_an_unknown_folder(tmp_pa
     model = onnx.load(str(path), load_external_data=False)  # locations stay relative
     with pytest.raises(OnnxMPError, match="relative to an unknown folder"):
         runtime_file(model, tmp_path)
+
+
+# --- the large-model paths on a small model: every form a model can come in ---------------------
+# A model given by path has external data (read lazily); one given as a ModelProto holds its weights;
+# the same ModelProto over the size threshold (lowered here) takes the file path with its weights
+# written out.  Every command must give the same answer whichever path it takes.
+
+FORMS = ("path", "proto", "proto_over_threshold")
+
+
+@pytest.fixture
+def small(tmp_path):
+    path = write_large_model(tmp_path / "small", layers=4, width=64, culprit=2)
+    return path, inputs(64)
+
+
+@pytest.fixture
+def file_sessions(monkeypatch) -> list[str]:
+    """The models onnxruntime was handed as files (the large-model path), by name."""
+    import onnxmp.external
+
+    calls: list[str] = []
+    real = onnxmp.external.runtime_file
+
+    def spy(model, folder, name="model"):
+        calls.append(name)
+        return real(model, folder, name)
+
+    monkeypatch.setattr(onnxmp.external, "runtime_file", spy)
+    return calls
+
+
+def _as(form: str, path: Path, monkeypatch):
+    if form == "path":
+        return str(path)
+    if form == "proto_over_threshold":
+        monkeypatch.setattr("onnxmp.external.EXTERNAL_DATA_THRESHOLD", 1024)
+    return onnx.load(str(path))
+
+
+def _run(model: onnx.ModelProto, feeds) -> np.ndarray:
+    from onnxmp.search import cpu_session
+
+    return cpu_session(model, "model").run(None, feeds)[0]
+
+
+@pytest.mark.parametrize("form", FORMS)
+def test_validate_gives_the_same_report_on_every_path(small, tmp_path, monkeypatch, file_sessions, form):
+    import onnxmp
+
+    path, x = small
+    cand = tmp_path / "cand.onnx"
+    onnxmp.save(onnxmp.convert(str(path)).model, cand)
+    assert is_large(load(cand, lazy_external=True))  # it has external data: the file path
+    report = onnxmp.validate(_as(form, path, monkeypatch), _as(form, cand, monkeypatch), x)
+    (output,) = report.outputs
+    # The culprit block makes plain float16 fail; the figure is the same whichever path ran it.
+    assert not report.passed and output.max_rel_err > 1e-2
+    assert bool(file_sessions) == (form != "proto"), file_sessions
+    monkeypatch.undo()
+    expected = onnxmp.validate(onnx.load(str(path)), onnx.load(str(cand)), x).outputs[0]
+    assert (output.max_rel_err, output.cosine) == (expected.max_rel_err, expected.cosine)
+
+
+@pytest.mark.parametrize("precision", ["float16", "bfloat16"])
+@pytest.mark.parametrize("form", FORMS)
+def test_emulate_gives_the_same_model_on_every_path(small, tmp_path, monkeypatch, file_sessions, form, precision):
+    import onnxmp
+    from onnxmp.emulate import emulate
+
+    path, x = small
+    cand = tmp_path / "cand.onnx"
+    onnxmp.save(onnxmp.convert(str(path), precision=precision).model, cand)
+    emulated = emulate(_as(form, cand, monkeypatch), precision, keep_io_types=False)
+    external = [t.name for t in emulated.graph.initializer if t.data_location == onnx.TensorProto.EXTERNAL]
+    # Weights widened from a file (or in a large model) wait in spill files, never in the proto.
+    assert bool(external) == (form != "proto")
+    assert {t.data_type for t in emulated.graph.initializer} == {onnx.TensorProto.FLOAT}
+    got = _run(emulated, x)
+    assert bool(file_sessions) == (form != "proto"), file_sessions
+    monkeypatch.undo()
+    plain = emulate(onnx.load(str(cand)), precision, keep_io_types=False)
+    np.testing.assert_array_equal(got, _run(plain, x))
+    out = tmp_path / "emu.onnx"
+    onnxmp.save(emulated, out)  # streams spilled tensors into emu.onnx.data
+    written = onnx.load(str(out))
+    assert [onnx.numpy_helper.to_array(t).tobytes() for t in written.graph.initializer] == \
+           [onnx.numpy_helper.to_array(t).tobytes() for t in plain.graph.initializer]
+
+
+@pytest.mark.parametrize("form", FORMS)
+def test_calibration_finds_the_same_nodes_and_leaves_no_spill_behind(small, monkeypatch, file_sessions, form):
+    import onnxmp
+    from onnxmp.external import locations, spill_folder
+
+    path, x = small
+    before = set(spill_folder().iterdir())
+    result = onnxmp.convert(_as(form, path, monkeypatch), calibration=x)
+    calibration = result.report.calibration
+    assert calibration.met and calibration.cycles, calibration.summary_lines()
+    assert "matmul2" in {m.node for m in calibration.moved}
+    # Only the spill files of the returned model remain: every other candidate's were deleted.
+    left = {str(p) for p in set(spill_folder().iterdir()) - before}
+    assert left <= locations(result.model), sorted(left - locations(result.model))
+    # The probe, the held-out reference, every emulated candidate and the switchboard: all by file.
+    assert bool(file_sessions) == (form != "proto"), file_sessions
+    monkeypatch.undo()
+    expected = onnxmp.convert(onnx.load(str(path)), calibration=x).report.calibration
+    assert [m.node for m in calibration.moved] == [m.node for m in expected.moved]
+    assert calibration.final.tune_error == pytest.approx(expected.final.tune_error, rel=1e-6)
+
+
+@pytest.mark.parametrize("form", FORMS)
+def test_explain_with_calibration_on_every_path(small, monkeypatch, file_sessions, form):
+    import onnxmp
+
+    path, x = small
+    report = onnxmp.explain(_as(form, path, monkeypatch), calibration=x)
+    assert bool(file_sessions) == (form != "proto"), file_sessions
+    monkeypatch.undo()
+    expected = onnxmp.explain(onnx.load(str(path)), calibration=x)
+    assert [(v.node, v.color) for v in report.vertices] == [(v.node, v.color) for v in expected.vertices]
