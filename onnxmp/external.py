@@ -343,9 +343,7 @@ def write_with_external_data(model: onnx.ModelProto, path: Path, data_path: Path
 
 
 def _copy_range(source: str, offset: int, length: str | None, out, tensor: onnx.TensorProto) -> int:
-    itemsize = np.dtype(onnx.helper.tensor_dtype_to_np_dtype(tensor.data_type)).itemsize
-    expected = int(np.prod(tensor.dims, dtype=np.int64)) * itemsize if tensor.dims else itemsize
-    remaining = int(length) if length is not None else expected
+    remaining = int(length) if length is not None else _expected_bytes(tensor)
     total = 0
     with open(source, "rb") as src:
         src.seek(offset)

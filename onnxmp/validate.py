@@ -1,7 +1,9 @@
 """Numerical parity of a (mixed-precision) candidate model against its float32 reference.
 
-Both models run on onnxruntime with the same inputs and every reference
-output is compared, by name, with the candidate's:
+Both models run on onnxruntime with the same inputs, one after the other (the
+reference's session is freed before the candidate's is built, so a model over
+2 GB is in memory once), and every reference output is compared, by name, with
+the candidate's:
 
 * ``max_abs_err``: max |ref - cand|;
 * ``max_rel_err``: max |ref - cand| / max |ref|.  Normwise, not elementwise:

@@ -6,7 +6,7 @@ Writes ``models/large.py``'s model (36 x 4096 blocks: 2.42 GB, one block losing 
 into a temporary folder (or ``--folder``), then runs, each in a fresh process, ``convert``,
 ``convert --calibrate``, ``validate`` (reference against the calibrated model), ``emulate`` and
 ``explain``, and prints wall seconds and peak RSS (the child's own ``ru_maxrss``), also as a
-multiple of the float32 weights.  The folder is deleted afterwards unless ``--keep``.
+multiple of the float32 weights.  What it wrote is deleted afterwards unless ``--keep``.
 """
 from __future__ import annotations
 
@@ -36,7 +36,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.folder is not None and args.folder.exists() and any(args.folder.iterdir()):
         parser.error(f"--folder {args.folder} is not empty")
+    created = args.folder is None or not args.folder.exists()  # a folder we made goes whole
     folder = args.folder or Path(tempfile.mkdtemp(prefix="onnxmp-bench-large-"))
+    written = [NAME, f"{NAME}.data", "x.npz", "cal.onnx", "cal.onnx.data"]
     try:
         model = write_large_model(folder, layers=args.layers, width=args.width, culprit=args.layers // 2)
         np.savez(folder / "x.npz", **inputs(args.width))
@@ -64,8 +66,11 @@ def main(argv: list[str] | None = None) -> int:
                 if not args.keep:  # the disk holds the model and one output at a time
                     (folder / name).unlink(missing_ok=True)
     finally:
-        if not args.keep:
+        if not args.keep and created:
             shutil.rmtree(folder, ignore_errors=True)
+        elif not args.keep:
+            for name in written:
+                (folder / name).unlink(missing_ok=True)
     return 0
 
 
