@@ -368,22 +368,19 @@ def check_skeleton(model: onnx.ModelProto, folder: str | os.PathLike) -> Path:
 
 
 def runtime_file(model: onnx.ModelProto, folder: str | os.PathLike, name: str = "model") -> Path:
-    """Write ``model`` into ``folder`` for onnxruntime to load by path, without serializing its weights:
-    external tensors keep their (absolute) files, and large in-memory tensors are written out
-    tensor by tensor into ``<name>.onnx.data``.  The model itself is not changed."""
+    """Write ``model`` into ``folder`` for onnxruntime to load by path, without serializing its weights.
+
+    Large in-memory tensors are written out tensor by tensor into ``<name>.onnx.data``; external
+    tensors stay in their files, each reached through a symlink in ``folder``: onnxruntime refuses
+    absolute locations (in subgraphs, in 1.19).  The model itself is not changed.
+    """
     folder = Path(folder)
     path = folder / f"{name}.onnx"
     data = folder / f"{name}.onnx.data"
     with open(data, "wb") as out:
         def runtime_tensor(tensor: onnx.TensorProto) -> onnx.TensorProto:
-            if uses_external_data(tensor):
-                location = info(tensor).get("location", "")
-                if not os.path.isabs(location):
-                    raise OnnxMPError(f"tensor `{tensor.name}` records its external data file relative to "
-                                      f"an unknown folder: {location}",
-                                      hint="pass the model's path, or load it with onnxmp.load(path)")
-                return tensor
-            if tensor.data_type == onnx.TensorProto.STRING or tensor.ByteSize() <= SKELETON_TENSOR_BYTES:
+            if (uses_external_data(tensor) or tensor.data_type == onnx.TensorProto.STRING
+                    or tensor.ByteSize() <= SKELETON_TENSOR_BYTES):
                 return tensor
             proto = onnx.TensorProto(name=tensor.name, data_type=tensor.data_type, dims=tensor.dims)
             offset = out.tell()
@@ -395,6 +392,23 @@ def runtime_file(model: onnx.ModelProto, folder: str | os.PathLike, name: str = 
             return proto
 
         shell = _shell(model, runtime_tensor)
+    links: dict[str, str] = {}
+    for tensor in all_tensors(shell):  # the shell's own copies: relocating them leaves ``model`` alone
+        if not uses_external_data(tensor):
+            continue
+        meta = info(tensor)
+        location = meta.get("location", "")
+        if location == data.name:
+            continue
+        if not os.path.isabs(location):
+            raise OnnxMPError(f"tensor `{tensor.name}` records its external data file relative to "
+                              f"an unknown folder: {location}",
+                              hint="pass the model's path, or load it with onnxmp.load(path)")
+        if location not in links:
+            links[location] = f"{name}.{len(links)}.bin"
+            os.symlink(location, folder / links[location])
+        meta["location"] = links[location]
+        _set_info(tensor, meta)
     path.write_bytes(shell.SerializeToString())
     return path
 
