@@ -38,6 +38,7 @@ import onnx
 
 from onnxmp.color.seeds import DEFAULT_THRESHOLD, DEFAULT_UNDERFLOW_SHARE
 from onnxmp.errors import OnnxMPError
+from onnxmp.external import discard_spilled, skeleton
 from onnxmp.graphs import proto_nodes
 from onnxmp.load import load
 from onnxmp.metrics import MetricPlan, metric_plan, relative_error  # noqa: F401  (relative_error: public here)
@@ -85,7 +86,7 @@ def split_holdout(samples: Sequence[Sample], holdout: int | None) -> tuple[list[
 
 def _float_tensors(model: onnx.ModelProto) -> list[str]:
     """Main-graph tensors that are float32 after shape inference, in node order."""
-    inferred = onnx.shape_inference.infer_shapes(model)
+    inferred = onnx.shape_inference.infer_shapes(skeleton(model))  # types only: no weights, no 2 GB limit
     types = {v.name: v.type.tensor_type.elem_type for v in
              list(inferred.graph.value_info) + list(inferred.graph.output) + list(inferred.graph.input)}
     names = []
@@ -124,7 +125,7 @@ def _probe(model: onnx.ModelProto) -> onnx.ModelProto:
 
 def observe_magnitudes(model: onnx.ModelProto, calibration) -> dict[str, float]:
     """max |x| over all samples of every float32 intermediate of the fp32 model."""
-    model = load(model)
+    model = load(model, lazy_external=True)
     magnitudes: dict[str, float] = {}
     for run in run_samples(cpu_session(_probe(model), "model"), samples_from(model, calibration)):
         _fold_magnitudes(magnitudes, run)
@@ -295,7 +296,7 @@ class _Calibration:
             raise OnnxMPError(f"max_runs must be at least 1, got {max_runs}")
         self.started = time.perf_counter()
         self.convert_pass = convert_pass
-        self.original = load(model)
+        self.original = load(model, lazy_external=True)
         # Unique names now, by normalize's own scheme, so the search and the coloring agree on names.
         make_node_names_unique(self.original.graph)
         self.tolerance = tolerance
@@ -331,7 +332,10 @@ class _Calibration:
         from onnxmp.emulate import emulate
 
         self.runs += 1
-        session = cpu_session(emulate(result.model, self.precision, keep_io_types=False), "converted model")
+        emulated = emulate(result.model, self.precision, keep_io_types=False)
+        session = cpu_session(emulated, "converted model")
+        discard_spilled(emulated, keep=[result.model])  # the session holds them now
+        del emulated
         tune = self.plan.errors(self.ref_tune, list(run_samples(session, self.tune, self.outputs)))
         held = (self.plan.errors(self.ref_held, list(run_samples(session, self.held, self.outputs)))
                 if self.held else None)
@@ -440,7 +444,9 @@ class _Calibration:
             for name, node in low.items():
                 forced[name] = f"{ACCURACY_FALLBACK}: the search could not land; all-float32 fallback"
                 moved[name] = MovedNode(name, node.op, "all-float32 fallback", None, None)
-            current = self.convert(forced)
+            previous, current = current, self.convert(forced)
+            if previous is not best:
+                self._drop(previous)
         current_m = self.measure(current)
         self.report.cycles.append(CycleRecord(len(self.report.cycles) + 1, len(forced), current_m,
                                               min(best_m.worst, current_m.worst), self.tolerance))
@@ -452,7 +458,17 @@ class _Calibration:
             share = result.report.tensor_core_share() or 0.0
             return (0, -share, m.worst) if m.meets(self.tolerance) else (1, m.worst, -share)
 
-        return (cand, cand_m) if key(cand, cand_m) < key(best, best_m) else (best, best_m)
+        if cand is best:
+            return best, min(best_m, cand_m, key=lambda m: m.worst)
+        if key(cand, cand_m) < key(best, best_m):
+            self._drop(best)
+            return cand, cand_m
+        self._drop(cand)  # its report still steers the next cycle; its weights are not needed
+        return best, best_m
+
+    def _drop(self, result) -> None:
+        """Delete the weights a converted candidate spilled (a large model's are as big as the model)."""
+        discard_spilled(result.model, keep=[self.original])
 
     def finish(self, result):
         rep = self.report

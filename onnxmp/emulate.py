@@ -45,6 +45,8 @@ import onnx.shape_inference
 from onnx import AttributeProto, TensorProto, helper, numpy_helper
 
 from onnxmp.errors import OnnxMPError
+from onnxmp.external import SKELETON_TENSOR_BYTES, is_large, read_external, spilled
+from onnxmp.external import info as external_info
 from onnxmp.precision import BY_ONNX_TYPE, LOW, low_precision
 from onnxmp.naming import FreshNames, proto_names
 from onnxmp.load import load
@@ -84,7 +86,8 @@ _EXACT_OPS = frozenset({
 
 
 def as_model(model: onnx.ModelProto | str | os.PathLike) -> onnx.ModelProto:
-    """Return ``model`` itself, or the model loaded (with external data) from a path.
+    """Return ``model`` itself, or the model loaded from a path, its external data left in its files
+    (tensors point at them by absolute path; :mod:`onnxmp.external` reads them one at a time).
 
     Unlike :func:`onnxmp.load.load` a ModelProto is not copied: every caller
     here only reads it or copies it before changing anything.
@@ -94,7 +97,7 @@ def as_model(model: onnx.ModelProto | str | os.PathLike) -> onnx.ModelProto:
     if isinstance(model, (str, os.PathLike)) and not os.path.exists(model):
         # The CLI and its users key on "not found" for a missing file.
         raise OnnxMPError(f"model file not found: {os.fspath(model)}", "check the path")
-    return load(model)
+    return load(model, lazy_external=True)
 
 
 def low_precision_types(model: onnx.ModelProto | str | os.PathLike) -> list[str]:
@@ -151,7 +154,8 @@ def emulate(model: onnx.ModelProto | str | os.PathLike, precision: str = "float1
         # per-node rewrite see the concrete types.
         result = onnx.inliner.inline_local_functions(result)
     types = infer_tensor_types(result)
-    _Emulator(elem, types, FreshNames(proto_names(result.graph))).main_graph(result.graph, keep_io_types)
+    _Emulator(elem, types, FreshNames(proto_names(result.graph)), is_large(result)).main_graph(
+        result.graph, keep_io_types)
     return result
 
 
@@ -280,11 +284,24 @@ def _retype(tp: onnx.TypeProto, elem: int) -> bool:
     return False
 
 
-def _to_float(tensor: TensorProto) -> TensorProto:
+def _to_float(tensor: TensorProto, spill: bool = False) -> TensorProto:
+    """``tensor`` as float32; with ``spill`` (a large model) a big one goes to a spill file, as
+    conversion's tensors do, so the emulated model never holds its weights in memory."""
     if tensor.data_location == TensorProto.EXTERNAL:
-        raise OnnxMPError(f"tensor {tensor.name!r} keeps its data in an external file that is not loaded",
-                          "load the model with its external data (onnx.load does by default)")
-    converted = numpy_helper.from_array(numpy_helper.to_array(tensor).astype(np.float32), tensor.name)
+        if not os.path.isabs(external_info(tensor).get("location", "")):
+            raise OnnxMPError(f"tensor {tensor.name!r} keeps its data in an external file that is not loaded",
+                              "pass the model's path, or load it with onnxmp.load(path)")
+        # Read as a whole in-memory tensor, one at a time, so numpy_helper decodes every dtype.
+        loaded = TensorProto(name=tensor.name, data_type=tensor.data_type, dims=tensor.dims)
+        loaded.raw_data = read_external(tensor).tobytes()
+        values, spill = numpy_helper.to_array(loaded).astype(np.float32), True
+        del loaded
+    else:
+        values = numpy_helper.to_array(tensor).astype(np.float32)
+    if spill and values.nbytes > SKELETON_TENSOR_BYTES:
+        converted = spilled(tensor.name, values, TensorProto.FLOAT)
+    else:
+        converted = numpy_helper.from_array(values, tensor.name)
     converted.doc_string = tensor.doc_string
     converted.metadata_props.extend(tensor.metadata_props)
     return converted
@@ -322,8 +339,9 @@ def _rename(graph: onnx.GraphProto, mapping: dict[str, str], *, outputs: bool) -
 
 
 class _Emulator:
-    def __init__(self, elem: int, types: dict[str, onnx.TypeProto], namer: FreshNames):
+    def __init__(self, elem: int, types: dict[str, onnx.TypeProto], namer: FreshNames, spill: bool = False):
         self.elem = elem
+        self.spill = spill
         self.tag = BY_ONNX_TYPE[elem].tag
         self.types = types
         self.name = namer
@@ -344,10 +362,10 @@ class _Emulator:
     def graph(self, graph: onnx.GraphProto, keep_output_types: bool = False) -> None:
         for i, init in enumerate(graph.initializer):
             if init.data_type == self.elem:
-                graph.initializer[i].CopyFrom(_to_float(init))
+                graph.initializer[i].CopyFrom(_to_float(init, self.spill))
         for sparse in graph.sparse_initializer:
             if sparse.values.data_type == self.elem:
-                sparse.values.CopyFrom(_to_float(sparse.values))
+                sparse.values.CopyFrom(_to_float(sparse.values, self.spill))
         for value in graph.value_info:
             _retype(value.type, self.elem)
         needs_float = _read_by_non_casts(graph, outputs=not keep_output_types)
@@ -372,13 +390,13 @@ class _Emulator:
                 for sub in attr.graphs:
                     self._subgraph(sub)
             elif attr.type == AttributeProto.TENSOR and attr.t.data_type == self.elem:
-                attr.t.CopyFrom(_to_float(attr.t))
+                attr.t.CopyFrom(_to_float(attr.t, self.spill))
             elif attr.type == AttributeProto.TENSORS:
                 for t in attr.tensors:
                     if t.data_type == self.elem:
-                        t.CopyFrom(_to_float(t))
+                        t.CopyFrom(_to_float(t, self.spill))
             elif attr.type == AttributeProto.SPARSE_TENSOR and attr.sparse_tensor.values.data_type == self.elem:
-                attr.sparse_tensor.values.CopyFrom(_to_float(attr.sparse_tensor.values))
+                attr.sparse_tensor.values.CopyFrom(_to_float(attr.sparse_tensor.values, self.spill))
             elif attr.type == AttributeProto.TYPE_PROTO:
                 _retype(attr.tp, self.elem)
             elif attr.type == AttributeProto.TYPE_PROTOS:

@@ -1,24 +1,31 @@
 """Models whose initializers live in external files (and models over 2 GB).
 
-Such models are converted without ever holding all their weights, or the
-serialized proto, in memory at once:
+Such models are converted, emulated, validated and calibrated without ever holding all their
+weights, or the serialized proto, in memory at once (see docs/large-models.md):
 
 * ``load`` leaves external tensors where they are and records absolute
   locations, so the source folder no longer matters;
 * each external initializer is read only when a seed checks it or the rewrite
   converts it, one at a time (:func:`tensor_array`, :func:`converted_external`);
+  converted values wait in a spill folder (:func:`spilled`), deleted by
+  :func:`discard_spilled` once no model needs them;
 * ``verify`` checks a weightless skeleton of the model from a temporary folder;
+* onnxruntime loads a small model file whose tensors point at the weight files
+  (:func:`session_source`, :func:`runtime_file`);
 * ``save`` streams tensor data into the output's data file tensor by tensor.
+
+:func:`is_large` is the one test that sends a model down these paths.
 """
 from __future__ import annotations
 
 import atexit
+import contextlib
 import itertools
 import os
 import shutil
 import tempfile
 from pathlib import Path
-from typing import Iterator
+from typing import Callable, Iterable, Iterator
 
 import numpy as np
 import onnx
@@ -28,6 +35,11 @@ from onnxmp.errors import OnnxMPError
 from onnxmp.graphs import holders, may_hold_graphs, proto_subgraphs
 
 CHUNK = 64 << 20  # bytes copied per read when streaming external data
+# Protobuf cannot serialize a message over 2 GiB; a model above half of it keeps (or gets) its weights in
+# files.  The same test picks every large-model path (save, sessions, emulate), so a model just under
+# 2 GB and one just over take the same one.
+EXTERNAL_DATA_THRESHOLD = 1 << 30
+PROTOBUF_LIMIT = 2**31 - 1
 SKELETON_DATA = "onnxmp-skeleton.bin"
 SKELETON_TENSOR_BYTES = 1024  # raw data above this is left out of the skeleton
 _PLAIN = frozenset({onnx.AttributeProto.INT, onnx.AttributeProto.FLOAT, onnx.AttributeProto.STRING,
@@ -106,6 +118,28 @@ def has_external_data(model: onnx.ModelProto, serialized: bytes | None = None) -
     return any(t.data_location == external for f in model.functions for t in _attribute_tensors(f))
 
 
+def is_large(model: onnx.ModelProto) -> bool:
+    """Whether ``model`` must be handled through files: its data is external, or it is too big to
+    serialize in one piece comfortably."""
+    return has_external_data(model) or model.ByteSize() > EXTERNAL_DATA_THRESHOLD
+
+
+def data_bytes(model: onnx.ModelProto) -> int:
+    """Bytes of the model with its external data: the proto plus every external tensor's length
+    (read from the records, not the files)."""
+    total = model.ByteSize()
+    for tensor in all_tensors(model):
+        if uses_external_data(tensor):
+            meta = info(tensor)
+            total += int(meta["length"]) if "length" in meta else _expected_bytes(tensor)
+    return total
+
+
+def _expected_bytes(tensor: onnx.TensorProto) -> int:
+    itemsize = np.dtype(onnx.helper.tensor_dtype_to_np_dtype(tensor.data_type)).itemsize
+    return int(np.prod(tensor.dims, dtype=np.int64)) * itemsize if tensor.dims else itemsize
+
+
 def locations(model: onnx.ModelProto) -> set[str]:
     """The ``location`` of every external tensor, as recorded: relative to the model's folder in a
     file, absolute in a model onnxmp loaded."""
@@ -174,12 +208,28 @@ def converted_external(source: onnx.TensorProto, low_dtype: np.dtype, low_enum: 
     as long as the process (or until ``save`` copies them), so the converted model
     never holds its weights in memory.
     """
+    return spilled(source.name, read_external(source).astype(low_dtype), low_enum)
+
+
+def spilled(name: str, values: np.ndarray, data_type: int) -> onnx.TensorProto:
+    """A tensor named ``name`` whose ``values`` are written to a file of the spill folder."""
     path = spill_folder() / f"{next(_SPILLED)}.bin"
-    values = read_external(source).astype(low_dtype)
-    values.tofile(path)
-    proto = onnx.TensorProto(name=source.name, data_type=low_enum, dims=source.dims)
+    np.ascontiguousarray(values).tofile(path)
+    proto = onnx.TensorProto(name=name, data_type=data_type, dims=values.shape)
     _set_info(proto, {"location": str(path), "offset": 0, "length": values.nbytes})
     return proto
+
+
+def discard_spilled(model: onnx.ModelProto, keep: Iterable[onnx.ModelProto] = ()) -> None:
+    """Delete the spill files ``model`` reads that no model in ``keep`` reads: a converted or
+    emulated copy of a large model is as big as its weights, and a search makes many."""
+    if not _SPILL:
+        return
+    folder = str(_SPILL[0])
+    kept = set().union(*(locations(m) for m in keep))
+    for location in locations(model) - kept:
+        if os.path.dirname(location) == folder:
+            Path(location).unlink(missing_ok=True)
 
 
 _SPILL: list[Path] = []
@@ -201,13 +251,20 @@ def skeleton(model: onnx.ModelProto, holding: list[onnx.NodeProto] | None = None
     serialize more than 2 GB, and checker and type inference need only types.
     ``holding`` is ``holders(model.graph)`` when the caller has it already.
     """
+    return _shell(model, _skeleton_tensor, holding)
+
+
+def _shell(model: onnx.ModelProto, tensor: Callable[[onnx.TensorProto], onnx.TensorProto],
+           holding: list[onnx.NodeProto] | None = None) -> onnx.ModelProto:
+    """A copy of ``model`` with every initializer (all graphs) passed through ``tensor``, built field
+    by field so the weights are never copied."""
     out = onnx.ModelProto()
     for field in ("ir_version", "producer_name", "producer_version", "domain", "model_version", "doc_string"):
         setattr(out, field, getattr(model, field))
     out.opset_import.extend(model.opset_import)
     out.metadata_props.extend(model.metadata_props)
     out.functions.extend(model.functions)
-    _skeleton_graph(model.graph, out.graph, holding)
+    _skeleton_graph(model.graph, out.graph, holding, tensor)
     return out
 
 
@@ -219,15 +276,15 @@ def _skeleton_tensor(tensor: onnx.TensorProto) -> onnx.TensorProto:
     return proto
 
 
-def _skeleton_graph(graph: onnx.GraphProto, out: onnx.GraphProto, holding: list[onnx.NodeProto] | None = None
-                    ) -> None:
-    """Fill ``out`` (empty) with the skeleton of ``graph``, in place: no copy of the copy."""
+def _skeleton_graph(graph: onnx.GraphProto, out: onnx.GraphProto, holding: list[onnx.NodeProto] | None = None,
+                    tensor: Callable[[onnx.TensorProto], onnx.TensorProto] = _skeleton_tensor) -> None:
+    """Fill ``out`` (empty) with ``graph``, initializers through ``tensor``, in place: no copy of the copy."""
     out.name, out.doc_string = graph.name, graph.doc_string
     out.input.extend(graph.input)
     out.output.extend(graph.output)
     out.value_info.extend(graph.value_info)
     out.sparse_initializer.extend(graph.sparse_initializer)
-    out.initializer.extend([_skeleton_tensor(t) for t in graph.initializer])
+    out.initializer.extend([tensor(t) for t in graph.initializer])
     out.node.extend(graph.node)  # one C++ copy; only nodes holding subgraphs are rebuilt below
     if not (holders(graph) if holding is None else holding):
         return
@@ -241,11 +298,11 @@ def _skeleton_graph(graph: onnx.GraphProto, out: onnx.GraphProto, holding: list[
             a = copy.attribute.add()
             if attr.type == onnx.AttributeProto.GRAPH:
                 a.name, a.type, a.doc_string = attr.name, attr.type, attr.doc_string
-                _skeleton_graph(attr.g, a.g)
+                _skeleton_graph(attr.g, a.g, tensor=tensor)
             elif attr.type == onnx.AttributeProto.GRAPHS:
                 a.name, a.type, a.doc_string = attr.name, attr.type, attr.doc_string
                 for g in attr.graphs:
-                    _skeleton_graph(g, a.graphs.add())
+                    _skeleton_graph(g, a.graphs.add(), tensor=tensor)
             else:
                 a.CopyFrom(attr)
 
@@ -286,9 +343,7 @@ def write_with_external_data(model: onnx.ModelProto, path: Path, data_path: Path
 
 
 def _copy_range(source: str, offset: int, length: str | None, out, tensor: onnx.TensorProto) -> int:
-    itemsize = np.dtype(onnx.helper.tensor_dtype_to_np_dtype(tensor.data_type)).itemsize
-    expected = int(np.prod(tensor.dims, dtype=np.int64)) * itemsize if tensor.dims else itemsize
-    remaining = int(length) if length is not None else expected
+    remaining = int(length) if length is not None else _expected_bytes(tensor)
     total = 0
     with open(source, "rb") as src:
         src.seek(offset)
@@ -310,3 +365,61 @@ def check_skeleton(model: onnx.ModelProto, folder: str | os.PathLike) -> Path:
     path = folder / "skeleton.onnx"
     path.write_bytes(skeleton(model).SerializeToString())
     return path
+
+
+def runtime_file(model: onnx.ModelProto, folder: str | os.PathLike, name: str = "model") -> Path:
+    """Write ``model`` into ``folder`` for onnxruntime to load by path, without serializing its weights.
+
+    Large in-memory tensors are written out tensor by tensor into ``<name>.onnx.data``; external
+    tensors stay in their files, each reached through a symlink in ``folder``: onnxruntime refuses
+    absolute locations (in subgraphs, in 1.19).  The model itself is not changed.
+    """
+    folder = Path(folder)
+    path = folder / f"{name}.onnx"
+    data = folder / f"{name}.onnx.data"
+    with open(data, "wb") as out:
+        def runtime_tensor(tensor: onnx.TensorProto) -> onnx.TensorProto:
+            if (uses_external_data(tensor) or tensor.data_type == onnx.TensorProto.STRING
+                    or tensor.ByteSize() <= SKELETON_TENSOR_BYTES):
+                return tensor
+            proto = onnx.TensorProto(name=tensor.name, data_type=tensor.data_type, dims=tensor.dims)
+            offset = out.tell()
+            raw = tensor.raw_data or onnx.numpy_helper.to_array(tensor).tobytes()
+            out.write(raw)
+            _set_info(proto, {"location": data.name, "offset": offset, "length": len(raw)})
+            del raw
+            out.write(b"\0" * ((-out.tell()) % 64))
+            return proto
+
+        shell = _shell(model, runtime_tensor)
+    links: dict[str, str] = {}
+    for tensor in all_tensors(shell):  # the shell's own copies: relocating them leaves ``model`` alone
+        if not uses_external_data(tensor):
+            continue
+        meta = info(tensor)
+        location = meta.get("location", "")
+        if location == data.name:
+            continue
+        if not os.path.isabs(location):
+            raise OnnxMPError(f"tensor `{tensor.name}` records its external data file relative to "
+                              f"an unknown folder: {location}",
+                              hint="pass the model's path, or load it with onnxmp.load(path)")
+        if location not in links:
+            links[location] = f"{name}.{len(links)}.bin"
+            os.symlink(location, folder / links[location])
+        meta["location"] = links[location]
+        _set_info(tensor, meta)
+    path.write_bytes(shell.SerializeToString())
+    return path
+
+
+@contextlib.contextmanager
+def session_source(model: onnx.ModelProto, name: str = "model") -> Iterator[str | bytes]:
+    """What onnxruntime should build a session of ``model`` from, for the ``with`` block's duration:
+    the serialized model, or for a large one (:func:`is_large`) a :func:`runtime_file` in a temporary
+    folder, so that no serialized whole model is ever in memory and the 2 GB limit never applies."""
+    if not is_large(model):
+        yield model.SerializeToString()
+        return
+    with tempfile.TemporaryDirectory(prefix="onnxmp-session-") as folder:
+        yield str(runtime_file(model, folder, name))

@@ -9,13 +9,12 @@ from pathlib import Path
 import onnx
 
 from onnxmp.errors import OnnxMPError
-from onnxmp.external import has_external_data, read_locations, write_with_external_data
+from onnxmp.external import EXTERNAL_DATA_THRESHOLD, is_large, read_locations, write_with_external_data
 from onnxmp.files import atomic_write, destination, guard_outputs
 
 log = logging.getLogger("onnxmp.save")
 
-# Protobuf cannot serialize a message over 2 GiB; stay well below it.
-EXTERNAL_DATA_THRESHOLD = 1 << 30
+__all__ = ["EXTERNAL_DATA_THRESHOLD", "external_data_path", "save"]
 
 
 def external_data_path(path: str | os.PathLike) -> Path:
@@ -38,7 +37,7 @@ def save(model: onnx.ModelProto, path: str | os.PathLike, *, external_data: bool
     """
     path = Path(path)
     if external_data is None:
-        external_data = has_external_data(model) or model.ByteSize() > EXTERNAL_DATA_THRESHOLD
+        external_data = is_large(model)
     if location is not None and Path(location).name != location:
         raise OnnxMPError(f"external data location {location!r} is not a bare file name",
                           hint="the data file is written beside the model; pass its name only")

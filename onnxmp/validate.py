@@ -1,7 +1,9 @@
 """Numerical parity of a (mixed-precision) candidate model against its float32 reference.
 
-Both models run on onnxruntime with the same inputs and every reference
-output is compared, by name, with the candidate's:
+Both models run on onnxruntime with the same inputs, one after the other (the
+reference's session is freed before the candidate's is built, so a model over
+2 GB is in memory once), and every reference output is compared, by name, with
+the candidate's:
 
 * ``max_abs_err``: max |ref - cand|;
 * ``max_rel_err``: max |ref - cand| / max |ref|.  Normwise, not elementwise:
@@ -38,14 +40,12 @@ overflowing BatchNorm variance of ``cnn_bn_bigvar``) scores cosine 0.06.
 """
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import json
 import logging
 import math
 import os
 import subprocess
-import tempfile
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
@@ -55,6 +55,7 @@ import onnx
 from onnxmp.emulate import as_model, emulate, low_precision_types
 from onnxmp.emulate import session_options as emulation_session_options
 from onnxmp.errors import OnnxMPError, first_line
+from onnxmp.external import discard_spilled, session_source
 from onnxmp.inputs import Sample, as_samples, check_inputs, drop_extra_inputs, generate_inputs
 from onnxmp.metrics import as_output_array
 from onnxmp.naming import json_safe
@@ -64,7 +65,6 @@ log = logging.getLogger("onnxmp.validate")
 
 METRICS = ("max_abs_err", "max_rel_err", "cosine", "top1")
 PROVIDERS = {"cpu": "CPUExecutionProvider", "cuda": "CUDAExecutionProvider"}
-_PROTOBUF_LIMIT = 2**31 - 1
 
 
 @dataclass
@@ -278,7 +278,7 @@ def _warn_if_no_tensor_cores() -> None:
                     "float16 will not be faster than float32 there", name.strip(), capability)
 
 
-def _session(model: onnx.ModelProto, provider: str, role: str, stack: contextlib.ExitStack):
+def _session(model: onnx.ModelProto, provider: str, role: str):
     import onnxruntime as ort
 
     ep = PROVIDERS[provider]
@@ -290,17 +290,12 @@ def _session(model: onnx.ModelProto, provider: str, role: str, stack: contextlib
     # neither side's numbers depend on which fusions ORT picks.
     options = emulation_session_options() if provider == "cpu" else ort.SessionOptions()
     options.log_severity_level = 3
-    source: str | bytes
-    if model.ByteSize() > _PROTOBUF_LIMIT:
-        # Too big to serialize in one piece: hand onnxruntime a file with external data.
-        folder = stack.enter_context(tempfile.TemporaryDirectory(prefix="onnxmp-"))
-        source = os.path.join(folder, f"{role}.onnx")
-        onnx.save_model(model, source, save_as_external_data=True, location=f"{role}.onnx.data")
-    else:
-        source = model.SerializeToString()
     providers = [ep] if provider == "cpu" else [ep, PROVIDERS["cpu"]]
     try:
-        session = ort.InferenceSession(source, options, providers=providers)
+        with session_source(model, role) as source:
+            session = ort.InferenceSession(source, options, providers=providers)
+    except OnnxMPError:
+        raise
     except Exception as exc:  # onnxruntime's exceptions share no public base class
         raise OnnxMPError(f"onnxruntime cannot load the {role} model: {first_line(exc)}",
                           "check the model with onnx.checker.check_model") from None
@@ -324,6 +319,17 @@ def _run(session, model: onnx.ModelProto, sample: Sample, role: str) -> dict[str
     except Exception as exc:  # onnxruntime's exceptions share no public base class
         raise OnnxMPError(f"the {role} model failed to run: {first_line(exc)}") from None
     return {o.name: as_output_array(v) for o, v in zip(session.get_outputs(), values)}
+
+
+def _outputs(model: onnx.ModelProto, given: onnx.ModelProto, provider: str, role: str,
+             samples: Sequence[Sample]) -> Iterable[dict[str, np.ndarray]]:
+    """``model``'s outputs on each sample, from one session; ``model`` is ``given`` or its emulated copy,
+    whose spilled weights are deleted once the session holds them."""
+    session = _session(model, provider, role)
+    if model is not given:
+        discard_spilled(model, keep=[given])
+    for sample in samples:
+        yield _run(session, model, sample, role)
 
 
 def _samples(model: onnx.ModelProto, inputs, dims, seed: int) -> list[Sample]:
@@ -396,29 +402,28 @@ def validate(reference: onnx.ModelProto | str | os.PathLike, candidate: onnx.Mod
                           "outputs are compared by name; the candidate must keep the reference's names")
     samples = drop_extra_inputs(ref_model, _samples(ref_model, inputs, dims, seed))
 
-    ref_model = _emulated(ref_model, ref_precisions)  # a reference with fp16 in it still runs on the CPU
+    ref_run = _emulated(ref_model, ref_precisions)  # a reference with fp16 in it still runs on the CPU
     emulated: list[str] = []
     if provider == "cpu":
-        cand_model, emulated = _emulated(cand_model, cand_precisions), cand_precisions
+        cand_run, emulated = _emulated(cand_model, cand_precisions), cand_precisions
     else:
+        cand_run = cand_model
         _warn_if_no_tensor_cores()
     if emulated:
         log.info("emulating %s numerics of the candidate on CPU", " and ".join(emulated))
 
+    # One session at a time: the reference's outputs are kept (small next to the weights) and its
+    # session is freed before the candidate's is built, so a large model's weights are in memory once.
+    ref_outs = list(_outputs(ref_run, ref_model, "cpu", "reference", samples))
     results: dict[str, OutputParity] = {}
     top1_rows: dict[str, list[int]] = {}
-    with contextlib.ExitStack() as stack:
-        ref_session = _session(ref_model, "cpu", "reference", stack)
-        cand_session = _session(cand_model, provider, "candidate", stack)
-        for sample in samples:
-            ref_out = _run(ref_session, ref_model, sample, "reference")
-            cand_out = _run(cand_session, cand_model, sample, "candidate")
-            for name, ref in ref_out.items():
-                if name not in results:
-                    results[name] = OutputParity(name=name, dtype=ref.dtype.name, shape=list(ref.shape),
-                                                 exact=not _is_float(ref))
-                    top1_rows[name] = [0, 0]
-                _compare(results[name], ref, cand_out[name], wanted, top1_rows[name])
+    for ref_out, cand_out in zip(ref_outs, _outputs(cand_run, cand_model, provider, "candidate", samples)):
+        for name, ref in ref_out.items():
+            if name not in results:
+                results[name] = OutputParity(name=name, dtype=ref.dtype.name, shape=list(ref.shape),
+                                             exact=not _is_float(ref))
+                top1_rows[name] = [0, 0]
+            _compare(results[name], ref, cand_out[name], wanted, top1_rows[name])
     for name, result in results.items():
         agree, total = top1_rows[name]
         if total:

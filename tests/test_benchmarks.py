@@ -41,6 +41,16 @@ def test_bench_convert_smallest(tmp_path):
         assert {"ours_over_occ_at_largest", "ours_growth_per_4x", "peak_rss_ours_over_occ"} <= set(shape["targets"])
 
 
+def test_bench_large_runs_every_command_on_a_small_stand_in(tmp_path):
+    folder = tmp_path / "large"
+    proc = run([sys.executable, str(SCRIPTS / "bench_large.py"), "--layers", "2", "--width", "64",
+                "--folder", str(folder)], timeout=300)
+    rows = [line.split() for line in proc.stdout.splitlines()[2:]]
+    assert [row[0] for row in rows] == ["convert", "convert", "validate", "emulate", "explain"]
+    assert all(row[-1] == "0" for row in rows), proc.stdout  # every command exited 0
+    assert not folder.exists()  # the generated model and the outputs are deleted
+
+
 def test_bench_passes_prints_growth_per_pass():
     proc = run([sys.executable, str(SCRIPTS / "bench_passes.py"), "--sizes", "300,1200", "--repeat", "1"],
                timeout=120)

@@ -117,7 +117,9 @@ def _train_on(args, comm) -> int:
         spec = _DataSpec.of_manifest(trainer.artifacts.manifest)
     else:
         from onnxmp.load import load
+        from onnxmp.training.artifacts import check_trainable_size
 
+        check_trainable_size(args.model)  # before the weights are read into memory
         model = load(args.model)
         spec = _DataSpec.of_model(model, args.loss)
     # Every check on the data happens before anything is built or written.

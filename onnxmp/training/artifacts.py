@@ -161,8 +161,7 @@ def build_artifacts(
     float32 scalar.  The loss reads the model's first output; ``label_name``
     (default: ``labels`` for cross entropy, ``target`` otherwise) names the new
     label input.  ``precision="float32"`` builds the fp32 baseline (no
-    conversion).  Models over 2 GB are not supported (onnxblock needs them in
-    memory).
+    conversion).  Models over 2 GB are refused before any work (see :func:`check_trainable_size`).
     """
     from onnxmp.load import load
 
@@ -178,6 +177,7 @@ def build_artifacts(
     if both:
         raise OnnxMPError(f"parameters both trainable and frozen: {', '.join(both)}")
 
+    check_trainable_size(model)
     forward = _supported_versions(load(model))
     trainable_forward, _ = promote_constants(forward, [*requires_grad, *frozen])
     _check_parameters(trainable_forward, requires_grad, frozen)
@@ -232,6 +232,26 @@ def build_artifacts(
                     optimizer_model=optimizer_model, forward=forward, parameters=parameters)
     log.info("training artifacts (%s, %s) written to %s", precision, target, destination(out))
     return Artifacts(out, manifest)
+
+
+def check_trainable_size(model: onnx.ModelProto | str | os.PathLike) -> None:
+    """Refuse a model whose weights and graph exceed protobuf's 2 GB limit, before reading any weight.
+
+    onnxruntime-training 1.19.2 cannot differentiate it: onnxblock hands the forward model, weights
+    included, to the C++ gradient builder as ONE serialized ModelProto
+    (``onnxblock/_training_graph_utils.py``: ``GradientGraphBuilder(model.SerializeToString(), ...)``),
+    and the training model it returns holds every weight again.  No external-data path exists there.
+    """
+    from onnxmp.external import PROTOBUF_LIMIT, data_bytes
+    from onnxmp.load import load
+
+    size = data_bytes(model if isinstance(model, onnx.ModelProto) else load(model, lazy_external=True))
+    if size > PROTOBUF_LIMIT:
+        raise OnnxMPError(
+            f"the model is {size / 1e9:.2f} GB; onnxruntime-training {_ort_version()} cannot build training "
+            f"artifacts over 2 GB (its gradient builder takes the whole model, weights included, as one "
+            f"serialized protobuf, which is limited to 2 GB)",
+            "train a model under 2 GB; convert, emulate and validate handle this one")
 
 
 def write_artifacts(out: Path, manifest: dict, *, training, evaluation, optimizer_model, forward,

@@ -210,3 +210,13 @@ g (float[N,8] x) => (float[N,4] y) { y = MatMul(x, W) }""")
     with pytest.raises(OnnxMPError, match="does not depend on.*b"):
         build_artifacts(unused, requires_grad=["W", "b"], precision="float32", out_dir=tmp_path / "x")
     assert list(tmp_path.iterdir()) == []
+
+
+def test_training_refuses_a_model_over_2gb_before_reading_a_weight(tmp_path):
+    from models.large import write_sparse_model
+
+    path = write_sparse_model(tmp_path / "m", int(2.2 * 2**30))
+    with pytest.raises(OnnxMPError, match=r"2\.\d+ GB; onnxruntime-training .* cannot build training artifacts "
+                                          r"over 2 GB \(its gradient builder takes the whole model"):
+        build_artifacts(path, requires_grad=["w0"], loss="mse", out_dir=tmp_path / "out")
+    assert not (tmp_path / "out").exists()

@@ -181,3 +181,15 @@ def test_log_names_the_final_paths_not_the_temporary_folder(files, capsys, caplo
     assert any(m.endswith(f"written to {out / 'artifacts'}") for m in messages)
     assert any(m.endswith(f"to {out / 'state'}") and "trainer state" in m for m in messages)
     assert f"saved {out / 'model.onnx'}" in messages
+
+
+def test_a_model_over_2gb_is_refused_before_its_weights_or_data_are_read(files, capsys):
+    from models.large import write_sparse_model
+
+    big = write_sparse_model(files / "big", int(2.2 * 2**30))  # sparse: reading it would take seconds
+    args = _args(files, files / "never", 1)
+    args[1] = str(big)
+    assert main(args) == 1
+    err = capsys.readouterr().err
+    assert "cannot build training artifacts over 2 GB" in err and err.count("\n") <= 2, err
+    assert not (files / "never").exists()
