@@ -733,12 +733,6 @@ def _session_options(artifacts: Artifacts, threads: int = 0):
 
         options = onnxruntime.SessionOptions()
     options.intra_op_num_threads = threads  # 0: ORT's default
-    if artifacts.target == "cpu":
-        # A kernel of ORT 1.19's CPU training graph reads a reused buffer it has not written:
-        # with memory reuse on, wav2vec2's gradients depended on what the session ran before
-        # (a resumed run parted from the straight one), while fresh buffers gave the same
-        # gradients every time.
-        options.enable_mem_reuse = False
     # Deterministic kernels where ORT has a choice (CUDA); on the CPU the nondeterministic
     # gradient kernels (GatherGrad, InplaceClipGradNorm) are kept out of the graphs instead.
     options.use_deterministic_compute = True
