@@ -371,8 +371,8 @@ def runtime_file(model: onnx.ModelProto, folder: str | os.PathLike, name: str = 
     """Write ``model`` into ``folder`` for onnxruntime to load by path, without serializing its weights.
 
     Large in-memory tensors are written out tensor by tensor into ``<name>.onnx.data``; external
-    tensors stay in their files, each reached through a symlink in ``folder``: onnxruntime refuses
-    absolute locations (in subgraphs, in 1.19).  The model itself is not changed.
+    tensors stay in their files, each reached through a link in ``folder`` (:func:`_link`):
+    onnxruntime refuses absolute locations (in subgraphs, in 1.19).  The model itself is not changed.
     """
     folder = Path(folder)
     path = folder / f"{name}.onnx"
@@ -393,24 +393,54 @@ def runtime_file(model: onnx.ModelProto, folder: str | os.PathLike, name: str = 
 
         shell = _shell(model, runtime_tensor)
     links: dict[str, str] = {}
-    for tensor in all_tensors(shell):  # the shell's own copies: relocating them leaves ``model`` alone
-        if not uses_external_data(tensor):
-            continue
+
+    def relocate(tensor: onnx.TensorProto, in_body: bool) -> None:
         meta = info(tensor)
         location = meta.get("location", "")
-        if location == data.name:
-            continue
+        if location == data.name or location in links.values():
+            return
         if not os.path.isabs(location):
             raise OnnxMPError(f"tensor `{tensor.name}` records its external data file relative to "
                               f"an unknown folder: {location}",
                               hint="pass the model's path, or load it with onnxmp.load(path)")
+        if in_body:
+            # onnx's checker, which onnxruntime runs on subgraphs, refuses symlinks and files with
+            # several hard links alike: a body's tensors (small, as a rule) are copied instead.
+            with open(location, "rb") as source, open(data, "ab") as out:
+                source.seek(int(meta.get("offset", 0)))
+                raw = source.read(int(meta["length"])) if "length" in meta else source.read()
+                offset = out.tell()
+                out.write(raw + b"\0" * ((-(offset + len(raw))) % 64))
+            _set_info(tensor, {"location": data.name, "offset": offset, "length": len(raw)})
+            return
         if location not in links:
             links[location] = f"{name}.{len(links)}.bin"
-            os.symlink(location, folder / links[location])
+            _link(location, folder / links[location])
         meta["location"] = links[location]
         _set_info(tensor, meta)
+
+    # The shell's own copies: relocating them leaves ``model`` alone.  Main-graph initializers
+    # first; whatever external tensor is left after them lives in a body or an attribute.
+    for tensor in shell.graph.initializer:
+        if uses_external_data(tensor):
+            relocate(tensor, in_body=False)
+    for tensor in all_tensors(shell):
+        if uses_external_data(tensor):
+            relocate(tensor, in_body=True)
     path.write_bytes(shell.SerializeToString())
     return path
+
+
+def _link(target: str, link: Path) -> None:
+    """``link`` names the file ``target``: a hard link where the file system allows one, else a symlink.
+
+    onnxruntime 1.20 and newer resolve symlinks and refuse external data outside the model's
+    folder ("External data path escapes model directory"); a hard link is in the folder itself.
+    """
+    try:
+        os.link(target, link)
+    except OSError:  # another file system, or one without hard links
+        os.symlink(target, link)
 
 
 @contextlib.contextmanager

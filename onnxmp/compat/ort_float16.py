@@ -32,6 +32,12 @@ DEFAULT_OP_BLOCK_LIST = [
     'TreeEnsembleRegressor', 'ZipMap', 'NonMaxSuppression', 'TopK', 'RoiAlign', 'Range', 'CumSum', 'Min', 'Max',
     'Upsample',
 ]
+try:  # the installed onnxruntime's own list where it ships one (1.32 added TreeEnsemble)
+    from onnxruntime.transformers.float16 import DEFAULT_OP_BLOCK_LIST as _INSTALLED
+except Exception:  # noqa: BLE001 - no onnxruntime, or one without the transformers tools
+    _INSTALLED = None
+if _INSTALLED is not None:
+    DEFAULT_OP_BLOCK_LIST = list(_INSTALLED)
 
 
 def convert_float_to_float16(
