@@ -613,3 +613,93 @@ def test_default_op_block_list_is_the_originals_and_passing_it_denies_those_ops(
     assert tensor_types(ours.convert_float_to_float16(model))["m"] == FLOAT16
     blocked = ours.convert_float_to_float16(model, op_block_list=ours.DEFAULT_OP_BLOCK_LIST + ["Relu"])
     assert tensor_types(blocked)["m"] == FLOAT
+
+
+# Models the originals accept because they run onnx shape inference first (disable_shape_infer=False,
+# and always in the _model_path and auto_ forms): a graph output, or an If body's outputs, declared
+# without a type (test_subgraph.onnx of onnxconverter-common's tests is one).
+def untyped_if(output: str = "none", then_rank: int = 2) -> onnx.ModelProto:
+    """x -> MatMul -> If(sum > 0: MatMul, else: Relu) -> y; the bodies' outputs have empty types,
+    y has none (``output="none"``) or an element type only (``"elem"``); ``then_rank=1`` makes the
+    then body flatten, so the rank of y depends on the branch taken."""
+    h = onnx.helper
+    w = h.make_tensor("w", FLOAT, [4, 4], np.linspace(-1, 1, 16, dtype=np.float32).tolist())
+    then_nodes = [h.make_node("MatMul", ["m", "w"], ["t" if then_rank == 1 else "then_y"], name="then_mm")]
+    if then_rank == 1:
+        then_nodes.append(h.make_node("Reshape", ["t", "flat"], ["then_y"], name="flatten"))
+    then_g = h.make_graph(then_nodes, "then", [], [onnx.ValueInfoProto(name="then_y", type=onnx.TypeProto())],
+                          initializer=[h.make_tensor("flat", onnx.TensorProto.INT64, [1], [-1])])
+    else_g = h.make_graph([h.make_node("Relu", ["m"], ["else_y"], name="relu")], "else", [],
+                          [onnx.ValueInfoProto(name="else_y", type=onnx.TypeProto())])
+    y = onnx.ValueInfoProto(name="y")
+    if output == "elem":
+        y.type.tensor_type.elem_type = FLOAT
+    graph = h.make_graph([
+        h.make_node("MatMul", ["x", "w"], ["m"], name="mm"),
+        h.make_node("ReduceSum", ["m"], ["s"], name="sum", keepdims=0),
+        h.make_node("Greater", ["s", "zero"], ["cond"], name="gt"),
+        h.make_node("If", ["cond"], ["y"], name="if", then_branch=then_g, else_branch=else_g),
+    ], "untyped_if", [h.make_tensor_value_info("x", FLOAT, [2, 4])], [y],
+        initializer=[w, h.make_tensor("zero", FLOAT, [], [0.0])])
+    return h.make_model(graph, opset_imports=[h.make_opsetid("", 17)], ir_version=8)
+
+
+UNTYPED_FEEDS = [np.linspace(0.5, 2, 8, dtype=np.float32).reshape(2, 4),     # then branch
+                 -np.linspace(0.5, 2, 8, dtype=np.float32).reshape(2, 4)]    # else branch
+
+
+def _untyped_converters(tmp_path):
+    def model_path(model, keep_io_types):
+        onnx.save(model, str(tmp_path / "m.onnx"))
+        return convert_float_to_float16_model_path(tmp_path / "m.onnx", keep_io_types=keep_io_types)
+
+    def auto(model, keep_io_types):
+        return auto_convert_mixed_precision(model, {"x": UNTYPED_FEEDS[0]}, rtol=1e-2, atol=1e-2,
+                                            keep_io_types=keep_io_types)
+
+    return {"occ": convert_float_to_float16, "ort": ort_float16.convert_float_to_float16,
+            "model_path": model_path, "auto": auto}
+
+
+@pytest.mark.parametrize("output", ["none", "elem"])
+@pytest.mark.parametrize("keep", [True, False])
+@pytest.mark.parametrize("form", ["occ", "ort", "model_path", "auto"])
+def test_untyped_outputs_get_the_types_shape_inference_gives_as_in_the_originals(tmp_path, form, keep, output):
+    model = untyped_if(output)
+    before = model.SerializeToString()
+    converted = _untyped_converters(tmp_path)[form](model, keep_io_types=keep)
+    assert model.SerializeToString() == before  # as infer_shapes, which returns a new model
+    want = FLOAT if keep else FLOAT16
+    assert io_types(converted) == {"x": want, "y": want}
+    assert [d.dim_value for d in converted.graph.output[0].type.tensor_type.shape.dim] == [2, 4]
+    for x in UNTYPED_FEEDS:  # both branches, fed and read as the originals' callers do
+        expected = run(onnx.shape_inference.infer_shapes(model), {"x": x})["y"]
+        got = run(converted, as_caller_feeds(converted, {"x": x}))["y"]
+        np.testing.assert_allclose(got.astype(np.float32), expected, rtol=1e-2, atol=1e-2)
+
+
+@pytest.mark.parametrize("keep", [True, False])
+def test_untyped_outputs_give_the_interface_of_onnxconverter_common(keep):
+    model = untyped_if()
+    theirs = occ_convert()(model, keep_io_types=keep)
+    assert io_types(convert_float_to_float16(model, keep_io_types=keep)) == io_types(theirs)
+
+
+@pytest.mark.parametrize("fn", [convert_float_to_float16, ort_float16.convert_float_to_float16])
+def test_untyped_outputs_convert_with_disable_shape_infer_too(fn):
+    # The originals skip inference then; onnxmp's own inference (normalize) fills the types in
+    # either case, and the argument is edited in place as the originals do.
+    model = untyped_if()
+    returned = fn(model, disable_shape_infer=True)
+    assert returned is model and io_types(model) == {"x": FLOAT16, "y": FLOAT16}
+
+
+@pytest.mark.parametrize("disable", [False, True])
+@pytest.mark.parametrize("fn", [convert_float_to_float16, ort_float16.convert_float_to_float16])
+def test_output_whose_rank_depends_on_the_branch_is_refused_with_one_clear_error(fn, disable):
+    # ONNX's checker wants a rank on every main-graph output; onnxruntime and the originals do not.
+    model = untyped_if(then_rank=1)
+    before = model.SerializeToString()
+    with pytest.raises(onnxmp.OnnxMPError, match="input model is invalid.*'shape'"):
+        fn(model, disable_shape_infer=disable)
+    assert model.SerializeToString() == before
