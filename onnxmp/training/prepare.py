@@ -50,6 +50,7 @@ from onnx import TensorProto, helper, numpy_helper
 from onnxmp.emulate import infer_tensor_types
 from onnxmp.errors import OnnxMPError
 from onnxmp.naming import FreshNames, proto_names
+from onnxmp.precision import LOW
 
 log = logging.getLogger("onnxmp.training.prepare")
 
@@ -629,7 +630,7 @@ def unprove_symbolic_dims(graph: onnx.GraphProto) -> int:
 
 # ORT 1.19's CPU gradient kernels that take float and double only: op -> index of the gradient input.
 _CPU_FLOAT_ONLY_GRADS = {"SliceGrad": 0, "GatherGrad": 2}
-_LOW = (TensorProto.FLOAT16, TensorProto.BFLOAT16)
+_LOW_TYPES = frozenset(p.onnx_type for p in LOW.values())
 
 
 def float32_cpu_grad_kernels(training: onnx.ModelProto) -> int:
@@ -653,7 +654,7 @@ def float32_cpu_grad_kernels(training: onnx.ModelProto) -> int:
     for node in graph.node:
         slot = _CPU_FLOAT_ONLY_GRADS.get(node.op_type) if node.domain == "com.microsoft" else None
         low = types.get(node.input[slot]) if slot is not None and len(node.input) > slot else None
-        if low not in _LOW:
+        if low not in _LOW_TYPES:
             nodes.append(node)
             continue
         scope = node.name or node.output[0]
