@@ -39,7 +39,7 @@ import onnx
 from onnxmp.color.seeds import DEFAULT_THRESHOLD, DEFAULT_UNDERFLOW_SHARE
 from onnxmp.errors import OnnxMPError
 from onnxmp.external import discard_spilled, skeleton
-from onnxmp.graphs import proto_nodes
+from onnxmp.subgraphs import proto_nodes
 from onnxmp.load import load
 from onnxmp.metrics import MetricPlan, metric_plan, relative_error  # noqa: F401  (relative_error: public here)
 from onnxmp.normalize import make_node_names_unique

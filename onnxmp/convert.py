@@ -20,9 +20,8 @@ import onnx
 from onnxmp.calibrate import ACCURACY_FALLBACK, DEFAULT_TOLERANCE, MAX_RUNS, convert_with_calibration, observe_magnitudes
 from onnxmp.color import ColorOptions, ColorResult, color
 from onnxmp.color.seeds import DEFAULT_THRESHOLD, DEFAULT_UNDERFLOW_SHARE
-from onnxmp.emit import emit, initializer_inputs
 from onnxmp.errors import OnnxMPError, first_line
-from onnxmp.graphs import keeps_io
+from onnxmp.index import keeps_io
 from onnxmp.lists import TARGETS, ListOverrides, resolve_lists
 from onnxmp.load import ModelLike, load
 from onnxmp.normalize import normalize
@@ -160,14 +159,14 @@ def _expected_io(original_io: tuple[list, list], lowered: Iterable[str], low_enu
 def _analyse(proto: onnx.ModelProto, options: ColorOptions, timings: dict[str, float]):
     with _timed(timings, "normalize"):
         normalized = normalize(proto)
-    options.initializer_inputs = initializer_inputs(normalized.graph)
+    options.initializer_inputs = normalized.index.initializer_inputs
     with _timed(timings, "color"):
-        colored = color(normalized.graph, options)
+        colored = color(normalized.index, options)
     report = Report(target=options.target, precision=options.precision, level=options.level, timings=timings,
-                    node_count=normalized.graph.node_count())
+                    node_count=normalized.index.node_count())
     coloring = colored.coloring  # final once color returns: the rows may be built at any later time
     report.defer("vertices", lambda: vertex_rows(coloring))
-    findings = tensor_core_findings(normalized.graph, coloring)  # reads the model, which goes before verify
+    findings = tensor_core_findings(normalized.index, coloring)  # reads the model, which goes before verify
     report.defer("advice", lambda: advice_records(findings))
     report.groups = group_rows(colored.coloring)
     if normalized.inference_error:
@@ -292,9 +291,9 @@ def _convert_loaded(model: ModelLike, handover: list[onnx.ModelProto], timings: 
         return ConversionResult(load(model, lazy_external=True), report, colored)
     with _timed(timings, "rewrite"):
         try:
-            result, stats, edits = rewrite(normalized.graph, colored.coloring, precision=options.precision,
-                                           master_weights=master_weights, keep_io_types=options.keep_io_types)
-            converted = emit(normalized.graph, edits, original)
+            converted, stats = rewrite(normalized.index, colored.coloring,
+                                       precision=low_precision(options.precision), master_weights=master_weights,
+                                       keep_io_types=options.keep_io_types)
         except OnnxMPError:
             raise
         except Exception as exc:  # keep deep stack traces away from users
@@ -302,16 +301,14 @@ def _convert_loaded(model: ModelLike, handover: list[onnx.ModelProto], timings: 
                               hint="please report this model; --block-node or --deny-add can route around "
                                    "the failing node meanwhile") from exc
     original_io = _expected_io(io_signature(original), lowered, low_precision(options.precision).onnx_type)
-    emitted_casts = edits.emitted_casts
-    # The analysed model, its index and the edits (which point into it) are no longer needed;
-    # freeing them now lowers the peak the checker's copies reach.
-    del original, normalized, edits
+    # The original model and the index are no longer needed; freeing them now lowers the
+    # peak the checker's copies reach.
+    del original, normalized
     with _timed(timings, "verify"):
         verify(converted, original_io=original_io,
-               reload_original=lambda: normalize(load(model, lazy_external=True)).graph.model)
-    report.changed = result.modified
-    # The emitter drops restore Casts nobody ended up reading; count what is really there.
-    report.cast_nodes = [name for name in stats.casts if name in emitted_casts]
+               reload_original=lambda: normalize(load(model, lazy_external=True)).index.model)
+    report.changed = stats.modified
+    report.cast_nodes = stats.casts
     report.casts_inserted = len(report.cast_nodes)
     report.converted_initializers = stats.converted_initializers
     report.twin_initializers = stats.twin_initializers

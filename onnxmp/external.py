@@ -32,7 +32,7 @@ import onnx
 from onnx.external_data_helper import uses_external_data
 
 from onnxmp.errors import OnnxMPError
-from onnxmp.graphs import holders, may_hold_graphs, proto_subgraphs
+from onnxmp.subgraphs import bodies, holders, may_hold_graphs
 
 CHUNK = 64 << 20  # bytes copied per read when streaming external data
 # Protobuf cannot serialize a message over 2 GiB; a model above half of it keeps (or gets) its weights in
@@ -64,7 +64,7 @@ def _subgraphs(attr: onnx.AttributeProto) -> list[onnx.GraphProto]:
 def _initializers(graph: onnx.GraphProto) -> Iterator[onnx.TensorProto]:
     yield from graph.initializer
     for node in holders(graph):
-        for sub in proto_subgraphs(node):
+        for sub in bodies(node):
             yield from _initializers(sub)
 
 

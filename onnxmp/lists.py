@@ -18,6 +18,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Iterable, Mapping
 
+from onnxmp.domains import is_onnx_domain
 from onnxmp.errors import OnnxMPError
 
 LIST_NAMES = ("allow", "infer", "deny", "clear")
@@ -145,7 +146,7 @@ def _known_ops() -> tuple[frozenset[str], dict[str, str]]:
     named = [(schema.domain, schema.name) for schema in onnx.defs.get_all_schemas_with_history()]
     named += [(domain, op) for domain, ops in KernelTable.default().op_names().items() for op in ops]
     for domain, op in named:
-        if domain in ("", "ai.onnx"):
+        if is_onnx_domain(domain):
             plain.add(op)
         else:
             qualified.setdefault(op, f"{domain}:{op}")
@@ -164,7 +165,7 @@ def checked_op(op: str, where: str) -> str:
     """``op`` as a lists key (``OpType`` or ``domain:OpType``); OnnxMPError naming ``where``
     when it is no ai.onnx op, with the closest names as the hint."""
     domain, op_type = _split(op)
-    if domain not in ("", "ai.onnx"):
+    if not is_onnx_domain(domain):
         return f"{domain}:{op_type}"  # a custom domain: nothing to check against
     if is_onnx_op(op_type):
         return op_type
@@ -264,6 +265,3 @@ def list_of(op_key: str, lists: Mapping[str, frozenset[str]]) -> str | None:
             return name
     return None
 
-
-def op_key(op_type: str, domain: str) -> str:
-    return op_type if domain in ("", "ai.onnx") else f"{domain}:{op_type}"

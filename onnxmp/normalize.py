@@ -2,7 +2,7 @@
 
 Everything after this stage keys nodes and tensors by name, so names must be
 unique across the main graph and all subgraphs.  The result is the model itself
-(edited in place) and its :class:`~onnxmp.graphs.ModelGraph` index.
+(edited in place) and its :class:`~onnxmp.index.ModelIndex`.
 """
 from __future__ import annotations
 
@@ -16,13 +16,16 @@ import onnx
 
 from onnxmp.errors import OnnxMPError, first_line
 from onnxmp.external import SKELETON_TENSOR_BYTES, skeleton
-from onnxmp.graphs import (GRAPH, GRAPHS, ONNX_DOMAINS, ModelGraph, NodeSummary, holders, iter_graphs,
-                           iter_proto_graphs, may_hold_graphs, summarize)
-from onnxmp.passes import PassResult, require
+from onnxmp.domains import ONNX_DOMAINS
+from onnxmp.index import ModelIndex
+from onnxmp.passes import require
+from onnxmp.subgraphs import GRAPH, GRAPHS, holders, iter_graphs, iter_proto_graphs, may_hold_graphs
 
 log = logging.getLogger("onnxmp.normalize")
 _NAME = attrgetter("name")
 _DOMAIN = attrgetter("domain")
+_NAME_OP_DOMAIN = attrgetter("name", "op_type", "domain")
+_GRAPH_OPS = frozenset({"If", "Loop", "Scan", "SequenceMap"})
 
 # The inputs whose propagated value onnx's own inference functions read: getShapeInput, the one
 # caller of InferenceContext::getSymbolicInput in onnx 1.23's sources (these ops have called it
@@ -33,10 +36,35 @@ _BUILTIN_DOMAINS = frozenset({"", "ai.onnx", "ai.onnx.ml", "ai.onnx.preview.trai
 
 
 @dataclass
+class NodeSummary:
+    """A graph's own nodes as normalize needs them before the index exists, read in one pass
+    (a pass over the nodes costs about 0.3 µs a node in protobuf's wrappers alone)."""
+
+    names: list[str]                 # node names, in node order
+    op_types: list[str]              # node op types, in node order
+    domains: set[str]                # the domains nodes use
+    holding: list[onnx.NodeProto]    # ``holders(graph)``
+
+
+def summarize(graph: onnx.GraphProto) -> NodeSummary:
+    """``graph``'s own nodes (not its bodies') in one pass."""
+    rows = list(map(_NAME_OP_DOMAIN, graph.node))
+    op_types = [row[1] for row in rows]
+    domains = {row[2] for row in rows}
+    plain = domains.issubset(ONNX_DOMAINS) and _GRAPH_OPS.isdisjoint(op_types)
+    return NodeSummary([row[0] for row in rows], op_types, domains, [] if plain else holders(graph))
+
+
+@dataclass
 class Normalized:
-    graph: ModelGraph
-    result: PassResult
+    index: ModelIndex
+    renamed_nodes: int                # nodes given a (unique) name
+    resorted: bool                    # some graph was out of topological order
     inference_error: str | None = None
+
+    @property
+    def modified(self) -> bool:
+        return bool(self.renamed_nodes) or self.resorted
 
 
 def infer_types(model: onnx.ModelProto, nodes: NodeSummary | None = None
@@ -201,39 +229,32 @@ def normalize(model: onnx.ModelProto) -> Normalized:
     # names, op types), since no step before the sort adds, removes or replaces a node.
     nodes = summarize(model.graph)
     inferred, error = infer_types(model, nodes)
-    renamed, names = _name_nodes(inferred.graph, nodes.holding, nodes.names)
-    graph = ModelGraph(inferred, nodes.holding, names)
-    sorted_changed = False
-    if not graph.in_order:  # the index's check is strict; is_sorted decides, and sorting is rare
-        sorted_changed = toposort_all(inferred)
-        if sorted_changed:
+    renamed = make_node_names_unique(inferred.graph, nodes.holding, nodes.names)
+    index = ModelIndex(inferred, nodes.holding)
+    resorted = False
+    if not index.in_order:  # the index's check is strict; is_sorted decides, and sorting is rare
+        resorted = toposort_all(inferred)
+        if resorted:
             _check_unique_names(inferred.graph)  # make_node_names_unique checked the unsorted graphs
-            graph = ModelGraph(inferred)  # the sorted graphs hold new node protos
-    return Normalized(graph, PassResult(bool(renamed) or sorted_changed,
-                                        {"renamed_nodes": renamed, "resorted": sorted_changed}),
-                      error)
+            index = ModelIndex(inferred)  # the sorted graphs hold new node protos
+    return Normalized(index, renamed, resorted, error)
 
 
-def make_node_names_unique(graph: onnx.GraphProto, holding: list[onnx.NodeProto] | None = None) -> int:
+def make_node_names_unique(graph: onnx.GraphProto, holding: list[onnx.NodeProto] | None = None,
+                           names: list[str] | None = None) -> int:
     """Give unnamed and duplicate-named nodes deterministic names ``<op>_onnxmp_<n>``.
 
     The first node holding a name keeps it, so already-unique models are untouched.
-    Returns how many nodes were renamed.  ``holding``: ``holders(graph)`` when the caller has it.
+    Returns how many nodes were renamed.  ``holding`` (``holders(graph)``) and ``names``
+    (``graph``'s own node names) when the caller has read them.
     """
-    return _name_nodes(graph, holding)[0]
-
-
-def _name_nodes(graph: onnx.GraphProto, holding: list[onnx.NodeProto] | None, main: list[str] | None = None
-                ) -> tuple[int, list[str] | None]:
-    """``make_node_names_unique``, and ``graph``'s own node names when it renamed none (the index
-    reads them otherwise once more).  ``main``: those names when the caller has read them."""
     graphs = [g for _, g, _ in iter_graphs(graph, holding=holding)]
     # The common case, every node named once, reads only the names (no list of node objects).
-    if main is None:
-        main = list(map(_NAME, graph.node))
-    taken = set(chain(main, chain.from_iterable(map(_NAME, g.node) for g in graphs[1:])))
+    if names is None:
+        names = list(map(_NAME, graph.node))
+    taken = set(chain(names, chain.from_iterable(map(_NAME, g.node) for g in graphs[1:])))
     if len(taken) == sum(len(g.node) for g in graphs) and "" not in taken:
-        return 0, main
+        return 0
     all_nodes = [n for g in graphs for n in g.node]
     seen: set[str] = set()
     renamed = 0
@@ -253,7 +274,7 @@ def _name_nodes(graph: onnx.GraphProto, holding: list[onnx.NodeProto] | None, ma
     require(len(seen) == len(all_nodes), "normalize", "node names unique across all graphs")
     if renamed:
         log.info("named %d unnamed or duplicate-named nodes", renamed)
-    return renamed, None
+    return renamed
 
 
 def is_sorted(g: onnx.GraphProto, constants: set[str], outer: frozenset[str] = frozenset()) -> bool:

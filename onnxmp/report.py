@@ -12,7 +12,7 @@ import numpy as np
 import onnx
 
 from onnxmp.color.rules import ALLOW, Coloring
-from onnxmp.graphs import ModelGraph, TensorInfo
+from onnxmp.index import ModelIndex, TensorInfo
 from onnxmp.naming import json_safe
 
 if TYPE_CHECKING:
@@ -246,7 +246,7 @@ def tensor_core_friendly(dim: int) -> bool:
 _INTS = (int, np.integer)
 
 
-def tensor_core_findings(graph: ModelGraph, state: Coloring) -> list[tuple[str, str, str, int]]:
+def tensor_core_findings(graph: ModelIndex, state: Coloring) -> list[tuple[str, str, str, int]]:
     """For each low-precision MatMul/Gemm/Conv, the static K/N or channel dims that are not friendly,
     as (node, op, dimension, value): what the advice needs from the model (``advice_records``
     makes the report's records)."""

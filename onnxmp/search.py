@@ -53,7 +53,7 @@ from onnx import TensorProto, helper
 
 from onnxmp.errors import OnnxMPError, first_line
 from onnxmp.external import is_large, session_source
-from onnxmp.graphs import proto_subgraphs
+from onnxmp.subgraphs import bodies
 from onnxmp.metrics import as_output_array
 from onnxmp.naming import FreshNames, proto_names
 from onnxmp.precision import low_precision
@@ -118,7 +118,7 @@ class Switchboard:
         for node in graph.node:
             if node.name in low:
                 self.nodes.append(node.name)
-            for sub in proto_subgraphs(node):
+            for sub in bodies(node):
                 self._order_nodes(sub, low)
 
     def _switch_nodes(self, graph: onnx.GraphProto) -> list[onnx.NodeProto]:
@@ -141,7 +141,7 @@ class Switchboard:
         rounded: dict[str, str] = {}  # tensor -> its rounded copy in this graph
         out: list[onnx.NodeProto] = []
         for node in graph.node:
-            for sub in proto_subgraphs(node):
+            for sub in bodies(node):
                 self._rewrite(sub, low)
             spec = low.get(node.name)
             if spec is None:

@@ -15,7 +15,7 @@ import onnx
 
 from onnxmp.errors import OnnxMPError, first_line
 from onnxmp.external import check_skeleton, has_external_data, skeleton
-from onnxmp.graphs import iter_proto_graphs
+from onnxmp.subgraphs import iter_proto_graphs
 from onnxmp.normalize import make_node_names_unique, toposort_all
 
 SKELETON_ABOVE = 1 << 30  # bytes; well under protobuf's 2 GB serialization limit

@@ -38,7 +38,7 @@ import onnx
 
 import onnxmp
 from onnxmp.errors import OnnxMPError
-from onnxmp.graphs import iter_proto_graphs
+from onnxmp.subgraphs import iter_proto_graphs
 from onnxmp.verify import io_signature, verify
 
 LEVELS = ("default", "unsafe_force_all")

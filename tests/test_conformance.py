@@ -224,7 +224,7 @@ def test_batchnorm_opset15_without_kernel_ties_keeps_statistics_fp32():
     table = KernelTable.from_file(Path(onnxmp.__file__).parent / "data" / "ort_kernels.json")
     assert table.tied_params("cuda", "", "BatchNormalization", 15) == ()
     options = ColorOptions(lists=resolve_lists(), kernels=table)
-    coloring = color(normalize(_bn_model(15)).graph, options).coloring
+    coloring = color(normalize(_bn_model(15)).index, options).coloring
     assert coloring.is_allow("bn:T") and not coloring.is_allow("bn:T1") and not coloring.is_allow("bn:T2")
 
 

@@ -8,7 +8,7 @@ from onnx import TensorProto as TP
 from onnx import helper, numpy_helper
 
 from onnxmp.external import has_external_data
-from onnxmp.graphs import ModelGraph
+from onnxmp.index import ModelIndex
 from onnxmp.normalize import is_sorted, make_node_names_unique, normalize
 from tests.graphs import header, parse, unsorted_relu_chain
 
@@ -31,22 +31,22 @@ def _if_model(body_reads: str) -> onnx.ModelProto:
 
 def test_index_sees_a_sorted_graph_with_bodies_in_order():
     model = _if_model("early")
-    assert ModelGraph(model).in_order
+    assert ModelIndex(model).in_order
     assert is_sorted(model.graph, set())
 
 
 def test_index_flags_a_body_reading_a_value_produced_after_its_node():
     model = _if_model("late")
-    assert not ModelGraph(model).in_order
+    assert not ModelIndex(model).in_order
     assert not is_sorted(model.graph, set())
 
 
 def test_index_flags_a_node_reading_a_later_output_and_normalize_sorts_it():
     model = unsorted_relu_chain()
-    assert not ModelGraph(model).in_order
+    assert not ModelIndex(model).in_order
     normalized = normalize(model)
-    assert normalized.result.details["resorted"] and normalized.graph.in_order
-    assert [n.output[0] for n in normalized.graph.model.graph.node] == ["a", "y"]
+    assert normalized.resorted and normalized.index.in_order
+    assert [n.output[0] for n in normalized.index.model.graph.node] == ["a", "y"]
 
 
 def test_unique_names_are_left_alone_and_duplicates_renamed():
@@ -72,7 +72,7 @@ def test_the_index_holds_the_node_names_normalize_leaves():
             y = Relu(a)
         }""")
         model.graph.node[0].name, model.graph.node[1].name = first, second
-        names = normalize(model).graph.scopes[0].names
+        names = normalize(model).index.scopes[0].names
         assert names == [n.name for n in model.graph.node] and len(set(names)) == 2 and "" not in names
         assert expected is None or names == expected
 
@@ -128,24 +128,16 @@ def test_the_two_byte_search_finds_the_pair_anywhere_and_nowhere_else(window, mo
         assert external._holds(bytes(data), pair)
 
 
-def test_index_reads_each_nodes_names_once_and_shares_the_producers_strs():
+def test_index_reads_each_nodes_names_once():
     model = _if_model("early")
     model.graph.initializer.append(numpy_helper.from_array(np.ones(2, np.float32), "x"))  # an input that is one
-    graph = ModelGraph(model)
+    graph = ModelIndex(model)
     main, then = graph.scopes[0], next(s for s in graph.scopes if s.gid == "if/then_branch")
     assert main.names == ["early", "if", "late"] and then.names == ["then_relu"]
     assert main.ins == [("x",), ("c",), ("x",)] and main.outs == [("early",), ("y",), ("late",)]
-    assert then.ins[0][0] is main.outs[0][0]  # the body reads the outer producer's own str
-    assert main.inputs == ["c"]  # `x` is an initializer: no graph input for GS
-    out_of_order = ModelGraph(_if_model("late"))
+    assert main.inputs == ["c"]  # `x` is an initializer: not among the graph's own inputs
+    out_of_order = ModelIndex(_if_model("late"))
     assert [s.ins for s in out_of_order.scopes if s.gid == "if/then_branch"] == [[("late",)]]  # out of order too
-
-
-def test_index_notes_which_graphs_declare_non_tensor_values():
-    model = _if_model("early")
-    assert not any(scope.non_tensor for scope in ModelGraph(model).scopes)
-    model.graph.value_info.append(helper.make_tensor_sequence_value_info("s", TP.FLOAT, [2]))
-    assert [scope.non_tensor for scope in ModelGraph(model).scopes] == [True, False, False]
 
 
 def test_rank_and_dim_reads_one_dim_as_the_parsed_shape_has_it():
@@ -156,7 +148,7 @@ def test_rank_and_dim_reads_one_dim_as_the_parsed_shape_has_it():
         [helper.make_tensor_value_info("y", TP.FLOAT, ["N", 0, 8]),
          helper.make_tensor_value_info("v", TP.FLOAT, None)],
         [numpy_helper.from_array(np.zeros((3, 5), np.float32), "w")]))
-    tensors = ModelGraph(model).tensors
+    tensors = ModelIndex(model).tensors
     x, u, w = tensors["x"], tensors["u"], tensors["w"]
     assert [x.rank_and_dim(axis) for axis in (0, 1, -1, 3, -4)] == [(3, "N"), (3, 0), (3, 8), (3, None), (3, None)]
     assert u.rank_and_dim(0) == (0, None)
@@ -170,7 +162,7 @@ def test_rank_and_dim_reads_an_unset_dim_as_none():
         [helper.make_node("Relu", ["x"], ["y"])], "g",
         [helper.make_tensor_value_info("x", TP.FLOAT, [None, 4, "", 0])],
         [helper.make_tensor_value_info("y", TP.FLOAT, None)]))
-    x = ModelGraph(model).tensors["x"]
+    x = ModelIndex(model).tensors["x"]
     dims = [x.rank_and_dim(axis) for axis in range(4)]
     assert dims == [(4, None), (4, 4), (4, ""), (4, 0)]  # a set but empty dim_param stays ""
     assert [dim for _, dim in dims] == x.shape  # the parsed shape agrees

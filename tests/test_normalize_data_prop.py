@@ -9,7 +9,7 @@ from onnx import TensorProto as TP
 from onnx import helper
 
 from models import hard_cases, zoo
-from onnxmp.graphs import summarize
+from onnxmp.normalize import summarize
 from onnxmp.normalize import data_propagation_matters, normalize
 from tests import onnx_corpus
 from tests.graphs import header, parse

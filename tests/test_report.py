@@ -76,7 +76,7 @@ def _findings(model, paint=()):
     from onnxmp.normalize import normalize
     from onnxmp.report import tensor_core_findings
 
-    graph = normalize(model).graph
+    graph = normalize(model).index
     state = color(graph, ColorOptions(lists=resolve_lists())).coloring
     for key in paint:
         state.paint(key, "allow", "test", "painted by the test")

@@ -66,21 +66,20 @@ def test_a_body_reading_an_outer_name_defined_after_its_node_is_rejected():
         verify.verify(_if_model("late", late=True))
 
 
-def test_convert_rejects_an_emitted_model_out_of_order(monkeypatch):
+def test_convert_rejects_a_written_model_out_of_order(monkeypatch):
     """The converted model's order is checked, not only the input's (the input here is sorted)."""
-    import importlib
+    import onnxmp.rewrite as rewrite_module
 
-    conv = importlib.import_module("onnxmp.convert")
-    emit = conv.emit
+    write = rewrite_module.write
 
-    def reversed_emit(*args, **kwargs):
-        model = emit(*args, **kwargs)
+    def reversed_write(*args, **kwargs):
+        model, casts = write(*args, **kwargs)
         nodes = list(model.graph.node)
         del model.graph.node[:]
         model.graph.node.extend(reversed(nodes))
-        return model
+        return model, casts
 
-    monkeypatch.setattr(conv, "emit", reversed_emit)
+    monkeypatch.setattr(rewrite_module, "write", reversed_write)
     model = parse(header() + """
     g (float[4,4] x, float[4,4] w) => (float[4,4] y) {
         a = MatMul(x, w)

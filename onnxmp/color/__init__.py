@@ -16,7 +16,7 @@ from onnxmp.color.seeds import (
     DEFAULT_THRESHOLD, DEFAULT_UNDERFLOW_SHARE, seed_deny_forced, seed_deny_from_calibration, seed_deny_from_initializer_range,
 )
 from onnxmp.color.vertices import TypeView, Vertex, build_type_view
-from onnxmp.graphs import ModelGraph
+from onnxmp.index import ModelIndex
 from onnxmp.kernels import KernelTable
 from onnxmp.passes import PassResult
 from onnxmp.precision import BFLOAT16, low_precision
@@ -50,7 +50,7 @@ class ColorResult:
     coloring: Coloring
 
 
-def color(graph: ModelGraph, options: ColorOptions) -> ColorResult:
+def color(graph: ModelIndex, options: ColorOptions) -> ColorResult:
     kernels = options.kernels or KernelTable.default()
     view = build_type_view(graph, options.lists, low=low_precision(options.precision),
                            provider=PROVIDERS[options.target], kernels=kernels,

@@ -39,9 +39,6 @@ class Coloring:
     low_name: str = "float16"
     low_groups: list = field(default_factory=list)          # ColorGroups that go low precision
     group_notes: dict[str, str] = field(default_factory=dict)  # group name -> why it stays as it is
-    # Constant nodes whose `value` the range seed read.  onnxmp's GS-based rewrite wrote such a
-    # tensor back as raw data once its values were loaded; the emitter keeps those bytes.
-    read_constants: set[str] = field(default_factory=set)
 
     def __post_init__(self):
         # The color of every vertex as a byte (see _CODE), kept with ``colors`` by paint/unpaint:

@@ -17,7 +17,7 @@ import onnx
 
 from onnxmp.color.rules import DENY, Coloring
 from onnxmp.external import tensor_array
-from onnxmp.graphs import TENSOR_KIND, ModelGraph
+from onnxmp.index import TENSOR_KIND, ModelIndex
 from onnxmp.passes import PassResult
 from onnxmp.precision import low_precision
 
@@ -145,13 +145,13 @@ def _segment_causes(names: list[str], flat: np.ndarray, sizes: list[int], low_dt
     return causes
 
 
-def constant_producers(graph: ModelGraph) -> dict[str, onnx.NodeProto]:
+def constant_producers(graph: ModelIndex) -> dict[str, onnx.NodeProto]:
     """Tensor -> the Constant node that makes it, across all graphs (what :func:`constant_values` reads)."""
     return {out: node for scope in graph.scopes for node in scope.graph.node if node.op_type == "Constant"
             for out in node.output}
 
 
-def constant_values(graph: ModelGraph, name: str, producers: Mapping[str, onnx.NodeProto]) -> np.ndarray | None:
+def constant_values(graph: ModelIndex, name: str, producers: Mapping[str, onnx.NodeProto]) -> np.ndarray | None:
     """Values of an initializer, or of a tensor a Constant node makes; None otherwise."""
     info = graph.tensors.get(name)
     if info is not None and info.init is not None:
@@ -182,7 +182,7 @@ def _value_tensor(node: onnx.NodeProto) -> onnx.TensorProto | None:
     return None
 
 
-def seed_deny_from_initializer_range(state: Coloring, graph: ModelGraph, *,
+def seed_deny_from_initializer_range(state: Coloring, graph: ModelIndex, *,
                                      underflow_share: float = DEFAULT_UNDERFLOW_SHARE
                                      ) -> PassResult:
     """A list node fed by a float32 initializer or Constant whose finite |value| exceeds the
@@ -214,7 +214,6 @@ def seed_deny_from_initializer_range(state: Coloring, graph: ModelGraph, *,
         raw_size = 0
 
     small: dict[str, np.ndarray] = {}  # other small constants, checked together
-    value_node: dict[str, str | None] = {}  # Constant output read below -> its node, if it has a `value` tensor
     constants = graph.constants.union(constant_at)
     for k, ins in enumerate(view.node_ins):
         if constants.isdisjoint(ins):
@@ -245,7 +244,6 @@ def seed_deny_from_initializer_range(state: Coloring, graph: ModelGraph, *,
                 scope, position = constant_at[name]
                 node = graph.scopes[scope].graph.node[position]
                 init = _value_tensor(node)
-                value_node[name] = node.name if init is not None else None
             raw = None
             if init is not None:
                 # The raw little-endian bytes of a small in-memory float32 tensor whose size matches
@@ -281,21 +279,6 @@ def seed_deny_from_initializer_range(state: Coloring, graph: ModelGraph, *,
         check_raw()
     for name, check in zip(small, check_many(list(small.values()), low_dtype)):
         causes[name] = check.describe(name, limit, underflow_share)
-    # A node's inputs are read in order up to the first one with a cause; Constant-node values read
-    # that way are written back as raw data (see Coloring.read_constants).
-    # Both walks below find nothing to do in the common model: no Constant nodes, no cause.
-    if constant_at:
-        for _, names in candidates:
-            for name in names:
-                at = constant_at.get(name)
-                if at is not None:
-                    if name not in value_node:  # an initializer too: its node was not read above
-                        node = graph.scopes[at[0]].graph.node[at[1]]
-                        value_node[name] = node.name if _value_tensor(node) is not None else None
-                    if value_node[name] is not None:
-                        state.read_constants.add(value_node[name])
-                if causes.get(name):
-                    break
     painted = 0
     if any(causes.values()):
         for vids, names in candidates:

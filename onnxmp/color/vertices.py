@@ -25,10 +25,12 @@ from typing import AbstractSet, Iterable, Iterator, Mapping, Sequence
 import numpy as np
 import onnx
 
-from onnxmp.graphs import GRAPH, TENSOR_KIND, ModelGraph, keeps_io
-from onnxmp.lists import list_of, op_key
+from onnxmp.domains import op_key
+from onnxmp.index import TENSOR_KIND, ModelIndex, keeps_io
+from onnxmp.lists import list_of
 from onnxmp.passes import require
 from onnxmp.precision import Precision
+from onnxmp.subgraphs import GRAPH
 
 log = logging.getLogger("onnxmp.color")
 
@@ -521,7 +523,7 @@ def allows_type(schema: onnx.defs.OpSchema | None, param: str, type_str: str) ->
 
 
 def build_type_view(
-    graph: ModelGraph,
+    graph: ModelIndex,
     lists: Mapping[str, frozenset[str]],
     *,
     low: Precision,
@@ -538,7 +540,7 @@ def build_type_view(
     tensors = graph.tensors
     # Element type of every tensor, as the vertices see it: sequences/optionals of float are not
     # float32 tensors (they never change type); None when unknown.
-    codes = {name: (NOT_A_TENSOR if info.init is None and info.kind != TENSOR_KIND else info.dtype)
+    codes = {name: (NOT_A_TENSOR if info.init is None and info.kind not in (TENSOR_KIND, None) else info.dtype)
              for name, info in tensors.items()}
     floats = frozenset(name for name, code in codes.items() if code == FLOAT)
     float_kinds: dict[_Group, _Kind] = {}  # the kind of a group's unblocked vertex on float32 tensors only

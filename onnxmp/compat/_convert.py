@@ -15,8 +15,9 @@ from onnxmp.color.seeds import DEFAULT_UNDERFLOW_SHARE, constant_producers, cons
 from onnxmp.convert import convert_once
 from onnxmp.errors import OnnxMPError
 from onnxmp.external import skeleton
-from onnxmp.graphs import ModelGraph
-from onnxmp.lists import is_known_op_type, is_onnx_op, list_of, op_key, resolve_lists, unknown_op
+from onnxmp.index import ModelIndex
+from onnxmp.domains import op_key
+from onnxmp.lists import is_known_op_type, is_onnx_op, list_of, resolve_lists, unknown_op
 from onnxmp.load import ModelLike, load
 from onnxmp.normalize import normalize
 
@@ -31,7 +32,7 @@ class CompatError(OnnxMPError, ValueError):
 def steering(model: onnx.ModelProto, *, min_positive_val: float, max_finite_val: float, keep_io_types,
              op_block_list: Iterable[str] | None, node_block_list: Iterable[str] | None) -> dict:
     """The keyword arguments of :func:`onnxmp.convert` that say what the originals' arguments say."""
-    graph = normalize(load(model)).graph  # normalize edits its argument; `model` is converted later
+    graph = normalize(load(model)).index  # normalize edits its argument; `model` is converted later
     lists = _deny_ops(graph, op_block_list)
     return dict(keep_io_types=io_names(model, keep_io_types), lists=lists,
                 block_nodes=[rf"\A{re.escape(name)}\Z" for name in _existing_nodes(graph, node_block_list)],
@@ -94,7 +95,7 @@ def check_fp16_ready(model: onnx.ModelProto) -> None:
                                "conversion leaves float16 parts as they are)")
 
 
-def _existing_nodes(graph: ModelGraph, names: Iterable[str] | None) -> list[str]:
+def _existing_nodes(graph: ModelIndex, names: Iterable[str] | None) -> list[str]:
     names = list(names or ())
     present = {n.name for scope in graph.scopes for n in scope.graph.node}
     for name in names:
@@ -103,7 +104,7 @@ def _existing_nodes(graph: ModelGraph, names: Iterable[str] | None) -> list[str]
     return [name for name in names if name in present]
 
 
-def _deny_ops(graph: ModelGraph, op_block_list: Iterable[str] | None) -> dict[str, list[str]]:
+def _deny_ops(graph: ModelIndex, op_block_list: Iterable[str] | None) -> dict[str, list[str]]:
     blocked = set(op_block_list or ())
     if not blocked:
         return {}
@@ -121,7 +122,7 @@ def _deny_ops(graph: ModelGraph, op_block_list: Iterable[str] | None) -> dict[st
     return {"deny_add": ops, "allow_remove": ops, "infer_remove": ops, "clear_remove": ops}
 
 
-def _out_of_range_readers(graph: ModelGraph, lists, min_positive_val: float, max_finite_val: float
+def _out_of_range_readers(graph: ModelIndex, lists, min_positive_val: float, max_finite_val: float
                           ) -> dict[str, str]:
     """Node name -> cause, for list nodes reading a float32 constant outside the given range."""
     resolved = resolve_lists("cuda", "float16", "default", lists)

@@ -1,4 +1,4 @@
-"""Stage 4: rewrite.  Apply a coloring to the model (spec §6).
+"""The rewrite's plan: the edits that apply a coloring to the model (``docs/design.md``, the rewrite).
 
 * Output tensors of ALLOW vertices are retyped to the low-precision type.
 * At each boundary one Cast per (source tensor, target type, graph) is placed
@@ -11,10 +11,10 @@
   their name and dtype: the low-precision producer writes a renamed tensor and
   a Cast restores the original name.
 
-The rewrite takes each graph's node names, inputs and outputs from the index (read once) and records only
+The plan takes each graph's node names, inputs and outputs from the index (read once) and records only
 what changes (the inputs and outputs it rewires, tensors it retypes, initializers it
-converts, the Casts it adds); :mod:`onnxmp.emit` then writes the output model from the
-normalized one plus these edits.
+converts, the Casts it adds); :mod:`onnxmp.rewrite.write` then applies these edits to the
+normalized model.
 """
 from __future__ import annotations
 
@@ -22,15 +22,15 @@ import logging
 from dataclasses import dataclass, field
 from typing import AbstractSet, Iterable, Iterator, Sequence
 
-import numpy as np
 import onnx
 
 from onnxmp.color.rules import Coloring
 from onnxmp.color.vertices import RETARGETABLE
-from onnxmp.graphs import MAIN, ModelGraph, Scope, TensorInfo, keeps_io
+from onnxmp.index import ModelIndex, Scope, TensorInfo, keeps_io
 from onnxmp.naming import FreshNames
-from onnxmp.passes import PassResult, require
-from onnxmp.precision import FLOAT16, FLOAT32, low_precision
+from onnxmp.passes import require
+from onnxmp.precision import FLOAT16, FLOAT32, Precision
+from onnxmp.subgraphs import MAIN
 
 log = logging.getLogger("onnxmp.rewrite")
 
@@ -44,6 +44,10 @@ class RewriteStats:
     retyped_tensors: int = 0
     converted_initializers: list[str] = field(default_factory=list)
     twin_initializers: list[str] = field(default_factory=list)
+
+    @property
+    def modified(self) -> bool:
+        return bool(self.casts or self.retyped_tensors or self.converted_initializers or self.twin_initializers)
 
 
 @dataclass
@@ -82,73 +86,64 @@ class GraphNodes:
 
 @dataclass
 class Edits:
-    """Everything the rewrite changes, keyed by (unique) names; read by :mod:`onnxmp.emit`."""
+    """Everything the rewrite changes, keyed by (unique) names; applied by :mod:`onnxmp.rewrite.write`."""
 
     graphs: dict[str, GraphNodes] = field(default_factory=dict)   # graph id -> its nodes after the rewrite
     inputs: dict[str, list[str]] = field(default_factory=dict)    # node -> its new input names
     outputs: dict[str, list[str]] = field(default_factory=dict)   # node -> its new output names
     dtypes: dict[str, int] = field(default_factory=dict)          # retyped tensors (and converted constants)
     new_tensors: dict[str, TensorInfo] = field(default_factory=dict)  # Cast outputs, low twins of outputs
-    converted: dict[str, tuple[np.dtype, int]] = field(default_factory=dict)  # initializer -> low (np, enum)
+    converted: set[str] = field(default_factory=set)               # initializers stored in low precision
     twins: dict[str, str] = field(default_factory=dict)            # twin name -> fp32 source initializer
     retargeted: set[str] = field(default_factory=set)              # Cast/Constant/ConstantOfShape nodes
-    raw_constants: set[str] = field(default_factory=set)           # Constant nodes whose value is rewritten raw
-    casts: set[str] = field(default_factory=set)                   # names of the NewCasts (fresh: no node has one)
-    emitted_casts: set[str] = field(default_factory=set)           # NewCasts the emitter wrote (cleanup drops some)
-    low_np: np.dtype = FLOAT16.numpy
-    low_enum: int = FLOAT16.onnx_type
+    low: Precision = FLOAT16
 
     @classmethod
-    def unchanged(cls, graph: ModelGraph) -> Edits:
-        """No edits: the emitter then writes the model as a GS round trip would."""
-        return cls(graphs={scope.gid: GraphNodes.of(scope) for scope in graph.scopes})
+    def unchanged(cls, index: ModelIndex) -> Edits:
+        """No edits: the writer then leaves the model as it is, but for the dead-node sweep."""
+        return cls(graphs={scope.gid: GraphNodes.of(scope) for scope in index.scopes})
 
 
-def _fresh_names(graph: ModelGraph, node_names) -> FreshNames:
+def _fresh_names(graph: ModelIndex, node_names) -> FreshNames:
     """Fresh names that collide with no node name nor any tensor name any graph mentions
     (looked up where they are: a set of them all would be the rewrite's biggest object)."""
     return FreshNames((), graph.tensors, node_names)
 
 
-def rewrite(graph: ModelGraph, state: Coloring, *, precision: str = "float16",
-            master_weights: Iterable[str] = (), keep_io_types: bool | AbstractSet[str] = True
-            ) -> tuple[PassResult, RewriteStats, Edits]:
-    """Work out the edits that apply ``state``; returns whether anything changed, what was done, and the edits.
+def plan(index: ModelIndex, state: Coloring, *, precision: Precision, master_weights: Iterable[str] = (),
+         keep_io_types: bool | AbstractSet[str] = True) -> tuple[Edits, RewriteStats]:
+    """Work out the edits that apply ``state``, and what they do.
 
     Main-graph float32 inputs and outputs that ``keep_io_types`` does not keep (see
-    :func:`onnxmp.graphs.keeps_io`) take the low-precision type whatever their readers and
+    :func:`onnxmp.index.keeps_io`) take the low-precision type whatever their readers and
     producers run in: a Cast inside the graph bridges to a float32 reader or producer."""
-    rewriter = _Rewriter(graph, state, precision, set(master_weights))
+    rewriter = _Rewriter(index, state, precision, set(master_weights))
     rewriter.retype_low_outputs()
     rewriter.lower_main_inputs(keep_io_types)
     rewriter.convert_initializers()
     rewriter.fix_consumers()
     rewriter.lower_main_outputs(keep_io_types)
-    for scope, nodes in zip(graph.scopes, rewriter.nodes):
+    for scope, nodes in zip(index.scopes, rewriter.nodes):
         rewriter.edits.graphs[scope.gid] = place_after_producers(nodes, rewriter.new_nodes[scope.gid])
-    stats = rewriter.stats
-    rewriter.edits.casts.update(stats.casts)
-    modified = bool(stats.casts or stats.retyped_tensors or stats.converted_initializers or stats.twin_initializers)
-    return PassResult(modified, {"casts": len(stats.casts)}), stats, rewriter.edits
+    return rewriter.edits, rewriter.stats
 
 
 class _Rewriter:
-    """The rewrite's working state; one method per phase, run in order by :func:`rewrite`.
+    """The plan's working state; one method per phase, run in order by :func:`plan`.
 
     Work that does not depend on order (retyping in place, deciding which initializers to
     convert) is done in bulk over sets; the graphs are walked in node order only where the
     order shows: fresh names, the Casts inserted and the lists the report gives.
     """
 
-    def __init__(self, graph: ModelGraph, state: Coloring, precision: str, master: set[str]):
+    def __init__(self, graph: ModelIndex, state: Coloring, low: Precision, master: set[str]):
         self.graph = graph
         self.view = view = state.view
-        low = low_precision(precision)
-        self.low_np, self.low_enum, self.low_sfx = low.numpy, low.onnx_type, low.suffix
+        self.low_enum, self.low_sfx = low.onnx_type, low.suffix
         self.master = master
         self.names = _fresh_names(graph, view.graph_of_node)
         self.stats = RewriteStats()
-        self.edits = Edits(low_np=self.low_np, low_enum=self.low_enum, raw_constants=set(state.read_constants))
+        self.edits = Edits(low=low)
         allow_ids = state.allow_ids()
         self.allow = set(allow_ids)
         self.allow_ids = allow_ids
@@ -161,7 +156,7 @@ class _Rewriter:
         # look-up by name.
         self.low_inputs: list[int] = [0] * len(view.node_names)
         low_inputs, node_index = self.low_inputs, view.node_index
-        # Control-flow groups that go low: their tensors are retyped as a whole (spec §5.7).
+        # Control-flow groups that go low: their tensors are retyped as a whole (docs/design.md, force_color_match).
         self.group_tensors: set[str] = set()
         self.body_members: set[str] = set()  # formal body I/O of low groups: retyped, no longer pinned
         self.group_outputs: set[str] = set()  # outputs of the control-flow nodes of low groups
@@ -173,7 +168,10 @@ class _Rewriter:
             for node, i in group.low_inputs:
                 low_inputs[node_index[node]] |= 1 << i
 
+        # Names the outside world may feed or read keep their type, and so do sparse initializers
+        # (the writer converts dense ones only): low readers read a Cast of them.
         self.fixed = set(view.pinned)
+        self.fixed.update(name for name, info in graph.tensors.items() if info.kind == "sparse_initializer")
         for scope in graph.scopes:
             self.fixed.update(scope.inputs)
             self.fixed.update(t.name for t in scope.graph.output)
@@ -218,14 +216,9 @@ class _Rewriter:
         return name in self.renamed or (name in self.edits.dtypes and name not in self.constants)
 
     def _like(self, src: str, name: str, dtype: int) -> TensorInfo:
-        """A new tensor with ``src``'s shape (GS: ``Variable(name, dtype, shape=src.shape)``)."""
+        """A new tensor with ``src``'s shape."""
         info = self.edits.new_tensors.get(src) or self.graph.tensors.get(src)
-        if info is None:
-            return TensorInfo(name, dtype=dtype)
-        new = TensorInfo(name, dtype=dtype, shape=info.shape)
-        if info.init is None and not info.merged:
-            new.decl = info.decl  # lets the emitter copy the declaration instead of rebuilding it
-        return new
+        return TensorInfo(name, dtype=dtype, shape=info.shape if info is not None else None)
 
     # -- phase 1 -------------------------------------------------------------------------------
     def retype_low_outputs(self) -> None:
@@ -377,7 +370,7 @@ class _Rewriter:
         tensors = self.graph.tensors
         converted = [t for t in low_read if t not in self.fp32_read and t not in self.master
                      and t not in self.fixed and tensors[t].dtype == FLOAT]
-        self.edits.converted.update(dict.fromkeys(converted, (self.low_np, self.low_enum)))
+        self.edits.converted.update(converted)
         self.edits.dtypes.update(dict.fromkeys(converted, self.low_enum))
         self.stats.converted_initializers.extend(converted)
 
@@ -460,7 +453,7 @@ class _Rewriter:
 
 
 def place_after_producers(nodes: GraphNodes, casts: list[NewCast]) -> GraphNodes:
-    """Put each inserted Cast right after the node producing its input (spec §6).
+    """Put each inserted Cast right after the node producing its input (docs/design.md, the rewrite).
 
     Casts of graph inputs, initializers and outer-scope tensors go first.  A Cast may
     read another inserted Cast (a restored output cast again), so placement follows
