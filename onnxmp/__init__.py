@@ -9,14 +9,14 @@ from __future__ import annotations
 __version__ = "0.1.0"
 
 from onnxmp.errors import OnnxMPError  # noqa: E402
+from onnxmp.options import Options  # noqa: E402
 from onnxmp.convert import ConversionResult, convert, explain  # noqa: E402
 from onnxmp.report import Report  # noqa: E402
 from onnxmp.save import save  # noqa: E402
 from onnxmp.load import load  # noqa: E402
-# Bound after their submodules load, so `onnxmp.emulate` / `onnxmp.validate` stay the functions
-# (onnxruntime itself is imported only when a model runs).
-from onnxmp.emulate import emulate  # noqa: E402
-from onnxmp.validate import validate  # noqa: E402
+# onnxruntime itself is imported only when a model runs.
+from onnxmp.parity.emulate import emulate  # noqa: E402
+from onnxmp.parity.validate import validate  # noqa: E402
 
-__all__ = ["OnnxMPError", "ConversionResult", "Report", "convert", "explain", "emulate", "validate", "load",
-           "save", "__version__"]
+__all__ = ["OnnxMPError", "ConversionResult", "Options", "Report", "convert", "explain", "emulate", "validate",
+           "load", "save", "__version__"]

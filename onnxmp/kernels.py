@@ -32,12 +32,9 @@ from importlib import resources
 from pathlib import Path
 from typing import Mapping
 
+from onnxmp import targets
 from onnxmp.errors import OnnxMPError
 
-_PROVIDER_ALIASES = {
-    "cpu": "CPUExecutionProvider",
-    "cuda": "CUDAExecutionProvider",
-}
 _DTYPE_ALIASES = {"float32": "float", "float64": "double", "fp32": "float", "fp16": "float16", "bf16": "bfloat16"}
 
 # (since, until or None for open-ended, {type param: frozenset of float types})
@@ -114,10 +111,10 @@ class KernelTable:
         return {domain: frozenset(ops) for domain, ops in out.items()}
 
     def _provider_name(self, provider: str) -> str:
-        name = _PROVIDER_ALIASES.get(provider.lower(), provider)
+        """The table's name of ``provider`` (a target name such as ``cuda``, or the provider's own)."""
+        name = targets.provider(provider)
         if name not in self._providers:
-            known = ", ".join(sorted(self._providers) + sorted(_PROVIDER_ALIASES))
-            raise OnnxMPError(f"unknown execution provider {provider!r}", f"use one of: {known}")
+            raise OnnxMPError(f"the kernel table has no {name}", f"use one of: {', '.join(sorted(self._providers))}")
         return name
 
     def _provider(self, provider: str) -> dict[str, dict[str, list[_Kernel]]]:

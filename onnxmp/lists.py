@@ -1,8 +1,8 @@
 """The four op lists of TensorFlow's AMP (allow / infer / deny / clear), for ONNX.
 
-Spec §2 and §7.  Defaults are per (target, precision); users adjust them through
-the API (``lists=``), the CLI (``--allow-add`` ...) and environment variables
-modelled on TF's (``ONNXMP_ALLOWLIST_ADD`` ...).  Ops outside the default ONNX
+Defaults are per (target, precision); users adjust them through the API (``lists=``),
+the CLI (``--allow-add`` ...) and environment variables modelled on TF's
+(``ONNXMP_ALLOWLIST_ADD`` ...); see ``docs/coloring.md``.  Ops outside the default ONNX
 domain are written ``domain:OpType`` (for example ``com.microsoft:Attention``);
 ``com.microsoft.Attention`` means the same (op types have no dots).
 
@@ -18,13 +18,13 @@ import os
 from dataclasses import dataclass, field
 from typing import Iterable, Mapping
 
+from onnxmp import targets
 from onnxmp.domains import is_onnx_domain
 from onnxmp.errors import OnnxMPError
+from onnxmp.precision import low_precision
 
 LIST_NAMES = ("allow", "infer", "deny", "clear")
 LEVELS = ("default", "tensor_cores_only", "treat_infer_as_deny", "unsafe_force_all")
-TARGETS = ("cuda", "cpu")
-from onnxmp.precision import PRECISIONS  # noqa: E402,F401  (re-exported: the CLI choices)
 
 _MS = "com.microsoft:"
 
@@ -63,7 +63,7 @@ _CLEAR = {
     "Resize", "Upsample", "Shape", "Size",
 }
 
-# What unsafe_force_all still keeps out of low precision (spec §7).
+# What unsafe_force_all still keeps out of low precision (TF's levels; docs/coloring.md).
 NEVER_FORCED = {"Constant"} | _LOSSES | _RANDOM
 
 
@@ -82,8 +82,8 @@ def default_lists(target: str = "cuda", precision: str = "float16") -> dict[str,
     gated by the CPU EP's kernels: ORT CPU has almost no fp16 compute kernels, so
     on the CPU only emulation (``onnxmp emulate``) is meaningful.
     """
-    _check_choice("target", target, TARGETS)
-    _check_choice("precision", precision, PRECISIONS)
+    targets.target(target)
+    low_precision(precision)
     lists = {"allow": set(_ALLOW), "infer": set(_INFER), "deny": set(_DENY), "clear": set(_CLEAR)}
     if precision == "bfloat16":
         lists["deny"] -= _BF16_RANGE_ONLY
@@ -244,7 +244,7 @@ def _check_disjoint(result: Mapping[str, set[str]], added: Mapping[str, set[str]
 
 
 def apply_level(result: Mapping[str, set[str]], level: str) -> dict[str, set[str]]:
-    """Spec §7: levels reshape the lists, exactly as TF's AMP levels do."""
+    """TF's levels reshape the lists, exactly as TF's AMP does (docs/coloring.md)."""
     allow, infer, deny, clear = (set(result[n]) for n in LIST_NAMES)
     if level == "tensor_cores_only":
         infer, deny, clear = set(), set(), set()

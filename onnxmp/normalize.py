@@ -71,7 +71,7 @@ def infer_types(model: onnx.ModelProto, nodes: NodeSummary | None = None
                 ) -> tuple[onnx.ModelProto, str | None]:
     """Shape inference, tolerant: unknown ops or opsets leave types unknown rather than fail.
 
-    Vertices with unknown types are simply not painted (spec §1), and the report says why.
+    Vertices with unknown types are simply not painted (docs/coloring.md), and the report says why.
     Inference runs on a weightless view of the model (protobuf cannot serialize more
     than 2 GB), and the inferred value_info is copied back into ``model``.  ``nodes`` is
     ``summarize(model.graph)`` when the caller has it already.

@@ -11,7 +11,7 @@ import numpy as np
 
 from onnxmp.errors import OnnxMPError
 from onnxmp.files import destination, write_bytes_atomic
-from onnxmp.validate import OutputParity, ParityReport
+from onnxmp.parity.validate import OutputParity, ParityReport
 
 log = logging.getLogger("onnxmp.plots")
 

@@ -1,11 +1,11 @@
-"""Explain (spec §8): per-vertex color with the rule and cause, a summary, and
-Tensor Core advice from the seed documents."""
+"""The conversion report: every vertex's color with the rule and cause that set it, a summary,
+and Tensor Core advice from TF's mixed-precision guide (``docs/coloring.md``, explain)."""
 from __future__ import annotations
 
 import itertools
 import json
 from collections import Counter, defaultdict
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from typing import TYPE_CHECKING, Any, Callable, Sequence, TypeVar
 
 import numpy as np
@@ -16,7 +16,7 @@ from onnxmp.index import ModelIndex, TensorInfo
 from onnxmp.naming import json_safe
 
 if TYPE_CHECKING:
-    from onnxmp.calibrate import CalibrationReport
+    from onnxmp.calibrate.records import CalibrationReport
 
 TENSOR_CORE_OPS = ("Conv", "ConvTranspose", "MatMul", "Gemm")
 
@@ -44,7 +44,7 @@ class VertexRow:
 
 @dataclass
 class GroupRow:
-    """A control-flow color group (spec §5.7) and whether it went low precision."""
+    """A control-flow color group (TF's force_color_match) and whether it went low precision."""
 
     name: str
     low: bool
@@ -66,35 +66,57 @@ class Advice:
 
 @dataclass
 class Report:
+    """What a conversion did.  ``vertices`` (one :class:`VertexRow` per vertex) and ``advice`` are
+    built from the coloring the first time they are read (:meth:`defer`): one record per vertex is
+    most of a report's cost, and most conversions never read them."""
+
     target: str
     precision: str
     level: str
-    vertices: list[VertexRow] = field(default_factory=list)
     casts_inserted: int = 0
     cast_nodes: list[str] = field(default_factory=list)
     changed: bool = False
     unchanged_reason: str | None = None
-    advice: list[Advice] = field(default_factory=list)
     timings: dict[str, float] = field(default_factory=dict)
     node_count: int = 0
     converted_initializers: list[str] = field(default_factory=list)
     twin_initializers: list[str] = field(default_factory=list)
     calibration: CalibrationReport | None = None  # set by convert(..., calibration=...)
     shape_inference_error: str | None = None
-    groups: list[GroupRow] = field(default_factory=list)  # control-flow color groups (spec §5.7)
+    groups: list[GroupRow] = field(default_factory=list)  # control-flow color groups
+    _rows: dict[str, list | Callable[[], list]] = field(default_factory=dict, repr=False, compare=False)
 
     def defer(self, name: str, build: Callable[[], list]) -> None:
-        """Let ``vertices`` or ``advice`` be built by ``build()`` when first read: one record per
-        vertex (or per advice) is most of a report's cost and memory, and most conversions never
-        read them.  ``build`` must read only what no later stage changes."""
-        assert name in _DEFERRED
-        self.__dict__[f"_build_{name}"] = build
+        """Let ``vertices`` or ``advice`` be built by ``build()`` when first read; ``build`` must
+        read only what no later stage changes."""
+        assert name in ("vertices", "advice")
+        self._rows[name] = build
+
+    def _built(self, name: str) -> list:
+        rows = self._rows.get(name, [])
+        if callable(rows):
+            rows = self._rows[name] = rows()
+        return rows
+
+    @property
+    def vertices(self) -> list[VertexRow]:
+        return self._built("vertices")
+
+    @vertices.setter
+    def vertices(self, rows: list[VertexRow]) -> None:
+        self._rows["vertices"] = rows
+
+    @property
+    def advice(self) -> list[Advice]:
+        return self._built("advice")
+
+    @advice.setter
+    def advice(self, rows: list[Advice]) -> None:
+        self._rows["advice"] = rows
 
     def __getstate__(self):
         state = dict(self.__dict__)
-        for name in _DEFERRED:  # built now: a builder may not pickle
-            state.pop(f"_build_{name}", None)
-            state[f"_{name}"] = getattr(self, name)
+        state["_rows"] = {"vertices": self.vertices, "advice": self.advice}  # built now: a builder may not pickle
         return state
 
     # -- aggregates ---------------------------------------------------------------
@@ -131,7 +153,9 @@ class Report:
 
     # -- output ---------------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:
-        data = asdict(self)
+        data = {f.name: getattr(self, f.name) for f in fields(self) if not f.name.startswith("_")}
+        data["vertices"], data["advice"] = self.vertices, self.advice
+        data = asdict(_Plain(data))["data"]
         data["summary"] = {"colors": self.color_counts(), "per_op": self.per_op(),
                            "tensor_core_fp16_share": self.tensor_core_share()}
         return data
@@ -191,26 +215,11 @@ class Report:
         return "\n".join(lines)
 
 
-_DEFERRED = ("vertices", "advice")
+@dataclass
+class _Plain:
+    """A wrapper that lets :func:`dataclasses.asdict` turn nested records into dicts."""
 
-
-def _deferred(name: str) -> property:
-    def get(report: Report) -> list:
-        build = report.__dict__.pop(f"_build_{name}", None)
-        if build is not None:
-            report.__dict__[f"_{name}"] = build()
-        return report.__dict__[f"_{name}"]
-
-    def set_(report: Report, value: list) -> None:
-        report.__dict__.pop(f"_build_{name}", None)
-        report.__dict__[f"_{name}"] = value
-
-    return property(get, set_)
-
-
-# Properties over the dataclass fields: asdict, repr, == and every reader see the built lists.
-for _name in _DEFERRED:
-    setattr(Report, _name, _deferred(_name))
+    data: dict
 
 
 def _json_default(obj):

@@ -29,11 +29,11 @@ import onnxmp  # noqa: E402
 from models import hard_cases  # noqa: E402
 from models.zoo import COMMITTED, build  # noqa: E402
 from onnxmp.calibrate import run_with_intermediates  # noqa: E402
-from onnxmp.emulate import emulate  # noqa: E402
+from onnxmp.parity.emulate import emulate  # noqa: E402
 from onnxmp.files import guard_arguments, write_text_atomic  # noqa: E402
-from onnxmp.metrics import relative_error  # noqa: E402
+from onnxmp.parity.metrics import relative_error  # noqa: E402
 from onnxmp.naming import json_safe  # noqa: E402
-from onnxmp.search import RUNS_C, run_bound  # noqa: E402
+from onnxmp.calibrate.search import RUNS_C, run_bound  # noqa: E402
 
 TRANSFORMER = "transformer_cancellation"
 TARGET_SECONDS = 30.0
@@ -92,7 +92,7 @@ def main(argv: list[str] | None = None) -> int:
               f"{'yes' if row['met'] else 'NO':>5}{_share(row['share_plain']) + ' -> ' + _share(row['share']):>13}"
               f"{row['moved']:>6}{row['runs']:>6}{bound:>7}{row['seconds']:>7.1f}", flush=True)
     print(f"\nrun bound: RUNS_C * k * log2(N) with RUNS_C = {RUNS_C}, k = nodes moved, N = low-precision nodes "
-          "after plain conversion (one search cycle; see onnxmp/search.py)")
+          "after plain conversion (one search cycle; see onnxmp/calibrate/search.py)")
     transformer = next((r for r in rows if r["model"] == TRANSFORMER), None)
     if transformer is not None:
         verdict = "under" if transformer["seconds"] < TARGET_SECONDS else "OVER"

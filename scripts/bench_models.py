@@ -35,7 +35,7 @@ import onnxmp  # noqa: E402
 from onnxmp.errors import first_line  # noqa: E402
 from onnxmp.files import guard_arguments, write_text_atomic  # noqa: E402
 # Imported by module path: onnxmp.validate may resolve to the submodule once imported.
-from onnxmp.validate import validate  # noqa: E402
+from onnxmp.parity.validate import validate  # noqa: E402
 
 HEAVY_OPS = ("Conv", "MatMul", "Gemm")
 # Relative slack on max |err| within which two conversions count as equally accurate.

@@ -49,8 +49,8 @@ import onnxmp  # noqa: E402
 from onnxmp.errors import first_line  # noqa: E402
 from onnxmp.files import guard_arguments, write_text_atomic  # noqa: E402
 from models import zoo  # noqa: E402
-from onnxmp.emulate import emulate  # noqa: E402
-from onnxmp.validate import validate  # noqa: E402
+from onnxmp.parity.emulate import emulate  # noqa: E402
+from onnxmp.parity.validate import validate  # noqa: E402
 
 PROVIDERS = {"cpu": "CPUExecutionProvider", "cuda": "CUDAExecutionProvider"}
 PARITY_BATCH = 2

@@ -49,7 +49,8 @@ from onnxmp.inputs import generate_inputs, load_npz  # noqa: E402
 from onnxmp.files import guard_arguments, write_bytes_atomic  # noqa: E402
 from onnxmp.plots import plot_errors  # noqa: E402
 from onnxmp.report import head  # noqa: E402
-from onnxmp.validate import PROVIDERS, validate  # noqa: E402
+from onnxmp.parity.validate import validate  # noqa: E402
+from onnxmp.targets import CUDA, NAMES as TARGETS  # noqa: E402
 
 log = logging.getLogger("validate_inference")
 
@@ -100,7 +101,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--out", type=Path, default=Path("reports/inference"),
                         help="folder for report.md and the error plots (default: reports/inference)")
     parser.add_argument("--json", type=Path, metavar="FILE", help="also write the table as JSON")
-    parser.add_argument("--provider", choices=tuple(PROVIDERS), default="cpu",
+    parser.add_argument("--provider", choices=TARGETS, default="cpu",
                         help="cpu emulates low precision; cuda runs it for real (default: cpu)")
     parser.add_argument("--precision", choices=tuple(SHORT), default="float16")
     parser.add_argument("--calibrate", action="store_true",
@@ -253,7 +254,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.provider == "cuda":
         import onnxruntime as ort
 
-        if PROVIDERS["cuda"] not in ort.get_available_providers():
+        if CUDA.provider not in ort.get_available_providers():
             print("error: this onnxruntime build has no CUDAExecutionProvider "
                   "(install onnxruntime-gpu, or use --provider cpu)", file=sys.stderr)
             return 2

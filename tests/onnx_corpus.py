@@ -176,7 +176,7 @@ def _iteration_bound(inputs) -> int:
 
 def parity_error(case: Case, converted: onnx.ModelProto) -> str:
     """Empty when the emulated converted model matches the fp32 run within the bound."""
-    from onnxmp.emulate import emulate
+    from onnxmp.parity.emulate import emulate
 
     emulated = emulate(converted)
     with np.errstate(all="ignore"):

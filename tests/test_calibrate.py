@@ -13,9 +13,9 @@ from onnxmp.calibrate import (
     CalibrationReport, Measurement, SeededTensor, _low_nodes, relative_error, run_with_intermediates,
     split_holdout,
 )
-from onnxmp.emulate import emulate
+from onnxmp.parity.emulate import emulate
 from onnxmp.normalize import make_node_names_unique
-from onnxmp.search import RUNS_C, Oracle, Switchboard, find_fp32_set, run_bound
+from onnxmp.calibrate.search import RUNS_C, Oracle, Switchboard, find_fp32_set, run_bound
 
 pytest.importorskip("onnxruntime")
 

@@ -13,8 +13,8 @@ import onnxmp
 from models import hard_cases
 from models.zoo import COMMITTED, build
 from onnxmp.calibrate import run_with_intermediates
-from onnxmp.emulate import emulate
-from onnxmp.metrics import relative_error
+from onnxmp.parity.emulate import emulate
+from onnxmp.parity.metrics import relative_error
 
 pytest.importorskip("onnxruntime")
 

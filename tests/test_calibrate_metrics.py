@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 import onnxmp
-from onnxmp.metrics import MODEL_LABEL, metric_plan, parse_metric
+from onnxmp.parity.metrics import MODEL_LABEL, metric_plan, parse_metric
 
 
 def _err(spec, ref, out) -> float:

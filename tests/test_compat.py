@@ -68,7 +68,7 @@ def test_signature_matches_onnxruntime_float16():
 
 @pytest.mark.parametrize("name", ZOO)
 def test_bundled_models_convert_and_keep_parity(name):
-    from onnxmp.validate import validate
+    from onnxmp.parity.validate import validate
 
     original = onnx.load(str(MODELS / f"{name}.onnx"))
     before = original.SerializeToString()
@@ -88,7 +88,7 @@ def test_keep_io_types_defaults_to_false_like_onnxconverter_common():
 
 
 def test_bigvar_batchnorm_stays_fp32_where_onnxconverter_common_clamps_it_to_garbage():
-    from onnxmp.validate import validate
+    from onnxmp.parity.validate import validate
 
     original = onnx.load(str(MODELS / "cnn_bn_bigvar.onnx"))
     inputs = str(MODELS / "cnn_bn_bigvar.inputs.npz")
@@ -408,7 +408,7 @@ def test_onnxruntime_form_takes_a_path(tmp_path):
 
 def test_kv_decoder_cache_in_fp16_logits_fp32_ids_int64():
     from onnxmp.inputs import check_inputs
-    from onnxmp.validate import validate
+    from onnxmp.parity.validate import validate
 
     converted = onnxmp.convert(str(MODELS / "kv_decoder.onnx"), keep_io_types=["logits"]).model
     types = io_types(converted)

@@ -1,4 +1,4 @@
-"""Spec §9: TensorFlow's AMP conformance cases, restated for ONNX.
+"""TensorFlow's AMP conformance cases, restated for ONNX.
 
 Each case asserts colors and the Cast count, and each has a twin where the rule
 does not fire.
@@ -216,15 +216,15 @@ def test_batchnorm_opset15_on_cuda_is_one_vertex_because_the_kernel_ties_its_typ
 def test_batchnorm_opset15_without_kernel_ties_keeps_statistics_fp32():
     """The same model, colored against a kernel table that records no ties (a provider whose
     kernel takes the mixed node): the schema's three parameters stay three vertices."""
-    from onnxmp.color import ColorOptions, color
+    from onnxmp.color import color
     from onnxmp.kernels import KernelTable
-    from onnxmp.lists import resolve_lists
     from onnxmp.normalize import normalize
+    from onnxmp.options import Options
 
     table = KernelTable.from_file(Path(onnxmp.__file__).parent / "data" / "ort_kernels.json")
     assert table.tied_params("cuda", "", "BatchNormalization", 15) == ()
-    options = ColorOptions(lists=resolve_lists(), kernels=table)
-    coloring = color(normalize(_bn_model(15)).index, options).coloring
+    index = normalize(_bn_model(15)).index
+    coloring = color(index, Options().resolve(index.model), kernels=table)
     assert coloring.is_allow("bn:T") and not coloring.is_allow("bn:T1") and not coloring.is_allow("bn:T2")
 
 

@@ -40,7 +40,7 @@ def test_converting_a_converted_model_changes_nothing(name):
 @pytest.mark.parametrize("name", ZOO)
 def test_emulated_parity_of_bundled_models(name):
     ort = pytest.importorskip("onnxruntime")
-    from onnxmp.emulate import emulate
+    from onnxmp.parity.emulate import emulate
 
     inputs = dict(np.load(MODELS / f"{name}.inputs.npz"))
     ref = ort.InferenceSession(str(MODELS / f"{name}.onnx")).run(None, inputs)
@@ -91,7 +91,7 @@ def test_loop_whose_carried_value_passes_a_deny_op_keeps_its_io_fp32_with_casts_
     assert inits["w"] == FLOAT16
     assert not any(n.op_type == "Cast" for n in result.model.graph.node)
     ort = pytest.importorskip("onnxruntime")
-    from onnxmp.emulate import emulate
+    from onnxmp.parity.emulate import emulate
 
     x = np.random.default_rng(0).standard_normal((4, 4)).astype(np.float32)
     ref = ort.InferenceSession(model.SerializeToString()).run(None, {"x": x})[0]
@@ -232,7 +232,7 @@ def test_save_is_atomic_and_leaves_nothing_on_failure(tmp_path, monkeypatch):
 def test_verify_failure_is_an_onnxmp_error_and_nothing_is_returned(monkeypatch):
     import importlib
 
-    conv = importlib.import_module("onnxmp.convert")
+    conv = importlib.import_module("onnxmp.pipeline")
 
     def broken_verify(model, **kw):
         raise onnxmp.OnnxMPError("converted model fails onnx.checker: boom", hint="report it")

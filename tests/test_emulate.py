@@ -14,7 +14,7 @@ from onnx import helper, numpy_helper
 from onnx.reference import ReferenceEvaluator
 
 from onnxmp.cli import main
-from onnxmp.emulate import emulate, low_precision_types
+from onnxmp.parity.emulate import emulate, low_precision_types
 from onnxmp.errors import OnnxMPError
 
 MODELS = Path(__file__).resolve().parents[1] / "models"

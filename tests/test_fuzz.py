@@ -76,7 +76,7 @@ def check_valid(graph: RandomGraph, result: onnxmp.ConversionResult, precision: 
 
 def error_ratios(graph: RandomGraph, result: onnxmp.ConversionResult, precision: str) -> dict[str, float]:
     """Property (b): each output's relative error over its bound (<= 1 passes)."""
-    from onnxmp.emulate import emulate
+    from onnxmp.parity.emulate import emulate
 
     emulated = emulate(result.model, precision, keep_io_types=False)
     options = ort.SessionOptions()

@@ -233,7 +233,7 @@ def _as(form: str, path: Path, monkeypatch):
 
 
 def _run(model: onnx.ModelProto, feeds) -> np.ndarray:
-    from onnxmp.search import cpu_session
+    from onnxmp.calibrate.search import cpu_session
 
     return cpu_session(model, "model").run(None, feeds)[0]
 
@@ -260,7 +260,7 @@ def test_validate_gives_the_same_report_on_every_path(small, tmp_path, monkeypat
 @pytest.mark.parametrize("form", FORMS)
 def test_emulate_gives_the_same_model_on_every_path(small, tmp_path, monkeypatch, file_sessions, form, precision):
     import onnxmp
-    from onnxmp.emulate import emulate
+    from onnxmp.parity.emulate import emulate
 
     path, x = small
     cand = tmp_path / "cand.onnx"
@@ -320,7 +320,7 @@ def test_explain_with_calibration_on_every_path(small, monkeypatch, file_session
 def test_bundled_models_with_every_tensor_external_validate_and_emulate_alike(tmp_path, name):
     """Subgraph initializers and Constant attributes in external files too (size_threshold=0)."""
     import onnxmp
-    from onnxmp.emulate import emulate
+    from onnxmp.parity.emulate import emulate
 
     models = ROOT / "models"
     external = tmp_path / f"{name}.onnx"

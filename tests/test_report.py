@@ -71,13 +71,13 @@ def test_deferred_rows_are_built_once_and_read_like_plain_fields():
 def _findings(model, paint=()):
     """tensor_core_findings of ``model`` colored with the defaults, after painting ``paint`` (vertex
     keys) ALLOW."""
-    from onnxmp.color import ColorOptions, color
-    from onnxmp.lists import resolve_lists
+    from onnxmp.color import color
     from onnxmp.normalize import normalize
+    from onnxmp.options import Options
     from onnxmp.report import tensor_core_findings
 
     graph = normalize(model).index
-    state = color(graph, ColorOptions(lists=resolve_lists())).coloring
+    state = color(graph, Options().resolve(graph.model))
     for key in paint:
         state.paint(key, "allow", "test", "painted by the test")
     return tensor_core_findings(graph, state)

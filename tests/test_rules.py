@@ -7,7 +7,8 @@ import onnx
 import pytest
 
 import onnxmp
-from onnxmp.color import ColorOptions, color
+from onnxmp.color import color
+from onnxmp.options import Options
 from onnxmp.color.rules import ALLOW, DENY, force_color_match, remove_allow_set_with_fp32
 from onnxmp.lists import resolve_lists
 from onnxmp.normalize import normalize
@@ -101,8 +102,7 @@ def test_propagate_allow_through_clear_names_the_allow_vertex_painted_first(firs
 
 def _state(model, **kw):
     normalized = normalize(model)
-    options = ColorOptions(lists=resolve_lists(), **kw)
-    return color(normalized.index, options).coloring
+    return color(normalized.index, Options.of(**kw).resolve(normalized.index.model))
 
 
 def test_remove_allow_set_with_fp32_removes_incapable_vertex():
@@ -201,7 +201,9 @@ def test_known_and_custom_domain_ops_in_overrides_are_accepted():
 
 
 def test_every_default_list_entry_names_a_known_op():
-    from onnxmp.lists import PRECISIONS, TARGETS, default_lists, is_onnx_op
+    from onnxmp.lists import default_lists, is_onnx_op
+    from onnxmp.precision import PRECISIONS
+    from onnxmp.targets import NAMES as TARGETS
 
     for target in TARGETS:
         for precision in PRECISIONS:

@@ -1,4 +1,4 @@
-"""Subgraph color matching (spec §5.7): Loop carried values, If outputs, Scan state, outer-scope reads."""
+"""Subgraph color matching (TF's force_color_match): Loop carried values, If outputs, Scan state, outer-scope reads."""
 from __future__ import annotations
 
 import numpy as np
@@ -6,7 +6,7 @@ import onnx
 import pytest
 
 import onnxmp
-from onnxmp.emulate import emulate
+from onnxmp.parity.emulate import emulate
 
 FLOAT, FLOAT16 = onnx.TensorProto.FLOAT, onnx.TensorProto.FLOAT16
 ort = pytest.importorskip("onnxruntime")
@@ -118,7 +118,7 @@ def test_if_whose_branches_differ_keeps_its_output_fp32():
     x = np.random.default_rng(0).standard_normal((4, 8)).astype(np.float32) * 0.1
     for cond in (True, False):
         _check_parity(model, result.model, {"x": x, "cond": np.array(cond)})
-    note = result.coloring.coloring.group_notes
+    note = result.coloring.group_notes
     assert any("If output" in k for k in note)
 
 

@@ -16,7 +16,7 @@ from onnx import helper, numpy_helper
 from onnxmp.cli import main
 from onnxmp.errors import OnnxMPError
 from onnxmp.plots import plot_errors
-from onnxmp.validate import Thresholds, validate
+from onnxmp.parity.validate import Thresholds, validate
 
 MODELS = Path(__file__).resolve().parents[1] / "models"
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"

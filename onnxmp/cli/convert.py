@@ -9,7 +9,11 @@ import sys
 from onnxmp.cli import EXIT_TOLERANCE, at_least, positive_float, report_error
 from onnxmp.errors import UsageError
 from onnxmp.files import all_or_nothing, guard_outputs, write_text_atomic
-from onnxmp.lists import LEVELS, LIST_NAMES, PRECISIONS, TARGETS
+from onnxmp.lists import LEVELS, LIST_NAMES
+from onnxmp.options import Options
+from onnxmp.precision import PRECISIONS
+from onnxmp.targets import NAMES as TARGETS
+from onnxmp.targets import target
 
 log = logging.getLogger("onnxmp.cli")
 
@@ -89,33 +93,31 @@ def _overrides(args) -> dict[str, list[str]]:
     return out
 
 
-def _common_kwargs(args) -> dict:
+def options_from(args) -> Options:
+    """The :class:`~onnxmp.options.Options` the command line asks for."""
     keep = args.keep_io_types
     if isinstance(keep, list):  # --keep-io-types NAME...; without names, the default
         keep = keep or True
-    return dict(target=args.target, precision=args.precision, keep_io_types=keep, level=args.level,
-                lists=_overrides(args), block_nodes=args.block_node)
+    calibration = {name: getattr(args, name, None) for name in ("tolerance", "metric", "holdout", "max_runs")}
+    if not getattr(args, "calibrate", None):
+        given = [f"--{k.replace('_', '-')}" for k, v in calibration.items() if v is not None]
+        if given:
+            raise UsageError(f"{given[0]} needs --calibrate", hint="pass sample inputs: --calibrate inputs.npz")
+    return Options(target=args.target, precision=args.precision, keep_io_types=keep, level=args.level,
+                   lists=_overrides(args), block_nodes=args.block_node,
+                   calibration=getattr(args, "calibrate", None) or None, **calibration)
 
 
 def _convert(args) -> int:
     import onnxmp
     from onnxmp.save import external_data_path
 
-    kwargs = _common_kwargs(args)
-    calibration_flags = {"tolerance": args.tolerance, "metric": args.metric, "holdout": args.holdout,
-                         "max_runs": args.max_runs}
-    if args.calibrate:
-        kwargs["calibration"] = args.calibrate
-        kwargs.update({k: v for k, v in calibration_flags.items() if v is not None})
-    else:
-        given = [f"--{k.replace('_', '-')}" for k, v in calibration_flags.items() if v is not None]
-        if given:
-            raise UsageError(f"{given[0]} needs --calibrate", hint="pass sample inputs: --calibrate inputs.npz")
+    options = options_from(args)
     # -o's external data (`OUT.data`, written for large models) is checked now too, not after the work.
     guard_outputs({"-o": args.output, "--report": args.report,
                    "external data of -o": external_data_path(args.output)},
                   {"input model": args.model, "--calibrate": args.calibrate})
-    result = onnxmp.convert(args.model, **kwargs)
+    result = onnxmp.convert(args.model, options)
     calibration = result.report.calibration
     with all_or_nothing():  # a failed report takes the model with it, not the user's old files
         onnxmp.save(result.model, args.output, source=args.model)
@@ -136,7 +138,7 @@ def _convert(args) -> int:
 def _explain(args) -> int:
     import onnxmp
 
-    report = onnxmp.explain(args.model, **_common_kwargs(args))
+    report = onnxmp.explain(args.model, options_from(args))
     if args.json:
         sys.stdout.write(report.to_json() + "\n")
         return 0
@@ -148,13 +150,12 @@ def _explain(args) -> int:
 
 
 def _lists(args) -> int:
-    from onnxmp.color import PROVIDERS
     from onnxmp.kernels import KernelTable
     from onnxmp.lists import resolve_lists
 
     lists = resolve_lists(args.target, args.precision, args.level)
     table = KernelTable.default()
-    provider = PROVIDERS[args.target]
+    provider = target(args.target).provider
     coverage = {}
     for name in LIST_NAMES:
         for op in sorted(lists[name]):

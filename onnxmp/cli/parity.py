@@ -7,6 +7,7 @@ import sys
 
 from onnxmp.cli import EXIT_ERROR, add_verbosity_flags, at_least, report_error
 from onnxmp.precision import PRECISIONS
+from onnxmp.targets import NAMES as TARGETS
 
 log = logging.getLogger("onnxmp.cli.parity")
 
@@ -37,7 +38,7 @@ def register(subparsers) -> None:
     p.add_argument("--dims", nargs="+", default=[], metavar="NAME=SIZE", type=_dim,
                    help="sizes of symbolic input dims for generated inputs, e.g. N=2")
     p.add_argument("--seed", type=at_least(0), default=0, help="seed for generated inputs (default: 0)")
-    p.add_argument("--provider", choices=("cpu", "cuda"), default="cpu",
+    p.add_argument("--provider", choices=TARGETS, default="cpu",
                    help="cpu emulates low precision; cuda runs it for real (default: cpu)")
     p.add_argument("--report", metavar="JSON", help="write the full report as JSON")
     p.add_argument("--plot", metavar="PNG", help="write error histograms as a PNG")
@@ -57,7 +58,7 @@ def _dim(text: str) -> tuple[str, int]:
 
 
 def run_emulate(args: argparse.Namespace) -> int:
-    from onnxmp.emulate import as_model, emulate, emulated_precisions
+    from onnxmp.parity.emulate import as_model, emulate, emulated_precisions
     from onnxmp.files import guard_outputs
     from onnxmp.save import save
 
@@ -73,7 +74,7 @@ def run_validate(args: argparse.Namespace) -> int:
     from onnxmp.files import all_or_nothing, guard_outputs, write_text_atomic
     from onnxmp.plots import plot_errors, require_matplotlib
     from onnxmp.report import head
-    from onnxmp.validate import validate
+    from onnxmp.parity.validate import validate
 
     guard_outputs({"--report": args.report, "--plot": args.plot},
                   {"reference model": args.reference, "candidate model": args.candidate, "--inputs": args.inputs})

@@ -36,12 +36,13 @@ from onnxmp.errors import OnnxMPError
 
 log = logging.getLogger("onnxmp.cli.train")
 
-_METRICS = {"cross_entropy": ["accuracy"], "bce_with_logits": ["binary_accuracy"]}
 
 
 def register(sub) -> None:
     from onnxmp.cli import add_verbosity_flags, at_least, positive_float
-    from onnxmp.training.artifacts import LOSSES, OPTIMIZERS, PRECISIONS
+    from onnxmp.training.build import PRECISIONS
+    from onnxmp.training.losses import LOSSES
+    from onnxmp.training.optimizer import OPTIMIZERS
 
     p = sub.add_parser("train", help="train an ONNX model with mixed precision and dynamic loss scaling",
                        description="Build training artifacts (loss scaling, unscale, inf/NaN check), train on "
@@ -117,7 +118,7 @@ def _train_on(args, comm) -> int:
         spec = _DataSpec.of_manifest(trainer.artifacts.manifest)
     else:
         from onnxmp.load import load
-        from onnxmp.training.artifacts import check_trainable_size
+        from onnxmp.training.build import check_trainable_size
 
         check_trainable_size(args.model)  # before the weights are read into memory
         model = load(args.model)
@@ -170,9 +171,10 @@ def _private_folder(prefix: str):
 def _fit_and_export(trainer, train, evaluation, args, folder: Path) -> tuple[list[dict], list[str]]:
     from onnxmp.files import write_text_atomic
     from onnxmp.training.distributed import contiguous_shard, shard
+    from onnxmp.training.losses import LOSSES
 
     manifest = trainer.artifacts.manifest
-    metrics = _METRICS.get(manifest["loss"], [])
+    metrics = list(LOSSES[manifest["loss"]].metrics) if manifest["loss"] in LOSSES else []
     rows = len(train[0])
 
     comm = trainer.comm

@@ -1,85 +1,66 @@
-"""Stage 3: color.  Runs the data seeds and TF's passes in spec order."""
+"""Stage 3: color.  The data seeds, then TF's AMP rules in TF's order (``docs/coloring.md``).
+
+The vertices and edges are built once (:func:`~onnxmp.color.vertices.build_type_view`); every
+seed and rule is one function over the :class:`~onnxmp.color.rules.Coloring` state, run by one
+:class:`~onnxmp.passes.PassManager`.  The result is an analysis, ``{vertex: (color, rule, cause)}``;
+nothing is written into the graph.
+"""
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
-from typing import Iterable, Mapping
-
 
 from onnxmp.color.rules import (
     ALLOW, DENY, FP32, Coloring, Reason,
     add_allow_ops, add_clear_and_infer_to_allow_if_between_allow, add_infer_to_allow_if_follow_allow,
-    force_color_match, make_casts_allow_if_all_outputs_allow, propagate_allow_through_clear,
+    allow_only_where_ok, force_color_match, make_casts_allow_if_all_outputs_allow, propagate_allow_through_clear,
     propagate_deny_forward_through_clear_and_infer, remove_allow_set_with_fp32,
 )
-from onnxmp.color.seeds import (
-    DEFAULT_THRESHOLD, DEFAULT_UNDERFLOW_SHARE, seed_deny_forced, seed_deny_from_calibration, seed_deny_from_initializer_range,
-)
+from onnxmp.color.seeds import seed_deny_forced, seed_deny_from_calibration, seed_deny_from_initializer_range
 from onnxmp.color.vertices import TypeView, Vertex, build_type_view
 from onnxmp.index import ModelIndex
 from onnxmp.kernels import KernelTable
-from onnxmp.passes import PassResult
-from onnxmp.precision import BFLOAT16, low_precision
+from onnxmp.options import Resolved
+from onnxmp.passes import FunctionPass, PassBase, PassManager
+from onnxmp.precision import BFLOAT16
 
-__all__ = ["ALLOW", "DENY", "FP32", "Coloring", "Reason", "TypeView", "Vertex", "ColorOptions", "color",
-           ]
+__all__ = ["ALLOW", "DENY", "FP32", "Coloring", "Reason", "TypeView", "Vertex", "color", "color_passes"]
 
 log = logging.getLogger("onnxmp.color")
 
-PROVIDERS = {"cuda": "CUDAExecutionProvider", "cpu": "CPUExecutionProvider"}
+_ALLOW_OK = (allow_only_where_ok, "every ALLOW vertex is processed, float32 and low-precision capable")
 
 
-@dataclass
-class ColorOptions:
-    lists: Mapping[str, frozenset[str]]
-    target: str = "cuda"
-    precision: str = "float16"
-    level: str = "default"
-    block_nodes: Iterable[str] = ()
-    keep_io_types: bool | frozenset[str] = True  # or the main-graph I/O names kept (convert resolves lists)
-    underflow_share: float = DEFAULT_UNDERFLOW_SHARE
-    calibration_magnitudes: Mapping[str, float] | None = None
-    calibration_threshold: float = DEFAULT_THRESHOLD
-    forced_deny: Mapping[str, str] | None = None  # node name -> cause (accuracy fallback)
-    kernels: KernelTable | None = None
-    initializer_inputs: tuple[str, ...] = ()
-
-
-@dataclass
-class ColorResult:
-    coloring: Coloring
-
-
-def color(graph: ModelIndex, options: ColorOptions) -> ColorResult:
-    kernels = options.kernels or KernelTable.default()
-    view = build_type_view(graph, options.lists, low=low_precision(options.precision),
-                           provider=PROVIDERS[options.target], kernels=kernels,
-                           block_nodes=options.block_nodes, keep_io_types=options.keep_io_types,
-                           initializer_inputs=options.initializer_inputs)
-    state = Coloring(view, low_name=options.precision)
-    result = ColorResult(state)
-
-    def run(name: str, fn, *args, **kwargs) -> PassResult:
-        outcome = fn(state, *args, **kwargs)
-        log.debug("%s: %s", name, outcome.details)
-        return outcome
-
-    run("seed_deny_from_initializer_range", seed_deny_from_initializer_range, graph,
-        underflow_share=options.underflow_share)
-    if options.calibration_magnitudes:
-        run("seed_deny_from_calibration", seed_deny_from_calibration, options.calibration_magnitudes,
-            options.calibration_threshold)
+def color_passes(index: ModelIndex, options: Resolved) -> list[PassBase[Coloring]]:
+    """The seeds that apply to ``options``, then TF's rules in TF's order."""
+    passes = [FunctionPass(seed_deny_from_initializer_range, index, underflow_share=options.underflow_share)]
+    if options.magnitudes:
+        passes.append(FunctionPass(seed_deny_from_calibration, options.magnitudes, options.calibration_threshold))
     if options.forced_deny:
-        run("seed_deny_forced", seed_deny_forced, options.forced_deny)
-    if not run("add_allow_ops", add_allow_ops).modified:
-        log.info("no allow-list op can run in %s here; the model is left unchanged", options.precision)
-        return result
-    run("propagate_deny_forward_through_clear_and_infer", propagate_deny_forward_through_clear_and_infer)
-    run("add_clear_and_infer_to_allow_if_between_allow", add_clear_and_infer_to_allow_if_between_allow)
-    if options.precision == BFLOAT16.name:
-        run("add_infer_to_allow_if_follow_allow", add_infer_to_allow_if_follow_allow)
-    run("propagate_allow_through_clear", propagate_allow_through_clear)
-    run("remove_allow_set_with_fp32", remove_allow_set_with_fp32)
-    run("force_color_match", force_color_match)
-    run("make_casts_allow_if_all_outputs_allow", make_casts_allow_if_all_outputs_allow)
-    return result
+        passes.append(FunctionPass(seed_deny_forced, options.forced_deny))
+    passes += [
+        FunctionPass(add_allow_ops, ensures=_ALLOW_OK),
+        FunctionPass(propagate_deny_forward_through_clear_and_infer),
+        FunctionPass(add_clear_and_infer_to_allow_if_between_allow),
+    ]
+    if options.precision is BFLOAT16:
+        passes.append(FunctionPass(add_infer_to_allow_if_follow_allow))
+    passes += [
+        FunctionPass(propagate_allow_through_clear),
+        FunctionPass(remove_allow_set_with_fp32, ensures=_ALLOW_OK),
+        FunctionPass(force_color_match),
+        FunctionPass(make_casts_allow_if_all_outputs_allow),
+    ]
+    return passes
+
+
+def color(index: ModelIndex, options: Resolved, *, kernels: KernelTable | None = None,
+          timings: dict[str, float] | None = None) -> Coloring:
+    """Color every (node, type parameter) vertex of ``index``'s graphs for ``options``."""
+    view = build_type_view(index, options.lists, low=options.precision, provider=options.target.provider,
+                           kernels=kernels or KernelTable.default(), block_nodes=options.block_nodes,
+                           keep_io_types=options.keep_io_types, initializer_inputs=index.initializer_inputs)
+    state = Coloring(view, low_name=options.precision.name)
+    result = PassManager(color_passes(index, options), log=log, timings=timings)(state)
+    if result.details.get("add_allow_ops") and result.details["add_allow_ops"].stop:
+        log.info("no allow-list op can run in %s here; the model is left unchanged", options.precision.name)
+    return state

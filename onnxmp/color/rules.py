@@ -1,4 +1,4 @@
-"""TensorFlow's AMP coloring passes over (node, type-parameter) vertices (spec §5).
+"""TensorFlow's AMP coloring passes over (node, type-parameter) vertices (``docs/coloring.md``).
 
 Each rule is one function named after TF's pass.  Colors are an analysis
 result, ``{vertex id: (color, rule, cause)}`` held by :class:`Coloring`; nothing is
@@ -9,7 +9,7 @@ vertex ids and the view's flat arrays (see :class:`~onnxmp.color.vertices.TypeVi
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Iterable, NamedTuple
+from typing import Callable, Iterable, NamedTuple
 
 import numpy as np
 
@@ -26,15 +26,33 @@ class Reason(NamedTuple):
     cause: str
 
 
+class Cause(NamedTuple):
+    """Why a vertex got its color, as ``writer(view, vertex id, *args)``, which makes the words
+    when a report asks (:meth:`Coloring.final`).  ``Cause.text("...")`` is a cause in plain words."""
+
+    writer: Callable[..., str]
+    args: tuple = ()
+
+    @classmethod
+    def text(cls, words: str) -> Cause:
+        return cls(_words, (words,))
+
+    def words(self, view: TypeView, vid: int) -> str:
+        return self.writer(view, vid, *self.args)
+
+
+def _words(view: TypeView, vid: int, words: str) -> str:
+    return words
+
+
 @dataclass
 class Coloring:
     """Colors by vertex id (insertion-ordered: see :meth:`allow_ids`).  Methods take an id or, for
     callers, the readable "node:param" key."""
 
     view: TypeView
-    # id -> (color, rule, cause); a cause is a string, or a writer that makes the string from the
-    # view only when a report asks (see final): (writer, *vertex ids), or a bare writer of the
-    # painted vertex itself
+    # id -> (color, rule, cause).  A cause is a Cause: the words are made from the view only
+    # when a report asks (see final), since most conversions never read them.
     colors: dict[int, tuple] = field(default_factory=dict)
     low_name: str = "float16"
     low_groups: list = field(default_factory=list)          # ColorGroups that go low precision
@@ -56,8 +74,9 @@ class Coloring:
     def is_deny(self, key: str | int) -> bool:
         return self.codes[self._id(key)] == _DENY
 
-    def paint(self, key: str | int, color: str, rule: str, cause) -> bool:
-        """Paint unless already that color; True when something changed."""
+    def paint(self, key: str | int, color: str, rule: str, cause: Cause | str) -> bool:
+        """Paint unless already that color; True when something changed.  ``cause`` may be plain words."""
+        cause = Cause.text(cause) if isinstance(cause, str) else cause
         vid = self._id(key)
         code = _CODE[color]
         if self.codes[vid] == code:
@@ -66,7 +85,7 @@ class Coloring:
         self.codes[vid] = code
         return True
 
-    def paint_all(self, ids: Iterable[int], color: str, rule: str, cause) -> int:
+    def paint_all(self, ids: Iterable[int], color: str, rule: str, cause: Cause) -> int:
         """:meth:`paint` of every id in order with one shared entry; how many changed."""
         code, codes = _CODE[color], self.codes
         changed = [vid for vid in ids if codes[vid] != code]
@@ -94,12 +113,7 @@ class Coloring:
         vid = self._id(key)
         entry = self.colors.get(vid)
         if entry is not None:
-            cause = entry[2]
-            if isinstance(cause, tuple):
-                cause = cause[0](self.view, *cause[1:])
-            elif not isinstance(cause, str):
-                cause = cause(self.view, vid)
-            return entry[0], Reason(entry[1], cause)
+            return entry[0], Reason(entry[1], entry[2].words(self.view, vid))
         why_not = self.view.v_kind[vid].why_not
         if why_not:
             return FP32, Reason("not_processed", why_not)
@@ -120,7 +134,7 @@ def _list_op(view: TypeView, k: int) -> str:
     return f"{view.lst[k]}-list op {view.op_of(k)}"
 
 
-def _downstream_of_deny(view: TypeView, source: int, via: int) -> str:
+def _downstream_of_deny(view: TypeView, k: int, source: int, via: int) -> str:
     cause = f"downstream of deny {view.op_of(source)} `{view.node_of(source)}`"
     if via >= 0:
         cause += f" through {view.lst[via] or 'op'} {view.op_of(via)} `{view.node_of(via)}`"
@@ -131,11 +145,11 @@ def _between_allow(view: TypeView, k: int) -> str:
     return f"{view.lst[k]} op {view.op_of(k)} lies between allow ops"
 
 
-def _follows_allow(view: TypeView, source: int) -> str:
+def _follows_allow(view: TypeView, k: int, source: int) -> str:
     return f"infer op follows allow {view.op_of(source)} `{view.node_of(source)}`"
 
 
-def _connected_to_allow(view: TypeView, root: int) -> str:
+def _connected_to_allow(view: TypeView, k: int, root: int) -> str:
     return f"clear op connected to allow {view.op_of(root)} `{view.node_of(root)}`"
 
 
@@ -227,20 +241,21 @@ def _u8(marks: bytes | bytearray) -> np.ndarray:
     return np.frombuffer(marks, dtype=np.uint8)
 
 
-def _allow_only_where_ok(state: Coloring) -> bool:
-    """Every ALLOW vertex is processed, float32 and low-precision capable."""
+def allow_only_where_ok(state: Coloring) -> bool:
+    """Every ALLOW vertex is processed, float32 and low-precision capable (the postcondition of
+    add_allow_ops and remove_allow_set_with_fp32)."""
     allow = np.frombuffer(state.marks(ALLOW), dtype=np.uint8)
     return not np.any(allow > np.frombuffer(state.view.ok, dtype=np.uint8))
 
 
 def add_allow_ops(state: Coloring) -> PassResult:
-    """Every vertex of a processed allow-list node joins ALLOW (unless a data seed denied it)."""
+    """Every vertex of a processed allow-list node joins ALLOW (unless a data seed denied it).
+    When none does, the model is left unchanged: no later rule runs."""
     view = state.view
     listed = _ids((_u8(view.list_codes) == _ALLOW_LIST) & (_u8(view.ok) != 0) & (_u8(state.codes) != _DENY))
-    painted = state.paint_all(listed, ALLOW, "add_allow_ops", _list_op)
-    require(_allow_only_where_ok(state),
-            "add_allow_ops", "every ALLOW vertex is processed, float32 and low-precision capable")
-    return PassResult(painted > 0, {"painted": painted})
+    painted = state.paint_all(listed, ALLOW, "add_allow_ops", Cause(_list_op))
+    # TF returns here when no allow op can take the low-precision type: nothing else may change.
+    return PassResult(painted > 0, {"painted": painted}, stop=painted == 0)
 
 
 def propagate_deny_forward_through_clear_and_infer(state: Coloring) -> PassResult:
@@ -261,7 +276,7 @@ def propagate_deny_forward_through_clear_and_infer(state: Coloring) -> PassResul
     roots = f32 & (deny_list | (lists == _INFER_LIST) | seeded)
     upstream = _reached(view.fanin, _ids(roots), bytearray(roots | (lists == _CLEAR_LIST)))
 
-    painted = state.paint_all(_ids(f32 & deny_list & ~seeded), DENY, rule, _list_op)
+    painted = state.paint_all(_ids(f32 & deny_list & ~seeded), DENY, rule, Cause(_list_op))
     deny = state.marks(DENY)
     deny_roots = _ids(f32 & (_u8(deny) != 0))
     allow = state.marks(ALLOW)
@@ -273,7 +288,7 @@ def propagate_deny_forward_through_clear_and_infer(state: Coloring) -> PassResul
         source = origin[k] = origin.get(parent, parent)
         if deny[k]:
             continue
-        painted += state.paint(k, DENY, rule, (_downstream_of_deny, source, parent if parent != source else -1))
+        painted += state.paint(k, DENY, rule, Cause(_downstream_of_deny, (source, parent if parent != source else -1)))
     require(state.marks(ALLOW) == allow, rule, "no ALLOW vertex was painted DENY")
     return PassResult(painted > 0, {"painted": painted})
 
@@ -296,7 +311,7 @@ def add_clear_and_infer_to_allow_if_between_allow(state: Coloring) -> PassResult
     between = _ids((_u8(_reached(view.fanin, allow_roots, downstream)) != 0) & ~roots)
     # In the readable order reports were painted in.
     painted = state.paint_all(sorted(between, key=view.key), ALLOW, "add_clear_and_infer_to_allow_if_between_allow",
-                              _between_allow)
+                              Cause(_between_allow))
     return PassResult(painted > 0, {"painted": painted})
 
 
@@ -314,7 +329,7 @@ def add_infer_to_allow_if_follow_allow(state: Coloring) -> PassResult:
         if allow_in:
             promote.append((k, allow_in[0]))
     for k, src in promote:  # decided first, painted after: a single sweep, not a propagation
-        state.paint(k, ALLOW, "add_infer_to_allow_if_follow_allow", (_follows_allow, src))
+        state.paint(k, ALLOW, "add_infer_to_allow_if_follow_allow", Cause(_follows_allow, (src,)))
     return PassResult(bool(promote), {"painted": len(promote)})
 
 
@@ -336,7 +351,7 @@ def propagate_allow_through_clear(state: Coloring) -> PassResult:
             origin[k] = origin.get(parent, parent)
     painted = 0
     for k, root in origin.items():
-        painted += state.paint(k, ALLOW, "propagate_allow_through_clear", (_connected_to_allow, root))
+        painted += state.paint(k, ALLOW, "propagate_allow_through_clear", Cause(_connected_to_allow, (root,)))
     return PassResult(painted > 0, {"painted": painted})
 
 
@@ -345,14 +360,11 @@ def remove_allow_set_with_fp32(state: Coloring) -> PassResult:
     incapable = _ids(_u8(state.marks(ALLOW)) > _u8(state.view.ok))
     for k in incapable:
         state.unpaint(k)
-    removed = len(incapable)
-    require(_allow_only_where_ok(state),
-            "remove_allow_set_with_fp32", "every ALLOW vertex can take the low-precision type")
-    return PassResult(removed > 0, {"removed": removed})
+    return PassResult(len(incapable) > 0, {"removed": len(incapable)})
 
 
 def force_color_match(state: Coloring) -> PassResult:
-    """Tensors that must share a type end with one color (spec §5.7).
+    """Tensors that must share a type end with one color.
 
     Loop carried values (outer initial value, body input, body output, Loop
     output), Loop/Scan scan outputs, If branch outputs with the If output, and

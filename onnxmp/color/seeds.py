@@ -1,4 +1,4 @@
-"""Deny seeds from data (spec §4; onnxmp's addition, not in TF).
+"""Deny seeds from data (onnxmp's addition to TF's algorithm; ``docs/coloring.md``).
 
 A node whose float32 initializer or Constant input cannot be represented in the
 low-precision type is painted DENY before propagation, instead of being
@@ -18,11 +18,10 @@ import onnx
 from onnxmp.color.rules import DENY, Coloring
 from onnxmp.external import tensor_array
 from onnxmp.index import TENSOR_KIND, ModelIndex
+from onnxmp.options import DEFAULT_UNDERFLOW_SHARE
 from onnxmp.passes import PassResult
 from onnxmp.precision import low_precision
 
-DEFAULT_UNDERFLOW_SHARE = 0.5     # share of an initializer's values that may flush or turn subnormal
-DEFAULT_THRESHOLD = 65504.0 / 4   # calibration: |x| above which an intermediate's node is denied
 FLOAT, EXTERNAL = onnx.TensorProto.FLOAT, onnx.TensorProto.EXTERNAL
 
 

@@ -1,4 +1,4 @@
-"""The vertices the coloring paints: (node, type-constraint parameter) pairs (spec §1).
+"""The vertices the coloring paints: (node, type-constraint parameter) pairs (``docs/coloring.md``).
 
 All inputs and outputs of a node that share a type parameter in the op schema
 form one vertex and change dtype together.  Only vertices whose tensors are
@@ -34,7 +34,7 @@ from onnxmp.subgraphs import GRAPH
 
 log = logging.getLogger("onnxmp.color")
 
-# Ops that define their float output from an attribute; spec §5.8 may retarget them.
+# Ops that define their float output from an attribute; make_casts_allow_if_all_outputs_allow may retarget them.
 RETARGETABLE = ("Cast", "Constant", "ConstantOfShape")
 CONTROL_FLOW = ("If", "Loop", "Scan")
 
@@ -48,7 +48,7 @@ FLOAT = onnx.TensorProto.FLOAT
 
 @dataclass
 class ColorGroup:
-    """Tensors bound across a control-flow boundary that must share one type (spec §5.7).
+    """Tensors bound across a control-flow boundary that must share one type (TF's force_color_match).
 
     ``members`` are (graph id, tensor name); ``must_allow`` are the tensors whose
     producer vertex must be ALLOW (values computed in a body), ``must_not_deny``
@@ -671,7 +671,7 @@ def build_type_view(
 
 
 def _cut_to_floats(view: TypeView, vid: int, group: _Group, ins, outs, codes) -> tuple[list[str], list[str]]:
-    """An op without schema: its float tensors only form the vertex (spec §1)."""
+    """An op without schema: its float tensors only form the vertex."""
     inputs = [(i, ins[i]) for i in group.in_idx if codes[ins[i]] == FLOAT]
     outputs = [(i, outs[i]) for i in group.out_idx if codes[outs[i]] == FLOAT]
     view.float_io[vid] = (inputs, outputs)

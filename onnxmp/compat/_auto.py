@@ -15,9 +15,10 @@ import numpy as np
 import onnx
 
 from onnxmp.compat._convert import CompatError, io_names
+from onnxmp.targets import CPU
 from onnxmp.errors import OnnxMPError, first_line
 from onnxmp.inputs import check_inputs
-from onnxmp.metrics import as_output_array
+from onnxmp.parity.metrics import as_output_array
 
 log = logging.getLogger("onnxmp.compat")
 
@@ -51,7 +52,7 @@ def run(model: onnx.ModelProto | str, feed: Mapping[str, np.ndarray], providers:
     options.log_severity_level = 3
     source = model.SerializeToString() if isinstance(model, onnx.ModelProto) else str(model)
     try:
-        session = ort.InferenceSession(source, options, providers=list(providers or ["CPUExecutionProvider"]))
+        session = ort.InferenceSession(source, options, providers=list(providers or [CPU.provider]))
         return [as_output_array(v) for v in session.run(None, feeds)]
     except Exception as exc:  # onnxruntime's exceptions share no public base class
         raise OnnxMPError(f"onnxruntime cannot run the {what}: {first_line(exc)}") from None

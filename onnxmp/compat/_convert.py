@@ -11,8 +11,7 @@ from typing import Iterable
 import numpy as np
 import onnx
 
-from onnxmp.color.seeds import DEFAULT_UNDERFLOW_SHARE, constant_producers, constant_values
-from onnxmp.convert import convert_once
+from onnxmp.color.seeds import constant_producers, constant_values
 from onnxmp.errors import OnnxMPError
 from onnxmp.external import skeleton
 from onnxmp.index import ModelIndex
@@ -20,6 +19,8 @@ from onnxmp.domains import op_key
 from onnxmp.lists import is_known_op_type, is_onnx_op, list_of, resolve_lists, unknown_op
 from onnxmp.load import ModelLike, load
 from onnxmp.normalize import normalize
+from onnxmp.options import DEFAULT_UNDERFLOW_SHARE, Options
+from onnxmp.pipeline import convert_once
 
 log = logging.getLogger("onnxmp.compat")
 
@@ -30,13 +31,13 @@ class CompatError(OnnxMPError, ValueError):
 
 
 def steering(model: onnx.ModelProto, *, min_positive_val: float, max_finite_val: float, keep_io_types,
-             op_block_list: Iterable[str] | None, node_block_list: Iterable[str] | None) -> dict:
-    """The keyword arguments of :func:`onnxmp.convert` that say what the originals' arguments say."""
+             op_block_list: Iterable[str] | None, node_block_list: Iterable[str] | None) -> Options:
+    """The :class:`~onnxmp.options.Options` fields that say what the originals' arguments say."""
     graph = normalize(load(model)).index  # normalize edits its argument; `model` is converted later
     lists = _deny_ops(graph, op_block_list)
-    return dict(keep_io_types=io_names(model, keep_io_types), lists=lists,
-                block_nodes=[rf"\A{re.escape(name)}\Z" for name in _existing_nodes(graph, node_block_list)],
-                forced_deny=_out_of_range_readers(graph, lists, min_positive_val, max_finite_val))
+    return Options(keep_io_types=io_names(model, keep_io_types), lists=lists,
+                   block_nodes=[rf"\A{re.escape(name)}\Z" for name in _existing_nodes(graph, node_block_list)],
+                   forced_deny=_out_of_range_readers(graph, lists, min_positive_val, max_finite_val))
 
 
 def convert_model(model: ModelLike, *, min_positive_val: float, max_finite_val: float, keep_io_types,
@@ -46,7 +47,7 @@ def convert_model(model: ModelLike, *, min_positive_val: float, max_finite_val: 
     # the ones it will see.
     options = steering(original, min_positive_val=min_positive_val, max_finite_val=max_finite_val,
                        keep_io_types=keep_io_types, op_block_list=op_block_list, node_block_list=node_block_list)
-    return convert_once(original, **options).model
+    return convert_once(original, options).model
 
 
 def returned(model: ModelLike, result: onnx.ModelProto, disable_shape_infer: bool) -> onnx.ModelProto:

@@ -7,8 +7,7 @@ from typing import Sequence
 import numpy as np
 
 from onnxmp.errors import OnnxMPError
-
-CLASS_LOSSES = ("cross_entropy",)
+from onnxmp.training.losses import loss as loss_named
 
 
 def output_shape(model) -> list[int | None]:
@@ -35,7 +34,8 @@ def check_labels(loss: str, labels: np.ndarray, *, rows: int, shape: Sequence[in
     if len(labels) != rows:
         raise OnnxMPError(f"{where} have {len(labels)} rows but the inputs have {rows}")
     known = list(shape)
-    if loss in CLASS_LOSSES:
+    kind = loss_named(loss)
+    if kind.classes:
         if labels.dtype.kind == "f":
             if not np.all(np.isfinite(labels)) or np.any(labels != np.round(labels)):
                 raise OnnxMPError(f"{where} hold non-integer values (e.g. {_first_bad(labels)}); "
@@ -56,9 +56,9 @@ def check_labels(loss: str, labels: np.ndarray, *, rows: int, shape: Sequence[in
                                   + (f" for logits with {classes} classes" if classes else ""),
                                   "class ids must index the logits' last dimension")
         return labels.astype(np.int64, copy=False)
-    if labels.dtype.kind not in "fb" and loss == "bce_with_logits" and labels.size and (
+    if labels.dtype.kind not in "fb" and kind.probabilities and labels.size and (
             labels.min() < 0 or labels.max() > 1):
-        raise OnnxMPError(f"{where} for bce_with_logits must lie in [0, 1]")
+        raise OnnxMPError(f"{where} for {loss} must lie in [0, 1]")
     if known and (labels.ndim != len(known) or any(k is not None and k != n for k, n in
                                                    zip(known[1:], labels.shape[1:]))):
         raise OnnxMPError(f"{where} have shape {list(labels.shape)} but the {loss} loss compares them with the "

@@ -47,7 +47,7 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
-from onnxmp.emulate import infer_tensor_types
+from onnxmp.parity.emulate import infer_tensor_types
 from onnxmp.errors import OnnxMPError
 from onnxmp.naming import FreshNames, proto_names
 from onnxmp.precision import LOW
@@ -115,7 +115,7 @@ def _rewritten(model: onnx.ModelProto, requires_grad: list[str]) -> tuple[onnx.M
         if rewrite is None:
             nodes.append(node)
             continue
-        replacement = rewrite(node, _Builder(names, node, types, trainable), types)
+        replacement = rewrite(node, Builder(names, node, types, trainable), types)
         if replacement is None:
             nodes.append(node)
             continue
@@ -138,7 +138,7 @@ def promote_constants(model: onnx.ModelProto, names: Iterable[str]) -> tuple[onn
     initializers = {t.name for t in model.graph.initializer}
     constants = {n.output[0]: n for n in model.graph.node
                  if n.op_type == "Constant" and n.domain in ("", "ai.onnx") and n.output[0] in wanted
-                 and n.output[0] not in initializers and _attr(n, "value", None) is not None}
+                 and n.output[0] not in initializers and attribute(n, "value", None) is not None}
     if not constants:
         return model, []
     result = onnx.ModelProto()
@@ -148,7 +148,7 @@ def promote_constants(model: onnx.ModelProto, names: Iterable[str]) -> tuple[onn
     result.graph.node.extend(kept)
     for name, node in constants.items():
         tensor = onnx.TensorProto()
-        tensor.CopyFrom(_attr(node, "value", None))
+        tensor.CopyFrom(attribute(node, "value", None))
         tensor.name = name
         result.graph.initializer.append(tensor)
     log.info("training %d Constant-node weight(s) as initializers", len(constants))
@@ -158,7 +158,7 @@ def promote_constants(model: onnx.ModelProto, names: Iterable[str]) -> tuple[onn
 # --- rewrites --------------------------------------------------------------------------
 
 
-class _Builder:
+class Builder:
     """Emits the nodes replacing one node, with names derived from it."""
 
     def __init__(self, names: FreshNames, node: onnx.NodeProto, types: dict[str, onnx.TypeProto],
@@ -187,14 +187,14 @@ class _Builder:
         return out
 
 
-def _attr(node: onnx.NodeProto, name: str, default):
+def attribute(node: onnx.NodeProto, name: str, default):
     for a in node.attribute:
         if a.name == name:
             return helper.get_attribute_value(a)
     return default
 
 
-def _add_outputs(node: onnx.NodeProto, b: _Builder, wanted: int, labels: list[str]) -> tuple[list, str] | None:
+def _add_outputs(node: onnx.NodeProto, b: Builder, wanted: int, labels: list[str]) -> tuple[list, str] | None:
     present = len(node.output)
     if present >= wanted and all(node.output[:wanted]):
         return None
@@ -219,7 +219,7 @@ def _batch_norm(node, b, types):
     # never writes the running ones back: an eval-mode export would be fine-tuned as another
     # function than the one it computes, and deployed with statistics that do not match its
     # weights.  Written out with the running statistics as constants, it trains as exported.
-    if _attr(node, "training_mode", 0) or any(node.output[1:]):
+    if attribute(node, "training_mode", 0) or any(node.output[1:]):
         return None
     tp = types.get(node.input[0])
     if tp is None or not tp.tensor_type.HasField("shape") or len(tp.tensor_type.shape.dim) < 2:
@@ -232,7 +232,7 @@ def _batch_norm(node, b, types):
     b.nodes.append(helper.make_node("Constant", [], [per_channel], name=b.names(f"{b.scope}/Constant"),
                                     value=numpy_helper.from_array(np.array([-1] + [1] * (rank - 2), np.int64),
                                                                   per_channel)))
-    inv = b.op("Div", [scale, b.op("Sqrt", [b.op("Add", [var, b.const(_attr(node, "epsilon", 1e-5))])])])
+    inv = b.op("Div", [scale, b.op("Sqrt", [b.op("Add", [var, b.const(attribute(node, "epsilon", 1e-5))])])])
     shift = b.op("Sub", [bias, b.op("Mul", [mean, inv])])
     b.op("Add", [b.op("Mul", [x, b.op("Reshape", [inv, per_channel])]), b.op("Reshape", [shift, per_channel])],
          node.output[0])
@@ -244,7 +244,7 @@ def _dropout(node, b, types):
 
 
 def _transpose(node, b, types):
-    if _attr(node, "perm", None) is not None:
+    if attribute(node, "perm", None) is not None:
         return None
     tp = types.get(node.input[0])
     if tp is None or not tp.tensor_type.HasField("shape"):
@@ -261,7 +261,7 @@ def _transpose(node, b, types):
 def _gelu(node, b, types):
     x, y = node.input[0], node.output[0]
     half_x = b.op("Mul", [x, b.const(0.5)])
-    if _attr(node, "approximate", b"none") in (b"tanh", "tanh"):
+    if attribute(node, "approximate", b"none") in (b"tanh", "tanh"):
         cube = b.op("Mul", [b.op("Mul", [x, x]), x])
         inner = b.op("Add", [x, b.op("Mul", [cube, b.const(0.044715)])])
         t = b.op("Tanh", [b.op("Mul", [inner, b.const(math.sqrt(2.0 / math.pi))])])
@@ -273,7 +273,7 @@ def _gelu(node, b, types):
     return b.nodes, action
 
 
-def _softplus_of(b: _Builder, x: str, output: str | None = None) -> str:
+def _softplus_of(b: Builder, x: str, output: str | None = None) -> str:
     # log(1 + exp(x)) = relu(x) + log(1 + exp(-|x|)): no overflow for large x.
     tail = b.op("Log", [b.op("Add", [b.op("Exp", [b.op("Neg", [b.op("Abs", [x])])]), b.const(1.0)])])
     return b.op("Add", [b.op("Relu", [x]), tail], output)
@@ -296,7 +296,7 @@ def _softsign(node, b, types):
     return b.nodes, "decomposed to x / (1 + |x|)"
 
 
-def _elu_of(b: _Builder, x: str, alpha: float, output: str | None = None, *, divide: bool = False) -> str:
+def _elu_of(b: Builder, x: str, alpha: float, output: str | None = None, *, divide: bool = False) -> str:
     z = b.const(0.0)
     arg = b.op("Div", [x, b.const(alpha)]) if divide else x
     # Min(x, 0) inside Exp keeps the unused branch finite, so its gradient is too.
@@ -305,29 +305,29 @@ def _elu_of(b: _Builder, x: str, alpha: float, output: str | None = None, *, div
 
 
 def _elu(node, b, types):
-    _elu_of(b, node.input[0], _attr(node, "alpha", 1.0), node.output[0])
+    _elu_of(b, node.input[0], attribute(node, "alpha", 1.0), node.output[0])
     return b.nodes, "decomposed to where(x > 0, x, alpha(exp(min(x, 0)) - 1))"
 
 
 def _celu(node, b, types):
-    _elu_of(b, node.input[0], _attr(node, "alpha", 1.0), node.output[0], divide=True)
+    _elu_of(b, node.input[0], attribute(node, "alpha", 1.0), node.output[0], divide=True)
     return b.nodes, "decomposed to where(x > 0, x, alpha(exp(min(x/alpha, 0)) - 1))"
 
 
 def _selu(node, b, types):
-    alpha = _attr(node, "alpha", 1.67326319217681884765625)
-    gamma = _attr(node, "gamma", 1.05070102214813232421875)
+    alpha = attribute(node, "alpha", 1.67326319217681884765625)
+    gamma = attribute(node, "gamma", 1.05070102214813232421875)
     b.op("Mul", [b.const(gamma), _elu_of(b, node.input[0], alpha)], node.output[0])
     return b.nodes, "decomposed to gamma * elu(x, alpha)"
 
 
-def _hard_sigmoid_of(b: _Builder, x: str, alpha: float, beta: float, output: str | None = None) -> str:
+def _hard_sigmoid_of(b: Builder, x: str, alpha: float, beta: float, output: str | None = None) -> str:
     lin = b.op("Add", [b.op("Mul", [x, b.const(alpha)]), b.const(beta)])
     return b.op("Clip", [lin, b.const(0.0), b.const(1.0)], output)
 
 
 def _hard_sigmoid(node, b, types):
-    _hard_sigmoid_of(b, node.input[0], _attr(node, "alpha", 0.2), _attr(node, "beta", 0.5), node.output[0])
+    _hard_sigmoid_of(b, node.input[0], attribute(node, "alpha", 0.2), attribute(node, "beta", 0.5), node.output[0])
     return b.nodes, "decomposed to clip(alpha x + beta, 0, 1)"
 
 
@@ -409,7 +409,7 @@ def _hidden_broadcast(x: tuple | None, y: tuple | None) -> bool:
                for p, q in zip(reversed(x), reversed(y)))
 
 
-def _runtime_shaped(b: _Builder, x: str, slot: int) -> str:
+def _runtime_shaped(b: Builder, x: str, slot: int) -> str:
     """``x`` through ``Reshape(x, Shape(x))``: an identity, named for :func:`unprove_symbolic_dims`."""
     return b.op("Reshape", [x, b.op("Shape", [x])], output=b.names(f"{RUNTIME_SHAPE}{b.scope}/{slot}"))
 
@@ -597,154 +597,3 @@ def describe(preparations: list[Preparation]) -> list[dict[str, str | int]]:
     """One summary row per op type: what was done and to how many nodes (for the manifest)."""
     rows: dict[tuple[str, str], int] = Counter((p.op_type, p.action) for p in preparations)
     return [{"op_type": op, "action": action, "nodes": n} for (op, action), n in sorted(rows.items())]
-
-
-def unprove_symbolic_dims(graph: onnx.GraphProto) -> int:
-    """Clear the dims of the tensors :func:`_runtime_broadcast` made, in the shape-inferred model.
-
-    ORT 1.19's gradient builders for broadcasting ops (Add, Sub, Mul, Div,
-    Expand, ...) choose the axes to sum a gradient back over from the static
-    shapes (``ComputeBroadcastBackwardAxes``), and two *different* symbolic dims
-    at one position count as equal: no sum.  onnx's shape inference names every
-    dim it cannot work out with a fresh ``unk__N``, so ``[1, S]`` position ids
-    sliced from a buffer become ``[unk__0, unk__1]``, and their embedding added
-    to ``[batch, sequence, H]`` word embeddings gets the whole gradient instead
-    of its sum over the batch (a Reshape error downstream at best, a silently
-    wrong embedding gradient at worst).  A tensor with dims of no value and no
-    name makes ORT build that node's gradient from the runtime shapes instead
-    (``BroadcastGradientArgs``), which is right for every broadcast.  Returns
-    the number of dims cleared.
-    """
-    cleared = 0
-    for value in graph.value_info:
-        if value.name.startswith(RUNTIME_SHAPE) and value.type.HasField("tensor_type"):
-            for dim in value.type.tensor_type.shape.dim:
-                if dim.HasField("dim_param") or dim.HasField("dim_value"):
-                    dim.Clear()
-                    cleared += 1
-    if cleared:
-        log.debug("%d dim(s) left to onnxruntime's runtime shapes", cleared)
-    return cleared
-
-# --- after the gradient graph ------------------------------------------------------------
-
-# ORT 1.19's CPU gradient kernels that take float and double only: op -> index of the gradient input.
-_CPU_FLOAT_ONLY_GRADS = {"SliceGrad": 0, "GatherGrad": 2}
-_LOW_TYPES = frozenset(p.onnx_type for p in LOW.values())
-
-
-def float32_cpu_grad_kernels(training: onnx.ModelProto) -> int:
-    """Run low-precision ``SliceGrad`` and ``GatherGrad`` nodes (com.microsoft) in float32.
-
-    The emulated forward graph holds only float32 arithmetic, but the compute
-    optimizer of ORT's training build hoists a Slice or Gather above the
-    emulation's rounding ``Cast``, so the Slice then reads the float16 (or
-    bfloat16) tensor and its gradient is built in that type, which the CPU
-    kernels refuse ("Type for T or Tind not supported yet in SliceGrad").
-    Both kernels only move and add gradient values, so casting the gradient in
-    to float32 and the result back gives what a low-precision kernel would.
-    Returns how many nodes were wrapped.
-    """
-    graph = training.graph
-    types = {v.name: v.type.tensor_type.elem_type for v in (*graph.value_info, *graph.input, *graph.output)
-             if v.type.HasField("tensor_type")}
-    names = FreshNames(proto_names(graph))
-    nodes: list[onnx.NodeProto] = []
-    wrapped = 0
-    for node in graph.node:
-        slot = _CPU_FLOAT_ONLY_GRADS.get(node.op_type) if node.domain == "com.microsoft" else None
-        low = types.get(node.input[slot]) if slot is not None and len(node.input) > slot else None
-        if low not in _LOW_TYPES:
-            nodes.append(node)
-            continue
-        scope = node.name or node.output[0]
-        new = onnx.NodeProto()
-        new.CopyFrom(node)
-        wide = names(f"{scope}/float32_input")
-        nodes.append(helper.make_node("Cast", [node.input[slot]], [wide], name=names(f"{scope}/Cast_in"),
-                                      to=TensorProto.FLOAT))
-        new.input[slot] = wide
-        new.output[0] = names(f"{scope}/float32_output")
-        nodes.append(new)
-        nodes.append(helper.make_node("Cast", [new.output[0]], [node.output[0]], name=names(f"{scope}/Cast_out"),
-                                      to=low))
-        for value in graph.value_info:  # ORT's type for the renamed output no longer holds
-            if value.name == node.output[0]:
-                value.type.tensor_type.elem_type = low
-        wrapped += 1
-    if wrapped:
-        graph.ClearField("node")
-        graph.node.extend(nodes)
-        log.info("%d low-precision gradient node(s) run in float32 (no CPU kernel for their type)", wrapped)
-    return wrapped
-
-
-_SCATTER_REDUCTION_OPSET = 16
-
-
-def deterministic_gather_grads(training: onnx.ModelProto) -> int:
-    """Replace ORT's CPU ``GatherGrad`` (com.microsoft) by a ``ScatterElements(reduction="add")``.
-
-    The CPU GatherGrad adds rows from a thread pool under a mutex, so the order
-    in which repeated indices (the same token twice in a batch) are summed
-    changes from run to run and the embedding gradient differs in its last
-    bits: identical runs drift apart.  ScatterElements adds in index order.
-    Needs opset 16 (``reduction``); a training graph at opset 14 or 15 is
-    moved to 16, which changed no op of those versions incompatibly except
-    RoiAlign's default mode (a graph with RoiAlign stays as it is).
-    Returns how many nodes were replaced.
-    """
-    graph = training.graph
-    grads = [n for n in graph.node if n.op_type == "GatherGrad" and n.domain == "com.microsoft"]
-    if not grads:
-        return 0
-    default = next((o for o in training.opset_import if o.domain in ("", "ai.onnx")), None)
-    if default is None or default.version < 14 or (
-            default.version < _SCATTER_REDUCTION_OPSET and any(n.op_type == "RoiAlign" for n in graph.node)):
-        # RoiAlign-16 changed its default coordinate mode, so such a graph keeps its opset.
-        log.warning("embedding gradients stay nondeterministic: the model's opset %s cannot move to %d",
-                    default.version if default else "?", _SCATTER_REDUCTION_OPSET)
-        return 0
-    default.version = max(default.version, _SCATTER_REDUCTION_OPSET)
-    names = FreshNames(proto_names(graph))
-    replaced = 0
-    nodes: list[onnx.NodeProto] = []
-    for node in graph.node:
-        axis = _attr(node, "axis", 0) if node.op_type == "GatherGrad" and node.domain == "com.microsoft" else None
-        if axis is None or axis < 0:
-            nodes.append(node)
-            continue
-        b = _Builder(names, node, {})
-        shape, indices, dy = node.input
-        ints = {}
-
-        def const_ints(values):
-            key = tuple(values)
-            if key not in ints:
-                out = names(f"{b.scope}/ints")
-                b.nodes.append(helper.make_node("Constant", [], [out], name=names(f"{b.scope}/Constant"),
-                                                value=numpy_helper.from_array(np.array(values, np.int64), out)))
-                ints[key] = out
-            return ints[key]
-
-        def product(start: int, end: int | None) -> str:
-            piece = b.op("Slice", [shape, const_ints([start]), const_ints([end if end is not None else 2**62])])
-            return b.op("ReduceProd", [b.op("Concat", [const_ints([1]), piece], axis=0)], keepdims=1)
-
-        before, after = product(0, axis), product(axis + 1, None)
-        rows = b.op("Slice", [shape, const_ints([axis]), const_ints([axis + 1])])
-        count = b.op("Reshape", [b.op("Size", [indices]), const_ints([1])])
-        dy_shape = b.op("Concat", [before, count, after], axis=0)
-        dy3 = b.op("Reshape", [dy, dy_shape])
-        idx = b.op("Reshape", [indices, b.op("Concat", [const_ints([1]), count, const_ints([1])], axis=0)])
-        idx = b.op("Expand", [b.op("Cast", [idx], to=TensorProto.INT64), dy_shape])
-        zeros = b.op("ConstantOfShape", [b.op("Concat", [before, rows, after], axis=0)],
-                     value=numpy_helper.from_array(np.zeros(1, np.float32)))
-        summed = b.op("ScatterElements", [zeros, idx, dy3], axis=1, reduction="add")
-        b.op("Reshape", [summed, shape], node.output[0])
-        nodes.extend(b.nodes)
-        replaced += 1
-    graph.ClearField("node")
-    graph.node.extend(nodes)
-    log.info("replaced %d GatherGrad node(s) by deterministic ScatterElements", replaced)
-    return replaced

@@ -37,19 +37,12 @@ import onnx
 from onnx import numpy_helper
 
 from onnxmp.errors import OnnxMPError, first_line
+from onnxmp.targets import CPU, TARGETS
 from onnxmp.training import _ort
-from onnxmp.training.artifacts import (
-    ALL_FINITE,
-    GRAD_SHAPE,
-    GRAD_WEIGHT,
-    LOSSES,
-    LOSS,
-    LOSS_SCALE,
-    MANIFEST,
-    Artifacts,
-    build_optimizer_model,
-    check_replaceable,
-)
+from onnxmp.training.artifacts import MANIFEST, Artifacts, check_replaceable
+from onnxmp.training.loss_scale import ALL_FINITE, GRAD_SHAPE, GRAD_WEIGHT, LOSS, LOSS_SCALE
+from onnxmp.training.losses import LOSSES
+from onnxmp.training.optimizer import build_optimizer_model
 from onnxmp.training.distributed import Communicator
 from onnxmp.training.labels import check_labels
 from onnxmp.training.scaler import DynamicLossScaler
@@ -710,12 +703,13 @@ def _check_device(device: str, artifacts: Artifacts) -> str:
     import onnxruntime
 
     kind = device.split(":")[0]
-    if kind not in ("cpu", "cuda"):
+    if kind not in TARGETS:
         raise OnnxMPError(f"unknown device {device!r}", "use cpu or cuda (cuda:N for another GPU)")
-    if kind == "cuda" and "CUDAExecutionProvider" not in onnxruntime.get_available_providers():
-        raise OnnxMPError("this onnxruntime build has no CUDA support",
+    chosen, built_for = TARGETS[kind], TARGETS.get(artifacts.target, CPU)
+    if chosen.provider not in onnxruntime.get_available_providers():
+        raise OnnxMPError(f"this onnxruntime build has no {chosen.provider}",
                           "install onnxruntime-training==1.19.2 (CUDA 11.8) or train on the cpu")
-    if kind == "cpu" and artifacts.target == "cuda" and artifacts.precision != "float32":
+    if chosen.emulated and not built_for.emulated and artifacts.precision != "float32":
         raise OnnxMPError(f"these {artifacts.precision} artifacts hold real low-precision ops, "
                           "which the ORT CPU EP cannot run",
                           "build the artifacts with target='cpu' (emulated) to train on the CPU")
@@ -723,9 +717,9 @@ def _check_device(device: str, artifacts: Artifacts) -> str:
 
 
 def _session_options(artifacts: Artifacts, threads: int = 0):
-    from onnxmp.emulate import session_options as emulation_options
+    from onnxmp.parity.emulate import session_options as emulation_options
 
-    emulated = artifacts.target == "cpu" and artifacts.precision != "float32"
+    emulated = TARGETS.get(artifacts.target, CPU).emulated and artifacts.precision != "float32"
     if emulated:
         options = emulation_options()
     else:

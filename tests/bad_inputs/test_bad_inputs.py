@@ -13,7 +13,7 @@ import onnx.parser
 import pytest
 
 import onnxmp
-from onnxmp.validate import validate
+from onnxmp.parity.validate import validate
 
 ort = pytest.importorskip("onnxruntime")
 FLOAT, FLOAT16 = onnx.TensorProto.FLOAT, onnx.TensorProto.FLOAT16

@@ -7,7 +7,7 @@ from onnx import helper, numpy_helper
 
 from onnxmp.errors import OnnxMPError
 from onnxmp.training import build_artifacts
-from onnxmp.training.artifacts import _gradient_error
+from onnxmp.training.gradient import gradient_error
 from onnxmp.training.prepare import prepare_for_gradient
 
 
@@ -74,9 +74,9 @@ def test_ort_builds_the_gradient_only_after_preparation(case, tmp_path, monkeypa
     build_artifacts(model, requires_grad=["W", "V"] if "MatMul(x, V)" in body else ["W"], loss="mse",
                     precision="float32", out_dir=tmp_path / "ok")
     # The same model without preparation is what ORT refused.
-    import onnxmp.training.artifacts as artifacts
+    import onnxmp.training.build as build
 
-    monkeypatch.setattr(artifacts, "prepare_for_gradient", lambda m, r: (m, []))
+    monkeypatch.setattr(build, "prepare_for_gradient", lambda m, r: (m, []))
     with pytest.raises(OnnxMPError):
         build_artifacts(model, requires_grad=["W", "V"] if "MatMul(x, V)" in body else ["W"], loss="mse",
                         precision="float32", out_dir=tmp_path / "raw")
@@ -126,14 +126,14 @@ def test_a_string_requires_grad_is_one_name(tmp_path):
 def test_ort_builder_errors_are_translated():
     missing = RuntimeError("/src/gradient_builder_registry.cc:29 GetGradientForOp(...) gradient_builder != nullptr "
                            "was false. The gradient builder has not been registered: Einsum for node einsum_3")
-    error = _gradient_error(missing)
+    error = gradient_error(missing)
     assert "Einsum" in str(error) and "einsum_3" in str(error) and "differentiable ops" in error.hint
-    output = _gradient_error(RuntimeError("gradient_builder_base.h:123 ArgDef O(size_t, bool) const "
+    output = gradient_error(RuntimeError("gradient_builder_base.h:123 ArgDef O(size_t, bool) const "
                                           "i < node_->OutputDefs().size() was false."))
     assert "optional output" in str(output)
-    consumer = _gradient_error(RuntimeError("couldn't find the consumer node"))
+    consumer = gradient_error(RuntimeError("couldn't find the consumer node"))
     assert "requires_grad" in consumer.hint
-    arg = _gradient_error(RuntimeError("graph_augmenter.cc:23 AddToExistingNodeArgs add graph outputs - "
+    arg = gradient_error(RuntimeError("graph_augmenter.cc:23 AddToExistingNodeArgs add graph outputs - "
                                        "failed to find NodeArg by name: val_343_grad"))
     assert "'val_343'" in str(arg) and "frozen" in arg.hint
 
@@ -321,10 +321,10 @@ def test_gradient_of_a_broadcast_where_branch_has_the_parameter_shape(precision,
 def test_a_gradient_of_the_wrong_shape_fails_cleanly(tmp_path, monkeypatch):
     # Without the Where preparation ORT hands the 0-d parameters a [N, 1, 3] gradient: the
     # training graph must refuse it, never let InPlaceAccumulatorV2 write it past the buffer.
-    import onnxmp.training.artifacts as artifacts
+    import onnxmp.training.build as build
     from onnxmp.training import Trainer
 
-    monkeypatch.setattr(artifacts, "prepare_for_gradient", lambda m, r: (m, []))
+    monkeypatch.setattr(build, "prepare_for_gradient", lambda m, r: (m, []))
     built = build_artifacts(_masked_attention(), requires_grad=["W", "V", "zero", "fill"], precision="float32",
                             out_dir=tmp_path)
     with pytest.raises(OnnxMPError, match="wrong shape for parameter '(zero|fill)'") as info:
@@ -496,10 +496,10 @@ def test_broadcast_position_embedding_gradient(batch, target, tmp_path):
 
 def test_without_unproving_dims_the_broadcast_gradient_fails(tmp_path, monkeypatch):
     # The failure the rule prevents, kept visible: ORT's builder skips the sum over the batch.
-    import onnxmp.training.artifacts as artifacts
+    import onnxmp.training.gradient as gradient
     from onnxmp.training import Trainer
 
-    monkeypatch.setattr(artifacts, "unprove_symbolic_dims", lambda graph: 0)
+    monkeypatch.setattr(gradient, "unprove_symbolic_dims", lambda graph: 0)
     built = build_artifacts(_position_embedding_model(), requires_grad=["E", "P", "W"], loss="mse",
                             precision="float32", out_dir=tmp_path / "a")
     with pytest.raises(OnnxMPError, match="Reshape|shape"):
@@ -507,7 +507,8 @@ def test_without_unproving_dims_the_broadcast_gradient_fails(tmp_path, monkeypat
 
 
 def test_only_a_hidden_broadcast_is_left_to_runtime_shapes():
-    from onnxmp.training.prepare import RUNTIME_SHAPE, unprove_symbolic_dims
+    from onnxmp.training.gradient import unprove_symbolic_dims
+    from onnxmp.training.prepare import RUNTIME_SHAPE
 
     # [N, S, 4] + [unk, unk, 4]: ORT would take unk for N and never sum over the batch.
     prepared, done = prepare_for_gradient(_position_embedding_model(), ["E", "P", "W"])
@@ -539,7 +540,7 @@ GATHER_GRAD_CASES = {  # name -> (data shape, indices, axis)
 
 @pytest.mark.parametrize("case", sorted(GATHER_GRAD_CASES))
 def test_deterministic_gather_grad_equals_orts_gather_grad(case):
-    from onnxmp.training.prepare import deterministic_gather_grads
+    from onnxmp.training.determinism import deterministic_gather_grads
 
     shape, indices, axis = GATHER_GRAD_CASES[case]
     dy_shape = shape[:axis] + indices.shape + shape[axis + 1:]

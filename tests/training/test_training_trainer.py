@@ -221,7 +221,7 @@ def test_fit_with_a_batch_function_and_partial_accumulation(fp32_artifacts, batc
 def test_export_inference(tmp_path, fp16_artifacts, batches):
     import onnxruntime as ort
 
-    from onnxmp.emulate import emulate
+    from onnxmp.parity.emulate import emulate
 
     trainer = Trainer(fp16_artifacts, lr=0.01)
     for b in batches[:4]:

@@ -22,7 +22,7 @@ exactly.
 The reference always runs on the CPU, the plain float32 ground truth whatever
 the candidate's provider (and whatever GPU math modes apply there).  With
 ``provider="cpu"`` a candidate that computes in float16/bfloat16 is emulated
-(:mod:`onnxmp.emulate`); with ``"cuda"`` it runs for real.
+(:mod:`onnxmp.parity.emulate`); with ``"cuda"`` it runs for real.
 
 Default thresholds depend on the candidate's lowest precision.  Measured on
 the models in ``models/`` converted in full by onnxconverter-common:
@@ -52,19 +52,19 @@ from dataclasses import dataclass, field
 import numpy as np
 import onnx
 
-from onnxmp.emulate import as_model, emulate, low_precision_types
-from onnxmp.emulate import session_options as emulation_session_options
+from onnxmp.parity.emulate import as_model, emulate, low_precision_types
+from onnxmp.parity.emulate import session_options as emulation_session_options
 from onnxmp.errors import OnnxMPError, first_line
 from onnxmp.external import discard_spilled, session_source
 from onnxmp.inputs import Sample, as_samples, check_inputs, drop_extra_inputs, generate_inputs
-from onnxmp.metrics import as_output_array
+from onnxmp.parity.metrics import as_output_array
 from onnxmp.naming import json_safe
 from onnxmp.precision import BFLOAT16, FLOAT16, FLOAT32
+from onnxmp.targets import CPU, target
 
 log = logging.getLogger("onnxmp.validate")
 
 METRICS = ("max_abs_err", "max_rel_err", "cosine", "top1")
-PROVIDERS = {"cpu": "CPUExecutionProvider", "cuda": "CUDAExecutionProvider"}
 
 
 @dataclass
@@ -281,16 +281,17 @@ def _warn_if_no_tensor_cores() -> None:
 def _session(model: onnx.ModelProto, provider: str, role: str):
     import onnxruntime as ort
 
-    ep = PROVIDERS[provider]
+    chosen = target(provider, "provider")
+    ep = chosen.provider
     if ep not in ort.get_available_providers():
         raise OnnxMPError(f"this onnxruntime build has no {ep}",
                           "install onnxruntime-gpu (onnxmp[gpu]), or use --provider cpu to emulate "
                           "low precision")
     # On the CPU the candidate is emulated; the reference runs the same way, so that
     # neither side's numbers depend on which fusions ORT picks.
-    options = emulation_session_options() if provider == "cpu" else ort.SessionOptions()
+    options = emulation_session_options() if chosen.emulated else ort.SessionOptions()
     options.log_severity_level = 3
-    providers = [ep] if provider == "cpu" else [ep, PROVIDERS["cpu"]]
+    providers = [ep] if ep == CPU.provider else [ep, CPU.provider]
     try:
         with session_source(model, role) as source:
             session = ort.InferenceSession(source, options, providers=providers)
@@ -376,8 +377,7 @@ def validate(reference: onnx.ModelProto | str | os.PathLike, candidate: onnx.Mod
     ``thresholds`` overrides the defaults for the candidate's precision,
     wholly (a :class:`Thresholds`) or per key (a dict).
     """
-    if provider not in PROVIDERS:
-        raise OnnxMPError(f"unknown provider {provider!r}", f"use one of: {', '.join(PROVIDERS)}")
+    target(provider, "provider")  # a clear error for an unknown one, before any work
     wanted = set(METRICS if metrics is None else metrics)
     if wanted - set(METRICS):
         raise OnnxMPError(f"unknown metric(s) {', '.join(sorted(wanted - set(METRICS)))}",
@@ -404,7 +404,7 @@ def validate(reference: onnx.ModelProto | str | os.PathLike, candidate: onnx.Mod
 
     ref_run = _emulated(ref_model, ref_precisions)  # a reference with fp16 in it still runs on the CPU
     emulated: list[str] = []
-    if provider == "cpu":
+    if target(provider, "provider").emulated:
         cand_run, emulated = _emulated(cand_model, cand_precisions), cand_precisions
     else:
         cand_run = cand_model
@@ -414,7 +414,7 @@ def validate(reference: onnx.ModelProto | str | os.PathLike, candidate: onnx.Mod
 
     # One session at a time: the reference's outputs are kept (small next to the weights) and its
     # session is freed before the candidate's is built, so a large model's weights are in memory once.
-    ref_outs = list(_outputs(ref_run, ref_model, "cpu", "reference", samples))
+    ref_outs = list(_outputs(ref_run, ref_model, CPU.name, "reference", samples))
     results: dict[str, OutputParity] = {}
     top1_rows: dict[str, list[int]] = {}
     for ref_out, cand_out in zip(ref_outs, _outputs(cand_run, cand_model, provider, "candidate", samples)):

@@ -1,17 +1,17 @@
-"""Calibration: data-driven deny seeds and the accuracy-guided search (spec §4).
+"""Calibration: data-driven deny seeds and the accuracy-guided search (``docs/calibration.md``).
 
-``convert_with_calibration`` works in this order:
+:func:`calibrate` works in this order:
 
 1. **Seeds (rules).**  The float32 model runs once on the tuning samples;
    nodes whose intermediates exceed ``calibration_threshold`` are denied before
    coloring (:func:`observe_magnitudes`).  This is plain conversion.
-2. **Measure.**  The real converted model is emulated (:mod:`onnxmp.emulate`)
+2. **Measure.**  The real converted model is emulated (:mod:`onnxmp.parity.emulate`)
    on the tuning and held-out samples and judged with the metric
-   (:mod:`onnxmp.metrics`).  Within tolerance: done.
-3. **Search (measurement).**  A :class:`~onnxmp.search.Switchboard` (one ORT
+   (:mod:`onnxmp.parity.metrics`).  Within tolerance: done.
+3. **Search (measurement).**  A :class:`~onnxmp.calibrate.search.Switchboard` (one ORT
    session whose every low node's rounding is switchable) ranks topological
    segments by the OUTPUT error they cause alone, then bisects the ranking for
-   a small set of nodes to keep in float32 (:func:`~onnxmp.search.find_fp32_set`;
+   a small set of nodes to keep in float32 (:func:`~onnxmp.calibrate.search.find_fp32_set`;
    the run bound is documented there).
 4. **Confirm.**  The real conversion with those nodes denied is measured
    again.  If the coloring's propagation made it differ from the switchboard's
@@ -21,7 +21,7 @@
    never exceeds plain conversion's and never grows between cycles; an
    all-float32 fallback guarantees landing whenever the float32 model passes.
 
-The result is always a :class:`~onnxmp.convert.ConversionResult`; when the
+The result is always a :class:`~onnxmp.pipeline.ConversionResult`; when the
 tolerance is still missed (``max_runs`` spent) ``result.report.calibration.met``
 is False and the model is the best found.  Nothing is raised for that: the
 caller decides (the CLI writes the model and exits 3).
@@ -36,26 +36,26 @@ from dataclasses import dataclass, field
 import numpy as np
 import onnx
 
-from onnxmp.color.seeds import DEFAULT_THRESHOLD, DEFAULT_UNDERFLOW_SHARE
-from onnxmp.errors import OnnxMPError
-from onnxmp.external import discard_spilled, skeleton
-from onnxmp.subgraphs import proto_nodes
-from onnxmp.load import load
-from onnxmp.metrics import MetricPlan, metric_plan, relative_error  # noqa: F401  (relative_error: public here)
-from onnxmp.normalize import make_node_names_unique
-from onnxmp.report import TENSOR_CORE_OPS, Report, head
-from onnxmp.search import (
+from onnxmp.calibrate.records import (
+    REASONS, CalibrationReport, CycleRecord, Measurement, MovedNode, SeededTensor,
+)
+from onnxmp.calibrate.search import (
     BudgetExhausted, LowNode, Oracle, RunBar, Switchboard, cpu_session, find_fp32_set, run_bound, run_samples,
     segment_ranking,
 )
+from onnxmp.errors import OnnxMPError
+from onnxmp.external import discard_spilled, skeleton
+from onnxmp.load import ModelLike, load
+from onnxmp.parity.metrics import MetricPlan, metric_plan, relative_error  # noqa: F401  (relative_error: public here)
+from onnxmp.normalize import make_node_names_unique
+from onnxmp.options import DEFAULT_TOLERANCE, MAX_RUNS, Options
+from onnxmp.pipeline import ACCURACY_FALLBACK, ConversionResult, convert_once
+from onnxmp.report import TENSOR_CORE_OPS, Report
+from onnxmp.subgraphs import proto_nodes
 
 log = logging.getLogger("onnxmp.calibrate")
 
-DEFAULT_TOLERANCE = 1e-2  # per output, in the metric's units (rel: max |out - ref| / max |ref|)
-MAX_RUNS = 2000           # emulated runs before the search gives up and returns the best model found
-ACCURACY_FALLBACK = "accuracy fallback"  # cause prefix of the nodes calibration forces to float32
 MAX_CYCLES = 4            # search + confirm cycles before the all-float32 fallback
-SUMMARY_ROWS = 10
 
 Sample = dict[str, np.ndarray]
 
@@ -141,130 +141,6 @@ def _fold_magnitudes(out: dict[str, float], run: Mapping[str, np.ndarray]) -> No
         out[name] = max(out.get(name, 0.0), peak)
 
 
-# --- records ----------------------------------------------------------------------------
-
-
-@dataclass
-class Measurement:
-    """Errors of one real converted model (emulated), per output, in the metric's units."""
-
-    tune: dict[str, float]
-    holdout: dict[str, float] | None  # None without held-out samples
-
-    @property
-    def tune_error(self) -> float:
-        return max(self.tune.values(), default=0.0)
-
-    @property
-    def holdout_error(self) -> float | None:
-        return None if self.holdout is None else max(self.holdout.values(), default=0.0)
-
-    @property
-    def worst(self) -> float:
-        return max(self.tune_error, self.holdout_error or 0.0)
-
-    def meets(self, tolerance: float) -> bool:
-        return self.worst <= tolerance
-
-
-@dataclass
-class SeededTensor:
-    tensor: str
-    observed_max: float
-
-
-@dataclass
-class MovedNode:
-    """A node the search returned to float32, and the measurement that says why."""
-
-    node: str
-    op: str
-    reason: str  # one of REASONS
-    error_with: float | None  # tuning error with this node low and the rest of the set in fp32
-    error_without: float | None  # tuning error with the whole set in fp32
-
-    def describe(self) -> str:
-        if self.error_with is not None:
-            return (f"{self.node} ({self.op}): measured: error {self.error_with:.3g} with this node in low "
-                    f"precision, {self.error_without:.3g} in fp32")
-        after = "" if self.error_without is None else f" (error {self.error_without:.3g} with the set in fp32)"
-        return f"{self.node} ({self.op}): {REASONS[self.reason]}{after}"
-
-
-REASONS = {
-    "measurement": "bisection over the sensitivity ranking: needed for the tolerance",
-    "ranking prefix": "in the smallest passing prefix of the sensitivity ranking (error spread over many nodes)",
-    "budget exhausted": "in the best passing candidate seen before the run budget ran out",
-    "all-float32 fallback": "the search could not land; every remaining node went back to fp32",
-}
-
-
-@dataclass
-class CycleRecord:
-    cycle: int
-    fp32_nodes: int  # nodes the search has moved so far
-    measurement: Measurement
-    best_error: float  # worst error of the best model so far (never grows)
-    tuning_tolerance: float
-
-
-@dataclass
-class CalibrationReport:
-    tolerance: float
-    metric: dict[str, str]
-    threshold: float
-    samples: int
-    tune_samples: int
-    holdout_samples: int
-    met: bool = False
-    plain: Measurement | None = None
-    final: Measurement | None = None
-    candidates: int = 0  # low-precision nodes after plain conversion (N of the run bound)
-    seeded: list[SeededTensor] = field(default_factory=list)
-    moved: list[MovedNode] = field(default_factory=list)
-    cycles: list[CycleRecord] = field(default_factory=list)
-    runs: int = 0
-    seconds: float = 0.0
-    budget_exhausted: bool = False
-    share_plain: float | None = None
-    share_final: float | None = None
-
-    @property
-    def error(self) -> float:
-        return self.final.worst if self.final else 0.0
-
-    def summary_lines(self, precision: str = "float16") -> list[str]:
-        held = f" + {self.holdout_samples} held-out" if self.holdout_samples else " (no held-out sample)"
-        metrics = sorted(set(self.metric.values()))
-        lines = [f"calibration: {self.tune_samples} tuning{held} sample(s), metric {', '.join(metrics)}, "
-                 f"tolerance {self.tolerance:g}: {'MET' if self.met else 'MISSED'}"]
-        if self.plain and self.final:
-            line = f"  error: plain {self.plain.tune_error:.3g} -> calibrated {self.final.tune_error:.3g} (tuning)"
-            if self.final.holdout is not None:
-                line += f"; {self.plain.holdout_error:.3g} -> {self.final.holdout_error:.3g} (held-out)"
-            lines.append(line)
-            if not self.met:
-                lines.append(f"  best error {self.error:.3g} is {self.error - self.tolerance:.3g} above the "
-                             f"tolerance ({self.error / self.tolerance:.3g}x)")
-        if self.share_final is not None:
-            before = f"{self.share_plain:.0%} -> " if self.share_plain is not None else ""
-            lines.append(f"  {precision} share of Conv/MatMul/Gemm: {before}{self.share_final:.0%}")
-        if self.cycles or self.budget_exhausted:
-            lines.append(f"  search: {self.runs} emulated run(s) over {self.candidates} low-precision node(s), "
-                         f"{len(self.cycles)} cycle(s), {self.seconds:.1f} s"
-                         + (" (run budget exhausted)" if self.budget_exhausted else ""))
-        else:
-            lines.append(f"  no search needed: {self.runs} emulated run(s), {self.seconds:.1f} s")
-        lines += _capped([f"  seeded fp32: `{s.tensor}` reached {s.observed_max:.3g}" for s in self.seeded])
-        lines += _capped([f"  moved to fp32: {m.describe()}" for m in self.moved])
-        return lines
-
-
-def _capped(lines: list[str]) -> list[str]:
-    shown, rest = head(lines, SUMMARY_ROWS)
-    return [*shown, f"  {rest} (see --report JSON)"] if rest else list(shown)
-
-
 # --- the loop ---------------------------------------------------------------------------
 
 
@@ -288,26 +164,21 @@ def _low_nodes(model: onnx.ModelProto, report: Report) -> dict[str, LowNode]:
 
 
 class _Calibration:
-    def __init__(self, model, calibration, tolerance, metric, holdout, max_runs, calibration_threshold,
-                 underflow_share, convert_pass, convert_options):
-        if not tolerance > 0:
-            raise OnnxMPError(f"tolerance must be positive, got {tolerance}", hint="e.g. --tolerance 0.01")
-        if max_runs < 1:
-            raise OnnxMPError(f"max_runs must be at least 1, got {max_runs}")
+    def __init__(self, model: ModelLike, options: Options):
+        options.check_calibration()
         self.started = time.perf_counter()
-        self.convert_pass = convert_pass
         self.original = load(model, lazy_external=True)
         # Unique names now, by normalize's own scheme, so the search and the coloring agree on names.
         make_node_names_unique(self.original.graph)
-        self.tolerance = tolerance
-        self.max_runs = max_runs
-        self.precision = convert_options.get("precision", "float16")
-        self.options = dict(convert_options, calibration_threshold=calibration_threshold,
-                            underflow_share=underflow_share)
-        samples = samples_from(self.original, calibration)
-        self.tune, self.held = split_holdout(samples, holdout)
+        self.resolved = options.resolve(self.original)
+        self.tolerance = DEFAULT_TOLERANCE if options.tolerance is None else options.tolerance
+        self.max_runs = MAX_RUNS if options.max_runs is None else options.max_runs
+        self.precision = self.resolved.precision.name
+        calibration_threshold = options.calibration_threshold
+        samples = samples_from(self.original, options.calibration)
+        self.tune, self.held = split_holdout(samples, options.holdout)
         self.outputs = [o.name for o in self.original.graph.output]
-        self.plan: MetricPlan = metric_plan(metric, self.outputs)
+        self.plan: MetricPlan = metric_plan(options.metric, self.outputs)
         self.magnitudes: dict[str, float] = {}
         self.ref_tune = []
         for run in run_samples(cpu_session(_probe(self.original), "model"), self.tune):
@@ -318,18 +189,18 @@ class _Calibration:
         _check_references(self.ref_tune + self.ref_held)
         self.runs = 0
         self.report = CalibrationReport(
-            tolerance=tolerance, metric=self.plan.describe(), threshold=calibration_threshold,
+            tolerance=self.tolerance, metric=self.plan.describe(), threshold=calibration_threshold,
             samples=len(samples), tune_samples=len(self.tune), holdout_samples=len(self.held),
             seeded=[SeededTensor(t, m) for t, m in sorted(self.magnitudes.items(), key=lambda x: -x[1])
                     if m > calibration_threshold])
 
-    def convert(self, forced: Mapping[str, str]):
-        return self.convert_pass(self.original, calibration_magnitudes=self.magnitudes, forced_deny=dict(forced),
-                            **self.options)
+    def convert(self, forced: Mapping[str, str]) -> ConversionResult:
+        return convert_once(self.original, self.resolved.replace(
+            magnitudes=self.magnitudes, forced_deny={**self.resolved.forced_deny, **forced}))
 
     def measure(self, result) -> Measurement:
         """Errors of the real converted model, emulated, on tuning and held-out samples."""
-        from onnxmp.emulate import emulate
+        from onnxmp.parity.emulate import emulate
 
         self.runs += 1
         emulated = emulate(result.model, self.precision, keep_io_types=False)
@@ -479,22 +350,17 @@ class _Calibration:
         return result
 
 
-def convert_with_calibration(model, *, convert_pass, calibration, tolerance: float = DEFAULT_TOLERANCE, metric=None,
-                             holdout: int | None = None, max_runs: int = MAX_RUNS,
-                             calibration_threshold: float = DEFAULT_THRESHOLD,
-                             underflow_share: float = DEFAULT_UNDERFLOW_SHARE, **convert_options):
-    """Convert with calibration seeds, then search for the nodes to keep in fp32 until outputs are within tolerance.
+def calibrate(model: ModelLike, options: Options) -> ConversionResult:
+    """Convert with calibration seeds, then search for the nodes to keep in fp32 until the outputs
+    are within ``options.tolerance``.
 
-    ``convert_pass`` is one pass of the pipeline (:func:`onnxmp.convert.convert_once`), passed in
-    so that this module never imports the pipeline that calls it.
-    Returns the :class:`~onnxmp.convert.ConversionResult` of the best model found;
-    ``result.report.calibration`` (a :class:`CalibrationReport`) says whether the
-    tolerance was met (``.met``), the errors before and after, and why each node moved.
+    Returns the :class:`~onnxmp.pipeline.ConversionResult` of the best model found;
+    ``result.report.calibration`` (a :class:`CalibrationReport`) says whether the tolerance was
+    met (``.met``), the errors before and after, and why each node moved.
     """
-    return _Calibration(model, calibration, tolerance, metric, holdout, max_runs, calibration_threshold,
-                        underflow_share, convert_pass, convert_options).run()
+    return _Calibration(model, options).run()
 
 
-__all__ = ["CalibrationReport", "CycleRecord", "Measurement", "MovedNode", "SeededTensor", "DEFAULT_TOLERANCE",
-           "convert_with_calibration", "observe_magnitudes", "relative_error", "run_with_intermediates",
-           "samples_from", "split_holdout", "run_bound"]
+__all__ = ["ACCURACY_FALLBACK", "CalibrationReport", "CycleRecord", "Measurement", "MovedNode", "REASONS",
+           "SeededTensor", "DEFAULT_TOLERANCE", "calibrate", "observe_magnitudes", "relative_error",
+           "run_with_intermediates", "samples_from", "split_holdout", "run_bound"]

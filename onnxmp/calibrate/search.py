@@ -7,7 +7,7 @@ Two parts:
   each node ``n`` that runs in low precision after plain conversion, each of its
   low-precision inputs and outputs ``t`` becomes ``Where(low[n], round(t), t)``
   where ``round`` is a ``Cast(to=FLOAT16) -> Cast(to=FLOAT)`` pair (as in
-  :mod:`onnxmp.emulate`) and ``low`` is a bool vector fed with the sample.  A
+  :mod:`onnxmp.parity.emulate`) and ``low`` is a bool vector fed with the sample.  A
   candidate ("these nodes back to float32") is then one ``session.run`` per
   sample, with no convert, verify or session build in between.  With every
   switch on it reproduces the emulated real conversion (bit for bit on the
@@ -51,10 +51,11 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper
 
+from onnxmp.targets import CPU
 from onnxmp.errors import OnnxMPError, first_line
 from onnxmp.external import is_large, session_source
 from onnxmp.subgraphs import bodies
-from onnxmp.metrics import as_output_array
+from onnxmp.parity.metrics import as_output_array
 from onnxmp.naming import FreshNames, proto_names
 from onnxmp.precision import low_precision
 
@@ -197,12 +198,12 @@ def cpu_session(model: onnx.ModelProto, what: str, options=None):
     options.log_severity_level = 3
     try:
         with session_source(model, "calibration") as source:
-            return ort.InferenceSession(source, options, providers=["CPUExecutionProvider"])
+            return ort.InferenceSession(source, options, providers=[CPU.provider])
     except OnnxMPError:
         raise
     except Exception as exc:  # onnxruntime's exceptions share no public base class
         raise OnnxMPError(f"onnxruntime cannot load the {what} for calibration: {first_line(exc)}",
-                          hint="check that the float32 model runs on onnxruntime CPU") from None
+                          hint="check that the float32 model runs on onnxruntime CPU") from exc
 
 
 def run_samples(session, samples: Iterable[Mapping[str, np.ndarray]], outputs: Sequence[str] | None = None,
@@ -218,7 +219,7 @@ def run_samples(session, samples: Iterable[Mapping[str, np.ndarray]], outputs: S
             values = session.run(names, feeds)
         except Exception as exc:  # onnxruntime's exceptions share no public base class
             raise OnnxMPError(f"calibration run failed: {first_line(exc)}",
-                              hint="check the calibration inputs' shapes and dtypes") from None
+                              hint="check the calibration inputs' shapes and dtypes") from exc
         yield {name: as_output_array(value) for name, value in zip(names, values)}
 
 

@@ -1,0 +1,129 @@
+"""The calibration report: what the accuracy-guided search measured, moved and why."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from onnxmp.report import head
+
+SUMMARY_ROWS = 10
+
+
+@dataclass
+class Measurement:
+    """Errors of one real converted model (emulated), per output, in the metric's units."""
+
+    tune: dict[str, float]
+    holdout: dict[str, float] | None  # None without held-out samples
+
+    @property
+    def tune_error(self) -> float:
+        return max(self.tune.values(), default=0.0)
+
+    @property
+    def holdout_error(self) -> float | None:
+        return None if self.holdout is None else max(self.holdout.values(), default=0.0)
+
+    @property
+    def worst(self) -> float:
+        return max(self.tune_error, self.holdout_error or 0.0)
+
+    def meets(self, tolerance: float) -> bool:
+        return self.worst <= tolerance
+
+
+@dataclass
+class SeededTensor:
+    tensor: str
+    observed_max: float
+
+
+@dataclass
+class MovedNode:
+    """A node the search returned to float32, and the measurement that says why."""
+
+    node: str
+    op: str
+    reason: str  # one of REASONS
+    error_with: float | None  # tuning error with this node low and the rest of the set in fp32
+    error_without: float | None  # tuning error with the whole set in fp32
+
+    def describe(self) -> str:
+        if self.error_with is not None:
+            return (f"{self.node} ({self.op}): measured: error {self.error_with:.3g} with this node in low "
+                    f"precision, {self.error_without:.3g} in fp32")
+        after = "" if self.error_without is None else f" (error {self.error_without:.3g} with the set in fp32)"
+        return f"{self.node} ({self.op}): {REASONS[self.reason]}{after}"
+
+
+REASONS = {
+    "measurement": "bisection over the sensitivity ranking: needed for the tolerance",
+    "ranking prefix": "in the smallest passing prefix of the sensitivity ranking (error spread over many nodes)",
+    "budget exhausted": "in the best passing candidate seen before the run budget ran out",
+    "all-float32 fallback": "the search could not land; every remaining node went back to fp32",
+}
+
+
+@dataclass
+class CycleRecord:
+    cycle: int
+    fp32_nodes: int  # nodes the search has moved so far
+    measurement: Measurement
+    best_error: float  # worst error of the best model so far (never grows)
+    tuning_tolerance: float
+
+
+@dataclass
+class CalibrationReport:
+    tolerance: float
+    metric: dict[str, str]
+    threshold: float
+    samples: int
+    tune_samples: int
+    holdout_samples: int
+    met: bool = False
+    plain: Measurement | None = None
+    final: Measurement | None = None
+    candidates: int = 0  # low-precision nodes after plain conversion (N of the run bound)
+    seeded: list[SeededTensor] = field(default_factory=list)
+    moved: list[MovedNode] = field(default_factory=list)
+    cycles: list[CycleRecord] = field(default_factory=list)
+    runs: int = 0
+    seconds: float = 0.0
+    budget_exhausted: bool = False
+    share_plain: float | None = None
+    share_final: float | None = None
+
+    @property
+    def error(self) -> float:
+        return self.final.worst if self.final else 0.0
+
+    def summary_lines(self, precision: str = "float16") -> list[str]:
+        held = f" + {self.holdout_samples} held-out" if self.holdout_samples else " (no held-out sample)"
+        metrics = sorted(set(self.metric.values()))
+        lines = [f"calibration: {self.tune_samples} tuning{held} sample(s), metric {', '.join(metrics)}, "
+                 f"tolerance {self.tolerance:g}: {'MET' if self.met else 'MISSED'}"]
+        if self.plain and self.final:
+            line = f"  error: plain {self.plain.tune_error:.3g} -> calibrated {self.final.tune_error:.3g} (tuning)"
+            if self.final.holdout is not None:
+                line += f"; {self.plain.holdout_error:.3g} -> {self.final.holdout_error:.3g} (held-out)"
+            lines.append(line)
+            if not self.met:
+                lines.append(f"  best error {self.error:.3g} is {self.error - self.tolerance:.3g} above the "
+                             f"tolerance ({self.error / self.tolerance:.3g}x)")
+        if self.share_final is not None:
+            before = f"{self.share_plain:.0%} -> " if self.share_plain is not None else ""
+            lines.append(f"  {precision} share of Conv/MatMul/Gemm: {before}{self.share_final:.0%}")
+        if self.cycles or self.budget_exhausted:
+            lines.append(f"  search: {self.runs} emulated run(s) over {self.candidates} low-precision node(s), "
+                         f"{len(self.cycles)} cycle(s), {self.seconds:.1f} s"
+                         + (" (run budget exhausted)" if self.budget_exhausted else ""))
+        else:
+            lines.append(f"  no search needed: {self.runs} emulated run(s), {self.seconds:.1f} s")
+        lines += _capped([f"  seeded fp32: `{s.tensor}` reached {s.observed_max:.3g}" for s in self.seeded])
+        lines += _capped([f"  moved to fp32: {m.describe()}" for m in self.moved])
+        return lines
+
+
+def _capped(lines: list[str]) -> list[str]:
+    shown, rest = head(lines, SUMMARY_ROWS)
+    return [*shown, f"  {rest} (see --report JSON)"] if rest else list(shown)

@@ -1,0 +1,354 @@
+"""The training build: an fp32 ONNX model in, a folder of training artifacts out.
+
+The build is a pipeline of stages (``docs/training.md``), each a pass over one
+:class:`TrainingBuild` state, run by :class:`~onnxmp.passes.PassManager`:
+
+1. ``load``: the model, at an opset and IR version onnxruntime-training 1.19 loads, with
+   Constant-node weights promoted to initializers; the parameters and names checked;
+2. ``prepare``: a copy the gradient builder can differentiate (:mod:`~onnxmp.training.prepare`);
+3. ``convert``: the mixed-precision forward graph (trainable parameters stay float32 master
+   weights, Cast at each low-precision use); emulated on ``target="cpu"``;
+4. ``gradient``: ORT's gradient graph of the scaled loss, and the eval graph
+   (:mod:`~onnxmp.training.gradient`);
+5. ``loss_scale``: unscale / finite check (:mod:`~onnxmp.training.loss_scale`);
+6. ``determinism``: on the CPU, kernels that run exactly and deterministically
+   (:mod:`~onnxmp.training.determinism`);
+7. ``optimizer``: the optimizer model (:mod:`~onnxmp.training.optimizer`);
+8. ``write``: the folder, whole or not at all (:mod:`~onnxmp.training.artifacts`).
+"""
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterable, Sequence
+
+import onnx
+import onnx.version_converter
+from onnx import TensorProto, helper
+
+from onnxmp.domains import onnx_opset
+from onnxmp.errors import OnnxMPError, first_line
+from onnxmp.files import destination
+from onnxmp.naming import proto_names
+from onnxmp.passes import PassBase, PassManager, PassResult
+from onnxmp.precision import FLOAT32, PRECISIONS as LOW_PRECISIONS
+from onnxmp.targets import target as target_named
+from onnxmp.training import _ort
+from onnxmp.training.artifacts import FILES, FORMAT, Artifacts, write_artifacts
+from onnxmp.training.determinism import deterministic_gather_grads, float32_cpu_grad_kernels
+from onnxmp.training.gradient import gradient_graph, make_eval_outputs
+from onnxmp.training.labels import output_shape
+from onnxmp.training.loss_scale import GRAD_WEIGHT, LOSS_SCALE, RESERVED, add_loss_scaling
+from onnxmp.training.losses import LOSSES
+from onnxmp.training.losses import loss as loss_named
+from onnxmp.training.optimizer import MAX_OPSET, OPTIMIZERS, build_optimizer_model, cap_ir_version
+from onnxmp.training.prepare import describe, prepare_for_gradient, promote_constants
+
+log = logging.getLogger("onnxmp.training")
+
+PRECISIONS = (*LOW_PRECISIONS, FLOAT32.name)  # float32: train without mixed precision
+
+
+@dataclass
+class TrainingBuild:
+    """What the stages hand each other."""
+
+    source: onnx.ModelProto | str | os.PathLike
+    requires_grad: list[str]
+    frozen: list[str]
+    loss: Any
+    label_name: str | None
+    optimizer: str
+    precision: str
+    target: str
+    out: Path
+    forward: onnx.ModelProto | None = None         # the model as loaded (what is exported again)
+    trainable: onnx.ModelProto | None = None       # Constant-node weights promoted to initializers
+    loss_block: Any = None
+    loss_name: str = ""
+    prepared: onnx.ModelProto | None = None
+    preparations: list = field(default_factory=list)
+    train_forward: onnx.ModelProto | None = None   # the mixed-precision forward graph
+    training: onnx.ModelProto | None = None
+    evaluation: onnx.ModelProto | None = None
+    parameters: Any = None
+    optimizer_model: onnx.ModelProto | None = None
+    artifacts: Artifacts | None = None
+
+    @property
+    def parameter_names(self) -> list[str]:
+        return [*self.requires_grad, *self.frozen]
+
+
+class Load(PassBase[TrainingBuild]):
+    name = "load"
+
+    def call(self, state: TrainingBuild) -> PassResult:
+        from onnxmp.load import load
+
+        check_trainable_size(state.source)
+        state.forward = supported_versions(load(state.source))
+        state.trainable, promoted = promote_constants(state.forward, state.parameter_names)
+        _check_parameters(state.trainable, state.requires_grad, state.frozen)
+        state.loss_block, state.loss_name, state.label_name = _loss_block(state.loss, state.label_name)
+        clashes = sorted(proto_names(state.forward.graph) & {*RESERVED, state.label_name})
+        if clashes:
+            raise OnnxMPError(f"the model already uses the name(s) {', '.join(clashes)}",
+                              "rename them, or pass another label_name")
+        return PassResult(bool(promoted), {"promoted_constants": len(promoted)})
+
+
+class Prepare(PassBase[TrainingBuild]):
+    name = "prepare"
+
+    def call(self, state: TrainingBuild) -> PassResult:
+        state.prepared, state.preparations = prepare_for_gradient(state.trainable, state.requires_grad)
+        return PassResult(bool(state.preparations), {"rewritten": len(state.preparations)})
+
+
+class Convert(PassBase[TrainingBuild]):
+    name = "convert"
+
+    def call(self, state: TrainingBuild) -> PassResult:
+        state.train_forward = training_forward(state.prepared, state.precision, state.target, state.parameter_names)
+        return PassResult(state.train_forward is not state.prepared)
+
+
+class Gradient(PassBase[TrainingBuild]):
+    name = "gradient"
+
+    def call(self, state: TrainingBuild) -> PassResult:
+        state.training, state.evaluation, state.parameters = gradient_graph(
+            state.train_forward, state.loss_block, state.label_name, state.requires_grad, state.frozen)
+        make_eval_outputs(state.evaluation, state.train_forward)
+        return PassResult(True)
+
+
+class LossScale(PassBase[TrainingBuild]):
+    name = "loss_scale"
+
+    def call(self, state: TrainingBuild) -> PassResult:
+        add_loss_scaling(state.training)
+        return PassResult(True)
+
+
+class Determinism(PassBase[TrainingBuild]):
+    name = "determinism"
+
+    def call(self, state: TrainingBuild) -> PassResult:
+        if not target_named(state.target).emulated:
+            return PassResult(False)
+        wrapped = float32_cpu_grad_kernels(state.training)
+        replaced = deterministic_gather_grads(state.training)
+        return PassResult(bool(wrapped or replaced), {"float32_grads": wrapped, "scatter_grads": replaced})
+
+
+class Optimizer(PassBase[TrainingBuild]):
+    name = "optimizer"
+
+    def call(self, state: TrainingBuild) -> PassResult:
+        state.optimizer_model = build_optimizer_model(state.optimizer, opset=_opset(state.forward))
+        for proto in (state.training, state.evaluation):
+            cap_ir_version(proto)
+        return PassResult(True)
+
+
+class Write(PassBase[TrainingBuild]):
+    name = "write"
+
+    def call(self, state: TrainingBuild) -> PassResult:
+        manifest = _manifest(state)
+        write_artifacts(state.out, manifest, training=state.training, evaluation=state.evaluation,
+                        optimizer_model=state.optimizer_model, forward=state.forward, parameters=state.parameters)
+        log.info("training artifacts (%s, %s) written to %s", state.precision, state.target, destination(state.out))
+        state.artifacts = Artifacts(state.out, manifest)
+        return PassResult(True)
+
+
+STAGES = (Load, Prepare, Convert, Gradient, LossScale, Determinism, Optimizer, Write)
+
+
+def build_artifacts(
+    model: onnx.ModelProto | str | os.PathLike,
+    *,
+    requires_grad: Iterable[str],
+    frozen: Iterable[str] = (),
+    loss: str | Any = "cross_entropy",
+    optimizer: str = "adamw",
+    precision: str = "float16",
+    target: str = "cpu",
+    out_dir: str | os.PathLike,
+    label_name: str | None = None,
+) -> Artifacts:
+    """Build mixed-precision training artifacts for ``model`` in ``out_dir``.
+
+    ``loss`` is one of :data:`~onnxmp.training.losses.LOSSES` or an ``onnxblock.Block``, which
+    is called as ``block(output_name, label_name)`` and must return the name of a float32
+    scalar.  The loss reads the model's first output; ``label_name`` (default: the loss's own,
+    ``labels`` for cross entropy, ``target`` otherwise) names the new label input.
+    ``precision="float32"`` builds the fp32 baseline (no conversion).  Models over 2 GB are
+    refused before any work (see :func:`check_trainable_size`).
+    """
+    if precision not in PRECISIONS:
+        raise OnnxMPError(f"unknown precision {precision!r}", f"use one of: {', '.join(PRECISIONS)}")
+    target_named(target)
+    if optimizer not in OPTIMIZERS:
+        raise OnnxMPError(f"unknown optimizer {optimizer!r}", f"use one of: {', '.join(OPTIMIZERS)}")
+    # A lone string is one name, not a sequence of one-letter names.
+    requires_grad = list(dict.fromkeys([requires_grad] if isinstance(requires_grad, str) else requires_grad))
+    frozen = list(dict.fromkeys([frozen] if isinstance(frozen, str) else frozen))
+    if not requires_grad:
+        raise OnnxMPError("requires_grad is empty", "name the initializers to train")
+    both = sorted(set(requires_grad) & set(frozen))
+    if both:
+        raise OnnxMPError(f"parameters both trainable and frozen: {', '.join(both)}")
+    state = TrainingBuild(model, requires_grad, frozen, loss, label_name, optimizer, precision, target, Path(out_dir))
+    PassManager([stage() for stage in STAGES], log=log,
+                hint="please report this model to onnxmp; run with -v for onnxruntime's log")(state)
+    return state.artifacts
+
+
+def check_trainable_size(model: onnx.ModelProto | str | os.PathLike) -> None:
+    """Refuse a model whose weights and graph exceed protobuf's 2 GB limit, before reading any weight.
+
+    onnxruntime-training 1.19.2 cannot differentiate it: onnxblock hands the forward model, weights
+    included, to the C++ gradient builder as ONE serialized ModelProto
+    (``onnxblock/_training_graph_utils.py``: ``GradientGraphBuilder(model.SerializeToString(), ...)``),
+    and the training model it returns holds every weight again.  No external-data path exists there.
+    """
+    from onnxmp.external import PROTOBUF_LIMIT, data_bytes
+    from onnxmp.load import load
+
+    size = data_bytes(model if isinstance(model, onnx.ModelProto) else load(model, lazy_external=True))
+    if size > PROTOBUF_LIMIT:
+        raise OnnxMPError(
+            f"the model is {size / 1e9:.2f} GB; onnxruntime-training {_ort_version()} cannot build training "
+            f"artifacts over 2 GB (its gradient builder takes the whole model, weights included, as one "
+            f"serialized protobuf, which is limited to 2 GB)",
+            "train a model under 2 GB; convert, emulate and validate handle this one")
+
+
+def training_forward(forward: onnx.ModelProto, precision: str, target: str,
+                     master: Sequence[str]) -> onnx.ModelProto:
+    """The mixed-precision forward graph: trainable parameters stay float32 master weights, Cast at
+    each low-precision use; on an emulated target (the CPU) the low-precision numerics are emulated."""
+    if precision == "float32":
+        return forward
+    from onnxmp.options import Options
+    from onnxmp.pipeline import convert_once
+
+    # The CUDA coloring on both targets: CPU training emulates what the GPU would run.
+    options = Options(target="cuda", precision=precision, keep_io_types=True, master_weights=tuple(master))
+    converted = convert_once(forward, options).model
+    initializers = {t.name: t for t in converted.graph.initializer}
+    lost = [n for n in master if n not in initializers or initializers[n].data_type != TensorProto.FLOAT]
+    if lost:
+        raise OnnxMPError(f"the conversion did not keep float32 master weights for {', '.join(lost)}",
+                          "this is an onnxmp bug; please report it")
+    emulated = target_named(target).emulated
+    if emulated:
+        from onnxmp.parity.emulate import emulate
+
+        converted = emulate(converted, precision=precision)
+    log.info("forward model converted to %s (%s)", precision,
+             "emulated in float32 for the CPU" if emulated else "CUDA")
+    return converted
+
+
+def supported_versions(model: onnx.ModelProto) -> onnx.ModelProto:
+    """``model`` at an opset and IR version onnxruntime-training 1.19 loads."""
+    opset = _opset(model)
+    if opset > MAX_OPSET:
+        log.info("converting the model from opset %d to %d for onnxruntime-training 1.19", opset, MAX_OPSET)
+        try:
+            model = onnx.version_converter.convert_version(model, MAX_OPSET)
+        except Exception as exc:
+            raise OnnxMPError(f"the model uses opset {opset}; onnxruntime-training 1.19 loads at most {MAX_OPSET} "
+                              f"and the conversion failed: {first_line(exc, 300)}",
+                              f"export the model at opset <= {MAX_OPSET}") from None
+    cap_ir_version(model)
+    return model
+
+
+def _opset(model: onnx.ModelProto) -> int:
+    opset = onnx_opset(model)
+    if opset is None:
+        raise OnnxMPError("the model imports no default-domain opset", "re-export it with an opset")
+    return opset
+
+
+def _manifest(state: TrainingBuild) -> dict:
+    inputs = _user_inputs(state.training, set(state.parameter_names))
+    return {
+        "format": FORMAT,
+        "onnxmp_version": _onnxmp_version(),
+        "onnxruntime_version": _ort_version(),
+        "precision": state.precision,
+        "target": state.target,
+        "loss": state.loss_name,
+        "optimizer": state.optimizer,
+        "opset": _opset(state.forward),
+        "inputs": [name for name, _ in inputs],
+        "input_dtypes": dict(inputs),
+        "model_inputs": [name for name, _ in inputs if name != state.label_name],
+        "label_input": state.label_name,
+        "forward_outputs": [v.name for v in state.forward.graph.output],
+        "output_shape": output_shape(state.forward),
+        "training_outputs": [v.name for v in state.training.graph.output
+                             if not v.name.endswith(".accumulation.out")],
+        "eval_outputs": [v.name for v in state.evaluation.graph.output],
+        "loss_scale_input": LOSS_SCALE,
+        "grad_weight_input": GRAD_WEIGHT,
+        "requires_grad": state.requires_grad,
+        "frozen": state.frozen,
+        "prepared_for_gradient": describe(state.preparations),
+        "files": dict(FILES),
+    }
+
+
+def _check_parameters(model: onnx.ModelProto, requires_grad: list[str], frozen: list[str]) -> None:
+    initializers = {t.name: t for t in model.graph.initializer}
+    missing = [n for n in [*requires_grad, *frozen] if n not in initializers]
+    if missing:
+        raise OnnxMPError(f"not initializers of the model: {', '.join(missing[:10])}",
+                          "requires_grad and frozen name initializers (weights) of the model")
+    not_float = [n for n in requires_grad if initializers[n].data_type != TensorProto.FLOAT]
+    if not_float:
+        raise OnnxMPError(f"trainable parameters must be float32: {', '.join(not_float[:10])}",
+                          "train the float32 model; onnxmp converts it for mixed precision itself")
+
+
+def _loss_block(loss, label_name: str | None):
+    ob = _ort.onnxblock()
+    if isinstance(loss, str):
+        chosen = loss_named(loss)
+        return getattr(ob.loss, chosen.block)(), chosen.name, label_name or chosen.label
+    if isinstance(loss, ob.Block):
+        return loss, type(loss).__name__, label_name or "labels"
+    raise OnnxMPError(f"unsupported loss {loss!r}",
+                      f"use one of {', '.join(LOSSES)} or an onnxruntime.training.onnxblock.Block")
+
+
+def _user_inputs(training: onnx.ModelProto, parameters: set[str]) -> list[tuple[str, str]]:
+    skip = {*parameters, LOSS_SCALE, GRAD_WEIGHT, "lazy_reset_grad"}
+    result = []
+    for value in training.graph.input:
+        if value.name in skip or value.name.endswith(".accumulation.buffer"):
+            continue
+        dtype = helper.tensor_dtype_to_np_dtype(value.type.tensor_type.elem_type)
+        result.append((value.name, str(dtype)))
+    return result
+
+
+def _onnxmp_version() -> str:
+    from onnxmp import __version__
+
+    return __version__
+
+
+def _ort_version() -> str:
+    import onnxruntime
+
+    return onnxruntime.__version__
