@@ -10,11 +10,14 @@ of falling back to "does any parameter take float16".
 
 Usage::
 
-    python scripts/gen_kernel_table.py [OperatorKernels.md] [-o out.json]
+    python scripts/gen_kernel_table.py [OperatorKernels.md[.gz]] [-o out.json]
+
+The default source is the copy in ``scripts/sources/`` (its README names the ORT commit).
 """
 from __future__ import annotations
 
 import argparse
+import gzip
 import json
 import re
 import sys
@@ -25,7 +28,7 @@ sys.path.insert(0, str(REPO_ROOT))
 
 from onnxmp.files import guard_arguments, write_text_atomic  # noqa: E402
 
-DEFAULT_SOURCE = REPO_ROOT.parent / "shared" / "reference" / "onnxruntime-OperatorKernels.md"
+DEFAULT_SOURCE = REPO_ROOT / "scripts" / "sources" / "onnxruntime-OperatorKernels.md.gz"
 DEFAULT_OUTPUT = REPO_ROOT / "onnxmp" / "data" / "ort_kernels.json"
 
 PROVIDERS = ("CPUExecutionProvider", "CUDAExecutionProvider")
@@ -122,19 +125,23 @@ def read_commit(source: Path) -> str | None:
     readme = source.parent / "README.md"
     if not readme.is_file():
         return None
-    for line in readme.read_text(encoding="utf-8").splitlines():
-        if source.name in line:
-            m = _COMMIT.search(line)
-            if m:
-                return m.group(0)
-    return None
+    text = readme.read_text(encoding="utf-8")
+    position = text.find(source.name)
+    m = _COMMIT.search(text, position) if position >= 0 else None
+    return m.group(0) if m else None
+
+
+def _markdown_name(source: Path) -> str:
+    return source.name[:-3] if source.name.endswith(".gz") else source.name
 
 
 def build_table(source: Path) -> dict:
+    raw = source.read_bytes()
+    text = (gzip.decompress(raw) if source.name.endswith(".gz") else raw).decode("utf-8")
     return {
-        "source": {"file": source.name, "onnxruntime_commit": read_commit(source)},
+        "source": {"file": _markdown_name(source), "onnxruntime_commit": read_commit(source)},
         "float_types": list(FLOAT_TYPES),
-        "providers": parse_kernels(source.read_text(encoding="utf-8")),
+        "providers": parse_kernels(text),
     }
 
 

@@ -42,6 +42,7 @@ def register(sub) -> None:
     from onnxmp.cli import add_verbosity_flags, at_least, positive_float
     from onnxmp.training.build import PRECISIONS
     from onnxmp.training.losses import LOSSES
+    from onnxmp.targets import NAMES as TARGETS
     from onnxmp.training.optimizer import OPTIMIZERS
 
     p = sub.add_parser("train", help="train an ONNX model with mixed precision and dynamic loss scaling",
@@ -61,7 +62,7 @@ def register(sub) -> None:
     p.add_argument("--lr", type=positive_float, default=1e-3,
                    help="learning rate (default 1e-3; a resumed run keeps its saved rate)")
     p.add_argument("--out", required=True, metavar="DIR", help="output folder")
-    p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    p.add_argument("--device", choices=TARGETS, default="cpu")
     p.add_argument("--precision", choices=PRECISIONS, default="float16")
     p.add_argument("--resume", metavar="DIR", help="continue from a saved state folder (DIR or DIR/state)")
     p.add_argument("--frozen", nargs="+", default=[], metavar="NAME", help="initializers not to train")
