@@ -14,6 +14,12 @@ Each architecture is exported with TorchScript (``dynamo=False``) at opset 14 an
 batch and sequence (or time) axes, as ``<arch>.<exporter><opset>.onnx``.
 ``matrix.json`` records, per file, the inputs it takes and the task its data comes
 from (``models/exports/tasks.py`` makes the data; it needs only numpy).
+
+Transformers fills every attention mask with float32.min; ``bert_m1e9`` (BERT given
+``(1 - mask) * -1e9`` as a 4-D float mask, which it adds to the scores as it is) and
+``bert_masked_fill`` (a BERT-like encoder in plain torch, ``masked_fill(mask == 0, -1e9)``:
+a ``Where`` into ``Softmax``) fill it with -1e9.  ``export_speed.py`` exports base-size
+models for a speed benchmark, outside the repository.
 """
 from __future__ import annotations
 
@@ -95,6 +101,11 @@ def builders():
                                do_stable_layer_norm=True, feat_extract_norm="layer", classifier_proj_size=16)
         return T.Wav2Vec2ForSequenceClassification(cfg)
 
+    def bert_m1e9():
+        bert = T.BertForSequenceClassification(T.BertConfig(**TEXT))
+        bert.config._attn_implementation = "eager"
+        return _AdditiveMask(bert)
+
     return {
         "bert2": _text(T.BertConfig, T.BertForSequenceClassification),
         "bert3": _text(T.BertConfig, T.BertForSequenceClassification),
@@ -112,6 +123,8 @@ def builders():
         "resnet": resnet,
         "mobilenetv2": mobilenetv2,
         "wav2vec2": wav2vec2,
+        "bert_m1e9": bert_m1e9,
+        "bert_masked_fill": _MaskedFillBert,
     }
 
 
@@ -131,6 +144,77 @@ def _Pooled(encoder, hidden, how):
             return self.head((h * m).sum(1) / m.sum(1).clamp(min=1e-9))
 
     return Pooled()
+
+
+def _AdditiveMask(model):
+    import torch
+
+    class AdditiveMask(torch.nn.Module):
+        """A HF classifier given its additive mask as 4-D floats made the old way: 0 kept, -1e9 padding.
+
+        Transformers uses a 4-D mask as it is (no float32.min fill of its own) and adds it to the
+        attention scores before Softmax; the -1e9 is a Mul constant of the exported graph.
+        """
+
+        def __init__(self):
+            super().__init__()
+            self.m = model
+
+        def forward(self, input_ids, attention_mask, token_type_ids=None):
+            additive = (1 - attention_mask[:, None, None, :].float()) * -1e9
+            extra = {} if token_type_ids is None else {"token_type_ids": token_type_ids}
+            return self.m(input_ids=input_ids, attention_mask=additive, **extra).logits
+
+    return AdditiveMask()
+
+
+def _MaskedFillBert():
+    """A BERT-like classifier in plain torch whose attention fills padding with ``masked_fill(mask == 0, -1e9)``.
+
+    Token and position embeddings, LayerNorm, ``LAYERS`` post-LN layers of self-attention and a GELU
+    MLP, a tanh pooler on the first token and a linear classifier: the export's mask is a ``Where``
+    whose -1e9 replaces the scores of padded keys (no ``Add``), as hand-written encoders do it.
+    """
+    import math
+
+    import torch
+    from torch import nn
+
+    head = HIDDEN // HEADS
+
+    class Layer(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.q, self.k, self.v, self.o = (nn.Linear(HIDDEN, HIDDEN) for _ in range(4))
+            self.ln1, self.ln2 = nn.LayerNorm(HIDDEN), nn.LayerNorm(HIDDEN)
+            self.up, self.down = nn.Linear(HIDDEN, INTER), nn.Linear(INTER, HIDDEN)
+
+        def forward(self, h, mask):
+            b, s = h.shape[0], h.shape[1]
+            q, k, v = (f(h).view(b, s, HEADS, head).transpose(1, 2) for f in (self.q, self.k, self.v))
+            scores = torch.matmul(q, k.transpose(-1, -2)) / math.sqrt(head)
+            scores = scores.masked_fill(mask == 0, -1e9)
+            context = torch.matmul(scores.softmax(-1), v).transpose(1, 2).reshape(b, s, HIDDEN)
+            h = self.ln1(h + self.o(context))
+            return self.ln2(h + self.down(nn.functional.gelu(self.up(h))))
+
+    class MaskedFillBert(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.tokens, self.positions = nn.Embedding(tasks.VOCAB, HIDDEN), nn.Embedding(64, HIDDEN)
+            self.ln = nn.LayerNorm(HIDDEN)
+            self.layers = nn.ModuleList(Layer() for _ in range(LAYERS))
+            self.pooler, self.classifier = nn.Linear(HIDDEN, HIDDEN), nn.Linear(HIDDEN, tasks.LABELS)
+
+        def forward(self, input_ids, attention_mask):
+            positions = torch.arange(input_ids.shape[1], device=input_ids.device)
+            h = self.ln(self.tokens(input_ids) + self.positions(positions)[None])
+            mask = attention_mask[:, None, None, :]
+            for layer in self.layers:
+                h = layer(h, mask)
+            return self.classifier(torch.tanh(self.pooler(h[:, 0])))
+
+    return MaskedFillBert()
 
 
 class _Logits:
@@ -191,7 +275,10 @@ def export(name: str, exporter: str, opset: int, out: Path, keep_bn: bool = Fals
     if m.ir_version > 10:  # onnxruntime-training 1.19 loads IR <= 10
         m.ir_version = 10
         onnx.save(m, str(path))
-    ref = wrapped(*dummy).detach().numpy()
+    # The wrapper is a new module, in training mode: an EVAL export puts it back in that mode
+    # afterwards, recursively, and check_logits would be taken with dropout and BatchNorm batch
+    # statistics.  (Set only now: under PRESERVE the wrapper's mode changes what is exported.)
+    ref = wrapped.eval()(*dummy).detach().numpy()
     return {"file": path.name, "arch": name, "exporter": exporter, "opset": opset,
             "inputs": [i.name for i in m.graph.input if i.name not in {t.name for t in m.graph.initializer}],
             "nodes": len(m.graph.node), "bytes": path.stat().st_size,

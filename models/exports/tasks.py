@@ -41,6 +41,10 @@ SPECS = {
     "resnet": {**_IMAGE, "kind": "image"},
     "mobilenetv2": {**_IMAGE, "kind": "image"},
     "wav2vec2": {**_AUDIO, "kind": "audio"},
+    # Attention masks filled with -1e9 instead of float32.min: added (BERT given a 4-D float mask)
+    # and by masked_fill (a plain-torch BERT-like encoder), see export.py.
+    "bert_m1e9": {**_TEXT2, "kind": "text", "pad": 0},
+    "bert_masked_fill": {**_TEXT2, "kind": "text", "pad": 0},
 }
 
 
