@@ -84,6 +84,67 @@ def test_bench_models_two_models(tmp_path):
     assert "cast_violations" in data and "parity_worse" in data
 
 
+def test_bench_speed_three_small_models(tmp_path):
+    """The speed proxy on tiny shapes: per converter counts that add up, and a --shape-batch
+    extrapolation that gives the very same numbers as the full shape run."""
+    models = ["models/cnn_bn.onnx", "models/mlp.onnx", "models/transformer_classifier.onnx"]
+    out, scaled = tmp_path / "speed.json", tmp_path / "scaled.json"
+    proc = run([sys.executable, str(SCRIPTS / "bench_speed.py"), "--models", *models, "--batch", "4",
+                "--json", str(out)], timeout=120)
+    assert "PROXY" in proc.stdout and "scripts/gpu_check.sh" in proc.stdout
+    assert proc.stdout.splitlines()[-2].startswith("geomean")
+    run([sys.executable, str(SCRIPTS / "bench_speed.py"), "--models", *models, "--batch", "4", "--shape-batch", "1",
+         "--json", str(scaled)], timeout=120)
+    data, extrapolated = json.loads(out.read_text()), json.loads(scaled.read_text())
+    assert data["config"]["converters"] == ["fp32", "onnxmp", "occ"]
+    launch_ms = data["config"]["launch_us"] / 1e3
+    rows = {r["name"]: r for r in data["models"]}
+    assert list(rows) == ["cnn_bn", "mlp", "transformer_classifier"]
+    assert rows["cnn_bn"]["shapes"] == {"x": [4, 3, 32, 32]}
+    assert rows["transformer_classifier"]["shapes"] == {"input_ids": [4, 12], "attention_mask": [4, 12]}
+    for row, other in zip(data["models"], extrapolated["models"]):
+        assert row["error"] is None
+        convs = row["converters"]
+        assert set(convs) == {"fp32", "onnxmp", "occ"}
+        for tool, c in convs.items():
+            assert c["error"] is None and c["n_unknown_shapes"] == 0
+            assert 0 < c["kernels"] <= c["nodes"] and 0 <= c["cast_pairs"] <= c["casts"] <= c["kernels"]
+            dtypes = {k: v for k, v in c["bytes"].items() if k != "total"}
+            assert c["bytes"]["total"] == sum(dtypes.values()) > 0
+            assert c["ms"] == pytest.approx(c["launch_ms"] + c["roofline_ms"])
+            assert c["launch_ms"] == pytest.approx(c["kernels"] * launch_ms) and c["roofline_ms"] > 0
+            assert sum(op["count"] for op in c["by_op"].values()) == c["kernels"]
+            assert sum(op["us"] for op in c["by_op"].values()) / 1e3 == pytest.approx(c["ms"])
+            assert other["converters"][tool]["bytes"] == c["bytes"]  # --shape-batch: the same shapes
+        assert "float16" not in convs["fp32"]["bytes"] and convs["onnxmp"]["bytes"]["float16"] > 0
+        for tool in ("onnxmp", "occ"):  # a converter adds Cast kernels, no others
+            added = convs[tool]["casts"] - convs["fp32"]["casts"]
+            assert added >= 0 and convs[tool]["kernels"] == convs["fp32"]["kernels"] + added
+        assert row["speedup_onnxmp"] == pytest.approx(convs["fp32"]["ms"] / convs["onnxmp"]["ms"])
+        assert row["onnxmp_over_occ"] == pytest.approx(convs["onnxmp"]["ms"] / convs["occ"]["ms"])
+    # Every tensor of these two is float32 or float16: lowering can only shrink the bytes moved.
+    for name in ("cnn_bn", "mlp"):
+        convs = rows[name]["converters"]
+        assert set(convs["fp32"]["bytes"]) == {"float32", "total"}
+        assert convs["fp32"]["bytes"]["total"] >= convs["onnxmp"]["bytes"]["total"]
+    assert set(data["geomean"]) == {"fp32_ms", "onnxmp_ms", "occ_ms", "onnxmp_over_occ", "speedup_onnxmp",
+                                    "speedup_occ"}
+
+
+def test_bench_speed_flop_counts():
+    speed = load_script("bench_speed")
+    from onnx import helper
+
+    shapes = {"a": (4, 8, 16), "b": (16, 32), "y": (4, 8, 32), "x": (2, 3, 10, 10), "w": (6, 3, 3, 3),
+              "c": (2, 6, 8, 8), "g": (5, 16), "h": (32, 16), "z": (5, 32)}
+    assert speed.node_flops(helper.make_node("MatMul", ["a", "b"], ["y"]), shapes) == 2 * 4 * 8 * 32 * 16
+    assert speed.node_flops(helper.make_node("Conv", ["x", "w"], ["c"]), shapes) == 2 * 2 * 6 * 8 * 8 * 3 * 3 * 3
+    gemm = helper.make_node("Gemm", ["g", "h"], ["z"], transB=1)
+    assert speed.node_flops(gemm, shapes) == 2 * 5 * 32 * 16
+    assert speed.einsum_flops("bij,jk->bik", [(4, 8, 16), (16, 32)]) == 2 * 4 * 8 * 32 * 16
+    assert speed.einsum_flops("...ij,...jk->...ik", [(2, 4, 8, 16), (2, 4, 16, 32)]) == 2 * 2 * 4 * 8 * 32 * 16
+
+
 @pytest.mark.skipif(shutil.which("bash") is None, reason="needs bash")
 @pytest.mark.skipif(sys.version_info >= (3, 12), reason="the GPU check trains: onnxruntime-training needs Python <= 3.11")
 def test_gpu_check_dry_run(tmp_path):
@@ -116,7 +177,8 @@ def load_script(name: str):
 
 
 @pytest.mark.parametrize("name, argv", [
-    ("bench_calibrate", []), ("bench_convert", []), ("bench_models", []), ("bench_training", []),
+    ("bench_calibrate", []), ("bench_convert", []), ("bench_models", []), ("bench_speed", []),
+    ("bench_training", []),
     ("bench_distributed", []), ("fuzz_convert", []), ("gpu_check", []), ("validate_inference", ["--out", "{tmp}"]),
     ("validate_training", []), ("check_real_export", ["{tmp}"]),
 ])
