@@ -23,6 +23,13 @@ ORT's kernel registrations (each entry names the file and commit read), adds:
 
 :meth:`KernelTable.accepts` answers the whole question for one node: does one
 kernel take all of its parameters' float types at once.
+
+``onnxmp/data/ort_kernel_numerics.json`` asks one level deeper: in what type does a
+kernel's low-precision form compute (:meth:`KernelTable.numerics`).  CUDA's float16
+``LayerNormalization`` computes its mean and variance in float32 and rounds once, so a
+decomposed LayerNorm ORT fuses into it is safe in float16 where its output fits, while
+CUDA's float16 ``ReduceMean`` writes its sum in float16 first.  Each entry names the
+source file and lines read; ``docs/coloring.md`` (kernel facts) says how they are used.
 """
 from __future__ import annotations
 
@@ -58,7 +65,7 @@ def _in_range(ranges, opset: int):
 class KernelTable:
     """Lookup over the packaged ORT kernel table (CPU and CUDA providers only)."""
 
-    def __init__(self, data: dict, ties: dict | None = None):
+    def __init__(self, data: dict, ties: dict | None = None, numerics: dict | None = None):
         source = data.get("source", {})
         commit = source.get("onnxruntime_commit")
         self.source: str = source.get("file", "?") + (f" (onnxruntime@{commit})" if commit else "")
@@ -84,19 +91,28 @@ class KernelTable:
                 (entry["since"], entry["until"], tuple(entry["params"]), rows))
         for ranges in (*self._ties.values(), *self._combos.values()):
             ranges.sort(key=lambda r: r[0])
+        self._numerics: dict[tuple[str, str, str], list[tuple[int, int | None, dict]]] = {}
+        for entry in (numerics or {}).get("kernels", ()):
+            self._numerics.setdefault(_entry_key(entry), []).append((entry["since"], entry["until"], entry))
+        for ranges in self._numerics.values():
+            ranges.sort(key=lambda r: r[0])
 
     @classmethod
-    def from_file(cls, path: str | Path, ties_path: str | Path | None = None) -> KernelTable:
-        ties = json.loads(Path(ties_path).read_text(encoding="utf-8")) if ties_path is not None else None
-        return cls(json.loads(Path(path).read_text(encoding="utf-8")), ties)
+    def from_file(cls, path: str | Path, ties_path: str | Path | None = None,
+                  numerics_path: str | Path | None = None) -> KernelTable:
+        def read(p):
+            return json.loads(Path(p).read_text(encoding="utf-8")) if p is not None else None
+        return cls(read(path), read(ties_path), read(numerics_path))
 
     @classmethod
     @functools.cache
     def default(cls) -> KernelTable:
-        """The table shipped with onnxmp, with its ties and combos (loaded once)."""
+        """The table shipped with onnxmp, with its ties, combos and numerics (loaded once)."""
         data = resources.files("onnxmp").joinpath("data")
-        return cls(json.loads(data.joinpath("ort_kernels.json").read_text(encoding="utf-8")),
-                   json.loads(data.joinpath("ort_kernel_ties.json").read_text(encoding="utf-8")))
+
+        def read(name):
+            return json.loads(data.joinpath(name).read_text(encoding="utf-8"))
+        return cls(read("ort_kernels.json"), read("ort_kernel_ties.json"), read("ort_kernel_numerics.json"))
 
     @property
     def providers(self) -> tuple[str, ...]:
@@ -204,6 +220,21 @@ class KernelTable:
         if combos is not None:
             return any(all(combo.get(param, dtype) == dtype for param, dtype in wanted.items()) for combo in combos)
         return True
+
+    def numerics(self, provider: str, domain: str, op_type: str, opset: int, dtype: str) -> dict | None:
+        """What the ``dtype`` kernel of ``op_type`` at ``opset`` computes in: the entry of
+        ``ort_kernel_numerics.json`` (``compute`` is ``"float32"`` or ``"low"``, with the ``file`` read
+        and the ``hazard`` left), or None when the table records nothing for it."""
+        key = (self._provider_name(provider), domain or "ai.onnx", op_type)
+        entry = _in_range(self._numerics.get(key, ()), opset)
+        if entry is None or self._dtype(dtype) not in entry[2]["types"]:
+            return None
+        return entry[2]
+
+    def computes_in_float32(self, provider: str, domain: str, op_type: str, opset: int, dtype: str) -> bool:
+        """Whether the ``dtype`` kernel does its arithmetic in float32 and rounds once (recorded facts only)."""
+        facts = self.numerics(provider, domain, op_type, opset, dtype)
+        return facts is not None and facts["compute"] == "float32"
 
     def ops_with_dtype(self, provider: str, dtype: str, domain: str = "ai.onnx") -> dict[str, list[tuple[int, int | None]]]:
         """Op -> opset ranges (``until`` None = open) where some parameter accepts ``dtype``."""

@@ -22,7 +22,8 @@ from onnxmp.load import ModelLike, load
 from onnxmp.normalize import Normalized, normalize
 from onnxmp.options import Options, Resolved
 from onnxmp.passes import PassBase, PassManager, PassResult
-from onnxmp.report import TENSOR_CORE_OPS, Report, advice_records, group_rows, head, tensor_core_findings, vertex_rows
+from onnxmp.report import (TENSOR_CORE_OPS, MaskFillRow, Report, advice_records, group_rows, head,
+                           tensor_core_findings, vertex_rows)
 from onnxmp.rewrite import RewriteStats, rewrite
 from onnxmp.verify import check_input_model, io_signature, verify
 
@@ -147,6 +148,7 @@ class Rewrite(PassBase[Conversion]):
         report.casts_inserted = len(stats.casts)
         report.converted_initializers = stats.converted_initializers
         report.twin_initializers = stats.twin_initializers
+        report.mask_fills = [MaskFillRow(f.constant, f.original, f.value, list(f.softmaxes)) for f in stats.mask_fills]
         return PassResult(stats.modified, {"casts": len(stats.casts)})
 
 

@@ -56,6 +56,16 @@ class GroupRow:
 
 
 @dataclass
+class MaskFillRow:
+    """An attention mask fill whose out-of-range values were replaced (``onnxmp.color.masks``)."""
+
+    constant: str
+    original: float
+    value: float
+    softmaxes: list[str]
+
+
+@dataclass
 class Advice:
     node: str
     op: str
@@ -84,6 +94,7 @@ class Report:
     calibration: CalibrationReport | None = None  # set by convert(..., calibration=...)
     shape_inference_error: str | None = None
     groups: list[GroupRow] = field(default_factory=list)  # control-flow color groups
+    mask_fills: list[MaskFillRow] = field(default_factory=list)  # attention mask fills replaced
     _rows: dict[str, list | Callable[[], list]] = field(default_factory=dict, repr=False, compare=False)
 
     def defer(self, name: str, build: Callable[[], list]) -> None:
@@ -178,6 +189,9 @@ class Report:
         if self.converted_initializers or self.twin_initializers:
             lines.append(f"initializers: {len(self.converted_initializers)} converted, "
                          f"{len(self.twin_initializers)} with a low-precision twin")
+        for fill in self.mask_fills:
+            lines.append(f"attention mask fill `{fill.constant}`: {fill.original:.3g} -> {fill.value:g} "
+                         f"(out of {self.precision}'s range; masks {len(fill.softmaxes)} Softmax)")
         lines.append("")
         lines.append(f"{'op':<28}{'allow':>7}{'deny':>7}{'fp32':>7}")
         for op, c in self.per_op().items():

@@ -2,18 +2,24 @@
 
     python scripts/bench_speed.py [--models PATH ...] [--gpu h200|h100|a100] [--precision float16|bfloat16]
                                   [--batch N] [--seq N] [--shape NAME=32x128 ...] [--shape-batch N]
-                                  [--launch-us US] [--no-tf32] [--gpu-check-models] [--verbose [--top N]]
+                                  [--launch-us US] [--no-tf32] [--gpu-check-models] [--speed-models]
+                                  [--verbose [--top N]]
                                   [--json FILE]
 
 THIS IS A PROXY, NOT A MEASUREMENT.  Nothing is timed: every number is a deterministic count
-over the graph, turned into a roofline time for a named GPU.  ONNX Runtime's fusions
-(LayerNorm, GELU, attention, MatMul+bias, Conv+activation...) are not modelled, nor are
-kernel efficiency, memory reuse or overlap.  The real measure is ``bash scripts/gpu_check.sh``
+over the graph, turned into a roofline time for a named GPU.  Of ONNX Runtime's fusions on the
+CUDA EP, those that decide what a converter's Casts cost are modelled, the same way for every
+converter (``onnxmp.fusions``, which follows ORT's own matching conditions): a decomposed
+LayerNorm or RMSNorm is one kernel (the Casts ORT absorbs included), an ``Add`` feeding one is
+folded into it (SkipLayerNormalization), and an Erf GELU chain is one kernel; ``--no-fusions``
+counts every node.  The others (attention, MatMul+bias, Conv+activation...) are not modelled,
+nor are kernel efficiency, memory reuse or overlap.  The real measure is ``bash scripts/gpu_check.sh``
 on a GPU.  The milliseconds are not a prediction (no fusion lowers them, no kernel below its
 peak raises them); the ratios between converters are the signal: what each converted graph
 costs in Casts, kernel launches and bytes.  The committed exports are tiny (hidden 32): their
 times are nearly all launch overhead, so there the ms mostly count kernels; on base-size
-models (``--gpu-check-models``, or ``--models`` on your own exports) bytes and FLOPs dominate.
+models (``--speed-models``: real torch exports at BERT-base size, their weights drawn again from
+skeletons; ``--gpu-check-models``; or ``--models`` on your own exports) bytes and FLOPs dominate.
 
 Method, per model:
 
@@ -90,11 +96,13 @@ from onnxmp.files import guard_arguments, write_text_atomic  # noqa: E402
 from onnxmp.naming import json_safe  # noqa: E402
 
 EXPORTS = ROOT / "models" / "exports"
+SPEED_MODELS = EXPORTS / "speed"  # base-size exports as skeletons (models/exports/skeleton.py)
 BUNDLED = ("mlp", "cnn_bn", "cnn_bn_bigvar", "transformer_block", "transformer_classifier", "kv_decoder",
            "gru", "lstm")  # loop_if left out: its work is in If/Loop bodies, which are not modelled
 
-PROXY_NOTE = ("PROXY, not a measurement: roofline estimate from counted bytes and FLOPs; ORT's fusions "
-              "(LayerNorm, GELU, attention, MatMul+bias) and kernel efficiency are not modelled. "
+PROXY_NOTE = ("PROXY, not a measurement: roofline estimate from counted bytes and FLOPs; of ORT's fusions only "
+              "LayerNorm/RMSNorm (with the Casts they absorb), SkipLayerNorm and Erf GELU are modelled (all "
+              "converters alike), not attention, MatMul+bias or kernel efficiency. "
               "The real measure is `bash scripts/gpu_check.sh` on a GPU.")
 
 TERA = 1e12
@@ -562,7 +570,48 @@ def peak_flops(node: onnx.NodeProto, types: dict, gpu: Gpu, tf32: bool) -> float
     return {TensorProto.FLOAT16: gpu.vector_fp16, TensorProto.BFLOAT16: gpu.vector_bf16}.get(t, gpu.vector_fp32)
 
 
-def model_cost(model: onnx.ModelProto, fp32: dict, gpu: Gpu, launch_s: float, tf32: bool) -> dict:
+def fused_kernels(model: onnx.ModelProto, types: dict[str, int] | None = None,
+                  shapes: dict[str, tuple] | None = None) -> dict[str, tuple[str, list[str]]]:
+    """Node name -> (the fused kernel it belongs to, that kernel's member nodes), for the fusions
+    ORT makes on the CUDA EP that this proxy models (see the module docstring).  ``types`` and
+    ``shapes`` are every tensor's (the fp32 run's): ORT matches on inferred ranks, which a model
+    without value_info does not declare."""
+    from onnxmp.fusions import GraphFacts, fused_norms, gelus, skip_layer_norm_adds
+
+    facts = GraphFacts(model.graph, types, shapes)
+    groups: list[tuple[str, list[str]]] = []
+    norms: dict[str, tuple[str, list[str]]] = {}  # input -> (the norm's last node, its nodes)
+    for norm in fused_norms(facts):
+        groups.append((norm.kind, list(norm.nodes)))
+        if norm.kind == "LayerNormalization":  # SkipLayerNormFusion folds no Add into an RMSNorm
+            norms[norm.input] = (norm.nodes[-1], list(norm.nodes))
+    for node in model.graph.node:
+        if node.op_type == "LayerNormalization" and node.domain in ("", "ai.onnx"):
+            groups.append(("LayerNormalization", [node.name]))
+            norms[node.input[0]] = (node.name, [node.name])
+    for match in gelus(facts):
+        groups.append(("Gelu", list(match)))
+    member = {name: i for i, (_, names) in enumerate(groups) for name in names}
+    for add, norm_node in skip_layer_norm_adds(facts, norms).items():
+        i = member.get(norm_node)
+        if i is not None and add not in member:
+            kind, names = groups[i]
+            groups[i] = ("SkipLayerNormalization", [add, *names])
+            member[add] = i
+    return {name: groups[i] for name, i in member.items()}
+
+
+def _fused_node(name: str, kind: str, members: list[onnx.NodeProto]) -> onnx.NodeProto:
+    """One node standing for a fused kernel: what its members read from outside, what they write."""
+    written = {out for node in members for out in node.output}
+    inputs = list(dict.fromkeys(t for node in members for t in node.input if t and t not in written))
+    read = {t for node in members for t in node.input}
+    outputs = [t for node in members for t in node.output if t and t not in read] or [members[-1].output[0]]
+    return helper.make_node(kind, inputs, outputs, name=name)
+
+
+def model_cost(model: onnx.ModelProto, fp32: dict, gpu: Gpu, launch_s: float, tf32: bool,
+               fusions: bool = True) -> dict:
     """Counts and the roofline time of one (converted) model; ``nodes`` holds each kernel's cost."""
     types = element_types(model, fp32)
     shapes = tensor_shapes(model, fp32)
@@ -571,7 +620,16 @@ def model_cost(model: onnx.ModelProto, fp32: dict, gpu: Gpu, launch_s: float, tf
     by_dtype = {"float32": 0, "float16": 0, "bfloat16": 0, "float64": 0, "other": 0}
     unknown: set[str] = set()
     nodes = []
+    fused = fused_kernels(model, types, shapes) if fusions else {}
+    by_name = {node.name: node for node in model.graph.node}
+    done: set[str] = set()
     for node, role in zip(model.graph.node, roles):
+        if node.name in fused:
+            kind, names = fused[node.name]
+            if names[0] in done:
+                continue
+            done.add(names[0])
+            node, role = _fused_node(f"{names[-1]} ({kind})", kind, [by_name[n] for n in names]), "kernel"
         if role != "kernel":
             continue
         moved = dict.fromkeys(by_dtype, 0)
@@ -620,11 +678,14 @@ def summarize_nodes(cost: dict, top: int) -> None:
 
 
 def load_case(path: Path, kinds: dict[str, str], args) -> tuple[Case, onnx.ModelProto]:
-    model = onnx.load(str(path))
-    case = Case(path.name[:-5] if path.name.endswith(".onnx") else path.name, path,
-                kinds.get(path.name) if path.parent.resolve() == EXPORTS.resolve() else None)
+    from models.exports import skeleton
+
+    model = skeleton.load(path)  # a skeleton gets its weights drawn again; other models load as they are
+    name = path.name.removesuffix(".onnx").removesuffix(".skeleton")
+    case = Case(name, path, kinds.get(path.name) if path.parent.resolve() == EXPORTS.resolve() else None)
     case.kind = case.kind or guess_kind(model)
-    case.shape_batch = args.shape_batch
+    # Base-size models at throughput shapes: the all-tensors fp32 run would need tens of GB.
+    case.shape_batch = args.shape_batch or (2 if path.parent.resolve() == SPEED_MODELS.resolve() else None)
     derive_shapes(case, model, args.batch, args.seq, args.shape)
     return case, model
 
@@ -675,7 +736,7 @@ def bench_case(case: Case, model: onnx.ModelProto, tools: list[str], args) -> di
         except Exception as exc:  # a converter that fails is a result, not a crash of the benchmark
             row["converters"][tool] = {"error": f"conversion failed: {type(exc).__name__}: {first_line(exc, 200)}"}
             continue
-        cost = model_cost(converted, fp32, gpu, args.launch_us * 1e-6, not args.no_tf32)
+        cost = model_cost(converted, fp32, gpu, args.launch_us * 1e-6, not args.no_tf32, not args.no_fusions)
         summarize_nodes(cost, args.top)
         row["converters"][tool] = cost
     ms = {t: c.get("ms") for t, c in row["converters"].items()}
@@ -816,8 +877,13 @@ def main(argv: list[str] | None = None) -> int:
                     help="run the fp32 shape pass at batches B and 2B and extrapolate (saves memory)")
     ap.add_argument("--launch-us", type=float, default=4.0, help="overhead per kernel, us (default: %(default)s)")
     ap.add_argument("--no-tf32", action="store_true", help="fp32 MatMul/Conv at the fp32 vector rate")
+    ap.add_argument("--no-fusions", action="store_true",
+                    help="count every node: no LayerNorm, SkipLayerNorm or GELU fusion")
     ap.add_argument("--gpu-check-models", action="store_true",
                     help="also bench gpu_check.py's BERT-base and ResNet-50 (the README's measured table)")
+    ap.add_argument("--speed-models", action="store_true",
+                    help="also bench the base-size torch exports of models/exports/speed/ (BERT-base, MPNet-base, "
+                         "DistilBERT at opsets 14/17, Whisper-tiny encoder, ResNet-50, MobileNetV2)")
     ap.add_argument("--verbose", action="store_true", help="per model, the costliest op types and nodes")
     ap.add_argument("--top", type=int, default=5, help="nodes listed per converter with --verbose and in the JSON")
     ap.add_argument("--json", type=Path, help="write the results as JSON here")
@@ -830,7 +896,11 @@ def main(argv: list[str] | None = None) -> int:
         ap.error("--launch-us must be >= 0")
     args.shape = dict(args.shape)
     paths = [p.resolve() for p in args.models] if args.models is not None else default_paths()
-    if not paths and not args.gpu_check_models:
+    if args.speed_models:
+        from models.exports import skeleton
+
+        paths += [SPEED_MODELS / entry["file"] for entry in skeleton.manifest().values()]
+    if not paths and not args.gpu_check_models and not args.speed_models:
         ap.error("no models to bench")
     missing = [str(p) for p in paths if not p.is_file()]
     if missing:
@@ -858,6 +928,7 @@ def main(argv: list[str] | None = None) -> int:
         del model
     gpu = GPUS[args.gpu]
     result = {"config": {"proxy": PROXY_NOTE, "converters": tools, "precision": args.precision,
+                         "fusions": not args.no_fusions,
                          "launch_us": args.launch_us, "tf32": not args.no_tf32, "batch": args.batch, "seq": args.seq,
                          "shape_overrides": args.shape, "shape_batch": args.shape_batch,
                          "gpu": {"preset": args.gpu, "name": gpu.name, "bandwidth_tb_s": gpu.bandwidth / TERA,

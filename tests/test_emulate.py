@@ -393,6 +393,27 @@ def test_stale_value_info_is_retyped():
     assert {v.name: v.type.tensor_type.elem_type for v in emulated.graph.value_info} == {"h": TP.FLOAT}
 
 
+def test_cast_read_only_by_casts_keeps_its_declared_low_type():
+    """A Cast to fp16 read only by another Cast stays a rounding step: its declared type stays fp16
+    (a retyped declaration made ORT refuse the model: ViT's Softmax -> Cast -> Cast)."""
+    nodes = [helper.make_node("Softmax", ["x"], ["s"], axis=-1),
+             helper.make_node("Cast", ["s"], ["c1"], to=TP.FLOAT16),
+             helper.make_node("Cast", ["c1"], ["c2"], to=TP.FLOAT16),
+             helper.make_node("Add", ["c2", "c2"], ["y"])]
+    model = make_model(nodes, [helper.make_tensor_value_info("x", TP.FLOAT16, [2, 3])],
+                       [helper.make_tensor_value_info("y", TP.FLOAT16, [2, 3])],
+                       value_info=[helper.make_tensor_value_info(t, TP.FLOAT16, [2, 3]) for t in ("s", "c1", "c2")])
+    emulated = emulate(model, keep_io_types=False)
+    types = {v.name: v.type.tensor_type.elem_type for v in emulated.graph.value_info}
+    assert types["c1"] == TP.FLOAT16 and types["s"] == TP.FLOAT
+    x = np.random.default_rng(0).normal(size=(2, 3)).astype(np.float32)
+    (y,) = run_ort(emulated, {"x": x})
+    x16 = x.astype(np.float16).astype(np.float32)
+    e = np.exp(x16 - x16.max(axis=-1, keepdims=True))
+    s16 = (e / e.sum(axis=-1, keepdims=True)).astype(np.float16)  # float32 math, rounded once
+    np.testing.assert_array_equal(y, (s16 + s16).astype(np.float32))
+
+
 # --- (h) CLI --------------------------------------------------------------------------
 
 

@@ -31,7 +31,6 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
 
 import numpy as np
 import onnx
@@ -44,6 +43,7 @@ from onnxmp.calibrate.search import (
     segment_ranking,
 )
 from onnxmp.errors import OnnxMPError
+from onnxmp.fusions import inside_fused_kernels
 from onnxmp.external import discard_spilled, skeleton
 from onnxmp.load import ModelLike, load
 from onnxmp.parity.metrics import MetricPlan, metric_plan, relative_error  # noqa: F401  (relative_error: public here)
@@ -147,6 +147,7 @@ def _fold_magnitudes(out: dict[str, float], run: Mapping[str, np.ndarray]) -> No
 def _low_nodes(model: onnx.ModelProto, report: Report) -> dict[str, LowNode]:
     """Nodes with a low-precision vertex, and which of their tensors are low precision (from the report)."""
     protos = {node.name: node for node in proto_nodes(model.graph)}
+    inside = inside_fused_kernels(model.graph)  # computed in float32 by the kernel ORT fuses: never rounded
     tensors: dict[str, set[str]] = {}
     ops: dict[str, str] = {}
     for v in report.vertices:
@@ -156,8 +157,8 @@ def _low_nodes(model: onnx.ModelProto, report: Report) -> dict[str, LowNode]:
     low = {}
     for name, ts in tensors.items():
         node = protos[name]
-        ins = frozenset(t for t in node.input if t in ts)
-        outs = frozenset(t for t in node.output if t in ts)
+        ins = frozenset(t for t in node.input if t in ts and t not in inside)
+        outs = frozenset(t for t in node.output if t in ts and t not in inside)
         if ins or outs:
             low[name] = LowNode(name, ops[name], ins, outs)
     return low
@@ -242,7 +243,8 @@ class _Calibration:
                 low = _low_nodes(self.original, current.report)
                 if cycle == 1:
                     rep.candidates = len(low)
-                found = self.search(low, tune_tol, bar)
+                fills = {f.constant: f.value for f in current.report.mask_fills}
+                found = self.search(low, fills, tune_tol, bar)
                 if not found:
                     break
                 for item in found:
@@ -271,8 +273,9 @@ class _Calibration:
                         best_m.worst, self.runs)
         return self.finish(best)
 
-    def search(self, low: Mapping[str, LowNode], tune_tol: float, bar: RunBar) -> list[MovedNode]:
-        board = Switchboard(self.original, low, self.precision)
+    def search(self, low: Mapping[str, LowNode], fills: Mapping[str, float], tune_tol: float,
+               bar: RunBar) -> list[MovedNode]:
+        board = Switchboard(self.original, low, self.precision, fills)
         heavy = {name for name, n in low.items() if n.op in TENSOR_CORE_OPS}
 
         def evaluate(fp32: frozenset[str]) -> float:

@@ -51,6 +51,7 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper
 
+from onnxmp.color.masks import replace_fills
 from onnxmp.targets import CPU
 from onnxmp.errors import OnnxMPError, first_line
 from onnxmp.external import is_large, session_source
@@ -83,13 +84,18 @@ class LowNode:
 class Switchboard:
     """One ORT session over the model with every low node's rounding switchable per run."""
 
-    def __init__(self, model: onnx.ModelProto, low: Mapping[str, LowNode], precision: str = "float16"):
+    def __init__(self, model: onnx.ModelProto, low: Mapping[str, LowNode], precision: str = "float16",
+                 fills: Mapping[str, float] | None = None):
+        """``fills``: the attention mask fills the conversion replaced (``{constant: value}``, from
+        ``Report.mask_fills``), replaced here whatever the switches say, as in the real model."""
         import onnxruntime as ort
 
         self.low_type = low_precision(precision).onnx_type
         self.nodes: list[str] = []  # switch index -> node name, topological (bodies at their parent)
         proto = onnx.ModelProto()
         proto.CopyFrom(model)
+        if fills:
+            replace_fills(proto.graph, fills, low_precision(precision))
         self._names = FreshNames(proto_names(proto.graph))
         self._switch: dict[str, str] = {}
         self._order_nodes(proto.graph, low)

@@ -11,10 +11,13 @@ import logging
 
 from onnxmp.color.rules import (
     ALLOW, DENY, FP32, Coloring, Reason,
-    add_allow_ops, add_clear_and_infer_to_allow_if_between_allow, add_infer_to_allow_if_follow_allow,
-    allow_only_where_ok, force_color_match, make_casts_allow_if_all_outputs_allow, propagate_allow_through_clear,
+    add_allow_ops, add_clear_and_infer_to_allow_if_between_allow, add_constant_fed_to_allow_if_before_allow,
+    add_infer_to_allow_if_follow_allow,
+    allow_only_where_ok, follow_input_in_fused_normalizations, force_color_match,
+    make_casts_allow_if_all_outputs_allow, propagate_allow_through_clear,
     propagate_deny_forward_through_clear_and_infer, remove_allow_set_with_fp32,
 )
+from onnxmp.color.masks import mask_fills
 from onnxmp.color.seeds import seed_deny_forced, seed_deny_from_calibration, seed_deny_from_initializer_range
 from onnxmp.color.vertices import TypeView, Vertex, build_type_view
 from onnxmp.index import ModelIndex
@@ -31,7 +34,8 @@ _ALLOW_OK = (allow_only_where_ok, "every ALLOW vertex is processed, float32 and 
 
 
 def color_passes(index: ModelIndex, options: Resolved) -> list[PassBase[Coloring]]:
-    """The seeds that apply to ``options``, then TF's rules in TF's order."""
+    """The seeds that apply to ``options``, then TF's rules in TF's order (with onnxmp's rule for
+    the normalizations ORT fuses after TF's removal of incapable vertices)."""
     passes = [FunctionPass(seed_deny_from_initializer_range, index, underflow_share=options.underflow_share)]
     if options.magnitudes:
         passes.append(FunctionPass(seed_deny_from_calibration, options.magnitudes, options.calibration_threshold))
@@ -41,12 +45,14 @@ def color_passes(index: ModelIndex, options: Resolved) -> list[PassBase[Coloring
         FunctionPass(add_allow_ops, ensures=_ALLOW_OK),
         FunctionPass(propagate_deny_forward_through_clear_and_infer),
         FunctionPass(add_clear_and_infer_to_allow_if_between_allow),
+        FunctionPass(add_constant_fed_to_allow_if_before_allow),
     ]
     if options.precision is BFLOAT16:
         passes.append(FunctionPass(add_infer_to_allow_if_follow_allow))
     passes += [
         FunctionPass(propagate_allow_through_clear),
         FunctionPass(remove_allow_set_with_fp32, ensures=_ALLOW_OK),
+        FunctionPass(follow_input_in_fused_normalizations, ensures=_ALLOW_OK),
         FunctionPass(force_color_match),
         FunctionPass(make_casts_allow_if_all_outputs_allow),
     ]
@@ -59,7 +65,7 @@ def color(index: ModelIndex, options: Resolved, *, kernels: KernelTable | None =
     view = build_type_view(index, options.lists, low=options.precision, provider=options.target.provider,
                            kernels=kernels or KernelTable.default(), block_nodes=options.block_nodes,
                            keep_io_types=options.keep_io_types, initializer_inputs=index.initializer_inputs)
-    state = Coloring(view, low_name=options.precision.name)
+    state = Coloring(view, low_name=options.precision.name, mask_fills=mask_fills(index, options.precision))
     result = PassManager(color_passes(index, options), log=log, timings=timings)(state)
     if result.details.get("add_allow_ops") and result.details["add_allow_ops"].stop:
         log.info("no allow-list op can run in %s here; the model is left unchanged", options.precision.name)

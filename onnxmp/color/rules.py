@@ -56,6 +56,7 @@ class Coloring:
     colors: dict[int, tuple] = field(default_factory=dict)
     low_name: str = "float16"
     low_groups: list = field(default_factory=list)          # ColorGroups that go low precision
+    mask_fills: dict = field(default_factory=dict)          # constant -> MaskFill (onnxmp.color.masks)
     group_notes: dict[str, str] = field(default_factory=dict)  # group name -> why it stays as it is
 
     def __post_init__(self):
@@ -142,7 +143,8 @@ def _downstream_of_deny(view: TypeView, k: int, source: int, via: int) -> str:
 
 
 def _between_allow(view: TypeView, k: int) -> str:
-    return f"{view.lst[k]} op {view.op_of(k)} lies between allow ops"
+    note = f" ({view.notes[k]})" if k in view.notes else ""
+    return f"{view.lst[k]} op {view.op_of(k)} lies between allow ops{note}"
 
 
 def _follows_allow(view: TypeView, k: int, source: int) -> str:
@@ -315,6 +317,40 @@ def add_clear_and_infer_to_allow_if_between_allow(state: Coloring) -> PassResult
     return PassResult(painted > 0, {"painted": painted})
 
 
+def _fed_by_constants(view: TypeView, k: int) -> str:
+    return f"{view.lst[k]} op {view.op_of(k)} reads only constants on its way to allow ops"
+
+
+def add_constant_fed_to_allow_if_before_allow(state: Coloring) -> PassResult:
+    """(onnxmp's, not TF's) Clear and infer vertices on a path from constants to an allow vertex
+    join ALLOW: TF's "between allow ops", with an initializer as the other end.  An initializer
+    is stored in low precision at no run-time cost, so such a path needs no Cast at either end
+    (embeddings: Gather from a table, Add of the position embeddings, LayerNorm, then the first
+    MatMuls).
+
+    Walk forward from processed, low-precision-capable, float32 clear and infer vertices that are
+    not DENY and read nothing but constants (initializers, Constant nodes), through such
+    vertices; then backward from allow vertices through the set just found."""
+    view = state.view
+    lists = _u8(view.list_codes)
+    passable = ((lists == _CLEAR_LIST) | (lists == _INFER_LIST)) & (_u8(view.ok) != 0) & (_u8(state.codes) == 0)
+    constants, constant_at = view.constants, view.constant_at
+    # Constants, and Casts or ConstantOfShape making float values from non-float ones (retargeted to
+    # make the low type directly): both cost no Cast.
+    sources = [k for k in _ids(passable) if
+               (names := view.input_names(k)) and all(t in constants or t in constant_at for t in names)]
+    sources += [k for k in view.retargetable if view.ok[k] and not state.codes[k]]
+    if not sources:
+        return PassResult(False, {"painted": 0})
+    downstream = _reached(view.fanout, sources, bytearray(passable))
+    allow_roots = _ids(_u8(state.marks(ALLOW)) != 0)
+    reached = _u8(_reached(view.fanin, allow_roots, downstream)) != 0
+    between = _ids(reached & passable)
+    painted = state.paint_all(sorted(between, key=view.key), ALLOW, "add_constant_fed_to_allow_if_before_allow",
+                              Cause(_fed_by_constants))
+    return PassResult(painted > 0, {"painted": painted})
+
+
 def add_infer_to_allow_if_follow_allow(state: Coloring) -> PassResult:
     """bfloat16 only (as in TF): in one sweep, an infer vertex with at least one ALLOW
     direct input and no DENY direct input becomes ALLOW."""
@@ -401,6 +437,48 @@ def force_color_match(state: Coloring) -> PassResult:
         else:
             state.group_notes[group.name] = blocker
     return PassResult(changed, {"low_groups": len(state.low_groups)})
+
+
+def _fused_input(view: TypeView, k: int, producer: int) -> str:
+    return (f"the normalization ORT fuses it into reads its input `{view.output_names(producer)[0]}` from allow "
+            f"{view.op_of(producer)} `{view.node_of(producer)}`: one type in and out")
+
+
+def _fused_scale(view: TypeView, k: int, affine: int) -> str:
+    return (f"feeds a normalization ORT fuses into one kernel, whose scale {view.op_of(affine)} "
+            f"`{view.node_of(affine)}` stays float32: one type in and out")
+
+
+def _fused_float32_input(view: TypeView, k: int) -> str:
+    return "the normalization ORT fuses it into reads a float32 input: one type in and out"
+
+
+def follow_input_in_fused_normalizations(state: Coloring) -> PassResult:
+    """(onnxmp's, not TF's) A subgraph ORT fuses into one LayerNormalization or RMSNorm kernel, which
+    computes its statistics in float32 whatever type it reads, takes its input's precision: its
+    scale and bias are ALLOW exactly when its input is produced in low precision.
+
+    The fused kernel reads and writes one type: LayerNormalization-17 refuses a float16 input with
+    a float32 scale (session creation fails), and a float32 input with a float16 scale likewise.
+    When the scale or bias cannot go low (a data seed, a blocked node), the input's producer is
+    kept float32 instead."""
+    view = state.view
+    rule = "follow_input_in_fused_normalizations"
+    changed = 0
+    for unit in view.fused:
+        producer = view.producer_of.get(unit.norm.input)
+        low = producer is not None and state.is_allow(producer) and unit.norm.input not in view.pinned
+        blocked = [vid for vid in unit.affine if not view.ok[vid] or
+                   (state.is_deny(vid) and state.colors[vid][1].startswith("seed_"))]
+        if low and blocked:
+            changed += state.paint(producer, DENY, rule, Cause(_fused_scale, (blocked[0],)))
+            low = False
+        for vid in unit.affine:
+            if low:
+                changed += state.paint(vid, ALLOW, rule, Cause(_fused_input, (producer,)))
+            elif state.is_allow(vid):
+                changed += state.paint(vid, DENY, rule, Cause(_fused_float32_input))
+    return PassResult(changed > 0, {"changed": changed})
 
 
 def make_casts_allow_if_all_outputs_allow(state: Coloring) -> PassResult:

@@ -187,7 +187,8 @@ def seed_deny_from_initializer_range(state: Coloring, graph: ModelIndex, *,
     """A list node fed by a float32 initializer or Constant whose finite |value| exceeds the
     low-precision maximum (65504 for fp16), or whose non-zero values mostly flush to zero or
     turn subnormal (below 6.1e-5 in fp16), is painted DENY: it stays float32 and taints
-    downstream as a deny op does."""
+    downstream as a deny op does.  An attention mask's fill is not such a cause
+    (:mod:`onnxmp.color.masks`)."""
     low = low_precision(state.low_name)
     limit, low_dtype = low.max, low.numpy
     view = state.view
@@ -231,7 +232,7 @@ def seed_deny_from_initializer_range(state: Coloring, graph: ModelIndex, *,
             float_inputs = {t for v in vids for t in view.input_names(v)}
         names = []
         for name in ins:
-            if name not in constants or name not in float_inputs:
+            if name not in constants or name not in float_inputs or name in state.mask_fills:
                 continue
             names.append(name)
             if name in causes or name in small:
@@ -290,12 +291,15 @@ def seed_deny_from_initializer_range(state: Coloring, graph: ModelIndex, *,
 
 def seed_deny_from_calibration(state: Coloring, magnitudes: Mapping[str, float], threshold: float
                                ) -> PassResult:
-    """A node whose float output reached |value| > threshold on calibration data is DENY."""
+    """A node whose float output reached |value| > threshold on calibration data is DENY.  The
+    values on an attention mask's path are large because of its fill, which the rewrite replaces
+    (:mod:`onnxmp.color.masks`): they seed nothing."""
     view = state.view
+    masked = frozenset().union(*(fill.tensors for fill in state.mask_fills.values()))
     painted = 0
     for tensor, observed in magnitudes.items():
         vid = view.producer_of.get(tensor)
-        if vid is None or not observed > threshold:
+        if vid is None or not observed > threshold or tensor in masked:
             continue
         for k in view.ids_of_node(view.node_of(vid)):
             if view.f32[k]:

@@ -26,6 +26,7 @@ import numpy as np
 import onnx
 
 from onnxmp.domains import op_key
+from onnxmp.fusions import FusedNorm, GraphFacts, fast_gelus, fused_norms
 from onnxmp.index import TENSOR_KIND, ModelIndex, keeps_io
 from onnxmp.lists import list_of
 from onnxmp.passes import require
@@ -69,6 +70,21 @@ class ColorGroup:
     @property
     def name(self) -> str:
         return f"{self.kind} `{self.node}` #{self.index}"
+
+
+@dataclass
+class FusedUnit:
+    """A subgraph ORT runs as one normalization kernel that computes in float32 (``onnxmp.fusions``).
+
+    Colored as the kernel it becomes: its ``statistics`` nodes are on no list (the kernel computes
+    them in float32 whatever precision surrounds them), and its ``affine`` vertices (the scale
+    ``Mul`` and bias ``Add``) take the precision of its ``input`` (see
+    ``follow_input_in_fused_normalizations``)."""
+
+    norm: FusedNorm
+    graph: str
+    affine: list[int]                       # vertex ids of the scale Mul and the bias Add
+    readers: list[tuple[str, str]] = field(default_factory=list)  # (statistics node, input) reading ``input``
 
 
 class _OpInfo:
@@ -183,6 +199,10 @@ class TypeView:
         self.consumers_of: dict[str, list[int]] = {}
         self.pinned: dict[str, str] = {}            # tensor name -> why its dtype may not change
         self.groups: list[ColorGroup] = []
+        self.fused: list[FusedUnit] = []            # normalizations ORT fuses into float32 kernels
+        self.identity_casts: dict[str, str] = {}    # output -> input of each float32-to-float32 Cast
+        self.constants: AbstractSet[str] = frozenset()  # initializer names (of every graph)
+        self.notes: dict[int, str] = {}              # vertex -> why its list is not its op's (reports)
 
     # -- readable views for reports and callers (made on access: a stored one would be a cycle) --
     @property
@@ -536,6 +556,7 @@ def build_type_view(
     """Build vertices and edges for the main graph and all bodies, in one pass over the nodes."""
     block = [re.compile(p) for p in block_nodes]
     view = TypeView()
+    view.constants = graph.constants
     pinned = view.pinned
     tensors = graph.tensors
     # Element type of every tensor, as the vertices see it: sequences/optionals of float are not
@@ -548,6 +569,7 @@ def build_type_view(
     layouts: dict[tuple[str, str, int, int], tuple[_OpInfo, list[_Group], _Tied | None]] = {}
     kinds: dict[tuple, _Kind] = {}
     capable_cache: dict[tuple, tuple[bool, str]] = {}
+    identity_casts: dict[_OpInfo, list[_Group]] = {}
     block_hits: set[str] = set()
     control_flow: list[tuple[str, onnx.NodeProto]] = []
 
@@ -611,6 +633,11 @@ def build_type_view(
             op, groups, tied = found
             if tied is not None:
                 groups = tied.for_node(ins, outs, code_of)
+            if op_type == "Cast" and _identity_cast(node, ins, code_of):
+                view.identity_casts[outs[0]] = ins[0]
+                groups = identity_casts.get(op)
+                if groups is None:
+                    groups = identity_casts[op] = [_identity_group(op, lists)]
             if op.special:
                 if op_type == "Constant":
                     for out in outs:
@@ -653,12 +680,15 @@ def build_type_view(
     del codes
     require(len(node_index) == len(view.node_ins), "color", "node names unique across all graphs (normalize)")
     view.node_names = list(node_index)
+    nodes = np.frombuffer(v_node, dtype=np.intc) if v_node else np.zeros(0, np.intc)
+    view.node_first = array("i", np.searchsorted(nodes, np.arange(len(node_index) + 1)).astype(np.intc).tobytes())
+    if _fuses_norms(graph, kernels, provider, low):
+        view.fused = _fused_units(view, graph, kernels, provider, low)
+    _tanh_gelu_cubes(view, graph)
     view.lst = list(map(attrgetter("list"), v_kind))
     view.list_codes = bytes(map(LIST_CODES.__getitem__, view.lst))
     view.f32 = bytearray(map(attrgetter("float32"), v_kind))
     view.ok = bytearray(map(attrgetter("ok"), v_kind))
-    nodes = np.frombuffer(v_node, dtype=np.intc) if v_node else np.zeros(0, np.intc)
-    view.node_first = array("i", np.searchsorted(nodes, np.arange(len(node_index) + 1)).astype(np.intc).tobytes())
 
     for pattern in block:
         if pattern.pattern not in block_hits:
@@ -668,6 +698,63 @@ def build_type_view(
     _link(view, list(itertools.chain.from_iterable(reads)), array("i", map(len, reads)),
           list(itertools.chain.from_iterable(writes)), array("i", map(len, writes)))
     return view
+
+
+def _fuses_norms(graph: ModelIndex, kernels, provider: str, low: Precision) -> bool:
+    """The target's fused normalization kernels compute in float32 for ``low`` (CUDA: yes)."""
+    opset = graph.opset_of("")
+    return all(kernels.computes_in_float32(provider, "", op, opset, low.name)
+               for op in ("LayerNormalization", "SimplifiedLayerNormalization"))
+
+
+def _fused_units(view: TypeView, graph: ModelIndex, kernels, provider: str, low: Precision) -> list[FusedUnit]:
+    """The normalizations ORT fuses, colored as the kernels they become: statistics on no list."""
+    units = []
+    for scope in graph.scopes:
+        for norm in fused_norms(GraphFacts(scope.graph), strict=False):
+            facts = kernels.numerics(provider, "", norm.kind, graph.opset_of(""), low.name)
+            why = (f"computed in float32 inside the {norm.kind} kernel ORT fuses this subgraph into "
+                   f"({facts['file'].split(' ')[0]})")
+            for name in (*norm.statistics, *norm.casts):
+                for vid in view.ids_of_node(name):
+                    kind = view.v_kind[vid].copy()
+                    kind.list, kind.processed, kind.why_not = None, False, why
+                    view.v_kind[vid] = kind.settle()
+            affine = [vid for name in norm.affine for vid in view.ids_of_node(name) if view.v_kind[vid].float32]
+            readers = [(name, norm.input) for name in norm.statistics
+                       if norm.input in view.node_ins[view.node_index[name]]]
+            units.append(FusedUnit(norm, scope.gid, affine, readers))
+    return units
+
+
+def _identity_cast(node: onnx.NodeProto, ins: Sequence[str], code_of) -> bool:
+    """A Cast from float32 to float32: exporters write them (torch's ``.to(torch.float32)`` of a
+    float32 tensor), and ORT drops them at load (CastElimination)."""
+    if not ins or code_of(ins[0]) != FLOAT:
+        return False
+    return any(a.name == "to" and a.i == FLOAT for a in node.attribute)
+
+
+def _identity_group(op: _OpInfo, lists: Mapping[str, frozenset[str]]) -> _Group:
+    """An identity Cast as one clear vertex over its input and output (as Identity), so colors
+    pass through it; a low-precision one is retargeted to a low-to-low Cast, which ORT drops."""
+    identity = _OpInfo(op.op_type, op.domain, op.opset, lists)
+    identity.list = "clear"
+    return _Group(identity, "T1", (0,), (0,))
+
+
+def _tanh_gelu_cubes(view: TypeView, graph: ModelIndex) -> None:
+    """The ``Pow(x, 3)`` of a tanh GELU (``onnxmp.fusions.fast_gelus``) is no deny op: where ``x**3``
+    overflows, ``tanh`` has reached +-1 and the GELU its limits (x or 0), fused by ORT or not."""
+    for scope in graph.scopes:
+        for match in fast_gelus(GraphFacts(scope.graph)):
+            for vid in view.ids_of_node(match[0]):
+                kind = view.v_kind[vid]
+                if kind.list == "deny":
+                    kind = kind.copy()
+                    kind.list = "infer"
+                    view.v_kind[vid] = kind.settle()
+                    view.notes[vid] = "the cube of a tanh GELU: overflow gives the GELU's limits"
 
 
 def _cut_to_floats(view: TypeView, vid: int, group: _Group, ins, outs, codes) -> tuple[list[str], list[str]]:
@@ -720,6 +807,13 @@ def _link(view: TypeView, read: list[str], n_read: array, written: list[str], n_
         for p in producers:
             extra_src.extend([p] * len(consumers))
             extra_dst.extend(consumers)
+    for unit in view.fused:
+        # The kernel reads the input and writes the affine output: the passes see it as one op
+        # between the input's producer and the readers of its output.
+        producer = view.producer_of.get(unit.norm.input)
+        if producer is not None and unit.affine:
+            extra_src.append(producer)
+            extra_dst.append(unit.affine[0])
     if extra_src:
         src_np = np.concatenate([src_np, np.asarray(extra_src, dtype=np.intc)])
         dst_np = np.concatenate([dst_np, np.asarray(extra_dst, dtype=np.intc)])

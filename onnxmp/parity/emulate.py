@@ -22,7 +22,11 @@ low-precision type:
 * ``to``/``dtype`` attributes naming the low-precision type (RandomNormal,
   EyeLike, ...) are retargeted to FLOAT; the rounding pair follows;
 * If/Loop/Scan bodies are rewritten recursively, their formal inputs, outputs
-  and value_info retyped to float32.
+  and value_info retyped to float32;
+* a subgraph onnxruntime fuses on the CUDA EP into one normalization kernel that
+  computes in float32 (a decomposed LayerNorm, :mod:`onnxmp.fusions`) is computed as
+  that kernel does: in float32 throughout, rounded once at its output (the Casts ORT
+  absorbs round nothing).
 
 Interface: with ``keep_io_types=True`` (the default) main-graph inputs and
 outputs keep their names and low-precision dtypes, so the emulated model is a
@@ -35,7 +39,6 @@ from __future__ import annotations
 
 import logging
 import os
-from typing import Iterator
 
 import numpy as np
 import onnx
@@ -45,6 +48,8 @@ import onnx.shape_inference
 from onnx import AttributeProto, TensorProto, helper, numpy_helper
 
 from onnxmp.errors import OnnxMPError
+from onnxmp.fusions import inside_fused_kernels
+from onnxmp.subgraphs import bodies
 from onnxmp.external import SKELETON_TENSOR_BYTES, is_large, read_external, spilled
 from onnxmp.external import info as external_info
 from onnxmp.precision import BY_ONNX_TYPE, LOW, low_precision
@@ -154,20 +159,12 @@ def emulate(model: onnx.ModelProto | str | os.PathLike, precision: str = "float1
         # per-node rewrite see the concrete types.
         result = onnx.inliner.inline_local_functions(result)
     types = infer_tensor_types(result)
-    _Emulator(elem, types, FreshNames(proto_names(result.graph)), is_large(result)).main_graph(
-        result.graph, keep_io_types)
+    _Emulator(elem, types, FreshNames(proto_names(result.graph)), is_large(result),
+              inside_fused_kernels(result.graph)).main_graph(result.graph, keep_io_types)
     return result
 
 
 # --- detection -------------------------------------------------------------------
-
-
-def _subgraphs(node: onnx.NodeProto) -> Iterator[onnx.GraphProto]:
-    for attr in node.attribute:
-        if attr.type == AttributeProto.GRAPH:
-            yield attr.g
-        elif attr.type == AttributeProto.GRAPHS:
-            yield from attr.graphs
 
 
 def _type_uses(tp: onnx.TypeProto, elem: int) -> bool:
@@ -195,7 +192,7 @@ def _node_uses(node: onnx.NodeProto, elem: int) -> bool:
             return True
         if attr.type == AttributeProto.TYPE_PROTOS and any(_type_uses(t, elem) for t in attr.type_protos):
             return True
-    return any(_graph_uses(g, elem) for g in _subgraphs(node))
+    return any(_graph_uses(g, elem) for g in bodies(node))
 
 
 def _graph_uses(graph: onnx.GraphProto, elem: int) -> bool:
@@ -257,7 +254,7 @@ def infer_tensor_types(model: onnx.ModelProto) -> dict[str, onnx.TypeProto]:
         for t in g.initializer:
             types.setdefault(t.name, helper.make_tensor_type_proto(t.data_type, None))
         for node in g.node:
-            for sub in _subgraphs(node):
+            for sub in bodies(node):
                 collect(sub)
 
     collect(model.graph)  # declared types win over inferred ones
@@ -313,7 +310,7 @@ def _read_by_non_casts(graph: onnx.GraphProto, outputs: bool = True) -> set[str]
     for node in graph.node:
         if not (node.op_type == "Cast" and node.domain in _DEFAULT_DOMAINS):
             readers.update(node.input)
-        for sub in _subgraphs(node):
+        for sub in bodies(node):
             readers |= proto_names(sub)  # a superset of the outer names it reads: safe
     return readers
 
@@ -329,7 +326,7 @@ def _rename(graph: onnx.GraphProto, mapping: dict[str, str], *, outputs: bool) -
             for i, name in enumerate(field):
                 if name in mapping:
                     field[i] = mapping[name]
-        for sub in _subgraphs(node):
+        for sub in bodies(node):
             _rename(sub, mapping, outputs=True)
     for value in [*graph.value_info, *graph.initializer, *(s.values for s in graph.sparse_initializer)]:
         value.name = mapping.get(value.name, value.name)
@@ -339,8 +336,10 @@ def _rename(graph: onnx.GraphProto, mapping: dict[str, str], *, outputs: bool) -
 
 
 class _Emulator:
-    def __init__(self, elem: int, types: dict[str, onnx.TypeProto], namer: FreshNames, spill: bool = False):
+    def __init__(self, elem: int, types: dict[str, onnx.TypeProto], namer: FreshNames, spill: bool = False,
+                 unrounded: set[str] = frozenset()):
         self.elem = elem
+        self.unrounded = unrounded  # tensors computed inside a fused float32 kernel
         self.spill = spill
         self.tag = BY_ONNX_TYPE[elem].tag
         self.types = types
@@ -369,9 +368,13 @@ class _Emulator:
         for value in graph.value_info:
             _retype(value.type, self.elem)
         needs_float = _read_by_non_casts(graph, outputs=not keep_output_types)
-        nodes = [new for node in graph.node for new in self._node(node, needs_float)]
+        kept_low: set[str] = set()
+        nodes = [new for node in graph.node for new in self._node(node, needs_float, kept_low)]
         graph.ClearField("node")
         graph.node.extend(nodes)
+        for value in graph.value_info:
+            if value.name in kept_low and value.type.HasField("tensor_type"):
+                value.type.tensor_type.elem_type = self.elem  # still written in the low type
 
     def _subgraph(self, graph: onnx.GraphProto) -> None:
         # Formal inputs/outputs of bodies are internal tensors: plain float32,
@@ -380,7 +383,7 @@ class _Emulator:
             _retype(value.type, self.elem)
         self.graph(graph)
 
-    def _node(self, node: onnx.NodeProto, needs_float: set[str]) -> list[onnx.NodeProto]:
+    def _node(self, node: onnx.NodeProto, needs_float: set[str], kept_low: set[str]) -> list[onnx.NodeProto]:
         default_domain = node.domain in _DEFAULT_DOMAINS
         is_cast = default_domain and node.op_type == "Cast"
         for attr in node.attribute:
@@ -408,12 +411,19 @@ class _Emulator:
 
         if default_domain and node.op_type in _EXACT_OPS:
             return [node]
+        if self.unrounded.intersection(node.output):
+            if is_cast:  # a Cast the fused kernel absorbs: it rounds nothing there
+                node.attribute[[a.name for a in node.attribute].index("to")].i = TensorProto.FLOAT
+            return [node]
         rewritten = [node]
         for k, out in enumerate(node.output):
-            if not out or not self._is_low(out) or (is_cast and out not in needs_float):
+            if not out or not self._is_low(out):
+                continue
+            if is_cast and out not in needs_float:
                 # A Cast to the low type read only by Casts is already a
                 # rounding step that ORT CPU can run (a converter's output
                 # Cast, or an emulated model emulated again).
+                kept_low.add(out)
                 continue
             if is_cast:
                 # Casting straight from the source type keeps the single

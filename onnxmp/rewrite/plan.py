@@ -44,6 +44,7 @@ class RewriteStats:
     retyped_tensors: int = 0
     converted_initializers: list[str] = field(default_factory=list)
     twin_initializers: list[str] = field(default_factory=list)
+    mask_fills: list = field(default_factory=list)          # MaskFills whose values were replaced
 
     @property
     def modified(self) -> bool:
@@ -96,6 +97,7 @@ class Edits:
     converted: set[str] = field(default_factory=set)               # initializers stored in low precision
     twins: dict[str, str] = field(default_factory=dict)            # twin name -> fp32 source initializer
     retargeted: set[str] = field(default_factory=set)              # Cast/Constant/ConstantOfShape nodes
+    mask_fills: dict = field(default_factory=dict)                 # constant -> MaskFill to write
     low: Precision = FLOAT16
 
     @classmethod
@@ -118,6 +120,7 @@ def plan(index: ModelIndex, state: Coloring, *, precision: Precision, master_wei
     :func:`onnxmp.index.keeps_io`) take the low-precision type whatever their readers and
     producers run in: a Cast inside the graph bridges to a float32 reader or producer."""
     rewriter = _Rewriter(index, state, precision, set(master_weights))
+    rewriter.replace_mask_fills(state)
     rewriter.retype_low_outputs()
     rewriter.lower_main_inputs(keep_io_types)
     rewriter.convert_initializers()
@@ -170,6 +173,8 @@ class _Rewriter:
 
         # Names the outside world may feed or read keep their type, and so do sparse initializers
         # (the writer converts dense ones only): low readers read a Cast of them.
+        # (statistics node, its input) -> the fused normalization it belongs to (see fix_consumers)
+        self.fused_readers = {reader: i for i, unit in enumerate(view.fused) for reader in unit.readers}
         self.fixed = set(view.pinned)
         self.fixed.update(name for name, info in graph.tensors.items() if info.kind == "sparse_initializer")
         for scope in graph.scopes:
@@ -219,6 +224,17 @@ class _Rewriter:
         """A new tensor with ``src``'s shape."""
         info = self.edits.new_tensors.get(src) or self.graph.tensors.get(src)
         return TensorInfo(name, dtype=dtype, shape=info.shape if info is not None else None)
+
+    # -- phase 0 -------------------------------------------------------------------------------
+    def replace_mask_fills(self, state: Coloring) -> None:
+        """An attention mask fill whose path to its Softmax goes low precision anywhere takes its
+        replacement value (:mod:`onnxmp.color.masks`), in float32 too: the mask may cross into low
+        precision through a Cast."""
+        view, allow = self.view, self.allow
+        for name, fill in state.mask_fills.items():
+            if any(vid in allow for node in (*fill.nodes, *fill.softmaxes) for vid in view.ids_of_node(node)):
+                self.edits.mask_fills[name] = fill
+                self.stats.mask_fills.append(fill)
 
     # -- phase 1 -------------------------------------------------------------------------------
     def retype_low_outputs(self) -> None:
@@ -380,6 +396,8 @@ class _Rewriter:
         graph, shared per (tensor, target type); low readers of an initializer that stays float32
         read a Cast of it or its low twin."""
         renamed, constants, edited = self.renamed, self.constants, self.edits.inputs
+        retargeted = self.edits.retargeted
+        identity_inputs = set(self.view.identity_casts.values())
         # Low readers read these as they are: tensors retyped in place and converted initializers
         # (a set of them: one issuperset call per node in a low region, which most nodes are).
         low_as_is = set(self.edits.dtypes)
@@ -396,8 +414,8 @@ class _Rewriter:
                     if not name:
                         continue
                     if mask >> i & 1:
-                        if name in low_as_is:
-                            continue
+                        if name in low_as_is or (node_name in retargeted and name in identity_inputs):
+                            continue  # low already, or a float32 input of a Cast that now converts it
                         if name in constants:
                             if self.dtype(name) != FLOAT:
                                 continue
@@ -405,8 +423,13 @@ class _Rewriter:
                         else:
                             new = renamed.get(name) or self._low_variable(graph_id, shared, name)
                     elif name in low_as_is and name not in constants:
-                        # Low in place; this reader wants fp32.
-                        new = self._cast(graph_id, shared, name, FLOAT, FLOAT32.suffix)
+                        if nodes.items[k].op_type == "Cast" and type(nodes.items[k]) is not NewCast:
+                            continue  # a Cast reads any float type: it converts the low value itself
+                        # Low in place; this reader wants fp32.  The statistics of a fused
+                        # normalization read it through a Cast of their own, which ORT's fusion
+                        # absorbs only when nothing else reads it.
+                        new = self._cast(graph_id, shared, name, FLOAT, FLOAT32.suffix,
+                                         self.fused_readers.get((node_name, name)))
                     else:
                         continue  # a float32 reader of a float32 value
                     if new != name:
@@ -427,8 +450,12 @@ class _Rewriter:
             return self._cast(graph_id, shared, name, self.low_enum, self.low_sfx)
         return name
 
-    def _cast(self, graph_id: str, shared, src: str, to_enum: int, sfx: str) -> str:
-        key = (src, to_enum)
+    def _cast(self, graph_id: str, shared, src: str, to_enum: int, sfx: str, unit: int | None = None) -> str:
+        # A Cast of what an identity Cast passes through reads that Cast's input: no Cast pair.
+        source = self.view.identity_casts.get(src)
+        if source is not None and self.is_low(source) == self.is_low(src):
+            src = source
+        key = (src, to_enum, unit)
         if key not in shared:
             out = self.names(f"{src}_onnxmp_{sfx}")
             self.edits.new_tensors[out] = self._like(src, out, to_enum)

@@ -6,7 +6,7 @@ The output is the input model plus exactly what the plan (:mod:`onnxmp.rewrite.p
   (the plan placed them), rewired nodes read and write their new names, and retargeted
   Cast/Constant/ConstantOfShape nodes make the low-precision type;
 * converted initializers hold their low-precision values, and twins sit beside their float32
-  source in the same graph;
+  source in the same graph; an attention mask fill holds its replacement value;
 * every retyped tensor's declarations (value_info, graph inputs and outputs) carry the new
   element type, and each new tensor is declared with its source's shape;
 * a plain dead-node sweep: nodes nothing reads on the way to a graph output go (the restore
@@ -25,6 +25,7 @@ import numpy as np
 import onnx
 from onnx.external_data_helper import uses_external_data
 
+from onnxmp.color.masks import replaced_fill
 from onnxmp.external import converted_external, tensor_array
 from onnxmp.index import ModelIndex
 from onnxmp.rewrite.plan import Edits, GraphNodes, NewCast
@@ -95,6 +96,9 @@ def _written(nodes: GraphNodes, k: int, edits: Edits, kept_casts: set[str]) -> o
     if name in edits.outputs:
         del item.output[:]
         item.output.extend(edits.outputs[name])
+    if item.op_type == "Constant" and item.output and item.output[0] in edits.mask_fills:
+        value = next(a.t for a in item.attribute if a.name == "value")
+        value.CopyFrom(replaced_fill(value, edits.mask_fills[item.output[0]].value, edits.low))
     if name in edits.retargeted:
         _retarget(item, edits)
     return item
@@ -114,6 +118,8 @@ def _write_initializers(g: onnx.GraphProto, edits: Edits, twin_of: dict[str, str
     twins = []
     for init in g.initializer:
         name = init.name
+        if name in edits.mask_fills:
+            init.CopyFrom(replaced_fill(init, edits.mask_fills[name].value, edits.low))
         if name in edits.converted:
             init.CopyFrom(_converted(init, edits))
         twin = twin_of.get(name)

@@ -25,6 +25,7 @@ import contextlib
 import logging
 import os
 import sys
+import time
 from abc import ABC, abstractmethod
 from typing import Iterator, Sequence, TypeVar
 
@@ -33,6 +34,8 @@ import numpy as np
 from onnxmp.errors import OnnxMPError
 
 log = logging.getLogger("onnxmp.training.distributed")
+
+ABORT_DRAIN_S = 0.5  # how long a failing rank waits for its last stderr line to reach mpiexec
 
 T = TypeVar("T")
 
@@ -206,6 +209,10 @@ def abort_on_error(comm: Communicator | None, report=None) -> Iterator[None]:
                 log.error("rank %d of %d failed: %s", comm.rank, comm.size, exc)
         finally:
             code = int(code) if isinstance(code, int) and code else 1
+            # mpiexec forwards each rank's stderr asynchronously, and MPI_Abort kills the forwarder
+            # too: without a moment to drain, the one line saying why was lost under load.
+            sys.stderr.flush()
+            time.sleep(ABORT_DRAIN_S)
             comm.abort(code)
             # MPICH's MPI_Abort can return to a caller that is handling an exception (seen with
             # mpi4py 4.1 and MPICH 5.0); the job is ending, so leave without Python's traceback.

@@ -50,7 +50,6 @@ from onnx import TensorProto, helper, numpy_helper
 from onnxmp.parity.emulate import infer_tensor_types
 from onnxmp.errors import OnnxMPError
 from onnxmp.naming import FreshNames, proto_names
-from onnxmp.precision import LOW
 
 log = logging.getLogger("onnxmp.training.prepare")
 
