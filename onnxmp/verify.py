@@ -13,6 +13,7 @@ from typing import Callable
 
 import onnx
 
+from onnxmp.domains import is_onnx_domain, onnx_opset
 from onnxmp.errors import OnnxMPError, first_line
 from onnxmp.external import check_skeleton, has_external_data, skeleton
 from onnxmp.subgraphs import iter_proto_graphs
@@ -125,14 +126,14 @@ def with_function_defaults(model: onnx.ModelProto) -> onnx.ModelProto | None:
     inference on a node that leaves ``axes`` at its default, although the model is valid and
     ORT runs it.  Writing the default out means the same thing and lets the check see through.
     """
-    opset = next((o.version for o in model.opset_import if o.domain in ("", "ai.onnx")), None)
+    opset = onnx_opset(model)
     if opset is None:
         return None
     copy = skeleton(model)
     changed = False
     for graph in iter_proto_graphs(copy.graph):
         for node in graph.node:
-            if node.domain not in ("", "ai.onnx"):
+            if not is_onnx_domain(node.domain):
                 continue
             try:
                 schema = onnx.defs.get_schema(node.op_type, opset, node.domain)

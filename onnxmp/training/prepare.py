@@ -48,6 +48,7 @@ import onnx
 from onnx import TensorProto, helper, numpy_helper
 
 from onnxmp.parity.emulate import infer_tensor_types
+from onnxmp.domains import is_onnx_domain
 from onnxmp.errors import OnnxMPError
 from onnxmp.naming import FreshNames, proto_names
 
@@ -107,7 +108,7 @@ def _rewritten(model: onnx.ModelProto, requires_grad: list[str]) -> tuple[onnx.M
     done: list[Preparation] = []
     nodes: list[onnx.NodeProto] = []
     for node in graph.node:
-        if node.domain not in ("", "ai.onnx"):
+        if not is_onnx_domain(node.domain):
             nodes.append(node)
             continue
         rewrite = _REWRITES.get(node.op_type)
