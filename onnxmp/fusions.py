@@ -22,6 +22,7 @@ Where ORT's conditions depend on the execution provider, these are the CUDA EP's
 from __future__ import annotations
 
 from collections import defaultdict
+from functools import cached_property
 from dataclasses import dataclass
 from typing import Collection, Iterable, Mapping
 
@@ -62,46 +63,78 @@ class FusedNorm:
 class GraphFacts:
     """What the matchers read of one graph: producers, consumer edges, constants, ranks and types.
 
-    ``types`` and ``ranks`` may be given (the index has them); otherwise they are read from the
-    graph's declarations and initializers."""
+    ``types`` and ``shapes`` may be given (``scripts/bench_speed.py`` has the fp32 run's); otherwise
+    they are read from the graph's declarations and initializers.  Everything but the op types is
+    built on first use: most graphs hold none of the ops a matcher starts from, and those pay one
+    pass over their node list (the matchers ask :meth:`has` first)."""
 
     def __init__(self, graph: onnx.GraphProto, types: Mapping[str, int] | None = None,
                  shapes: Mapping[str, tuple] | None = None, outer_constants: Mapping[str, onnx.TensorProto] = {}):
         self.graph = graph
         self.nodes = list(graph.node)
-        self.producer: dict[str, int] = {}
-        self.edges: dict[str, list[int]] = defaultdict(list)  # tensor -> reading node, one per input slot
+        self.op_types = {node.op_type for node in self.nodes if is_onnx_domain(node.domain)}
+        self._given_types, self._given_shapes, self._outer = types, shapes, outer_constants
+
+    def has(self, *op_types: str) -> bool:
+        """Whether the graph holds a node of every one of ``op_types`` (ai.onnx domain)."""
+        return self.op_types.issuperset(op_types)
+
+    @cached_property
+    def producer(self) -> dict[str, int]:
+        return {name: k for k, node in enumerate(self.nodes) for name in node.output if name}
+
+    @cached_property
+    def edges(self) -> dict[str, list[int]]:
+        """Tensor -> the reading nodes, one per input slot."""
+        edges: dict[str, list[int]] = defaultdict(list)
         for k, node in enumerate(self.nodes):
-            for name in node.output:
-                if name:
-                    self.producer[name] = k
             for name in node.input:
                 if name:
-                    self.edges[name].append(k)
-        self.graph_outputs = {v.name for v in graph.output}
-        self.constants: dict[str, onnx.TensorProto] = dict(outer_constants)
-        self.constants.update((t.name, t) for t in graph.initializer)
+                    edges[name].append(k)
+        return edges
+
+    @cached_property
+    def graph_outputs(self) -> set[str]:
+        return {v.name for v in self.graph.output}
+
+    @cached_property
+    def constants(self) -> dict[str, onnx.TensorProto]:
+        constants: dict[str, onnx.TensorProto] = dict(self._outer)
+        constants.update((t.name, t) for t in self.graph.initializer)
         for node in self.nodes:
             if node.op_type == "Constant" and is_onnx_domain(node.domain):
                 value = next((a.t for a in node.attribute if a.name == "value"), None)
                 if value is not None:
-                    self.constants[node.output[0]] = value
-        if types is None or shapes is None:
-            declared_types, declared_shapes = {}, {}
-            for v in (*graph.input, *graph.value_info, *graph.output):
-                t = v.type.tensor_type
-                if v.type.WhichOneof("value") == "tensor_type":
-                    declared_types.setdefault(v.name, t.elem_type)
-                    if t.HasField("shape"):
-                        declared_shapes.setdefault(v.name, tuple(
-                            d.dim_value if d.HasField("dim_value") else (d.dim_param or None) for d in t.shape.dim))
-            for name, tensor in self.constants.items():
-                declared_types.setdefault(name, tensor.data_type)
-                declared_shapes.setdefault(name, tuple(tensor.dims))
-            types = declared_types if types is None else types
-            shapes = declared_shapes if shapes is None else shapes
-        self.types, self.shapes = types, shapes  # dims: ints, dim_param strings, None where unknown
-        self.ranks = {name: len(shape) for name, shape in shapes.items()}
+                    constants[node.output[0]] = value
+        return constants
+
+    @cached_property
+    def _declared(self) -> tuple[dict[str, int], dict[str, tuple]]:
+        types, shapes = {}, {}
+        for v in (*self.graph.input, *self.graph.value_info, *self.graph.output):
+            t = v.type.tensor_type
+            if v.type.WhichOneof("value") == "tensor_type":
+                types.setdefault(v.name, t.elem_type)
+                if t.HasField("shape"):
+                    shapes.setdefault(v.name, tuple(
+                        d.dim_value if d.HasField("dim_value") else (d.dim_param or None) for d in t.shape.dim))
+        for name, tensor in self.constants.items():
+            types.setdefault(name, tensor.data_type)
+            shapes.setdefault(name, tuple(tensor.dims))
+        return types, shapes
+
+    @cached_property
+    def types(self) -> Mapping[str, int]:
+        return self._declared[0] if self._given_types is None else self._given_types
+
+    @cached_property
+    def shapes(self) -> Mapping[str, tuple]:
+        """Dims: ints, dim_param strings, None where unknown."""
+        return self._declared[1] if self._given_shapes is None else self._given_shapes
+
+    @cached_property
+    def ranks(self) -> dict[str, int]:
+        return {name: len(shape) for name, shape in self.shapes.items()}
 
     # -- what ORT's graph_utils and optimizer_utils ask -------------------------------------------
     def op(self, k: int, op_type: str) -> bool:
@@ -210,6 +243,8 @@ def layer_norms(facts: GraphFacts, strict: bool = True) -> list[FusedNorm]:
     ``strict=False`` also those whose input comes straight from a Transpose, which ORT's transpose
     optimizer may rearrange before the fusion looks (the coloring's units, whose float32
     statistics are explicit whether ORT fuses them or not)."""
+    if not facts.has("ReduceMean", "Sub", "Pow", "Sqrt", "Div"):
+        return []
     found, used = [], set()
     for r1 in range(len(facts.nodes)):
         match = _layer_norm_at(facts, r1, strict)
@@ -305,6 +340,8 @@ def _layer_norm_at(f: GraphFacts, r1: int, strict: bool = True) -> FusedNorm | N
 def simplified_layer_norms(facts: GraphFacts, taken: Iterable[str] = ()) -> list[FusedNorm]:
     """The subgraphs ``SimplifiedLayerNormFusion`` turns into ``SimplifiedLayerNormalization`` on the
     CUDA EP (RMSNorm), leaving out nodes of ``taken`` (the LayerNorms, which ORT fuses first)."""
+    if not facts.has("Pow", "ReduceMean", "Sqrt", "Div"):
+        return []
     found, used = [], set(taken)
     for pow_ in range(len(facts.nodes)):
         match = _simplified_at(facts, pow_)
@@ -433,6 +470,8 @@ def _is_value(facts: GraphFacts, name: str, expected: float) -> bool:
 def gelus(facts: GraphFacts) -> list[tuple[str, ...]]:
     """``GeluFusion``: ``Div(x, sqrt(2)) -> Erf -> Add(1) -> Mul(x) -> Mul(0.5)`` (either order of the
     two Muls), each node read only by the next; the node names of each match."""
+    if not facts.has("Div", "Erf", "Add", "Mul"):
+        return []
     found = []
     for div in range(len(facts.nodes)):
         f, n = facts, facts.nodes
@@ -490,6 +529,8 @@ def fast_gelus(facts: GraphFacts) -> list[tuple[str, ...]]:
     """``FastGeluFusion``: the tanh GELU ``0.5 * x * (1 + tanh(0.79788 * (x + 0.044715 * x**3)))`` as
     exporters write it, with ``Pow(x, 3)`` (GPT-2, ALBERT's gelu_new) or as ``x * (0.79788 * x) *
     (1 + 0.044715 * x * x)``: the node names of each match (fast_gelu_fusion.cc, r19:35-305)."""
+    if not facts.has("Tanh", "Mul", "Add"):
+        return []
     f, n = facts, facts.nodes
     found = []
     for k in range(len(n)):

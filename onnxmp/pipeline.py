@@ -25,7 +25,7 @@ from onnxmp.passes import PassBase, PassManager, PassResult
 from onnxmp.report import (TENSOR_CORE_OPS, MaskFillRow, Report, advice_records, group_rows, head,
                            tensor_core_findings, vertex_rows)
 from onnxmp.rewrite import RewriteStats, rewrite
-from onnxmp.verify import check_input_model, io_signature, verify
+from onnxmp.verify import check_input_model, compact_bytes, io_signature, verify
 
 log = logging.getLogger("onnxmp.convert")
 
@@ -159,8 +159,11 @@ class Verify(PassBase[Conversion]):
     name = "verify"
 
     def call(self, state: Conversion) -> PassResult:
-        verify(state.model, original_io=state.expected_io,
-               reload_original=lambda: normalize(load(state.source, lazy_external=True)).index.model)
+        written = compact_bytes(state.model)
+        if written is not None:
+            state.model = None  # let go before the checker runs: see compact_bytes
+        state.model = verify(state.model if written is None else written, original_io=state.expected_io,
+                             reload_original=lambda: normalize(load(state.source, lazy_external=True)).index.model)
         return PassResult(False)
 
 

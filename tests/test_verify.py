@@ -116,3 +116,46 @@ def test_full_check_raises_the_checkers_type_error_and_leaves_no_file(route):
     with pytest.raises(Exception, match="elem type differs"):
         full_check(model)
     assert _temp_files() == before
+
+
+def test_compact_bytes_are_the_models_bytes_for_a_graph_of_nodes():
+    model = parse(header() + "g (float[4] x) => (float[4] y) { y = Relu(x) }")
+    assert verify.compact_bytes(model) == model.SerializeToString()
+
+
+def test_compact_bytes_leave_external_data_and_weight_heavy_models_alone(monkeypatch):
+    model = parse(header() + "g (float[4] x) => (float[4] y) { y = Relu(x) }")
+    weight = numpy_helper.from_array(np.zeros(4, np.float32), "w")
+    weight.data_location = TP.EXTERNAL
+    weight.ClearField("raw_data")
+    weight.external_data.add(key="location", value="w.bin")
+    model.graph.initializer.append(weight)
+    assert verify.compact_bytes(model) is None  # its bytes are not the model: the weights are elsewhere
+    model.graph.ClearField("initializer")
+    monkeypatch.setattr(verify, "CHECK_FILE_BELOW", 8)
+    assert verify.compact_bytes(model) is None  # over the size where structure, not weights, fills memory
+
+
+def test_the_compacted_conversion_is_the_written_model(monkeypatch):
+    from onnxmp import pipeline
+
+    model = parse(header() + "g (float[2,4] x, float[4,4] w) => (float[2,4] y) { a = MatMul(x, w) y = Softmax(a) }")
+    compacted = onnxmp.convert(model).model
+    monkeypatch.setattr(pipeline, "compact_bytes", lambda m: None)
+    written = onnxmp.convert(model).model
+    assert any(n.op_type == "Cast" for n in written.graph.node)
+    assert compacted.SerializeToString() == written.SerializeToString()
+
+
+def test_verify_checks_bytes_and_returns_them_parsed(route):
+    model = parse(header() + "g (float[4] x) => (float[4] y) { y = Relu(x) }")
+    before = _temp_files()
+    assert verify.verify(model.SerializeToString()) == model
+    assert _temp_files() == before
+
+
+def test_verify_of_bad_bytes_is_the_one_line_error():
+    model = parse(header() + "g (float[4] x) => (float[4] y) { y = Relu(x) }")
+    model.graph.output[0].type.tensor_type.elem_type = TP.INT64
+    with pytest.raises(OnnxMPError, match="converted model fails onnx.checker.*elem type differs"):
+        verify.verify(model.SerializeToString())

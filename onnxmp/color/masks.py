@@ -32,7 +32,7 @@ from typing import Mapping
 import numpy as np
 import onnx
 
-from onnxmp.domains import is_onnx_domain
+from onnxmp.domains import ONNX_DOMAINS, is_onnx_domain
 from onnxmp.external import tensor_array
 from onnxmp.index import ModelIndex
 from onnxmp.precision import Precision
@@ -91,19 +91,24 @@ def mask_fills(index: ModelIndex, low: Precision) -> dict[str, MaskFill]:
 
 
 def _graph_fills(graph, names, ins, outs, index: ModelIndex, low: Precision) -> dict[str, MaskFill]:
+    ops = [(node.op_type if node.domain in ONNX_DOMAINS else "") for node in graph.node]
+    upstream = _upstream_of_softmaxes(ins, outs, ops)
+    if not upstream:
+        return {}
+    candidates = {}
+    for name, values in _constants(graph, upstream):
+        finite = values[np.isfinite(values)]
+        if finite.size and finite.min() < -low.max and finite.max() <= low.max:
+            candidates[name] = float(finite.min())
+    fills: dict[str, MaskFill] = {}
+    if not candidates:
+        return fills
+    outputs = {v.name for v in graph.output}
     readers: dict[str, list[int]] = {}
     for k, inputs in enumerate(ins):
         for name in inputs:
             if name:
                 readers.setdefault(name, []).append(k)
-    ops = [(node.op_type if is_onnx_domain(node.domain) else "") for node in graph.node]
-    outputs = {v.name for v in graph.output}
-    candidates = {}
-    for name, values in _constants(graph, index):
-        finite = values[np.isfinite(values)]
-        if finite.size and finite.min() < -low.max and finite.max() <= low.max:
-            candidates[name] = float(finite.min())
-    fills: dict[str, MaskFill] = {}
     walks = {}
     for name in candidates:
         walk = _walk(name, readers, ins, outs, ops, outputs)
@@ -119,13 +124,30 @@ def _graph_fills(graph, names, ins, outs, index: ModelIndex, low: Precision) -> 
     return fills
 
 
-def _constants(graph: onnx.GraphProto, index: ModelIndex):
-    """(name, float values) of the graph's float initializers and Constant nodes."""
+def _upstream_of_softmaxes(ins, outs, ops) -> set[str]:
+    """The tensors from which a Softmax input can be reached backward through mask ops only: the
+    only places a fill can be (so that a model's thousands of weights are never read here)."""
+    producer = {out: k for k, names in enumerate(outs) for out in names if out}
+    pending = [ins[k][0] for k, op in enumerate(ops) if op in _SOFTMAX and ins[k] and ins[k][0]]
+    seen = set(pending)
+    while pending:
+        k = producer.get(pending.pop())
+        if k is None or ops[k] not in _PASS:
+            continue
+        for name in ins[k]:
+            if name and name not in seen:
+                seen.add(name)
+                pending.append(name)
+    return seen
+
+
+def _constants(graph: onnx.GraphProto, names: set[str]):
+    """(name, float values) of the graph's float initializers and Constant nodes among ``names``."""
     for init in graph.initializer:
-        if init.data_type in _FLOATS:
+        if init.name in names and init.data_type in _FLOATS:
             yield init.name, np.asarray(tensor_array(init), dtype=np.float64)
     for node in graph.node:
-        if node.op_type == "Constant" and is_onnx_domain(node.domain):
+        if node.op_type == "Constant" and is_onnx_domain(node.domain) and node.output[0] in names:
             value = next((a.t for a in node.attribute if a.name == "value"), None)
             if value is not None and value.data_type in _FLOATS:
                 yield node.output[0], np.asarray(tensor_array(value), dtype=np.float64)

@@ -682,9 +682,10 @@ def build_type_view(
     view.node_names = list(node_index)
     nodes = np.frombuffer(v_node, dtype=np.intc) if v_node else np.zeros(0, np.intc)
     view.node_first = array("i", np.searchsorted(nodes, np.arange(len(node_index) + 1)).astype(np.intc).tobytes())
+    facts = [GraphFacts(scope.graph) for scope in graph.scopes]  # one matcher view per graph, built lazily
     if _fuses_norms(graph, kernels, provider, low):
-        view.fused = _fused_units(view, graph, kernels, provider, low)
-    _tanh_gelu_cubes(view, graph)
+        view.fused = _fused_units(view, graph, facts, kernels, provider, low)
+    _tanh_gelu_cubes(view, graph, facts)
     view.lst = list(map(attrgetter("list"), v_kind))
     view.list_codes = bytes(map(LIST_CODES.__getitem__, view.lst))
     view.f32 = bytearray(map(attrgetter("float32"), v_kind))
@@ -707,14 +708,15 @@ def _fuses_norms(graph: ModelIndex, kernels, provider: str, low: Precision) -> b
                for op in ("LayerNormalization", "SimplifiedLayerNormalization"))
 
 
-def _fused_units(view: TypeView, graph: ModelIndex, kernels, provider: str, low: Precision) -> list[FusedUnit]:
+def _fused_units(view: TypeView, graph: ModelIndex, facts: list[GraphFacts], kernels, provider: str,
+                 low: Precision) -> list[FusedUnit]:
     """The normalizations ORT fuses, colored as the kernels they become: statistics on no list."""
     units = []
-    for scope in graph.scopes:
-        for norm in fused_norms(GraphFacts(scope.graph), strict=False):
-            facts = kernels.numerics(provider, "", norm.kind, graph.opset_of(""), low.name)
+    for scope, scope_facts in zip(graph.scopes, facts):
+        for norm in fused_norms(scope_facts, strict=False):
+            numerics = kernels.numerics(provider, "", norm.kind, graph.opset_of(""), low.name)
             why = (f"computed in float32 inside the {norm.kind} kernel ORT fuses this subgraph into "
-                   f"({facts['file'].split(' ')[0]})")
+                   f"({numerics['file'].split(' ')[0]})")
             for name in (*norm.statistics, *norm.casts):
                 for vid in view.ids_of_node(name):
                     kind = view.v_kind[vid].copy()
@@ -743,11 +745,11 @@ def _identity_group(op: _OpInfo, lists: Mapping[str, frozenset[str]]) -> _Group:
     return _Group(identity, "T1", (0,), (0,))
 
 
-def _tanh_gelu_cubes(view: TypeView, graph: ModelIndex) -> None:
+def _tanh_gelu_cubes(view: TypeView, graph: ModelIndex, facts: list[GraphFacts]) -> None:
     """The ``Pow(x, 3)`` of a tanh GELU (``onnxmp.fusions.fast_gelus``) is no deny op: where ``x**3``
     overflows, ``tanh`` has reached +-1 and the GELU its limits (x or 0), fused by ORT or not."""
-    for scope in graph.scopes:
-        for match in fast_gelus(GraphFacts(scope.graph)):
+    for scope_facts in facts:
+        for match in fast_gelus(scope_facts):
             for vid in view.ids_of_node(match[0]):
                 kind = view.v_kind[vid]
                 if kind.list == "deny":

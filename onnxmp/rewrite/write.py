@@ -67,21 +67,19 @@ def write(index: ModelIndex, edits: Edits) -> tuple[onnx.ModelProto, set[str]]:
 
 def _live(nodes: GraphNodes, outputs: list[str], outer_reads: dict[str, set[str]]) -> list[int]:
     """Positions of the nodes a graph output depends on, through any chain of nodes (a node
-    holding bodies also reads what its bodies read from outside), in node order."""
-    producer = {t: k for k, outs in enumerate(nodes.outputs) for t in outs}  # the last writer
-    used = bytearray(len(nodes.items))
-    pending = list(outputs)
-    seen = set(pending)
-    while pending:
-        k = producer.get(pending.pop())
-        if k is None or used[k]:
-            continue
-        used[k] = 1
-        for name in chain(nodes.inputs[k], outer_reads.get(nodes.names[k], ())):
-            if name not in seen:
-                seen.add(name)
-                pending.append(name)
-    return [k for k, alive in enumerate(used) if alive]
+    holding bodies also reads what its bodies read from outside), in node order: one sweep from
+    the last node back, as the plan's node lists are in topological order."""
+    needed = set(outputs)
+    kept = []
+    for k in range(len(nodes.items) - 1, -1, -1):
+        if not needed.isdisjoint(nodes.outputs[k]):
+            kept.append(k)
+            needed.update(nodes.inputs[k])
+            extra = outer_reads.get(nodes.names[k])
+            if extra:
+                needed.update(extra)
+    kept.reverse()
+    return kept
 
 
 def _written(nodes: GraphNodes, k: int, edits: Edits, kept_casts: set[str]) -> onnx.NodeProto:
@@ -121,7 +119,7 @@ def _write_initializers(g: onnx.GraphProto, edits: Edits, twin_of: dict[str, str
         if name in edits.mask_fills:
             init.CopyFrom(replaced_fill(init, edits.mask_fills[name].value, edits.low))
         if name in edits.converted:
-            init.CopyFrom(_converted(init, edits))
+            _convert(init, edits.low)
         twin = twin_of.get(name)
         if twin is not None and twin in read:
             twins.append(_raw_tensor(twin, edits.low.onnx_type, tensor_array(init).astype(edits.low.numpy)))
@@ -129,11 +127,16 @@ def _write_initializers(g: onnx.GraphProto, edits: Edits, twin_of: dict[str, str
     _keep_only(g.initializer, lambda t: t.name in read or t.name in interface)
 
 
-def _converted(init: onnx.TensorProto, edits: Edits) -> onnx.TensorProto:
-    low = edits.low
+def _convert(init: onnx.TensorProto, low) -> None:
+    """``init`` converted to the low type, in place (a model holds thousands of small ones)."""
     if uses_external_data(init):
-        return converted_external(init, low.numpy, low.onnx_type)  # spilled to disk, not held in memory
-    return _raw_tensor(init.name, low.onnx_type, tensor_array(init).astype(low.numpy))
+        init.CopyFrom(converted_external(init, low.numpy, low.onnx_type))  # spilled to disk, not held in memory
+        return
+    values = tensor_array(init).astype(low.numpy)
+    for typed in ("float_data", "double_data", "int32_data"):
+        init.ClearField(typed)
+    init.data_type = low.onnx_type
+    init.raw_data = np.ascontiguousarray(values).tobytes()
 
 
 def _retype_declarations(g: onnx.GraphProto, edits: Edits) -> None:
