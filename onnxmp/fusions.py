@@ -24,7 +24,7 @@ from __future__ import annotations
 from collections import defaultdict
 from functools import cached_property
 from dataclasses import dataclass
-from typing import Collection, Iterable, Mapping
+from typing import Callable, Collection, Iterable, Mapping
 
 import numpy as np
 import onnx
@@ -60,11 +60,23 @@ class FusedNorm:
         return (*self.casts, *self.statistics, *self.affine)
 
 
+class Lookup:
+    """A ``name -> value or None`` function as a mapping's ``get``, for GraphFacts' types and shapes."""
+
+    def __init__(self, read: Callable[[str], object]):
+        self._read = read
+
+    def get(self, name: str, default=None):
+        value = self._read(name)
+        return default if value is None else value
+
+
 class GraphFacts:
     """What the matchers read of one graph: producers, consumer edges, constants, ranks and types.
 
-    ``types`` and ``shapes`` may be given (``scripts/bench_speed.py`` has the fp32 run's); otherwise
-    they are read from the graph's declarations and initializers.  Everything but the op types is
+    ``types`` and ``shapes`` may be given, anything with a mapping's ``get`` (the coloring passes
+    the index's, as :class:`Lookup`; ``scripts/bench_speed.py`` the fp32 run's); otherwise they are
+    read from the graph's declarations and initializers.  Everything but the op types is
     built on first use: most graphs hold none of the ops a matcher starts from, and those pay one
     pass over their node list (the matchers ask :meth:`has` first)."""
 
@@ -132,9 +144,11 @@ class GraphFacts:
         """Dims: ints, dim_param strings, None where unknown."""
         return self._declared[1] if self._given_shapes is None else self._given_shapes
 
-    @cached_property
-    def ranks(self) -> dict[str, int]:
-        return {name: len(shape) for name, shape in self.shapes.items()}
+    def rank(self, name: str) -> int | None:
+        shape = self.shapes.get(name)
+        if shape is None and name in self.constants:  # a constant no declaration describes
+            shape = self.constants[name].dims
+        return None if shape is None else len(shape)
 
     # -- what ORT's graph_utils and optimizer_utils ask -------------------------------------------
     def op(self, k: int, op_type: str) -> bool:
@@ -233,7 +247,7 @@ def _rank_one_input(facts: GraphFacts, k: int) -> str | None:
     """ORT's scale/bias pick: the last input of rank 1 (``== number of axes``)."""
     found = None
     for name in facts.nodes[k].input:
-        if name and facts.ranks.get(name) == 1:
+        if name and facts.rank(name) == 1:
             found = name
     return found
 
@@ -325,7 +339,7 @@ def _layer_norm_at(f: GraphFacts, r1: int, strict: bool = True) -> FusedNorm | N
     add = f.children(mul)[0]
     if not f.op(add, "Add") or not f.supported(add):
         return None
-    rank = f.ranks.get(n[r1].input[0])
+    rank = f.rank(n[r1].input[0])
     if not (_last_axis_only(f.axes(r1), rank) and _last_axis_only(f.axes(r2), rank)):
         return None
     scale, bias = _rank_one_input(f, mul), _rank_one_input(f, add)
@@ -394,7 +408,7 @@ def _simplified_at(f: GraphFacts, pow_: int) -> FusedNorm | None:
         mul = f.children(mul)[0]
     if not f.op(mul, "Mul") or not f.supported(mul):
         return None
-    if not _last_axis_only(f.axes(rm), f.ranks.get(n[rm].input[0])):
+    if not _last_axis_only(f.axes(rm), f.rank(n[rm].input[0])):
         return None
     scale = _rank_one_input(f, mul)
     if scale is None:
@@ -445,7 +459,7 @@ def skip_layer_norm_adds(facts: GraphFacts, norms: Mapping[str, tuple[str, Colle
         if any(facts.nodes[c].name not in members for c in facts.edges.get(x, ())):
             continue  # a pre-LN residual stream reads the sum again: not fused
         a, b = facts.nodes[k].input[:2]
-        if facts.ranks.get(a) == facts.ranks.get(b) == 3 and facts.shapes_equal(a, b):
+        if facts.rank(a) == facts.rank(b) == 3 and facts.shapes_equal(a, b):
             found[facts.nodes[k].name] = norm
     return found
 
@@ -517,7 +531,7 @@ def bias_gelu_add(facts: GraphFacts, gelu: tuple[str, ...]) -> str | None:
     if facts.out_edges(k) != 2:
         return None
     inputs = facts.nodes[k].input
-    if not any(facts.ranks.get(name) == 1 for name in inputs):
+    if not any(facts.rank(name) == 1 for name in inputs):
         return None
     return facts.nodes[k].name
 

@@ -154,6 +154,13 @@ class ModelIndex:
             return None
         return info.dtype
 
+    def dims(self, name: str) -> tuple | None:
+        """A tensor's shape as a tuple with None for each unknown dim (an empty dim_param too);
+        None when the shape is unknown."""
+        info = self.tensors.get(name)
+        shape = None if info is None else info.shape
+        return None if shape is None else tuple(None if d == "" else d for d in shape)
+
     def node_count(self) -> int:
         return sum(len(s.graph.node) for s in self.scopes)
 

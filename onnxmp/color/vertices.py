@@ -26,7 +26,7 @@ import numpy as np
 import onnx
 
 from onnxmp.domains import op_key
-from onnxmp.fusions import FusedNorm, GraphFacts, fast_gelus, fused_norms
+from onnxmp.fusions import FusedNorm, GraphFacts, Lookup, fast_gelus, fused_norms
 from onnxmp.index import TENSOR_KIND, ModelIndex, keeps_io
 from onnxmp.lists import list_of
 from onnxmp.passes import require
@@ -682,7 +682,9 @@ def build_type_view(
     view.node_names = list(node_index)
     nodes = np.frombuffer(v_node, dtype=np.intc) if v_node else np.zeros(0, np.intc)
     view.node_first = array("i", np.searchsorted(nodes, np.arange(len(node_index) + 1)).astype(np.intc).tobytes())
-    facts = [GraphFacts(scope.graph) for scope in graph.scopes]  # one matcher view per graph, built lazily
+    # One matcher view per graph, built lazily, reading the index's types and shapes.
+    types, shapes = Lookup(graph.dtype), Lookup(graph.dims)
+    facts = [GraphFacts(scope.graph, types, shapes) for scope in graph.scopes]
     if _fuses_norms(graph, kernels, provider, low):
         view.fused = _fused_units(view, graph, facts, kernels, provider, low)
     _tanh_gelu_cubes(view, graph, facts)
