@@ -106,6 +106,11 @@ class GraphFacts:
         return edges
 
     @cached_property
+    def position(self) -> dict[str, int]:
+        """Node name -> its place in ``nodes`` (what the matchers return are names)."""
+        return {node.name: k for k, node in enumerate(self.nodes)}
+
+    @cached_property
     def graph_outputs(self) -> set[str]:
         return {v.name for v in self.graph.output}
 
@@ -438,10 +443,9 @@ def inside_fused_kernels(graph: onnx.GraphProto) -> set[str]:
         groups = [(set(norm.nodes), norm.output) for norm in fused_norms(facts)]
         for match in gelus(facts):
             if bias_gelu_add(facts, match) is None:
-                last = facts.nodes[next(k for k, node in enumerate(facts.nodes) if node.name == match[-1])]
-                groups.append((set(match), last.output[0]))
+                groups.append((set(match), facts.nodes[facts.position[match[-1]]].output[0]))
         for names, output in groups:
-            inside.update(out for node in g.node if node.name in names for out in node.output if out != output)
+            inside.update(out for name in names for out in facts.nodes[facts.position[name]].output if out != output)
     return inside
 
 
@@ -522,8 +526,7 @@ def gelus(facts: GraphFacts) -> list[tuple[str, ...]]:
 def bias_gelu_add(facts: GraphFacts, gelu: tuple[str, ...]) -> str | None:
     """``BiasGeluFusion``: the ``Add`` of a 1-D bias feeding a fused GELU (``gelu``: its node names,
     the ``Div`` first), read by nothing else; its name, or None."""
-    by_name = {node.name: k for k, node in enumerate(facts.nodes)}
-    x = facts.nodes[by_name[gelu[0]]].input[0]
+    x = facts.nodes[facts.position[gelu[0]]].input[0]
     k = facts.producer.get(x)
     if k is None or not facts.op(k, "Add") or facts.writes_graph_output(k):
         return None
