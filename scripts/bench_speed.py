@@ -91,6 +91,7 @@ import onnx  # noqa: E402
 from onnx import TensorProto, helper, numpy_helper  # noqa: E402
 
 import onnxmp  # noqa: E402
+from onnxmp.domains import is_onnx_domain  # noqa: E402
 from onnxmp.errors import first_line  # noqa: E402
 from onnxmp.files import guard_arguments, write_text_atomic  # noqa: E402
 from onnxmp.naming import json_safe  # noqa: E402
@@ -586,7 +587,7 @@ def fused_kernels(model: onnx.ModelProto, types: dict[str, int] | None = None,
         if norm.kind == "LayerNormalization":  # SkipLayerNormFusion folds no Add into an RMSNorm
             norms[norm.input] = (norm.nodes[-1], list(norm.nodes))
     for node in model.graph.node:
-        if node.op_type == "LayerNormalization" and node.domain in ("", "ai.onnx"):
+        if node.op_type == "LayerNormalization" and is_onnx_domain(node.domain):
             groups.append(("LayerNormalization", [node.name]))
             norms[node.input[0]] = (node.name, [node.name])
     for match in gelus(facts):

@@ -47,6 +47,7 @@ import onnx.inliner
 import onnx.shape_inference
 from onnx import AttributeProto, TensorProto, helper, numpy_helper
 
+from onnxmp.domains import is_onnx_domain
 from onnxmp.errors import OnnxMPError
 from onnxmp.fusions import inside_fused_kernels
 from onnxmp.subgraphs import bodies
@@ -76,7 +77,6 @@ def session_options():
     options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_BASIC
     return options
 
-_DEFAULT_DOMAINS = ("", "ai.onnx")
 
 # Default-domain ops whose low-precision outputs only copy or select input
 # values (or constants) that are already representable, so rounding them again
@@ -308,7 +308,7 @@ def _read_by_non_casts(graph: onnx.GraphProto, outputs: bool = True) -> set[str]
     """Tensors read by a non-Cast node of ``graph``, by a subgraph, or (if ``outputs``) by the caller."""
     readers = {v.name for v in graph.output} if outputs else set()
     for node in graph.node:
-        if not (node.op_type == "Cast" and node.domain in _DEFAULT_DOMAINS):
+        if not (node.op_type == "Cast" and is_onnx_domain(node.domain)):
             readers.update(node.input)
         for sub in bodies(node):
             readers |= proto_names(sub)  # a superset of the outer names it reads: safe
@@ -384,7 +384,7 @@ class _Emulator:
         self.graph(graph)
 
     def _node(self, node: onnx.NodeProto, needs_float: set[str], kept_low: set[str]) -> list[onnx.NodeProto]:
-        default_domain = node.domain in _DEFAULT_DOMAINS
+        default_domain = is_onnx_domain(node.domain)
         is_cast = default_domain and node.op_type == "Cast"
         for attr in node.attribute:
             if attr.type == AttributeProto.GRAPH:
@@ -472,7 +472,7 @@ class _Emulator:
         tail: list[onnx.NodeProto] = []
         renames = {}
         low_casts = {node.output[0] for node in graph.node if node.op_type == "Cast"
-                     and node.domain in _DEFAULT_DOMAINS and _cast_target(node) == self.elem}
+                     and is_onnx_domain(node.domain) and _cast_target(node) == self.elem}
         for value in graph.output:
             if not keep_io_types:
                 _retype(value.type, self.elem)

@@ -137,7 +137,7 @@ def promote_constants(model: onnx.ModelProto, names: Iterable[str]) -> tuple[onn
     wanted = set(names)
     initializers = {t.name for t in model.graph.initializer}
     constants = {n.output[0]: n for n in model.graph.node
-                 if n.op_type == "Constant" and n.domain in ("", "ai.onnx") and n.output[0] in wanted
+                 if n.op_type == "Constant" and is_onnx_domain(n.domain) and n.output[0] in wanted
                  and n.output[0] not in initializers and attribute(n, "value", None) is not None}
     if not constants:
         return model, []
@@ -491,7 +491,7 @@ def _check_differentiable(model: onnx.ModelProto, requires_grad: list[str],
         reaches, nodes, stopped = paths.walk(param)
         for key, node in nodes.items():
             reached_by[key].add(param)
-            if node.op_type in NO_GRADIENT and node.domain in ("", "ai.onnx"):
+            if node.op_type in NO_GRADIENT and is_onnx_domain(node.domain):
                 blocked[key] = node
         if not reaches:
             detail = f" (it feeds only {stopped})" if stopped else ""
@@ -518,7 +518,7 @@ def without_gradient(model: onnx.ModelProto, names: Iterable[str]) -> dict[str, 
     initializers, and ORT computes no gradient for them.
     """
     statistics = {n.input[i]: f"it is BatchNormalization {n.name!r}'s running {what}"
-                  for n in model.graph.node if n.op_type == "BatchNormalization" and n.domain in ("", "ai.onnx")
+                  for n in model.graph.node if n.op_type == "BatchNormalization" and is_onnx_domain(n.domain)
                   for i, what in ((3, "mean"), (4, "variance")) if len(n.input) > i}
     # The checks of prepare_for_gradient have nothing to check with no trainable parameter.
     model, _ = _rewritten(model, [])
@@ -577,7 +577,7 @@ class _GradientPaths:
             name = queue.popleft()
             reaches |= name == self.target
             for node in self.consumers.get(name, ()):
-                skip = NOT_DIFFERENTIATED.get(node.op_type, {}) if node.domain in ("", "ai.onnx") else {}
+                skip = NOT_DIFFERENTIATED.get(node.op_type, {}) if is_onnx_domain(node.domain) else {}
                 slots = [i for i, n in enumerate(node.input) if n == name]
                 if all(i in skip for i in slots):
                     stopped = stopped or f"{node.op_type} {skip[slots[0]]} (node {node.name!r})"
