@@ -86,11 +86,11 @@ def mask_fills(index: ModelIndex, low: Precision) -> dict[str, MaskFill]:
     """The mask fills of every graph, by constant name."""
     found: dict[str, MaskFill] = {}
     for scope in index.scopes:
-        found.update(_graph_fills(scope.graph, scope.names, scope.ins, scope.outs, index, low))
+        found.update(_graph_fills(scope.graph, scope.names, scope.ins, scope.outs, low))
     return found
 
 
-def _graph_fills(graph, names, ins, outs, index: ModelIndex, low: Precision) -> dict[str, MaskFill]:
+def _graph_fills(graph, names, ins, outs, low: Precision) -> dict[str, MaskFill]:
     ops = [(node.op_type if node.domain in ONNX_DOMAINS else "") for node in graph.node]
     upstream = _upstream_of_softmaxes(ins, outs, ops)
     if not upstream:

@@ -413,7 +413,7 @@ class _Emulator:
             return [node]
         if self.unrounded.intersection(node.output):
             if is_cast:  # a Cast the fused kernel absorbs: it rounds nothing there
-                node.attribute[[a.name for a in node.attribute].index("to")].i = TensorProto.FLOAT
+                next(a for a in node.attribute if a.name == "to").i = TensorProto.FLOAT
             return [node]
         rewritten = [node]
         for k, out in enumerate(node.output):

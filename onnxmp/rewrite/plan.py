@@ -171,10 +171,10 @@ class _Rewriter:
             for node, i in group.low_inputs:
                 low_inputs[node_index[node]] |= 1 << i
 
-        # Names the outside world may feed or read keep their type, and so do sparse initializers
-        # (the writer converts dense ones only): low readers read a Cast of them.
         # (statistics node, its input) -> the fused normalization it belongs to (see fix_consumers)
         self.fused_readers = {reader: i for i, unit in enumerate(view.fused) for reader in unit.readers}
+        # Names the outside world may feed or read keep their type, and so do sparse initializers
+        # (the writer converts dense ones only): low readers read a Cast of them.
         self.fixed = set(view.pinned)
         self.fixed.update(name for name, info in graph.tensors.items() if info.kind == "sparse_initializer")
         for scope in graph.scopes:

@@ -25,7 +25,7 @@ import numpy as np
 import onnx
 from onnx.external_data_helper import uses_external_data
 
-from onnxmp.color.masks import replaced_fill
+from onnxmp.color.masks import replace_fills
 from onnxmp.external import converted_external, tensor_array
 from onnxmp.index import ModelIndex
 from onnxmp.rewrite.plan import Edits, GraphNodes, NewCast
@@ -36,6 +36,8 @@ FLOAT = onnx.TensorProto.FLOAT
 def write(index: ModelIndex, edits: Edits) -> tuple[onnx.ModelProto, set[str]]:
     """Apply ``edits`` to ``index.model`` (edited in place) and return it with the names of the
     inserted Casts the sweep kept."""
+    if edits.mask_fills:
+        replace_fills(index.model.graph, {name: fill.value for name, fill in edits.mask_fills.items()}, edits.low)
     kept_casts: set[str] = set()
     read: set[str] = set()        # every name a kept node of any graph written so far reads
     outer_reads: dict[str, set[str]] = {}  # node holding bodies -> outer names its kept bodies read
@@ -94,9 +96,6 @@ def _written(nodes: GraphNodes, k: int, edits: Edits, kept_casts: set[str]) -> o
     if name in edits.outputs:
         del item.output[:]
         item.output.extend(edits.outputs[name])
-    if item.op_type == "Constant" and item.output and item.output[0] in edits.mask_fills:
-        value = next(a.t for a in item.attribute if a.name == "value")
-        value.CopyFrom(replaced_fill(value, edits.mask_fills[item.output[0]].value, edits.low))
     if name in edits.retargeted:
         _retarget(item, edits)
     return item
@@ -116,8 +115,6 @@ def _write_initializers(g: onnx.GraphProto, edits: Edits, twin_of: dict[str, str
     twins = []
     for init in g.initializer:
         name = init.name
-        if name in edits.mask_fills:
-            init.CopyFrom(replaced_fill(init, edits.mask_fills[name].value, edits.low))
         if name in edits.converted:
             _convert(init, edits.low)
         twin = twin_of.get(name)
