@@ -24,16 +24,18 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable, Sequence
 
+import numpy as np
 import onnx
 import onnx.version_converter
-from onnx import TensorProto, helper
+from onnx import TensorProto, helper, numpy_helper
 
-from onnxmp.domains import onnx_opset
+from onnxmp.domains import is_onnx_domain, onnx_opset
 from onnxmp.errors import OnnxMPError, first_line
 from onnxmp.files import destination
-from onnxmp.naming import proto_names
+from onnxmp.naming import FreshNames, proto_names
+from onnxmp.parity.emulate import infer_tensor_types
 from onnxmp.passes import PassBase, PassManager, PassResult
-from onnxmp.precision import FLOAT32, PRECISIONS as LOW_PRECISIONS
+from onnxmp.precision import BY_ONNX_TYPE, FLOAT32, PRECISIONS as LOW_PRECISIONS
 from onnxmp.targets import target as target_named
 from onnxmp.training import _ort
 from onnxmp.training.artifacts import FILES, FORMAT, Artifacts, write_artifacts
@@ -44,7 +46,7 @@ from onnxmp.training.loss_scale import GRAD_WEIGHT, LOSS_SCALE, RESERVED, add_lo
 from onnxmp.training.losses import LOSSES
 from onnxmp.training.losses import loss as loss_named
 from onnxmp.training.optimizer import MAX_OPSET, OPTIMIZERS, build_optimizer_model, cap_ir_version
-from onnxmp.training.prepare import describe, prepare_for_gradient, promote_constants
+from onnxmp.training.prepare import Preparation, describe, prepare_for_gradient, promote_constants
 
 log = logging.getLogger("onnxmp.training")
 
@@ -112,8 +114,10 @@ class Convert(PassBase[TrainingBuild]):
     name = "convert"
 
     def call(self, state: TrainingBuild) -> PassResult:
-        state.train_forward = training_forward(state.prepared, state.precision, state.target, state.parameter_names)
-        return PassResult(state.train_forward is not state.prepared)
+        state.train_forward, retyped = training_forward(state.prepared, state.precision, state.target,
+                                                        state.parameter_names)
+        state.preparations.extend(retyped)
+        return PassResult(state.train_forward is not state.prepared, {"pow_exponents": len(retyped)})
 
 
 class Gradient(PassBase[TrainingBuild]):
@@ -231,11 +235,12 @@ def check_trainable_size(model: onnx.ModelProto | str | os.PathLike) -> None:
 
 
 def training_forward(forward: onnx.ModelProto, precision: str, target: str,
-                     master: Sequence[str]) -> onnx.ModelProto:
+                     master: Sequence[str]) -> tuple[onnx.ModelProto, list[Preparation]]:
     """The mixed-precision forward graph: trainable parameters stay float32 master weights, Cast at
-    each low-precision use; on an emulated target (the CPU) the low-precision numerics are emulated."""
+    each low-precision use; on an emulated target (the CPU) the low-precision numerics are emulated.
+    Also returns what :func:`pow_exponents_like_bases` changed for ORT's gradient builder."""
     if precision == "float32":
-        return forward
+        return forward, []
     from onnxmp.options import Options
     from onnxmp.pipeline import convert_once
 
@@ -247,6 +252,8 @@ def training_forward(forward: onnx.ModelProto, precision: str, target: str,
     if lost:
         raise OnnxMPError(f"the conversion did not keep float32 master weights for {', '.join(lost)}",
                           "this is an onnxmp bug; please report it")
+    # Before the emulation, so that the CPU emulates the graph the GPU runs.
+    retyped = pow_exponents_like_bases(converted)
     emulated = target_named(target).emulated
     if emulated:
         from onnxmp.parity.emulate import emulate
@@ -254,7 +261,76 @@ def training_forward(forward: onnx.ModelProto, precision: str, target: str,
         converted = emulate(converted, precision=precision)
     log.info("forward model converted to %s (%s)", precision,
              "emulated in float32 for the CPU" if emulated else "CUDA")
-    return converted
+    return converted, retyped
+
+
+def pow_exponents_like_bases(model: onnx.ModelProto) -> list[Preparation]:
+    """Give each ``Pow`` of a low-precision base an exponent of the base's type, in place.
+
+    ORT 1.19's Pow gradient (``GetPowGradient``, orttraining's gradient_builder.cc) subtracts a
+    constant 1 *of the base's type* from the exponent and multiplies the result by the exponent:
+    a float16 base with the float32 exponent the conversion keeps (Pow's ``T1``) makes a Sub of
+    float32 and float16, and the gradient graph fails to type-check.  A constant exponent that
+    the base's type holds exactly (2, 3, 0.5: every exporter's) becomes a constant of that type,
+    which changes no value; any other Pow runs on a float32 copy of its base and rounds its result
+    back, which is what CUDA's low-precision Pow kernel does inside anyway (it computes in float).
+    """
+    graph = model.graph
+    types = infer_tensor_types(model)
+    constants = {t.name: t for t in graph.initializer}
+    constants.update({n.output[0]: a.t for n in graph.node if n.op_type == "Constant" and is_onnx_domain(n.domain)
+                      for a in n.attribute if a.name == "value"})
+    names = FreshNames(proto_names(graph))
+    # Pow-13's exponent takes float16 but not bfloat16 (Pow-15 added it).
+    exponent_types = {c.type_param_str: set(c.allowed_type_strs)
+                      for c in onnx.defs.get_schema("Pow", _opset(model)).type_constraints}.get("T1", set())
+    retyped: dict[tuple[str, int], str] = {}
+    done: list[Preparation] = []
+    nodes: list[onnx.NodeProto] = []
+    for node in graph.node:
+        nodes.append(node)
+        if node.op_type != "Pow" or not is_onnx_domain(node.domain) or len(node.input) < 2:
+            continue
+        base, exponent = (_elem_type(types.get(name)) for name in node.input[:2])
+        low = BY_ONNX_TYPE.get(base)
+        if low is None or low.name not in LOW_PRECISIONS or exponent in (base, 0):
+            continue
+        scope = node.name or f"Pow_{node.output[0]}"
+        value = constants.get(node.input[1])
+        exact = (_exactly(numpy_helper.to_array(value), low.numpy)
+                 if value is not None and low.type_str in exponent_types else None)
+        if exact is not None:
+            key = (node.input[1], base)
+            if key not in retyped:
+                retyped[key] = names(f"{node.input[1]}_{low.suffix}")
+                graph.initializer.append(numpy_helper.from_array(exact, retyped[key]))
+            node.input[1] = retyped[key]
+            done.append(Preparation("Pow", node.name, f"exponent made {low.name}, the type of its base"))
+        elif exponent == TensorProto.FLOAT:
+            wide, out = names(f"{scope}/base_fp32"), names(f"{scope}/output_fp32")
+            nodes.insert(len(nodes) - 1, helper.make_node("Cast", [node.input[0]], [wide], names(f"{scope}/Cast_fp32"),
+                                                          to=TensorProto.FLOAT))
+            result = node.output[0]
+            node.input[0], node.output[0] = wide, out
+            nodes.append(helper.make_node("Cast", [out], [result], names(f"{scope}/Cast_{low.suffix}"), to=base))
+            done.append(Preparation("Pow", node.name, f"run in float32 (its exponent cannot be {low.name})"))
+    if done:
+        graph.ClearField("node")
+        graph.node.extend(nodes)
+        log.info("%d Pow node(s) given exponents of their bases' type for onnxruntime's gradient builder", len(done))
+    return done
+
+
+def _elem_type(tp: onnx.TypeProto | None) -> int:
+    return tp.tensor_type.elem_type if tp is not None and tp.HasField("tensor_type") else 0
+
+
+def _exactly(value: np.ndarray, dtype: np.dtype) -> np.ndarray | None:
+    """``value`` in ``dtype`` if every element converts exactly (finite), else None."""
+    if value.dtype.kind != "f" or not np.all(np.isfinite(value)):
+        return None
+    cast = value.astype(dtype)
+    return cast if np.array_equal(cast.astype(value.dtype), value) else None
 
 
 def supported_versions(model: onnx.ModelProto) -> onnx.ModelProto:
