@@ -313,7 +313,9 @@ def pow_exponents_like_bases(model: onnx.ModelProto) -> list[Preparation]:
             result = node.output[0]
             node.input[0], node.output[0] = wide, out
             nodes.append(helper.make_node("Cast", [out], [result], names(f"{scope}/Cast_{low.suffix}"), to=base))
-            done.append(Preparation("Pow", node.name, f"run in float32 (its exponent cannot be {low.name})"))
+            why = ("its exponent is computed" if value is None else f"Pow-{_opset(model)} takes no {low.name} exponent"
+                   if low.type_str not in exponent_types else f"its exponent is not exact in {low.name}")
+            done.append(Preparation("Pow", node.name, f"run in float32 ({why})"))
     if done:
         graph.ClearField("node")
         graph.node.extend(nodes)

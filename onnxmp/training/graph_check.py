@@ -47,8 +47,22 @@ class GraphCheck:
     op_types: Counter
     invalid: str | None                  # the checker's first line, None when valid
     unresolved: str | None               # onnxruntime's first line, None when it resolves the graph
-    without_kernel: Counter = field(default_factory=Counter)  # op type -> nodes with no provider kernel
+    missing: Counter = field(default_factory=Counter)   # (domain, op type) -> nodes with no provider kernel
     not_onnx: Counter = field(default_factory=Counter)  # default-domain op types onnx has no schema for
+
+    @property
+    def without_kernel(self) -> Counter:
+        """Op type -> nodes with no kernel of the provider, whatever their domain."""
+        result: Counter = Counter()
+        for (_, op), n in self.missing.items():
+            result[op] += n
+        return result
+
+    @property
+    def standard_without_kernel(self) -> Counter:
+        """The ONNX ops (onnx has their schema) among :attr:`without_kernel`."""
+        return Counter({op: n for (domain, op), n in self.missing.items()
+                        if domain == "ai.onnx" and op not in self.not_onnx})
 
     @property
     def ok(self) -> bool:
@@ -122,7 +136,8 @@ def resolve(model: onnx.ModelProto) -> str | None:
 
 
 def without_kernel(model: onnx.ModelProto, provider: str = "cuda") -> Counter:
-    """Op type -> number of nodes for which ``provider`` registers no kernel taking their float types."""
+    """(domain, op type) -> number of nodes for which ``provider`` registers no kernel taking their
+    float types ("ai.onnx" for the default domain)."""
     table = KernelTable.default()
     opsets = {("ai.onnx" if is_onnx_domain(o.domain) else o.domain): o.version for o in model.opset_import}
     types = {name: _FLOAT_NAMES.get(tp.tensor_type.elem_type) for name, tp in infer_tensor_types(model).items()
@@ -135,7 +150,7 @@ def without_kernel(model: onnx.ModelProto, provider: str = "cuda") -> Counter:
         opset = opsets.get(domain, 1)
         dtypes = _float_params(node, domain, opset, types)
         if not table.accepts(provider, domain, node.op_type, opset, dtypes):  # None: no kernel at all
-            missing[node.op_type] += 1
+            missing[domain, node.op_type] += 1
     return missing
 
 
