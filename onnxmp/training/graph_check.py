@@ -32,10 +32,11 @@ from onnxmp.domains import is_onnx_domain
 from onnxmp.errors import first_line
 from onnxmp.kernels import KernelTable
 from onnxmp.parity.emulate import infer_tensor_types
+from onnxmp.precision import BY_ONNX_TYPE
 from onnxmp.verify import full_check
 
-_FLOAT_NAMES = {TensorProto.FLOAT: "float", TensorProto.DOUBLE: "double", TensorProto.FLOAT16: "float16",
-                TensorProto.BFLOAT16: "bfloat16"}
+# The kernel table's float types by ONNX type (it reads "float32" as its "float").
+_FLOAT_NAMES = {**{t: p.name for t, p in BY_ONNX_TYPE.items()}, TensorProto.DOUBLE: "double"}
 
 
 @dataclass
