@@ -110,6 +110,30 @@ def table(results: dict, plain: bool) -> str:
     return "\n".join(lines)
 
 
+def compact_table(results: dict, plain: bool) -> str:
+    """One row per build: the training graph's size, how many graphs pass each check, and the op types
+    without a plain CUDA kernel over all its graphs."""
+    head = ["entry", "precision", "build", "s", "training nodes / op types", "valid", "resolved",
+            *(["resolved by plain onnxruntime"] if plain else []), "op types without a plain CUDA kernel"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for (entry, precision), r in results.items():
+        if "error" in r:
+            lines.append(f"| {entry} | {precision} | FAILED: {r['error']} | {r['seconds']:.1f} |" + " |" * (len(head) - 4))
+            continue
+        graphs = r["graphs"]
+        training = graphs.get("training_model.onnx", {"nodes": 0, "op_types": 0})
+
+        def passed(key):
+            good = [n.removesuffix("_model.onnx") for n, g in graphs.items() if g[key] is None]
+            return f"{len(good)}/{len(graphs)}" + (f" ({', '.join(good)})" if 0 < len(good) < len(graphs) else "")
+        missing = sorted({op for g in graphs.values() for op in g["without_cuda_kernel"]})
+        lines.append("| " + " | ".join([entry, precision, "ok", f"{r['seconds']:.1f}",
+                                         f"{training['nodes']} / {training['op_types']}", passed("invalid"),
+                                         passed("unresolved"), *([passed("plain_unresolved")] if plain else []),
+                                         f"{len(missing)}: {', '.join(missing)}"]) + " |")
+    return "\n".join(lines)
+
+
 def summary(results: dict) -> str:
     builds = len(results)
     failed = [k for k, r in results.items() if "error" in r]
@@ -131,6 +155,7 @@ def main(argv=None) -> int:
     ap.add_argument("--precisions", nargs="+", default=list(PRECISIONS), choices=PRECISIONS)
     ap.add_argument("--plain", metavar="PYTHON", help="also load each graph with this interpreter's onnxruntime")
     ap.add_argument("--json", action="store_true", help="print JSON instead of a markdown table")
+    ap.add_argument("--graphs", action="store_true", help="one row per graph instead of one per build")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.ERROR)
     matrix = json.loads((EXPORTS / "matrix.json").read_text())
@@ -145,7 +170,7 @@ def main(argv=None) -> int:
     if args.json:
         print(json.dumps({f"{e}/{p}": r for (e, p), r in results.items()}, indent=1))
     else:
-        print(table(results, bool(args.plain)))
+        print((table if args.graphs else compact_table)(results, bool(args.plain)))
         print()
         print(summary(results))
     return 0 if all("error" not in r and all(g["ok"] for g in r["graphs"].values())

@@ -60,3 +60,14 @@ def test_train_matrix_one_entry(tmp_path):
     for precision in ("float32", "float16", "bfloat16"):
         assert row[precision]["final"] < row[precision]["initial"], precision
     assert row["float32"]["frozen"] == 12  # each BatchNormalization's running mean and variance
+
+
+def test_check_cuda_builds_one_entry(tmp_path):
+    out = _run(SCRIPTS / "check_cuda_builds.py", "resnet.torchscript14", "--precisions", "bfloat16", "--json",
+               cwd=tmp_path)
+    build = json.loads(out)["resnet.torchscript14/bfloat16"]
+    graphs = build["graphs"]
+    assert set(graphs) == {"training_model.onnx", "eval_model.onnx", "optimizer_model.onnx"}
+    assert all(g["ok"] for g in graphs.values())
+    assert graphs["training_model.onnx"]["not_onnx"] == {"MaxPoolGrad": 1}  # onnxruntime-training's own
+    assert "ConvGrad" in graphs["training_model.onnx"]["without_cuda_kernel"]
