@@ -86,6 +86,10 @@ def plain_loads(python: str, results: dict) -> None:
             g["plain_unresolved"] = loads[g["path"]]
 
 
+def _failed_row(entry: str, precision: str, result: dict, columns: int) -> str:
+    return f"| {entry} | {precision} | FAILED: {result['error']} | {result['seconds']:.1f} |" + " |" * (columns - 4)
+
+
 def _short(error: str | None) -> str:
     return "ok" if error is None else error.replace("[ONNXRuntimeError] : ", "")[:90]
 
@@ -96,7 +100,7 @@ def table(results: dict, plain: bool) -> str:
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for (entry, precision), r in results.items():
         if "error" in r:
-            lines.append(f"| {entry} | {precision} | FAILED: {r['error']} | {r['seconds']:.1f} |" + " |" * (len(head) - 4))
+            lines.append(_failed_row(entry, precision, r, len(head)))
             continue
         for i, (name, g) in enumerate(r["graphs"].items()):
             lead = [entry, precision, "ok", f"{r['seconds']:.1f}"] if i == 0 else ["", "", "", ""]
@@ -118,7 +122,7 @@ def compact_table(results: dict, plain: bool) -> str:
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for (entry, precision), r in results.items():
         if "error" in r:
-            lines.append(f"| {entry} | {precision} | FAILED: {r['error']} | {r['seconds']:.1f} |" + " |" * (len(head) - 4))
+            lines.append(_failed_row(entry, precision, r, len(head)))
             continue
         graphs = r["graphs"]
         training = graphs.get("training_model.onnx", {"nodes": 0, "op_types": 0})
@@ -159,7 +163,8 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.ERROR)
     matrix = json.loads((EXPORTS / "matrix.json").read_text())
-    entries = sorted(k for k, e in matrix.items() if "file" in e and (not args.names or any(n in k for n in args.names)))
+    entries = sorted(k for k, e in matrix.items()
+                     if "file" in e and (not args.names or any(n in k for n in args.names)))
     results: dict = {}
     with tempfile.TemporaryDirectory(prefix="onnxmp-cuda-builds-") as tmp:
         for entry in entries:
