@@ -276,10 +276,11 @@ def pow_exponents_like_bases(model: onnx.ModelProto) -> list[Preparation]:
     back, which is what CUDA's low-precision Pow kernel does inside anyway (it computes in float).
     """
     graph = model.graph
+    if not any(n.op_type == "Pow" for n in graph.node):
+        return []
     types = infer_tensor_types(model)
-    constants = {t.name: t for t in graph.initializer}
-    constants.update({n.output[0]: a.t for n in graph.node if n.op_type == "Constant" and is_onnx_domain(n.domain)
-                      for a in n.attribute if a.name == "value"})
+    initializers = {t.name: t for t in graph.initializer}
+    constant_nodes = {n.output[0]: n for n in graph.node if n.op_type == "Constant" and is_onnx_domain(n.domain)}
     names = FreshNames(proto_names(graph))
     # Pow-13's exponent takes float16 but not bfloat16 (Pow-15 added it).
     exponent_types = {c.type_param_str: set(c.allowed_type_strs)
@@ -296,8 +297,8 @@ def pow_exponents_like_bases(model: onnx.ModelProto) -> list[Preparation]:
         if low is None or low.name not in LOW_PRECISIONS or exponent in (base, 0):
             continue
         scope = node.name or f"Pow_{node.output[0]}"
-        value = constants.get(node.input[1])
-        exact = (_exactly(numpy_helper.to_array(value), low.numpy)
+        value = _constant_value(node.input[1], initializers, constant_nodes)
+        exact = (_exactly(value, low.numpy)
                  if value is not None and low.type_str in exponent_types else None)
         if exact is not None:
             key = (node.input[1], base)
@@ -321,6 +322,18 @@ def pow_exponents_like_bases(model: onnx.ModelProto) -> list[Preparation]:
         graph.node.extend(nodes)
         log.info("%d Pow node(s) given exponents of their bases' type for onnxruntime's gradient builder", len(done))
     return done
+
+
+def _constant_value(name: str, initializers: dict, constant_nodes: dict) -> np.ndarray | None:
+    """The value of ``name`` when an initializer or a Constant node holds it (floats), else None."""
+    if name in initializers:
+        return numpy_helper.to_array(initializers[name])
+    for a in constant_nodes[name].attribute if name in constant_nodes else ():
+        if a.name == "value":
+            return numpy_helper.to_array(a.t)
+        if a.name in ("value_float", "value_floats"):
+            return np.asarray(helper.get_attribute_value(a), np.float32)
+    return None
 
 
 def _elem_type(tp: onnx.TypeProto | None) -> int:

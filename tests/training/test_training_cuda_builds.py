@@ -64,6 +64,15 @@ def test_an_exact_exponent_takes_its_bases_type():
     np.testing.assert_array_equal(_run(model, x), before)
 
 
+def test_a_constant_nodes_value_float_exponent_is_read():
+    model = _pow_model(TensorProto.BFLOAT16, 2.0)
+    del model.graph.initializer[:]
+    model.graph.node.insert(0, helper.make_node("Constant", [], ["e"], value_float=2.0))
+    assert [p.action for p in pow_exponents_like_bases(model)] == ["exponent made bfloat16, the type of its base"]
+    assert _pow_inputs(model)["exponent_type"] == TensorProto.BFLOAT16
+    onnx.checker.check_model(model, full_check=True)
+
+
 @pytest.mark.parametrize("base,exponent,opset,why", [
     (TensorProto.FLOAT16, 0.1, 17, "its exponent is not exact in float16"),
     (TensorProto.BFLOAT16, 3.0, 14, "Pow-14 takes no bfloat16 exponent"),  # bfloat16 T1 came with Pow-15
