@@ -200,3 +200,26 @@ def test_native_model_takes_the_objects():
     assert "AdamWOptimizer" in ops
     entry = SGD(momentum=0.9).manifest_entry(["w"])
     assert "SGDOptimizerV2" in {n.op_type for n in build_optimizer_model(entry, opset=17).graph.node}
+
+
+@pytest.mark.parametrize("opset", [13, 17, 21])
+def test_every_node_has_a_cpu_and_a_cuda_kernel(opset):
+    """Plain onnxruntime's CPU and CUDA builds both register every op at its float types (the kernel
+    table onnxmp ships), so the graph runs on the device that holds the parameters."""
+    from onnxmp.kernels import KernelTable
+
+    table = KernelTable.default()
+    names = {onnx.TensorProto.FLOAT: "float", onnx.TensorProto.DOUBLE: "double"}
+    for opt in (AdamW(amsgrad=True, maximize=True, no_decay=["b"]), SGD(momentum=0.9, nesterov=True, weight_decay=0.1)):
+        model = build_portable_optimizer(opt, [("w", [2, 3]), ("b", [])], opset, clip_global_norm=1.0)
+        model = onnx.shape_inference.infer_shapes(model, strict_mode=True)
+        graph = model.graph
+        types = {v.name: v.type.tensor_type.elem_type for v in [*graph.input, *graph.value_info, *graph.output]}
+        for node in graph.node:
+            if node.op_type == "Constant":
+                continue
+            floats = {names[types[i]] for i in node.input if types.get(i) in names}
+            for provider in ("CPUExecutionProvider", "CUDAExecutionProvider"):
+                assert table.has_kernel(provider, "", node.op_type, opset), (provider, node.op_type)
+                assert all(table.supports(provider, "", node.op_type, opset, None, t) for t in floats), \
+                    (provider, node.op_type, floats)
