@@ -77,13 +77,15 @@ def build_portable_optimizer(optimizer, parameters: Sequence[tuple[str, Sequence
     Inputs ``learning_rate`` (float32 ``[]``), ``step`` (int64 ``[]``, the update's number counting
     this one, from 1), then per parameter ``P``, ``P.grad`` and ``P.<slot>`` for each of the
     optimizer's slots; outputs ``P.out`` and ``P.<slot>.out``.  Slots start as zeros.  The other
-    hyperparameters are constants.  ``clip_global_norm`` first clips the gradients as torch's
-    ``clip_grad_norm_`` does.
+    hyperparameters are constants.  ``clip_global_norm`` (or the one a manifest entry records) first
+    clips the gradients as torch's ``clip_grad_norm_`` does.
 
     Scalars (bias corrections, step size, decay factor) are computed in float64 from the float32
     lr and the step, as torch computes them in Python floats, and rounded to float32 where torch's
     kernels do; tensors are float32 in torch's operation order.
     """
+    if clip_global_norm is None and isinstance(optimizer, dict):  # a manifest entry that recorded one
+        clip_global_norm = optimizer.get("hyperparameters", {}).get("clip_global_norm")
     optimizer = optimizer_named(optimizer)
     parameters = [(str(name), [int(d) for d in shape]) for name, shape in parameters]
     if not parameters:

@@ -114,7 +114,8 @@ def test_no_decay_leaves_exempt_parameters_undecayed(arrays):
     ones = np.ones(3, np.float32)
     feeds = {"learning_rate": np.array(0.1, np.float32), "step": np.array(1, np.int64)}
     for name, _ in shapes:
-        feeds.update({name: ones, f"{name}.grad": 0 * ones, f"{name}.exp_avg": 0 * ones, f"{name}.exp_avg_sq": 0 * ones})
+        feeds.update({name: ones, f"{name}.grad": 0 * ones, f"{name}.exp_avg": 0 * ones,
+                      f"{name}.exp_avg_sq": 0 * ones})
     out = dict(zip([o.name for o in session.get_outputs()], session.run(None, feeds)))
     np.testing.assert_array_equal(out["enc.dense.weight.out"], np.float32(0.95) * ones)
     np.testing.assert_array_equal(out["enc.dense.bias.out"], ones)
@@ -223,3 +224,34 @@ def test_every_node_has_a_cpu_and_a_cuda_kernel(opset):
                 assert table.has_kernel(provider, "", node.op_type, opset), (provider, node.op_type)
                 assert all(table.supports(provider, "", node.op_type, opset, None, t) for t in floats), \
                     (provider, node.op_type, floats)
+
+
+def test_build_artifacts_takes_the_objects_and_the_manifest_rebuilds_them(tmp_path, model):
+    """build_artifacts(optimizer=AdamW(...)) records the optimizer; the manifest's entry alone rebuilds
+    the same portable graph (what the portable engine does), exemptions included."""
+    from onnxmp.training import build_artifacts
+    from onnxmp.training.models import trainable
+
+    names = trainable(model)
+    optimizer = AdamW(lr=0.01, weight_decay=0.1, no_decay=lambda n: n.startswith("b"))
+    art = build_artifacts(model, requires_grad=names, optimizer=optimizer, precision="float32",
+                          out_dir=tmp_path / "a")
+    entry = art.manifest["optimizer"]
+    assert entry["name"] == "adamw" and entry["slots"] == ["exp_avg", "exp_avg_sq"]
+    assert entry["hyperparameters"]["lr"] == 0.01 and entry["hyperparameters"]["weight_decay"] == 0.1
+    assert entry["hyperparameters"]["no_decay"] == [n for n in names if n.startswith("b")] != []
+    shapes = [(t.name, list(t.dims)) for t in model.graph.initializer if t.name in names]
+    rebuilt = build_portable_optimizer(entry, shapes, art.manifest["opset"])
+    original = build_portable_optimizer(optimizer, shapes, art.manifest["opset"])
+    assert rebuilt.SerializeToString() == original.SerializeToString()
+    sgd = build_artifacts(model, requires_grad=names, optimizer="sgd", precision="float32", out_dir=tmp_path / "s")
+    assert sgd.manifest["optimizer"] == SGD().manifest_entry(names)
+    with pytest.raises(OnnxMPError, match="unknown optimizer 'adam'"):
+        build_artifacts(model, requires_grad=names, optimizer="adam", precision="float32", out_dir=tmp_path / "x")
+
+
+def test_a_recorded_clip_is_kept():
+    entry = AdamW().manifest_entry(["w"], clip_global_norm=0.5)
+    ops = {n.op_type for n in build_portable_optimizer(entry, [("w", [3])], 17).graph.node}
+    assert "ReduceSumSquare" in ops
+    assert "ReduceSumSquare" not in {n.op_type for n in build_portable_optimizer("adamw", [("w", [3])], 17).graph.node}
