@@ -9,7 +9,8 @@ from __future__ import annotations
 
 from onnxmp.training.artifacts import Artifacts
 from onnxmp.training.build import build_artifacts
+from onnxmp.training.optim import SGD, AdamW
 from onnxmp.training.scaler import DynamicLossScaler
 from onnxmp.training.trainer import History, StepResult, Trainer
 
-__all__ = ["Artifacts", "DynamicLossScaler", "History", "StepResult", "Trainer", "build_artifacts"]
+__all__ = ["SGD", "AdamW", "Artifacts", "DynamicLossScaler", "History", "StepResult", "Trainer", "build_artifacts"]

@@ -45,7 +45,9 @@ from onnxmp.training.labels import output_shape
 from onnxmp.training.loss_scale import GRAD_WEIGHT, LOSS_SCALE, RESERVED, add_loss_scaling
 from onnxmp.training.losses import LOSSES
 from onnxmp.training.losses import loss as loss_named
-from onnxmp.training.optimizer import MAX_OPSET, OPTIMIZERS, build_optimizer_model, cap_ir_version
+from onnxmp.training.optim import Optimizer as OptimizerSpec
+from onnxmp.training.optim import optimizer_named
+from onnxmp.training.optimizer import MAX_OPSET, build_optimizer_model, build_portable_optimizer, cap_ir_version
 from onnxmp.training.prepare import Preparation, describe, prepare_for_gradient, promote_constants
 
 log = logging.getLogger("onnxmp.training")
@@ -62,7 +64,7 @@ class TrainingBuild:
     frozen: list[str]
     loss: Any
     label_name: str | None
-    optimizer: str
+    optimizer: OptimizerSpec
     precision: str
     target: str
     out: Path
@@ -77,6 +79,7 @@ class TrainingBuild:
     evaluation: onnx.ModelProto | None = None
     parameters: Any = None
     optimizer_model: onnx.ModelProto | None = None
+    portable_optimizer: onnx.ModelProto | None = None  # torch's update in standard ops (optimizer.py)
     artifacts: Artifacts | None = None
 
     @property
@@ -154,6 +157,9 @@ class Optimizer(PassBase[TrainingBuild]):
 
     def call(self, state: TrainingBuild) -> PassResult:
         state.optimizer_model = build_optimizer_model(state.optimizer, opset=_opset(state.forward))
+        shapes = {t.name: list(t.dims) for t in state.trainable.graph.initializer}
+        state.portable_optimizer = build_portable_optimizer(
+            state.optimizer, [(name, shapes[name]) for name in state.requires_grad], _opset(state.forward))
         for proto in (state.training, state.evaluation):
             cap_ir_version(proto)
         return PassResult(True)
@@ -180,7 +186,7 @@ def build_artifacts(
     requires_grad: Iterable[str],
     frozen: Iterable[str] = (),
     loss: str | Any = "cross_entropy",
-    optimizer: str = "adamw",
+    optimizer: str | OptimizerSpec = "adamw",
     precision: str = "float16",
     target: str = "cpu",
     out_dir: str | os.PathLike,
@@ -192,14 +198,16 @@ def build_artifacts(
     is called as ``block(output_name, label_name)`` and must return the name of a float32
     scalar.  The loss reads the model's first output; ``label_name`` (default: the loss's own,
     ``labels`` for cross entropy, ``target`` otherwise) names the new label input.
+    ``optimizer`` is ``onnxmp.training.AdamW(...)`` / ``SGD(...)`` (torch.optim's arguments; its
+    ``lr`` is the default learning rate) or ``"adamw"`` / ``"sgd"`` (torch's defaults); the
+    manifest records it (:mod:`~onnxmp.training.optim`).
     ``precision="float32"`` builds the fp32 baseline (no conversion).  Models over 2 GB are
     refused before any work (see :func:`check_trainable_size`).
     """
     if precision not in PRECISIONS:
         raise OnnxMPError(f"unknown precision {precision!r}", f"use one of: {', '.join(PRECISIONS)}")
     target_named(target)
-    if optimizer not in OPTIMIZERS:
-        raise OnnxMPError(f"unknown optimizer {optimizer!r}", f"use one of: {', '.join(OPTIMIZERS)}")
+    optimizer = optimizer_named(optimizer)
     # A lone string is one name, not a sequence of one-letter names.
     requires_grad = list(dict.fromkeys([requires_grad] if isinstance(requires_grad, str) else requires_grad))
     frozen = list(dict.fromkeys([frozen] if isinstance(frozen, str) else frozen))
@@ -379,7 +387,7 @@ def _manifest(state: TrainingBuild) -> dict:
         "precision": state.precision,
         "target": state.target,
         "loss": state.loss_name,
-        "optimizer": state.optimizer,
+        "optimizer": state.optimizer.manifest_entry(state.requires_grad),
         "opset": _opset(state.forward),
         "inputs": [name for name, _ in inputs],
         "input_dtypes": dict(inputs),

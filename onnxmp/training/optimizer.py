@@ -1,7 +1,15 @@
-"""Training stage: the optimizer model (AdamW or SGD), with an optional global-norm clip."""
+"""Training stage: the optimizer models, with an optional global-norm clip.
+
+* ``build_optimizer_model``: onnxblock's AdamW / SGD over sequences, for onnxruntime-training's
+  ``Optimizer`` (the native engine).  Its update is onnxruntime's, not torch's.
+* ``build_portable_optimizer``: :mod:`onnxmp.training.optim`'s AdamW / SGD written in standard ONNX
+  ops, one subgraph per parameter (no sequences), equal to ``torch.optim`` step for step; any
+  onnxruntime runs it with a plain ``InferenceSession``.
+"""
 from __future__ import annotations
 
 import logging
+from typing import Sequence
 
 import numpy as np
 import onnx
@@ -10,10 +18,12 @@ from onnx import TensorProto, helper, numpy_helper
 from onnxmp.errors import OnnxMPError
 from onnxmp.naming import FreshNames, proto_names
 from onnxmp.training import _ort
+from onnxmp.training.optim import OPTIMIZERS, SGD, AdamW, Optimizer, optimizer_named
+
+__all__ = ["OPTIMIZERS", "build_optimizer_model", "build_portable_optimizer", "clip_by_global_norm"]
 
 log = logging.getLogger("onnxmp.training.optimizer")
 
-OPTIMIZERS = ("adamw", "sgd")
 # onnxruntime-training 1.19.2, the last training build, loads nothing newer.
 MAX_IR_VERSION = 10
 MAX_OPSET = 21
@@ -25,7 +35,7 @@ def cap_ir_version(model: onnx.ModelProto) -> None:
     model.ir_version = min(model.ir_version or MAX_IR_VERSION, MAX_IR_VERSION)
 
 
-def build_optimizer_model(kind: str, *, opset: int, clip_global_norm: float | None = None,
+def build_optimizer_model(kind: str | Optimizer | dict, *, opset: int, clip_global_norm: float | None = None,
                           parameters: int | None = None) -> onnx.ModelProto:
     """The optimizer graph; with ``clip_global_norm`` the unscaled gradients are first
     scaled by ``min(1, c / (norm + 1e-6))``, ``norm`` their global L2 norm (as torch's
@@ -37,8 +47,7 @@ def build_optimizer_model(kind: str, *, opset: int, clip_global_norm: float | No
     would drift apart.  ``parameters`` (how many gradients the sequence holds) is
     required with clipping.
     """
-    if kind not in OPTIMIZERS:
-        raise OnnxMPError(f"unknown optimizer {kind!r}", f"use one of: {', '.join(OPTIMIZERS)}")
+    kind = optimizer_named(kind).name  # as before: onnxblock's own defaults, onnxruntime's update
     ob = _ort.onnxblock()
     block = ob.optim.AdamW() if kind == "adamw" else ob.optim.SGD()
     # onnxblock only reads the element type of the first trainable parameter.
@@ -56,37 +65,193 @@ def build_optimizer_model(kind: str, *, opset: int, clip_global_norm: float | No
     return model
 
 
+LEARNING_RATE, STEP = "learning_rate", "step"
+DOUBLE, FLOAT = TensorProto.DOUBLE, TensorProto.FLOAT
+
+
+def build_portable_optimizer(optimizer, parameters: Sequence[tuple[str, Sequence[int]]], opset: int, *,
+                             clip_global_norm: float | None = None) -> onnx.ModelProto:
+    """torch's update of ``parameters`` (``(name, shape)`` in the manifest's ``requires_grad`` order)
+    as a graph of standard ONNX ops.
+
+    Inputs ``learning_rate`` (float32 ``[]``), ``step`` (int64 ``[]``, the update's number counting
+    this one, from 1), then per parameter ``P``, ``P.grad`` and ``P.<slot>`` for each of the
+    optimizer's slots; outputs ``P.out`` and ``P.<slot>.out``.  Slots start as zeros.  The other
+    hyperparameters are constants.  ``clip_global_norm`` (or the one a manifest entry records) first
+    clips the gradients as torch's ``clip_grad_norm_`` does.
+
+    Scalars (bias corrections, step size, decay factor) are computed in float64 from the float32
+    lr and the step, as torch computes them in Python floats, and rounded to float32 where torch's
+    kernels do; tensors are float32 in torch's operation order.
+    """
+    if clip_global_norm is None and isinstance(optimizer, dict):  # a manifest entry that recorded one
+        clip_global_norm = optimizer.get("hyperparameters", {}).get("clip_global_norm")
+    optimizer = optimizer_named(optimizer)
+    parameters = [(str(name), [int(d) for d in shape]) for name, shape in parameters]
+    if not parameters:
+        raise OnnxMPError("the optimizer has no parameters to update", "name the initializers to train")
+    names_seen = [name for name, _ in parameters]
+    if len(set(names_seen)) != len(names_seen):
+        raise OnnxMPError("a parameter is named twice in the optimizer's parameters")
+    inputs = [helper.make_tensor_value_info(LEARNING_RATE, FLOAT, []),
+              helper.make_tensor_value_info(STEP, TensorProto.INT64, [])]
+    outputs = []
+    for name, shape in parameters:
+        for suffix in ("", ".grad", *(f".{slot}" for slot in optimizer.slots)):
+            inputs.append(helper.make_tensor_value_info(name + suffix, FLOAT, shape))
+        for suffix in ("", *(f".{slot}" for slot in optimizer.slots)):
+            outputs.append(helper.make_tensor_value_info(f"{name}{suffix}.out", FLOAT, shape))
+    io = [v.name for v in [*inputs, *outputs]]
+    if len(set(io)) != len(io):
+        raise OnnxMPError("parameter names clash with the optimizer graph's input/output names "
+                          "(a parameter named like another's '.grad' or slot)", "rename the initializer")
+    g = _Graph(set(io))
+    grads = [f"{name}.grad" for name, _ in parameters]
+    if clip_global_norm is not None:
+        grads = clip_by_global_norm(g.nodes, g.names, grads, float(clip_global_norm))
+    if optimizer.maximize:
+        grads = [g.op("Neg", grad) for grad in grads]
+    update = _adamw if isinstance(optimizer, AdamW) else _sgd
+    update(g, optimizer, [(name, grad) for (name, _), grad in zip(parameters, grads)])
+    graph = helper.make_graph(g.nodes, f"onnxmp_{optimizer.name}", inputs, outputs)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", min(max(opset, 13), MAX_OPSET))],
+                              producer_name="onnxmp")
+    cap_ir_version(model)
+    onnx.checker.check_model(model)
+    return model
+
+
+class _Graph:
+    def __init__(self, used: set[str]):
+        self.nodes: list = []
+        self.names = FreshNames(used)
+        self.constant = _constants(self.nodes, self.names, "onnxmp/optim")
+
+    def op(self, op_type: str, *inputs: str, out: str | None = None, **attrs) -> str:
+        out = out or self.names(f"onnxmp/optim/{op_type}_out")
+        self.nodes.append(helper.make_node(op_type, list(inputs), [out], name=self.names(f"onnxmp/optim/{op_type}"),
+                                           **attrs))
+        return out
+
+    def f32(self, value: float) -> str:
+        """A float32 constant, rounded from a Python float as torch rounds a scalar argument."""
+        return self.constant(value, np.float32)
+
+    def f64(self, value: float) -> str:
+        return self.constant(value, np.float64)
+
+    def to_float(self, name: str) -> str:
+        return self.op("Cast", name, to=FLOAT)
+
+
+def _adamw(g: _Graph, opt: AdamW, parameters: list[tuple[str, str]]) -> None:
+    beta1, beta2 = opt.betas
+    lr = g.op("Cast", LEARNING_RATE, to=DOUBLE)
+    t = g.op("Cast", STEP, to=DOUBLE)
+    one = g.f64(1.0)
+    # bias_correction1 = 1 - beta1 ** step; step_size = lr / bias_correction1 (Python floats in torch)
+    correction1 = g.op("Sub", one, g.op("Pow", g.f64(beta1), t))
+    correction2 = g.op("Sub", one, g.op("Pow", g.f64(beta2), t))
+    neg_step_size = g.to_float(g.op("Neg", g.op("Div", lr, correction1)))
+    correction2_sqrt = g.to_float(g.op("Sqrt", correction2))
+    decay = None
+    if any(opt.decays(name) for name, _ in parameters):
+        decay = g.to_float(g.op("Sub", one, g.op("Mul", lr, g.f64(opt.weight_decay))))
+    # exp_avg.lerp_(grad, 1 - beta1): torch's lerp takes the branch by the weight's size.
+    weight = float(np.float32(1.0 - beta1))
+    small = abs(weight) < 0.5
+    w = g.f32(weight) if small else g.f32(float(np.float32(1.0) - np.float32(weight)))
+    b2, one_minus_b2, eps = g.f32(beta2), g.f32(1.0 - beta2), g.f32(opt.eps)
+    for name, grad in parameters:
+        param = g.op("Mul", name, decay) if opt.decays(name) else name
+        exp_avg, exp_avg_sq = f"{name}.exp_avg", f"{name}.exp_avg_sq"
+        diff = g.op("Sub", grad, exp_avg)
+        if small:
+            m = g.op("Add", exp_avg, g.op("Mul", w, diff), out=f"{exp_avg}.out")
+        else:
+            m = g.op("Sub", grad, g.op("Mul", diff, w), out=f"{exp_avg}.out")
+        # exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
+        v = g.op("Add", g.op("Mul", exp_avg_sq, b2), g.op("Mul", g.op("Mul", one_minus_b2, grad), grad),
+                 out=f"{exp_avg_sq}.out")
+        if opt.amsgrad:
+            v = g.op("Max", f"{name}.max_exp_avg_sq", v, out=f"{name}.max_exp_avg_sq.out")
+        denom = g.op("Add", g.op("Div", g.op("Sqrt", v), correction2_sqrt), eps)
+        # param.addcdiv_(exp_avg, denom, value=-step_size): torch's CPU kernel divides the product
+        g.op("Add", param, g.op("Div", g.op("Mul", neg_step_size, m), denom), out=f"{name}.out")
+
+
+def _sgd(g: _Graph, opt: SGD, parameters: list[tuple[str, str]]) -> None:
+    neg_lr = g.op("Neg", LEARNING_RATE)  # exact in float32: alpha=-lr
+    first = g.op("Equal", STEP, g.constant(1, np.int64)) if opt.momentum != 0 else None
+    wd = g.f32(opt.weight_decay) if any(opt.decays(name) for name, _ in parameters) else None
+    mu = g.f32(opt.momentum) if first is not None else None
+    rest = g.f32(1.0 - opt.dampening) if first is not None and opt.dampening != 0 else None
+    for name, grad in parameters:
+        if opt.decays(name):
+            grad = g.op("Add", grad, g.op("Mul", name, wd))  # grad.add(param, alpha=weight_decay)
+        if first is not None:
+            buffer = f"{name}.momentum_buffer"
+            # torch: the buffer is the gradient itself at the first step, then mu*buf + (1-dampening)*g
+            scaled = g.op("Mul", grad, rest) if opt.dampening != 0 else grad
+            running = g.op("Add", g.op("Mul", buffer, mu), scaled)
+            buffer = g.op("Where", first, grad, running, out=f"{buffer}.out")
+            grad = g.op("Add", grad, g.op("Mul", buffer, mu)) if opt.nesterov else buffer
+        g.op("Add", name, g.op("Mul", grad, neg_lr), out=f"{name}.out")
+
+
 def _add_global_norm_clip(model: onnx.ModelProto, max_norm: float, count: int) -> None:
     graph = model.graph
     names = FreshNames(proto_names(graph))
     step = next(n for n in graph.node if n.op_type in ("AdamWOptimizer", "SGDOptimizerV2"))
     position = list(step.input).index("gradients")
-    nodes, grads, sums = [], [], []
-
-    def constant(value, dtype) -> str:
-        out = names("onnxmp/clip/const")
-        nodes.append(helper.make_node("Constant", [], [out], name=names("onnxmp/clip/Constant"),
-                                      value=numpy_helper.from_array(np.array(value, dtype), out)))
-        return out
-
+    nodes, grads = [], []
+    constant = _constants(nodes, names, "onnxmp/clip")
     for i in range(count):
-        grad, total = names(f"onnxmp/clip/grad_{i}"), names(f"onnxmp/clip/sumsq_{i}")
+        grad = names(f"onnxmp/clip/grad_{i}")
         nodes.append(helper.make_node("SequenceAt", ["gradients", constant(i, np.int64)], [grad],
                                       name=names(f"onnxmp/clip/SequenceAt_{i}")))
-        squares = names(f"onnxmp/clip/sumsq_{i}_kept")
+        grads.append(grad)
+    scaled = clip_by_global_norm(nodes, names, grads, max_norm)
+    clipped = names("onnxmp/clip/gradients")
+    nodes.append(helper.make_node("SequenceConstruct", scaled, [clipped], name=names("onnxmp/clip/SequenceConstruct")))
+    step.input[position] = clipped
+    rest = list(graph.node)
+    graph.ClearField("node")
+    graph.node.extend([*nodes, *rest])
+
+
+def _constants(nodes: list, names: FreshNames, prefix: str):
+    def constant(value, dtype) -> str:
+        out = names(f"{prefix}/const")
+        nodes.append(helper.make_node("Constant", [], [out], name=names(f"{prefix}/Constant"),
+                                      value=numpy_helper.from_array(np.array(value, dtype), out)))
+        return out
+    return constant
+
+
+def clip_by_global_norm(nodes: list, names: FreshNames, grads: list[str], max_norm: float) -> list[str]:
+    """Append to ``nodes`` torch's ``clip_grad_norm_`` of ``grads`` (float32 tensors): each scaled by
+    ``min(1, max_norm / (norm + 1e-6))``, ``norm`` the global L2 norm; returns the clipped names.
+
+    The per-tensor sums of squares are added sorted by value, so the sum does not depend on the
+    order the gradients come in (ORT does not document its sequence's order): the native and the
+    portable optimizer graphs compute the same factor."""
+    if not max_norm > 0:
+        raise OnnxMPError(f"clip_global_norm must be positive, got {max_norm}")
+    constant = _constants(nodes, names, "onnxmp/clip")
+    sums = []
+    for i, grad in enumerate(grads):
+        squares, total = names(f"onnxmp/clip/sumsq_{i}_kept"), names(f"onnxmp/clip/sumsq_{i}")
         nodes.append(helper.make_node("ReduceSumSquare", [grad], [squares], keepdims=1,
                                       name=names(f"onnxmp/clip/ReduceSumSquare_{i}")))
         nodes.append(helper.make_node("Reshape", [squares, constant([1], np.int64)], [total],
                                       name=names(f"onnxmp/clip/Reshape_{i}")))
-        grads.append(grad)
         sums.append(total)
-    # ORT does not document the order of the gradient sequence (it is not the manifest's);
-    # summing the per-parameter squares sorted by value makes the sum independent of it.
-    flat, ordered, order, sum_sq, norm, denominator, ratio, factor, clipped = (
+    flat, ordered, order, sum_sq, norm, denominator, ratio, factor = (
         names(f"onnxmp/clip/{n}") for n in ("squares", "sorted", "order", "sum_sq", "norm", "denominator",
-                                            "ratio", "factor", "gradients"))
-    k, eps, c, one = (constant([count], np.int64), constant(1e-6, np.float32), constant(max_norm, np.float32),
-                      constant(1.0, np.float32))
+                                            "ratio", "factor"))
+    k, eps, c, one = (constant([len(grads)], np.int64), constant(1e-6, np.float32),
+                      constant(max_norm, np.float32), constant(1.0, np.float32))
     nodes += [
         helper.make_node("Concat", sums, [flat], axis=0, name=names("onnxmp/clip/Concat")),
         helper.make_node("TopK", [flat, k], [ordered, order], axis=0, largest=1, sorted=1,
@@ -102,8 +267,4 @@ def _add_global_norm_clip(model: onnx.ModelProto, max_norm: float, count: int) -
         out = names(f"{grad}.clipped")
         nodes.append(helper.make_node("Mul", [grad, factor], [out], name=names("onnxmp/clip/Mul")))
         scaled.append(out)
-    nodes.append(helper.make_node("SequenceConstruct", scaled, [clipped], name=names("onnxmp/clip/SequenceConstruct")))
-    step.input[position] = clipped
-    rest = list(graph.node)
-    graph.ClearField("node")
-    graph.node.extend([*nodes, *rest])
+    return scaled
