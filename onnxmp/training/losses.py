@@ -226,6 +226,13 @@ def block(name: str, **options):
     return TableLoss()
 
 
+def onnxblock():
+    """onnxruntime's ``onnxblock`` module (the ``Block`` base class of custom losses), without importing torch."""
+    from onnxmp.training import _ort
+
+    return _ort.onnxblock()
+
+
 def declare_label(graph: onnx.GraphProto, output: str, label: str, *, classes: bool) -> None:
     """Add the label input (unless the graph has it): int64 class ids shaped like the output without its
     last (class) axis, or float targets shaped like the output."""
