@@ -89,7 +89,9 @@ def _token_nll(g: LossGraph, logits: str, labels: str, ignore_index: int) -> str
     same = g.op("Equal", g.op("Shape", labels, what="labels_shape"), positions, what="labels_like_logits_check")
     all_same = g.op("ReduceMin", g.op("Cast", same, what="same_dims", to=TensorProto.INT64), what="all_same",
                     keepdims=0)
-    index_shape = g.op("Concat", positions, g.const("one", [1], np.int64), what="index_shape", axis=0)
+    # positions + [1] by Pad, not Concat: onnxruntime-training turns every Concat into its ConcatTraining.
+    index_shape = g.op("Pad", positions, g.const("append_one", [0, 1], np.int64), g.const("one", 1, np.int64),
+                       what="index_shape", mode="constant")
     checked = g.op("Where", g.op("Cast", all_same, what="all_same_bool", to=TensorProto.BOOL), index_shape,
                    g.const("invalid_shape", [-2], np.int64), what="checked_index_shape")
     labels = g.op("Reshape", labels, checked, what="labels_like_logits")
