@@ -42,7 +42,7 @@ from onnxmp.training.gradient import gradient_graph, make_eval_outputs
 from onnxmp.training.labels import check_output, output_shape
 from onnxmp.training.loss_scale import GRAD_WEIGHT, LOSS_SCALE, RESERVED, add_loss_scaling
 from onnxmp.training.losses import LOSSES
-from onnxmp.training.losses import block as table_loss_block
+from onnxmp.training.losses import loss as loss_named
 from onnxmp.training.optimizer import MAX_OPSET, OPTIMIZERS, build_optimizer_model, cap_ir_version
 from onnxmp.training.prepare import describe, prepare_for_gradient, promote_constants
 
@@ -294,13 +294,13 @@ def _manifest(state: TrainingBuild) -> dict:
         "precision": state.precision,
         "target": state.target,
         "loss": state.loss_name,
-        "loss_options": state.loss_options,
         "optimizer": state.optimizer,
         "opset": _opset(state.forward),
         "inputs": [name for name, _ in inputs],
         "input_dtypes": dict(inputs),
         "model_inputs": [name for name, _ in inputs if name != state.label_name],
         "label_input": state.label_name,
+        "loss_options": state.loss_options,
         "forward_outputs": [v.name for v in state.forward.graph.output],
         "output_shape": output_shape(state.forward),
         "training_outputs": [v.name for v in state.training.graph.output
@@ -329,6 +329,7 @@ def _check_parameters(model: onnx.ModelProto, requires_grad: list[str], frozen: 
 
 def _loss_block(loss, label_name: str | None):
     """(block, the manifest's loss name, its options, the label input's name) for ``loss``."""
+    from onnxmp.training.losses import block as table_loss_block
     from onnxmp.training.losses import resolve_loss
 
     ob = _ort.onnxblock()
@@ -338,7 +339,7 @@ def _loss_block(loss, label_name: str | None):
     if isinstance(loss, ob.Block):
         table = getattr(loss, "loss_name", None)
         if table in LOSSES:  # a table loss, perhaps with options (losses.block)
-            return loss, table, dict(loss.loss_options), label_name or LOSSES[table].label
+            return loss, table, dict(loss.loss_options), label_name or loss_named(table).label
         return loss, type(loss).__name__, {}, label_name or "labels"
     raise OnnxMPError(f"unsupported loss {loss!r}",
                       f"use one of {', '.join(LOSSES)} or an onnxruntime.training.onnxblock.Block")
