@@ -187,15 +187,17 @@ def build_artifacts(
 ) -> Artifacts:
     """Build mixed-precision training artifacts for ``model`` in ``out_dir``.
 
-    ``loss`` is one of :data:`~onnxmp.training.losses.LOSSES` (``losses.block(name, **options)``
-    for other options than the defaults), ``"module:function"`` / ``"file.py:function"``
-    (:func:`~onnxmp.training.losses.resolve_loss`) or an ``onnxblock.Block``, which is called as
-    ``block(output_name, label_name)``, must declare the label input and return the name of a
-    float32 scalar (docs/training.md, custom losses).  The loss reads the model's first output;
-    ``label_name`` (default: the loss's own, ``labels`` for cross entropy and causal LM,
-    ``target`` otherwise) names the new label input.
+    ``loss`` is one of :data:`~onnxmp.training.losses.LOSSES` or an ``onnxblock.Block``, which
+    is called as ``block(output_name, label_name)`` and must return the name of a float32
+    scalar.  The loss reads the model's first output; ``label_name`` (default: the loss's own,
+    ``labels`` for cross entropy, ``target`` otherwise) names the new label input.
     ``precision="float32"`` builds the fp32 baseline (no conversion).  Models over 2 GB are
     refused before any work (see :func:`check_trainable_size`).
+
+    ``loss`` may also be ``losses.block(name, **options)`` (a table loss with other options than
+    the defaults, e.g. ``ignore_index``, ``pos_weight``) or ``"module:function"`` /
+    ``"file.py:function"`` (:func:`~onnxmp.training.losses.resolve_loss`); a custom block must
+    declare its label input (docs/training.md, custom losses).  ``causal_lm``'s label is ``labels``.
     """
     if precision not in PRECISIONS:
         raise OnnxMPError(f"unknown precision {precision!r}", f"use one of: {', '.join(PRECISIONS)}")
