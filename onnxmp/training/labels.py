@@ -91,8 +91,9 @@ def _class_ids(loss: str, labels: np.ndarray, known: list[int | None], where: st
     if known:
         positions = known[:-1]
         if labels.ndim != len(positions):
+            per = "row" if len(known) == 2 else "position"
             raise OnnxMPError(f"{where} have shape {list(labels.shape)} but the {loss} loss needs one class id per "
-                              f"{'row' if len(known) == 2 else 'position'} of the logits (shape {_dims(positions)} for logits {_dims(known)}, "
+                              f"{per} of the logits (shape {_dims(positions)} for logits {_dims(known)}, "
                               "the classes on the last axis)",
                               "pass class ids, not one-hot rows" if labels.ndim == len(known) else None)
         wrong = [i for i, (k, n) in enumerate(zip(positions, labels.shape)) if i and k is not None and k != n]

@@ -54,8 +54,8 @@ def run_training_graph(artifacts, x, labels):
     state = api.CheckpointState.load_checkpoint(str(artifacts.checkpoint))
     module = api.Module(str(artifacts.training_model), state, str(artifacts.eval_model))
     module.train()
-    dtypes = artifacts.manifest["input_dtypes"]
-    feeds = {"x": x, artifacts.manifest["label_input"]: np.asarray(labels, dtype=dtypes[artifacts.manifest["label_input"]]),
+    label = artifacts.manifest["label_input"]
+    feeds = {"x": x, label: np.asarray(labels, dtype=artifacts.manifest["input_dtypes"][label]),
              "loss_scale": np.array(1.0, np.float32), "grad_weight": np.array(1.0, np.float32)}
     outputs = module(*[feeds[name] for name in module.input_names()])
     loss = float(outputs[module.output_names().index("loss")])
