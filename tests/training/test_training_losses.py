@@ -234,3 +234,17 @@ def test_loss_options_are_checked_and_recorded(tmp_path):
                                 out_dir=tmp_path / "a")
     assert artifacts.manifest["loss"] == "cross_entropy"
     assert artifacts.manifest["loss_options"] == {"ignore_index": 3}
+
+
+def test_a_batch_with_every_label_ignored_trains_on_as_torch_does(tmp_path):
+    # torch: loss NaN, gradients zero, and the optimizer steps; the scaler sees finite gradients.
+    from onnxmp.training import DynamicLossScaler, Trainer
+
+    data = case("cross_entropy_all_ignored")
+    artifacts = build_artifacts(tiny_model(data["x"], data["W"], data["b"]), requires_grad=["W", "b"],
+                                optimizer="sgd", precision="float32", out_dir=tmp_path / "a")
+    trainer = Trainer(artifacts, scaler=DynamicLossScaler.static(1.0))
+    result = trainer.train_step(data["x"], data["labels"])
+    assert math.isnan(result.loss) and result.all_finite and result.stepped
+    trainer.scaler.check_progress([result.loss], precision="float32")  # no error: the update ran
+    assert all(np.array_equal(v, data[k]) for k, v in trainer.parameters().items())  # zero gradients: SGD keeps them
