@@ -19,7 +19,7 @@ Underflow case: the same three runs, with the loss multiplied by 2**-20 inside
 the graph (a custom loss block: cross entropy times a constant).  The true
 gradients shrink by 2**-20 too, down to ~1e-9..1e-8, below float16's smallest
 subnormal (6e-8): with a loss scale of 1 the fp16 backward pass flushes them to
-zero; dynamic scaling (starting at 2**15) lifts them back into range.  The
+zero; dynamic scaling (starting at 2**16) lifts them back into range.  The
 optimizer there is plain SGD with the learning rate multiplied by 2**20, which
 makes the float32 run exactly equivalent to training on the unscaled loss
 (AdamW's epsilon would otherwise swamp such tiny gradients in every run).

@@ -41,7 +41,7 @@ from onnxmp.training import _ort
 from onnxmp.training.artifacts import FILES, FORMAT, Artifacts, write_artifacts
 from onnxmp.training.determinism import deterministic_gather_grads, float32_cpu_grad_kernels
 from onnxmp.training.gradient import gradient_graph, make_eval_outputs
-from onnxmp.training.labels import output_shape
+from onnxmp.training.labels import check_output, output_shape
 from onnxmp.training.loss_scale import GRAD_WEIGHT, LOSS_SCALE, RESERVED, add_loss_scaling
 from onnxmp.training.losses import LOSSES
 from onnxmp.training.losses import loss as loss_named
@@ -72,6 +72,7 @@ class TrainingBuild:
     trainable: onnx.ModelProto | None = None       # Constant-node weights promoted to initializers
     loss_block: Any = None
     loss_name: str = ""
+    loss_options: dict = field(default_factory=dict)
     prepared: onnx.ModelProto | None = None
     preparations: list = field(default_factory=list)
     train_forward: onnx.ModelProto | None = None   # the mixed-precision forward graph
@@ -97,7 +98,9 @@ class Load(PassBase[TrainingBuild]):
         state.forward = supported_versions(load(state.source))
         state.trainable, promoted = promote_constants(state.forward, state.parameter_names)
         _check_parameters(state.trainable, state.requires_grad, state.frozen)
-        state.loss_block, state.loss_name, state.label_name = _loss_block(state.loss, state.label_name)
+        state.loss_block, state.loss_name, state.loss_options, state.label_name = _loss_block(
+            state.loss, state.label_name)
+        check_output(state.loss_name, output_shape(state.forward), repr(state.forward.graph.output[0].name))
         clashes = sorted(proto_names(state.forward.graph) & {*RESERVED, state.label_name})
         if clashes:
             raise OnnxMPError(f"the model already uses the name(s) {', '.join(clashes)}",
@@ -203,6 +206,11 @@ def build_artifacts(
     manifest records it (:mod:`~onnxmp.training.optim`).
     ``precision="float32"`` builds the fp32 baseline (no conversion).  Models over 2 GB are
     refused before any work (see :func:`check_trainable_size`).
+
+    ``loss`` may also be ``losses.block(name, **options)`` (a table loss with other options than
+    the defaults, e.g. ``ignore_index``, ``pos_weight``) or ``"module:function"`` /
+    ``"file.py:function"`` (:func:`~onnxmp.training.losses.resolve_loss`); a custom block must
+    declare its label input (docs/training.md, custom losses).  ``causal_lm``'s label is ``labels``.
     """
     if precision not in PRECISIONS:
         raise OnnxMPError(f"unknown precision {precision!r}", f"use one of: {', '.join(PRECISIONS)}")
@@ -393,6 +401,7 @@ def _manifest(state: TrainingBuild) -> dict:
         "input_dtypes": dict(inputs),
         "model_inputs": [name for name, _ in inputs if name != state.label_name],
         "label_input": state.label_name,
+        "loss_options": state.loss_options,
         "forward_outputs": [v.name for v in state.forward.graph.output],
         "output_shape": output_shape(state.forward),
         "training_outputs": [v.name for v in state.training.graph.output
@@ -420,12 +429,19 @@ def _check_parameters(model: onnx.ModelProto, requires_grad: list[str], frozen: 
 
 
 def _loss_block(loss, label_name: str | None):
+    """(block, the manifest's loss name, its options, the label input's name) for ``loss``."""
+    from onnxmp.training.losses import block as table_loss_block
+    from onnxmp.training.losses import resolve_loss
+
     ob = _ort.onnxblock()
+    loss = resolve_loss(loss)
     if isinstance(loss, str):
-        chosen = loss_named(loss)
-        return getattr(ob.loss, chosen.block)(), chosen.name, label_name or chosen.label
+        loss = table_loss_block(loss)
     if isinstance(loss, ob.Block):
-        return loss, type(loss).__name__, label_name or "labels"
+        table = getattr(loss, "loss_name", None)
+        if table in LOSSES:  # a table loss, perhaps with options (losses.block)
+            return loss, table, dict(loss.loss_options), label_name or loss_named(table).label
+        return loss, type(loss).__name__, {}, label_name or "labels"
     raise OnnxMPError(f"unsupported loss {loss!r}",
                       f"use one of {', '.join(LOSSES)} or an onnxruntime.training.onnxblock.Block")
 

@@ -51,14 +51,14 @@ def scaled_cross_entropy(multiplier: float):
     A custom loss block as users write one; a small ``multiplier`` makes float16
     gradients underflow without loss scaling.  Needs onnxruntime-training.
     """
-    from onnxmp.training import _ort
+    from onnxmp.training import _ort, losses
 
     ob = _ort.onnxblock()
 
     class ScaledCrossEntropy(ob.Block):
         def __init__(self):
             super().__init__()
-            self.cross_entropy = ob.loss.CrossEntropyLoss()
+            self.cross_entropy = losses.block("cross_entropy")  # the table's, in standard ops
             self.mul = ob.blocks.Mul()
 
         def build(self, output, labels):
