@@ -54,7 +54,7 @@ def test_train_float32_with_accumulation_and_clipping(files, capsys):
                       "--clip-global-norm", "1.0")) == 0
     assert (out / "model.onnx").is_file() and not (out / "model.float16.onnx").exists()
     manifest = json.loads((out / "state" / "manifest.json").read_text())
-    assert manifest["precision"] == "float32" and manifest["optimizer"] == "sgd"
+    assert manifest["precision"] == "float32" and manifest["optimizer"]["name"] == "sgd"
     assert json.loads((out / "history.json").read_text())["optimizer_steps"] == 4
 
 
