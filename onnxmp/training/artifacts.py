@@ -151,7 +151,7 @@ def write_parameters(path: Path, parameters: Mapping[str, np.ndarray]) -> None:
 
     def write(tmp):
         with open(tmp, "wb") as stream:
-            np.savez(stream, **{name: np.ascontiguousarray(value) for name, value in parameters.items()})
+            np.savez(stream, **{name: np.require(value, requirements="C") for name, value in parameters.items()})
 
     atomic_write(path, write)
 
