@@ -64,12 +64,12 @@ def _portable_builders():
     from onnxmp.training import portable
 
     if portable.available():
-        return contextlib.nullcontext()
+        return contextlib.nullcontext
     sys.path.insert(0, str(ROOT / "tests" / "training"))
     from portable_scaffold import installed
 
     print("note: no lowering in this onnxmp yet; the portable graphs come from the tests' scaffolding")
-    return installed()
+    return installed
 
 
 def time_engine(artifacts, engine, batches, lr, args):
@@ -107,7 +107,7 @@ def bench_engines(args) -> int:
             params = [t.name for t in model.graph.initializer if t.data_type == onnx.TensorProto.FLOAT]
             frozen = without_gradient(model, params)
             try:
-                with builders:
+                with builders():
                     artifacts = build_artifacts(model, requires_grad=[n for n in params if n not in frozen],
                                                 frozen=list(frozen), precision=args.precision, target="cpu",
                                                 out_dir=Path(folder) / key)
