@@ -203,6 +203,7 @@ def build_artifacts(
     ``precision="float32"`` builds the fp32 baseline (no conversion).  Models over 2 GB are
     refused before any work (see :func:`check_trainable_size`).
     """
+    _ort.onnxblock()  # no training build: one error naming the Python 3.11 step, before any work
     if precision not in PRECISIONS:
         raise OnnxMPError(f"unknown precision {precision!r}", f"use one of: {', '.join(PRECISIONS)}")
     target_named(target)
