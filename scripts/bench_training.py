@@ -98,6 +98,7 @@ def bench_engines(args) -> int:
     names = list(matrix) if args.all else [n for n in matrix if any(w in n for w in args.entries or DEFAULT_ENTRIES)]
     rows = {}
     builders = _portable_builders()
+    print(f"{args.optimizer}, {args.steps} timed steps after {args.warmup} of warm-up, an update every step")
     print(f"{'export':<28}{'precision':>10}{'native ms':>11}{'portable ms':>13}{'ratio':>7}"
           f"{'max rel loss diff':>19}{'same skips':>11}")
     with tempfile.TemporaryDirectory(prefix="onnxmp-bench-engines-") as folder:
@@ -110,7 +111,7 @@ def bench_engines(args) -> int:
                 with builders():
                     artifacts = build_artifacts(model, requires_grad=[n for n in params if n not in frozen],
                                                 frozen=list(frozen), precision=args.precision, target="cpu",
-                                                out_dir=Path(folder) / key)
+                                                optimizer=args.optimizer, out_dir=Path(folder) / key)
                 batches = tasks.batches(entry["arch"], entry["inputs"], 32)
                 lr = tasks.LR.get(entry["arch"], tasks.DEFAULT_LR)
                 native, a = time_engine(artifacts, "native", batches, lr, args)
@@ -128,7 +129,8 @@ def bench_engines(args) -> int:
             print(f"{key:<28}{args.precision:>10}{native * 1e3:>11.1f}{portable * 1e3:>13.1f}"
                   f"{portable / native:>7.2f}{diff:>19.2e}{str(same):>11}", flush=True)
     if args.json:
-        write_text_atomic(args.json, json.dumps({"steps": args.steps, "precision": args.precision, "rows": rows},
+        write_text_atomic(args.json, json.dumps({"steps": args.steps, "precision": args.precision, "optimizer": args.optimizer,
+                                                 "rows": rows},
                                                 indent=2) + "\n")
     return 0
 
@@ -137,6 +139,7 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--engines", action="store_true",
                         help="portable vs native step time on exports of the matrix (CPU)")
+    parser.add_argument("--optimizer", choices=["adamw", "sgd"], default="adamw", help="with --engines (default adamw)")
     parser.add_argument("--all", action="store_true", help="with --engines: every entry of the matrix")
     parser.add_argument("--entries", nargs="+", metavar="NAME",
                         help=f"with --engines: entries whose name contains one of these "
