@@ -14,7 +14,6 @@ from pathlib import Path
 from typing import Mapping
 
 import numpy as np
-import onnx
 
 from onnxmp.errors import OnnxMPError, first_line
 from onnxmp.training.artifacts import Artifacts, read_parameters, write_parameters
