@@ -121,13 +121,14 @@ class PortableEngine(Engine):
             else:
                 binding.bind_cpu_input(name, feeds[name])
         outputs = {out: buffers[into] for into, out in self._grad_pairs.items()}
-        host = []
+        host = (LOSS, ALL_FINITE)
         for name in self._train_outputs:
             if name in outputs:
                 binding.bind_ortvalue_output(name, self._spare_grads[outputs[name]])
-            else:
+            elif name in host:
                 binding.bind_output(name, "cpu")
-                host.append(name)
+            else:  # loss_scaled: nobody reads it, it stays where it was computed
+                binding.bind_output(name, *self._where)
         self._train_session.run_with_iobinding(binding)
         produced = binding.get_outputs()  # in binding order: self._train_outputs'
         values = {name: produced[i].numpy() for i, name in enumerate(self._train_outputs) if name in host}
