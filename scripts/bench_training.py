@@ -1,5 +1,12 @@
 #!/usr/bin/env python
-"""Training throughput: steps/s of float32 vs mixed precision on one device.
+"""Training throughput: steps/s of float32 vs mixed precision on one device, and the portable
+engine against the native one on the matrix's exports.
+
+``--engines`` times the two engines side by side, in one run, on exports of the matrix
+(models/exports/; a few by default, ``--all`` for every entry, or names): the same artifacts,
+batches and settings, ``--steps`` timed micro-steps each (an update every step) after a warm-up;
+it prints the per-step time of each, the portable/native ratio, and how far the two runs'
+per-step losses are apart.  Ratios, not timed tests: the machine's load moves them.
 
 Builds an MLP (``--sizes``, default 1024-4096-4096-1024-10, ~25M parameters),
 training artifacts for float32 and for mixed precision, then times
@@ -45,19 +52,118 @@ def measure(model, precision, args, workdir):
             "skipped_steps": trainer.skipped_steps, "last_loss": result.loss}
 
 
+ROOT = Path(__file__).resolve().parents[1]
+DEFAULT_ENTRIES = ("bert2.torchscript17", "vit.torchscript17", "wav2vec2.torchscript17", "resnet.torchscript17-bn")
+
+
+def _portable_builders():
+    """The portable form needs the lowering and the portable optimizer graph; until they are
+    merged the tests' scaffolding stands in (its graphs keep training ops: Python 3.11 only)."""
+    import contextlib
+
+    from onnxmp.training import portable
+
+    if portable.available():
+        return contextlib.nullcontext
+    sys.path.insert(0, str(ROOT / "tests" / "training"))
+    from portable_scaffold import installed
+
+    print("note: no lowering in this onnxmp yet; the portable graphs come from the tests' scaffolding")
+    return installed
+
+
+def time_engine(artifacts, engine, batches, lr, args):
+    scaler = DynamicLossScaler(2.0**16, growth_steps=5) if artifacts.precision == "float16" else None
+    trainer = Trainer(artifacts, engine=engine, lr=lr, scaler=scaler)
+    results, seconds = [], 0.0
+    for i in range(args.warmup + args.steps):
+        batch = batches[i % len(batches)]
+        start = time.perf_counter()
+        result = trainer.train_step(*batch)
+        if i >= args.warmup:
+            seconds += time.perf_counter() - start
+            results.append(result)
+    return seconds / args.steps, results
+
+
+def bench_engines(args) -> int:
+    import onnx
+
+    sys.path[:0] = [str(ROOT / "models" / "exports")]
+    import tasks
+    from onnxmp.errors import OnnxMPError
+    from onnxmp.training.prepare import without_gradient
+
+    matrix = json.loads((ROOT / "models" / "exports" / "matrix.json").read_text())
+    names = list(matrix) if args.all else [n for n in matrix if any(w in n for w in args.entries or DEFAULT_ENTRIES)]
+    rows = {}
+    builders = _portable_builders()
+    print(f"{args.optimizer}, {args.steps} timed steps after {args.warmup} of warm-up, an update every step")
+    print(f"{'export':<28}{'precision':>10}{'native ms':>11}{'portable ms':>13}{'ratio':>7}"
+          f"{'max rel loss diff':>19}{'same skips':>11}")
+    with tempfile.TemporaryDirectory(prefix="onnxmp-bench-engines-") as folder:
+        for key in names:
+            entry = matrix[key]
+            model = onnx.load(str(ROOT / "models" / "exports" / entry["file"]))
+            params = [t.name for t in model.graph.initializer if t.data_type == onnx.TensorProto.FLOAT]
+            frozen = without_gradient(model, params)
+            try:
+                with builders():
+                    artifacts = build_artifacts(model, requires_grad=[n for n in params if n not in frozen],
+                                                frozen=list(frozen), precision=args.precision, target="cpu",
+                                                optimizer=args.optimizer, out_dir=Path(folder) / key)
+                batches = tasks.batches(entry["arch"], entry["inputs"], 32)
+                lr = tasks.LR.get(entry["arch"], tasks.DEFAULT_LR)
+                native, a = time_engine(artifacts, "native", batches, lr, args)
+                portable, b = time_engine(artifacts, "portable", batches, lr, args)
+            except OnnxMPError as exc:
+                print(f"{key:<28}refused: {str(exc).splitlines()[0][:120]}")
+                rows[key] = {"refused": str(exc).splitlines()[0]}
+                continue
+            diff = max(abs(x.loss - y.loss) / max(abs(x.loss), 1e-12) for x, y in zip(a, b)
+                       if np.isfinite(x.loss) and np.isfinite(y.loss))
+            same = [(x.skipped, x.loss_scale) for x in a] == [(y.skipped, y.loss_scale) for y in b]
+            rows[key] = {"native_s": native, "portable_s": portable, "ratio": portable / native,
+                         "max_rel_loss_diff": diff, "same_skips_and_scales": same,
+                         "skipped": sum(x.skipped for x in a)}
+            print(f"{key:<28}{args.precision:>10}{native * 1e3:>11.1f}{portable * 1e3:>13.1f}"
+                  f"{portable / native:>7.2f}{diff:>19.2e}{str(same):>11}", flush=True)
+    if args.json:
+        write_text_atomic(args.json, json.dumps({"steps": args.steps, "precision": args.precision, "optimizer": args.optimizer,
+                                                 "rows": rows},
+                                                indent=2) + "\n")
+    return 0
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--engines", action="store_true",
+                        help="portable vs native step time on exports of the matrix (CPU)")
+    parser.add_argument("--optimizer", choices=["adamw", "sgd"], default="adamw", help="with --engines (default adamw)")
+    parser.add_argument("--all", action="store_true", help="with --engines: every entry of the matrix")
+    parser.add_argument("--entries", nargs="+", metavar="NAME",
+                        help=f"with --engines: entries whose name contains one of these "
+                             f"(default: {' '.join(DEFAULT_ENTRIES)})")
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     parser.add_argument("--sizes", type=lambda s: [int(v) for v in s.split("-")], default=[1024, 4096, 4096, 1024, 10],
                         help="MLP layer sizes, e.g. 1024-4096-4096-1024-10")
     parser.add_argument("--batch-size", type=int, default=256)
     parser.add_argument("--steps", type=int, default=50)
     parser.add_argument("--warmup", type=int, default=5)
-    parser.add_argument("--precision", choices=["float16", "bfloat16"], default="float16",
-                        help="the mixed precision to compare with float32")
+    parser.add_argument("--precision", choices=["float32", "float16", "bfloat16"], default=None,
+                        help="the mixed precision to compare with float32 (default float16); with --engines "
+                             "the precision of both runs (default float32)")
     parser.add_argument("--json", type=Path, help="write the figures here")
     args = parser.parse_args(argv)
     guard_arguments(parser, {"--json": args.json})
+    if args.engines:
+        args.precision = args.precision or "float32"
+        if "--steps" not in (argv or sys.argv):
+            args.steps = 30
+        return bench_engines(args)
+    args.precision = args.precision or "float16"
+    if args.precision == "float32":
+        parser.error("--precision float32 is the baseline; name the mixed precision to compare with it")
 
     model = mlp(args.sizes, seed=0)
     params = sum(int(np.prod(t.dims)) for t in model.graph.initializer)

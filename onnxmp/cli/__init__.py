@@ -167,6 +167,22 @@ def main(argv: list[str] | None = None) -> int:
         return report_exception(prog, exc, verbose)
 
 
+# Top-level module -> the onnxmp extra that installs it.
+_EXTRAS = {
+    "onnxruntime": 'install a runtime: pip install "onnxmp[cpu]" (or "onnxmp[gpu]" for CUDA; "onnxmp[train-cpu]" '
+                   'also brings one, with the training build on Python <= 3.11)',
+    "matplotlib": 'pip install "onnxmp[dev]" (or matplotlib)',
+    "mpi4py": 'pip install "onnxmp[distributed]"',
+    "onnxconverter_common": 'pip install "onnxmp[dev]" (or onnxconverter-common)',
+    "sklearn": 'pip install "onnxmp[dev]" (or scikit-learn)',
+}
+
+
+def missing_module_hint(name: str) -> str:
+    top = name.split(".")[0]
+    return _EXTRAS.get(top, f"pip install {top}")
+
+
 def report_exception(prog: str, exc: BaseException, verbose: bool) -> int:
     """Report ``exc`` in the contract's format; returns the exit status it calls for.
 
@@ -183,6 +199,9 @@ def report_exception(prog: str, exc: BaseException, verbose: bool) -> int:
         return EXIT_USAGE if isinstance(exc, UsageError) else EXIT_ERROR
     if isinstance(exc, OSError):
         report_error(prog, _os_error_line(exc), "check the path and its permissions")
+    elif isinstance(exc, ModuleNotFoundError) and exc.name:
+        # A missing dependency is the environment's, not a bug: name what to install.
+        report_error(prog, f"{exc.name.split('.')[0]} is not installed", missing_module_hint(exc.name))
     else:
         report_error(prog, f"{type(exc).__name__}: {exc}",
                      None if verbose else "run again with -v for the traceback, and please report it")

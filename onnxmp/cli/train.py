@@ -43,13 +43,17 @@ def register(sub) -> None:
     from onnxmp.training.build import PRECISIONS
     from onnxmp.training.losses import LOSSES
     from onnxmp.targets import NAMES as TARGETS
+    from onnxmp.training.engines import ENGINES
     from onnxmp.training.optimizer import OPTIMIZERS
 
     p = sub.add_parser("train", help="train an ONNX model with mixed precision and dynamic loss scaling",
                        description="Build training artifacts (loss scaling, unscale, inf/NaN check), train on "
                                    "arrays from .npz files, save a resumable state each epoch and export the "
                                    "trained model. On --device cpu mixed precision is emulated in float32.")
-    p.add_argument("model", help="float32 .onnx model to train (ignored with --resume)")
+    p.add_argument("model", nargs="?", help="float32 .onnx model to train (not with --artifacts or --resume)")
+    p.add_argument("--artifacts", metavar="DIR",
+                   help="train artifacts built before (on Python 3.11 with the training build) instead of a model: "
+                        "with --engine portable they train on any Python and onnxruntime")
     p.add_argument("--data", required=True, help=".npz file with the training arrays")
     p.add_argument("--eval", dest="eval_data", help=".npz file with evaluation arrays (same keys)")
     p.add_argument("--inputs", nargs="+", required=True, metavar="KEY",
@@ -69,6 +73,9 @@ def register(sub) -> None:
     p.add_argument("--grad-accum-steps", type=at_least(1), default=1, metavar="K")
     p.add_argument("--clip-global-norm", type=positive_float, default=None, metavar="C")
     p.add_argument("--seed", type=at_least(0), default=0, help="shuffling seed (default 0)")
+    p.add_argument("--engine", choices=list(ENGINES), default="auto",
+                   help="what runs the steps: native (onnxruntime-training, Python <= 3.11), portable (plain "
+                        "onnxruntime, CPU or CUDA) or auto (native where the training build imports, else portable)")
     p.add_argument("--distributed", choices=["auto", "mpi", "none"], default="auto",
                    help="data-parallel backend: auto (MPI when launched by mpiexec with more than one rank), "
                         "mpi, or none (train alone)")
@@ -100,10 +107,19 @@ def _train_on(args, comm) -> int:
     from onnxmp.training import Trainer, build_artifacts
     from onnxmp.training.artifacts import check_replaceable
 
+    from onnxmp.training.artifacts import Artifacts
+
     root = comm is None or comm.is_root
     out = Path(args.out)
     resume = _state_folder(Path(args.resume)) if args.resume else None
-    inputs = {"model": None if resume else args.model, "--data": args.data, "--eval": args.eval_data}
+    prebuilt = Path(args.artifacts) if args.artifacts and resume is None else None
+    if resume is None and prebuilt is None and not args.model:
+        raise OnnxMPError("onnxmp train needs a model, --artifacts DIR or --resume DIR",
+                          "pass the float32 .onnx model to build and train, or a folder built before")
+    if args.model and (prebuilt or resume):
+        log.info("the model file argument is not used with %s", "--resume" if resume else "--artifacts")
+    inputs = {"model": None if resume or prebuilt else args.model, "--data": args.data, "--eval": args.eval_data,
+              "--artifacts": prebuilt}
     # Resuming in place (--resume OUT/state --out OUT) is fine: OUT is replaced only once the new
     # one is complete, and the state is read before that.
     if resume is not None and not resume.resolve().is_relative_to(out.resolve()):
@@ -113,11 +129,18 @@ def _train_on(args, comm) -> int:
         check_replaceable(out, marker="history.json", what="train output folder")
 
     if resume is not None:
-        trainer = Trainer.resume(resume, device=args.device, communicator=comm)
-        log.info("resumed at epoch %d (%d updates); the model file argument is not used", trainer.epoch,
-                 trainer.optimizer_steps)
+        trainer = Trainer.resume(resume, device=args.device, communicator=comm, engine=args.engine)
+        log.info("resumed at epoch %d (%d updates)", trainer.epoch, trainer.optimizer_steps)
         spec = _DataSpec.of_manifest(trainer.artifacts.manifest)
+    elif prebuilt is not None:
+        artifacts = Artifacts.load(prebuilt)
+        trainer = Trainer(artifacts, device=args.device, lr=args.lr, grad_accum_steps=args.grad_accum_steps,
+                          clip_global_norm=args.clip_global_norm, communicator=comm, engine=args.engine)
+        spec = _DataSpec.of_manifest(artifacts.manifest)
     else:
+        from onnxmp.training import _ort
+
+        _ort.onnxblock()  # building needs the training build: say so before any work
         from onnxmp.load import load
         from onnxmp.training.build import check_trainable_size
 
@@ -132,7 +155,7 @@ def _train_on(args, comm) -> int:
     # in a private folder, which goes when they are done.
     workspace = atomic_directory(out) if root else _private_folder(f"onnxmp-rank{comm.rank}-")
     with workspace as folder:
-        if resume is None:
+        if resume is None and prebuilt is None:
             from onnxmp.training.models import trainable
 
             from onnxmp.training.prepare import without_gradient
@@ -147,7 +170,7 @@ def _train_on(args, comm) -> int:
                                         frozen=[*args.frozen, *constant], loss=args.loss, optimizer=args.optimizer,
                                         precision=args.precision, target=args.device, out_dir=folder / "artifacts")
             trainer = Trainer(artifacts, device=args.device, lr=args.lr, grad_accum_steps=args.grad_accum_steps,
-                              clip_global_norm=args.clip_global_norm, communicator=comm)
+                              clip_global_norm=args.clip_global_norm, communicator=comm, engine=args.engine)
         summaries, exported = _fit_and_export(trainer, train, evaluation, args, folder)
     if not root:
         return 0

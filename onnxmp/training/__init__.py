@@ -1,9 +1,11 @@
-"""Mixed-precision training on onnxruntime-training (1.19.2, the last training build).
+"""Mixed-precision training: artifacts built on onnxruntime-training (1.19.2, the last training
+build), trained there or on plain onnxruntime.
 
 ``build_artifacts`` (:mod:`onnxmp.training.build`) turns an fp32 ONNX model into training
 artifacts whose graph scales the loss, unscales the gradients and checks them for inf/NaN;
-``Trainer`` runs them with a ``DynamicLossScaler`` that skips non-finite steps.  See
-``docs/training.md``.
+``Trainer`` runs them with a ``DynamicLossScaler`` that skips non-finite steps, on the native
+engine or the portable one (:mod:`onnxmp.training.engines`).  Importing this package needs no
+training build.  See ``docs/training.md``.
 """
 from __future__ import annotations
 

@@ -26,6 +26,11 @@ _INSTALL_HINT = ("install the training build: pip install onnxruntime-training-c
                  "(or onnxruntime-training==1.19.2 for CUDA); it exists for Python <= 3.11 only")
 
 
+_BUILD_ON_311 = ('build the artifacts once on Python 3.11 (python3.11 -m venv .venv && . .venv/bin/activate && '
+                 'pip install -e ".[train-cpu]" && onnxmp train MODEL ... --out RUN), then train them here with '
+                 'the portable engine: onnxmp train --artifacts RUN/artifacts ... (or Trainer(RUN/artifacts))')
+
+
 def _training_package() -> types.ModuleType:
     name = "onnxruntime.training"
     if name in sys.modules:
@@ -52,11 +57,9 @@ def _no_training(reason: str) -> OnnxMPError:
     if sys.version_info >= (3, 12):
         # onnxruntime-training 1.19.2 (the last training build) has wheels up to Python 3.11 only.
         return OnnxMPError(
-            f"the training build needs Python <= 3.11 (onnxruntime-training 1.19.2 has no wheels for "
-            f"Python {sys.version_info[0]}.{sys.version_info[1]})",
-            'use a Python 3.11 environment for training: python3.11 -m venv .venv && '
-            '. .venv/bin/activate && pip install -e ".[train-cpu]"')
-    return OnnxMPError(reason, _INSTALL_HINT)
+            f"building training artifacts (and the native engine) needs onnxruntime-training 1.19.2, which has "
+            f"no wheels for Python {sys.version_info[0]}.{sys.version_info[1]}", _BUILD_ON_311)
+    return OnnxMPError(reason, f"{_INSTALL_HINT}; or {_BUILD_ON_311}")
 
 
 def onnxblock() -> types.ModuleType:

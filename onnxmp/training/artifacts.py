@@ -2,9 +2,13 @@
 by the trainer.
 
 A folder holds the training, eval and optimizer models, the forward model, onnxruntime's
-checkpoint and ``manifest.json`` (what the trainer needs to know: inputs, loss, precision...).
-It is filled in a temporary folder beside its destination and renamed into place only once
-complete, and it replaces only an empty folder or one onnxmp wrote.
+checkpoint, ``parameters.npz`` (the float32 parameters, readable without the training build)
+and ``manifest.json`` (what the trainer needs to know: inputs, loss, precision...).  When the
+build could lower its graphs, the folder also holds their portable form, which plain
+``onnxruntime.InferenceSession`` runs (``manifest["portable"]``: its files and the state pairs
+the portable engine feeds back between runs).  It is filled in a temporary folder beside its
+destination and renamed into place only once complete, and it replaces only an empty folder or
+one onnxmp wrote.
 """
 from __future__ import annotations
 
@@ -12,20 +16,30 @@ import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Mapping
+
+import numpy as np
 
 from onnxmp.errors import OnnxMPError
-from onnxmp.training import _ort
 
 MANIFEST = "manifest.json"
-FORMAT = "onnxmp-training/1"
+FORMAT = "onnxmp-training/2"
+OLD_FORMATS = ("onnxmp-training/1",)
 FILES = {
     "training_model": "training_model.onnx",
     "eval_model": "eval_model.onnx",
     "optimizer_model": "optimizer_model.onnx",
     "forward_model": "forward_model.onnx",
     "checkpoint": "checkpoint",
+    "parameters": "parameters.npz",
 }
+PORTABLE_FILES = {
+    "training_model": "training_model.portable.onnx",
+    "eval_model": "eval_model.portable.onnx",
+    "optimizer_model": "optimizer_model.portable.onnx",
+}
+_REBUILD = ("rebuild the artifacts with this onnxmp version (on Python 3.11 with the training build: "
+            "onnxmp.training.build_artifacts or `onnxmp train MODEL ...`)")
 
 
 @dataclass(frozen=True)
@@ -46,18 +60,42 @@ class Artifacts:
             manifest = json.loads(path.read_text())
         except (OSError, ValueError) as exc:
             raise OnnxMPError(f"cannot read {path}: {exc}", "rebuild the artifacts") from None
+        if manifest.get("format") in OLD_FORMATS:
+            raise OnnxMPError(f"{path} has the old format {manifest['format']!r}, which holds neither portable "
+                              "parameters nor portable graphs", _REBUILD)
         if manifest.get("format") != FORMAT:
-            raise OnnxMPError(f"{path} has format {manifest.get('format')!r}, expected {FORMAT!r}",
-                              "rebuild the artifacts with this onnxmp version")
-        missing = [name for name in manifest["files"].values() if not (directory / name).exists()]
+            raise OnnxMPError(f"{path} has format {manifest.get('format')!r}, expected {FORMAT!r}", _REBUILD)
+        names = [*manifest["files"].values(), *manifest.get("portable", {}).get("files", {}).values()]
+        missing = [name for name in names if not (directory / name).exists()]
         if missing:
             raise OnnxMPError(f"{directory} lacks {', '.join(missing)}", "rebuild the artifacts")
         return cls(directory, manifest)
 
     def path(self, kind: str) -> Path:
         """Path of one file: ``training_model``, ``eval_model``, ``optimizer_model``,
-        ``forward_model`` or ``checkpoint``."""
+        ``forward_model``, ``checkpoint`` or ``parameters``."""
         return self.directory / self.manifest["files"][kind]
+
+    def portable_path(self, kind: str) -> Path:
+        """Path of one portable model (``training_model``, ``eval_model``, ``optimizer_model``)."""
+        if not self.has_portable:
+            raise OnnxMPError(f"the artifacts in {self.directory} have no portable graphs (the build could not "
+                              "lower them)", "train them with engine='native' (Python 3.11 and the training "
+                              "build), or rebuild them with an onnxmp that lowers the training graphs")
+        return self.directory / self.manifest["portable"]["files"][kind]
+
+    @property
+    def has_portable(self) -> bool:
+        return bool(self.manifest.get("portable"))
+
+    @property
+    def state_pairs(self) -> dict[str, str]:
+        """Portable training graph: input name -> the output that is its next value."""
+        return dict(self.manifest["portable"]["state_pairs"]) if self.has_portable else {}
+
+    def parameters(self) -> dict[str, np.ndarray]:
+        """The float32 parameters (trainable and frozen) of ``parameters.npz``, by name."""
+        return read_parameters(self.path("parameters"))
 
     @property
     def training_model(self) -> Path:
@@ -84,17 +122,52 @@ class Artifacts:
         return self.manifest["target"]
 
     @property
+    def optimizer_name(self) -> str:
+        return optimizer_name(self.manifest)
+
+    @property
     def inputs(self) -> list[str]:
         """What a batch holds, in order: the model inputs, then the label input."""
         return list(self.manifest["inputs"])
 
 
+def optimizer_name(manifest: Mapping[str, Any]) -> str:
+    """``adamw`` or ``sgd``: format 2 describes the optimizer as a dict, with its name."""
+    optimizer = manifest["optimizer"]
+    return optimizer["name"] if isinstance(optimizer, Mapping) else optimizer
+
+
+def read_parameters(path: Path) -> dict[str, np.ndarray]:
+    try:
+        with np.load(path, allow_pickle=False) as data:
+            return {name: data[name] for name in data.files}
+    except (OSError, ValueError) as exc:
+        raise OnnxMPError(f"cannot read the parameters in {path}: {exc}", "rebuild the artifacts") from None
+
+
+def write_parameters(path: Path, parameters: Mapping[str, np.ndarray]) -> None:
+    """``np.savez`` (no pickles: any numpy reads it back) through the atomic writer."""
+    from onnxmp.files import atomic_write
+
+    def write(tmp):
+        with open(tmp, "wb") as stream:
+            np.savez(stream, **{name: np.require(value, requirements="C") for name, value in parameters.items()})
+
+    atomic_write(path, write)
+
+
 def write_artifacts(out: Path, manifest: dict, *, training, evaluation, optimizer_model, forward,
-                    parameters) -> None:
+                    parameters, portable: Mapping[str, Any] | None = None) -> None:
     """Write every file into a temporary folder beside ``out``, renamed into place once complete:
-    a folder with a manifest is always whole, and a failure leaves nothing behind."""
+    a folder with a manifest is always whole, and a failure leaves nothing behind.
+
+    ``parameters`` is onnxblock's (trainable, frozen) pair of TensorProto lists; ``portable``
+    maps ``PORTABLE_FILES``' kinds to their models (None: the folder has no portable form)."""
+    from onnx import numpy_helper
+
     from onnxmp.files import atomic_directory, guard_outputs, write_text_atomic
     from onnxmp.save import save
+    from onnxmp.training import _ort
 
     check_replaceable(out)
     guard_outputs({"out_dir": out}, folders=["out_dir"])
@@ -105,6 +178,10 @@ def write_artifacts(out: Path, manifest: dict, *, training, evaluation, optimize
         save(optimizer_model, folder / files["optimizer_model"])
         save(forward, folder / files["forward_model"])
         _ort.onnxblock().save_checkpoint(parameters, str(folder / files["checkpoint"]))
+        write_parameters(folder / files["parameters"],
+                         {t.name: numpy_helper.to_array(t) for group in parameters for t in group})
+        for kind, model in (portable or {}).items():
+            save(model, folder / manifest["portable"]["files"][kind])
         write_text_atomic(folder / MANIFEST, json.dumps(manifest, indent=2) + "\n")
 
 

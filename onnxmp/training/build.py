@@ -14,7 +14,9 @@ The build is a pipeline of stages (``docs/training.md``), each a pass over one
 6. ``determinism``: on the CPU, kernels that run exactly and deterministically
    (:mod:`~onnxmp.training.determinism`);
 7. ``optimizer``: the optimizer model (:mod:`~onnxmp.training.optimizer`);
-8. ``write``: the folder, whole or not at all (:mod:`~onnxmp.training.artifacts`).
+8. ``write``: the folder, whole or not at all (:mod:`~onnxmp.training.artifacts`), with the
+   portable form of the graphs (:mod:`~onnxmp.training.portable`) and the parameters in
+   ``parameters.npz``.
 """
 from __future__ import annotations
 
@@ -173,8 +175,18 @@ class Write(PassBase[TrainingBuild]):
 
     def call(self, state: TrainingBuild) -> PassResult:
         manifest = _manifest(state)
+        from onnxmp.training.portable import portable_form
+
+        shapes = [(t.name, list(t.dims)) for group in state.parameters for t in group]
+        portable = portable_form(state.training, state.evaluation, state.optimizer, shapes, state.requires_grad,
+                                 manifest["opset"])
+        models = None
+        if portable is not None:
+            models, manifest["portable"] = portable
+            manifest["optimizer"]["slots"] = manifest["portable"]["slots"]
         write_artifacts(state.out, manifest, training=state.training, evaluation=state.evaluation,
-                        optimizer_model=state.optimizer_model, forward=state.forward, parameters=state.parameters)
+                        optimizer_model=state.optimizer_model, forward=state.forward, parameters=state.parameters,
+                        portable=models)
         log.info("training artifacts (%s, %s) written to %s", state.precision, state.target, destination(state.out))
         state.artifacts = Artifacts(state.out, manifest)
         return PassResult(True)
@@ -212,6 +224,7 @@ def build_artifacts(
     ``"file.py:function"`` (:func:`~onnxmp.training.losses.resolve_loss`); a custom block must
     declare its label input (docs/training.md, custom losses).  ``causal_lm``'s label is ``labels``.
     """
+    _ort.onnxblock()  # no training build: one error naming the Python 3.11 step, before any work
     if precision not in PRECISIONS:
         raise OnnxMPError(f"unknown precision {precision!r}", f"use one of: {', '.join(PRECISIONS)}")
     target_named(target)

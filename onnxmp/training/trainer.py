@@ -1,103 +1,49 @@
-"""Mixed-precision training loop on onnxruntime-training's Module/Optimizer API.
+"""Mixed-precision training loop; an engine (:mod:`onnxmp.training.engines`) runs the graphs.
 
 One :meth:`Trainer.train_step` runs one micro-batch through the training
 graph, which accumulates its unscaled gradients and reports ``all_finite``.
 After ``grad_accum_steps`` micro-batches the trainer decides once for the
 effective batch (the AND of the micro-steps' ``all_finite``):
 
-* finite: ``optimizer.step()`` (global-norm clipping happens inside the
+* finite: the engine's optimizer step (global-norm clipping happens inside the
   optimizer graph, on the unscaled accumulated gradients);
-* not finite: no ``optimizer.step()``, so weights, moments and ORT's step
+* not finite: no optimizer step, so weights, moments and the optimizer's step
   count stay exactly as they were; the loss scale backs off.
 
-Either way ``lazy_reset_grad()`` clears the accumulation buffers.
+Either way the accumulation buffers are reset (lazily, at the next micro-batch).
 
 With a ``communicator`` (data-parallel, :mod:`onnxmp.training.distributed`)
 the decision is the same on every rank: the finite flag is all-reduced with
 MIN, and a finite effective batch's gradients are all-reduced (summed) and
-written back into ORT's buffers before ``optimizer.step()``, so the clipping
+written back into the engine's buffers before the optimizer step, so the clipping
 in the optimizer graph sees the reduced gradients.
 """
 from __future__ import annotations
 
-import json
 import logging
 import math
 import os
 import re
-import shutil
-import tempfile
 import time
-from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterable, Mapping, Sequence
 
 import numpy as np
-import onnx
-from onnx import numpy_helper
 
-from onnxmp.errors import OnnxMPError, first_line
-from onnxmp.targets import CPU, TARGETS
-from onnxmp.training import _ort
-from onnxmp.training.artifacts import MANIFEST, Artifacts, check_replaceable
-from onnxmp.training.loss_scale import ALL_FINITE, GRAD_SHAPE, GRAD_WEIGHT, LOSS, LOSS_SCALE
-from onnxmp.training.losses import LOSSES
-from onnxmp.training.optimizer import build_optimizer_model
+from onnxmp.errors import OnnxMPError
+from onnxmp.training import _ort, saving
+from onnxmp.training.artifacts import Artifacts
 from onnxmp.training.distributed import Communicator
+from onnxmp.training.engines import make_engine
 from onnxmp.training.labels import check_labels
+from onnxmp.training.loss_scale import GRAD_SHAPE, GRAD_WEIGHT, LOSS, LOSS_SCALE
+from onnxmp.training.losses import LOSSES
+from onnxmp.training.metrics import METRICS, History, Metric, StepResult, metric_functions
 from onnxmp.training.scaler import DynamicLossScaler
 
 log = logging.getLogger("onnxmp.training")
 
-# Checkpoint properties hold int, 32-bit float or str; JSON strings keep every
-# float (the loss scale, the clip norm) exact.
-_SCALER_PROPERTY = "onnxmp.scaler"
-_TRAINER_PROPERTY = "onnxmp.trainer"
-
-Metric = Callable[[np.ndarray, np.ndarray], float]
-
-
-def accuracy(labels: np.ndarray, predictions: np.ndarray) -> float:
-    """Share of rows whose arg-max over the last axis equals the integer label."""
-    return float(np.mean(np.argmax(predictions, axis=-1) == labels))
-
-
-def binary_accuracy(labels: np.ndarray, predictions: np.ndarray) -> float:
-    """For logits: share where ``logit > 0`` matches ``label > 0.5``."""
-    return float(np.mean((predictions > 0) == (labels > 0.5)))
-
-
-METRICS: dict[str, Metric] = {"accuracy": accuracy, "binary_accuracy": binary_accuracy}
-
-
-@dataclass(frozen=True)
-class StepResult:
-    """Outcome of one micro-batch.
-
-    ``loss`` is unscaled; ``all_finite`` is this micro-batch's check;
-    ``stepped`` says the optimizer applied an update on this call and
-    ``skipped`` that an effective batch ended here without one.
-    ``loss_scale`` is the scale this micro-batch ran with.
-    """
-
-    loss: float
-    all_finite: bool
-    stepped: bool
-    loss_scale: float
-    skipped: bool = False
-
-
-@dataclass
-class History:
-    """Per-micro-step curves and per-epoch summaries of :meth:`Trainer.fit`."""
-
-    step_loss: list[float] = field(default_factory=list)
-    step_loss_scale: list[float] = field(default_factory=list)
-    step_skipped: list[bool] = field(default_factory=list)
-    epochs: list[dict[str, Any]] = field(default_factory=list)
-
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+__all__ = ["METRICS", "History", "StepResult", "Trainer"]
 
 
 class Trainer:
@@ -105,7 +51,7 @@ class Trainer:
 
     ``scaler`` defaults to :class:`DynamicLossScaler` for float16 artifacts and
     a static scale of 1 otherwise (bfloat16 and float32 have float32's range).
-    ``lr`` sets the optimizer's learning rate (``None`` leaves ORT's default, 1e-3);
+    ``lr`` sets the optimizer's learning rate (``None`` leaves the default, 1e-3);
     ``lr_schedule(step)`` sets it before each applied update, ``step`` counting
     applied updates.  ``clip_global_norm`` clips the unscaled gradients of each
     effective batch by their global L2 norm.
@@ -119,19 +65,24 @@ class Trainer:
     see :func:`~onnxmp.training.distributed.shard`).  Wrap the calls in
     :func:`~onnxmp.training.distributed.abort_on_error` so that an error on one
     rank ends the job instead of leaving the others waiting.
+
+    ``engine`` runs the graphs: ``native`` (onnxruntime-training 1.19.2, Python <= 3.11),
+    ``portable`` (plain onnxruntime, CPU or CUDA EP, on the artifacts' lowered graphs) or
+    ``auto`` (native where ``onnxruntime.training`` imports, portable elsewhere; a saved
+    state continues on the engine that saved it).
     """
 
     def __init__(self, artifacts: Artifacts | str | os.PathLike, *, device: str = "cpu",
                  scaler: DynamicLossScaler | None = None, grad_accum_steps: int = 1, lr: float | None = 1e-3,
                  lr_schedule: Callable[[int], float] | None = None, clip_global_norm: float | None = None,
-                 communicator: Communicator | None = None):
+                 communicator: Communicator | None = None, engine: str = "auto"):
         self.comm = communicator if communicator is not None and communicator.size > 1 else None
         self.world_size = 1 if self.comm is None else self.comm.size
         self.rank = 0 if self.comm is None else self.comm.rank
         self.artifacts = artifacts if isinstance(artifacts, Artifacts) else Artifacts.load(artifacts)
         if int(grad_accum_steps) != grad_accum_steps or grad_accum_steps < 1:
             raise OnnxMPError(f"grad_accum_steps must be a positive integer, got {grad_accum_steps}")
-        self.device = _check_device(device, self.artifacts)
+        self.device = device
         self.grad_accum_steps = int(grad_accum_steps)
         self.clip_global_norm = None if clip_global_norm is None else float(clip_global_norm)
         self.lr_schedule = lr_schedule
@@ -139,30 +90,14 @@ class Trainer:
             scaler = DynamicLossScaler() if self.artifacts.precision == "float16" else DynamicLossScaler.static(1.0)
         self.scaler = scaler
 
-        api = _ort.api()
-        try:
-            self._state = api.CheckpointState.load_checkpoint(str(self.artifacts.checkpoint))
-            self._module = api.Module(str(self.artifacts.training_model), self._state,
-                                      str(self.artifacts.eval_model), device=self.device,
-                                      session_options=_session_options(self.artifacts, self._threads()))
-            self._optimizer = self._make_optimizer(api)
-        except OnnxMPError:
-            raise
-        except Exception as exc:
-            raise OnnxMPError(f"onnxruntime cannot load the artifacts in {self.artifacts.directory}: "
-                              f"{first_line(exc)}", "rebuild them with this onnxmp version") from None
+        self.engine = make_engine(engine, self.artifacts, device, threads=self._threads(),
+                                  clip_global_norm=self.clip_global_norm)
         if lr is not None:
-            self._optimizer.set_learning_rate(float(lr))
-
-        self._train_inputs = self._module.train().input_names()
-        self._train_outputs = self._module.output_names()
-        self._eval_inputs = self._module.eval().input_names()
-        self._eval_outputs = self._module.output_names()
-        self._module.train()
+            self.engine.learning_rate = float(lr)
         self._dtypes = {name: np.dtype(d) for name, d in self.artifacts.manifest["input_dtypes"].items()}
 
-        # Counters; all of them are saved with the checkpoint.
-        self.optimizer_steps = 0  # applied updates (ORT's own step count moves with it)
+        # Counters; all of them are saved with the state.
+        self.optimizer_steps = 0  # applied updates (the engine's own step count moves with it)
         self.skipped_steps = 0  # effective batches whose update was skipped
         self.micro_steps = 0
         self.epoch = 0  # completed fit() epochs
@@ -185,19 +120,21 @@ class Trainer:
 
     def _broadcast_parameters(self) -> None:
         """Rank 0's parameters to every rank, one flat buffer per dtype."""
-        params = sorted(self._state.parameters, key=lambda item: item[0])
+        params = sorted(self.engine.parameters().items())
         by_dtype: dict[np.dtype, list] = {}
-        for name, param in params:
-            data = param.data
-            by_dtype.setdefault(data.dtype, []).append((param, data))
+        for name, data in params:
+            by_dtype.setdefault(data.dtype, []).append((name, data))
+        received = {}
         for dtype, group in sorted(by_dtype.items(), key=lambda item: str(item[0])):
             flat = np.concatenate([data.ravel() for _, data in group]) if group else np.zeros(0, dtype)
             self._collective(self.comm.broadcast, np.ascontiguousarray(flat))
             if not self.comm.is_root:
                 offset = 0
-                for param, data in group:
-                    param.data = flat[offset:offset + data.size].reshape(data.shape)
+                for name, data in group:
+                    received[name] = flat[offset:offset + data.size].reshape(data.shape)
                     offset += data.size
+        if received:
+            self.engine.set_parameters(received)
 
     def _collective(self, call, *args):
         start = time.perf_counter()
@@ -205,22 +142,6 @@ class Trainer:
             return call(*args)
         finally:
             self.communication_seconds += time.perf_counter() - start
-
-    def _make_optimizer(self, api):
-        # SGDOptimizerV2's schema infers a scalar flag where onnxblock declares [1]; ORT
-        # warns about that harmless mismatch on every load, so its log goes to debug.
-        if self.clip_global_norm is None:
-            with _ort.native_stderr_to_log(log):
-                return api.Optimizer(str(self.artifacts.optimizer_model), self._module)
-        model = build_optimizer_model(self.artifacts.manifest["optimizer"], opset=self.artifacts.manifest["opset"],
-                                      clip_global_norm=self.clip_global_norm,
-                                      parameters=len(self.artifacts.manifest["requires_grad"]))
-        # ORT reads the optimizer model once, at construction.
-        with tempfile.TemporaryDirectory(prefix="onnxmp-optimizer-") as folder:
-            path = Path(folder) / "optimizer_model.onnx"
-            onnx.save(model, path)
-            with _ort.native_stderr_to_log(log):
-                return api.Optimizer(str(path), self._module)
 
     # --- stepping ---------------------------------------------------------------------
 
@@ -231,10 +152,7 @@ class Trainer:
         feeds[LOSS_SCALE] = np.array(scale, dtype=np.float32)
         # Each micro-batch of the effective batch (all ranks') weighs the same, as in one process.
         feeds[GRAD_WEIGHT] = np.array(1.0 / (self.grad_accum_steps * self.world_size), dtype=np.float32)
-        outputs = self._run(self._train_inputs, feeds)
-        named = dict(zip(self._train_outputs, outputs))
-        finite = bool(named[ALL_FINITE])
-        loss = float(named[LOSS])
+        loss, finite = self._run("training", feeds)
         if self.comm is None:
             self.micro_steps += 1
         self._ran_since_reset = True
@@ -269,13 +187,13 @@ class Trainer:
         apply = self.scaler.update(finite)
         if apply:
             if self.lr_schedule is not None:
-                self._optimizer.set_learning_rate(float(self.lr_schedule(self.optimizer_steps)))
-            self._optimizer.step()
+                self.engine.learning_rate = float(self.lr_schedule(self.optimizer_steps))
+            self.engine.step()
             self.optimizer_steps += 1
         else:
             self.skipped_steps += 1
             log.debug("non-finite gradients: update skipped, loss scale now %g", self.scaler.scale)
-        self._module.lazy_reset_grad()
+        self.engine.reset_grad()
         self._pending = 0
         self._pending_finite = True
         self._pending_losses = []
@@ -291,8 +209,7 @@ class Trainer:
         one SUM over this rank's gradients (if finite) followed by each micro-batch's
         loss and presence in its rank's slots, zeros elsewhere (so the sum is exact).
         """
-        grads = [self._state.parameters[name]._parameter.grad for name in self.artifacts.manifest["requires_grad"]]
-        ready = all(g.has_value() for g in grads)
+        ready = self.engine.gradients_ready()
         meta = np.array([self._pending_finite, ready, self._pending, -self._pending], dtype=np.float64)
         self._collective(self.comm.allreduce_min, meta)
         low, high = int(meta[2]), int(-meta[3])
@@ -307,13 +224,14 @@ class Trainer:
             raise OnnxMPError("a rank reached its first update without having run a micro-batch",
                               "the data has fewer micro-batches than ranks: use fewer ranks or a smaller batch size")
         slots = self.grad_accum_steps * self.world_size
-        sizes = [int(np.prod(g.shape())) for g in grads] if finite else []
+        grads = self.engine.read_gradients() if finite else []
+        sizes = [g.size for g in grads]
         total = sum(sizes)
         buffer = np.zeros(total + 2 * slots, dtype=np.float32)
         if finite and self._ran_since_reset:  # a rank that only padded adds zeros, not stale buffers
             offset = 0
             for g, size in zip(grads, sizes):
-                buffer[offset:offset + size] = g.numpy().ravel()
+                buffer[offset:offset + size] = g.ravel()
                 offset += size
         first = total + self.rank * self.grad_accum_steps
         for i, loss in enumerate(self._pending_losses):
@@ -322,10 +240,11 @@ class Trainer:
                 buffer[first + slots + i] = 1.0
         self._collective(self.comm.allreduce_sum, buffer)
         if finite:
-            offset = 0
+            offset, reduced = 0, []
             for g, size in zip(grads, sizes):
-                g.update_inplace(buffer[offset:offset + size].reshape(g.shape()))
+                reduced.append(buffer[offset:offset + size].reshape(g.shape))
                 offset += size
+            self.engine.write_gradients(reduced)
         losses, present = buffer[total:total + slots], buffer[total + slots:]
         self.last_batch_losses = [float(x) for x, p in zip(losses, present) if p]
         self.micro_steps += len(self.last_batch_losses)
@@ -370,7 +289,7 @@ class Trainer:
         from tqdm.auto import tqdm
 
         history = History()
-        metric_fns = _metric_functions(metrics)
+        metric_fns = metric_functions(metrics)
         for epoch in range(self.epoch, epochs):
             batches = train_batches(epoch) if callable(train_batches) else train_batches
             total = len(batches) if hasattr(batches, "__len__") else None
@@ -433,21 +352,17 @@ class Trainer:
         :func:`~onnxmp.training.distributed.contiguous_shard`); the per-batch sums are
         gathered and added in that global order, so the result equals one process's.
         """
-        metric_fns = _metric_functions(metrics)
+        metric_fns = metric_functions(metrics)
         prediction = self.artifacts.manifest["forward_outputs"][0]
         label = self.artifacts.manifest["label_input"]
         names = [LOSS, *(name for name, _ in metric_fns)]
         rows = []  # per batch: each total times the batch's rows, then the rows
-        self._module.eval()
-        try:
-            for batch in batches:
-                feeds = self._feeds(batch)
-                named = dict(zip(self._eval_outputs, self._run(self._eval_inputs, feeds)))
-                n = len(feeds[label])
-                rows.append([float(named[LOSS]) * n, *(fn(feeds[label], named[prediction]) * n
-                                                       for _, fn in metric_fns), n])
-        finally:
-            self._module.train()
+        for batch in batches:
+            feeds = self._feeds(batch)
+            named = self._run("eval", feeds)
+            n = len(feeds[label])
+            rows.append([float(named[LOSS]) * n, *(fn(feeds[label], named[prediction]) * n
+                                                   for _, fn in metric_fns), n])
         if self.comm is not None:
             rows = self._gather_rows(rows, len(names) + 1)
         totals = dict.fromkeys(names, 0.0)
@@ -473,25 +388,24 @@ class Trainer:
 
     def parameters(self) -> dict[str, np.ndarray]:
         """Copies of the current float32 parameters (trainable and frozen), by name."""
-        return {name: np.array(param.data, copy=True) for name, param in self._state.parameters}
+        return self.engine.parameters()
 
     def gradients(self) -> dict[str, np.ndarray]:
         """Copies of the trainable parameters' accumulated gradients, by name.
 
         After :meth:`train_step` they hold the unscaled gradient of the micro-batches
-        accumulated so far, weighted ``1/grad_accum_steps`` each; onnxruntime resets
+        accumulated so far, weighted ``1/grad_accum_steps`` each; the engine resets
         them lazily, at the next :meth:`train_step` after an effective batch.
         """
-        return {name: np.array(param.grad, copy=True) for name, param in self._state.parameters
-                if param.requires_grad and param.grad is not None}
+        return self.engine.gradients()
 
     @property
     def learning_rate(self) -> float:
-        return self._optimizer.get_learning_rate()
+        return self.engine.learning_rate
 
     def save(self, path: str | os.PathLike) -> Path:
-        """Write a resumable folder: the artifacts plus a checkpoint holding parameters,
-        optimizer state, loss-scaler state and counters.
+        """Write a resumable folder: the artifacts plus the engine's state (parameters,
+        optimizer state) and the loss scaler's and the loop's (``trainer_state.json``).
 
         Data-parallel, every rank calls it: rank 0 writes (atomically, as alone) while
         the others wait for it, as their state is the same."""
@@ -501,48 +415,10 @@ class Trainer:
                               "or call flush() first")
         if self.comm is not None:
             if self.comm.is_root:
-                self._save(path)
+                saving.save(self, path)
             self._collective(self.comm.barrier)
             return Path(path)
-        return self._save(path)
-
-    def _save(self, path: str | os.PathLike) -> Path:
-        from onnxmp.files import atomic_directory, atomic_write, destination, guard_outputs, write_text_atomic
-
-        path = Path(path)
-        check_replaceable(path)
-        guard_outputs({"state folder": path}, folders=["state folder"])
-        properties = self._state.properties
-        properties[_SCALER_PROPERTY] = json.dumps(self.scaler.state_dict())
-        properties[_TRAINER_PROPERTY] = json.dumps({
-            "optimizer_steps": self.optimizer_steps, "skipped_steps": self.skipped_steps,
-            "micro_steps": self.micro_steps, "epoch": self.epoch,
-            "grad_accum_steps": self.grad_accum_steps, "clip_global_norm": self.clip_global_norm,
-            # ORT 1.19 restores moments and step count from the checkpoint, but not the learning rate.
-            "learning_rate": self.learning_rate,
-            # A schedule is a Python function, which a checkpoint cannot hold: record that
-            # there was one, so resume() can refuse to continue silently without it.
-            "lr_schedule": self.lr_schedule is not None,
-            # grad_accum_steps is per rank: the effective batch is grad_accum_steps * world_size
-            # micro-batches, sharded by distributed.shard.
-            "world_size": self.world_size,
-            "sharding": "groups of grad_accum_steps * world_size micro-batches; rank r runs the r-th "
-                        "grad_accum_steps of each; the last group padded",
-        })
-        manifest = self.artifacts.manifest
-        # Built beside ``path`` and renamed into place whole; resuming and saving into the same
-        # folder works, as its files are copied before it is replaced.
-        with atomic_directory(path) as folder:
-            for kind, name in manifest["files"].items():
-                if kind != "checkpoint":
-                    source = self.artifacts.path(kind)
-                    atomic_write(folder / name, lambda tmp, source=source: shutil.copyfile(source, tmp))
-            _ort.api().CheckpointState.save_checkpoint(self._state, str(folder / manifest["files"]["checkpoint"]),
-                                                       include_optimizer_state=True)
-            write_text_atomic(folder / MANIFEST, json.dumps(manifest, indent=2) + "\n")
-        log.info("saved trainer state (%d updates, epoch %d) to %s", self.optimizer_steps, self.epoch,
-                 destination(path))
-        return path
+        return saving.save(self, path)
 
     @classmethod
     def resume(cls, path: str | os.PathLike, *, device: str = "cpu",
@@ -553,39 +429,14 @@ class Trainer:
         Saved settings (``grad_accum_steps``, ``clip_global_norm``, the scaler,
         the learning rate) apply unless given in ``overrides``.  A run saved with
         an ``lr_schedule`` must be given it again: a function cannot be saved.
+        ``engine`` (in ``overrides``) defaults to the engine that saved the state.
 
         Data-parallel (``communicator``), every rank reads ``path``.  Another world
         size than the saved one keeps the effective batch (``grad_accum_steps *
         world_size`` micro-batches) when it divides it, so the run continues as it
         would have; otherwise it is refused unless ``grad_accum_steps`` is given.
         """
-        artifacts = Artifacts.load(path)
-        properties = _ort.api().CheckpointState.load_checkpoint(str(artifacts.checkpoint)).properties
-        if _TRAINER_PROPERTY not in properties:
-            raise OnnxMPError(f"{path} holds artifacts but no saved training state",
-                              "resume from a folder written by Trainer.save (or `onnxmp train --out`)")
-        saved = json.loads(properties[_TRAINER_PROPERTY])
-        if saved.get("lr_schedule") and lr_schedule is None:
-            raise OnnxMPError(f"{path} was trained with an lr_schedule, which a checkpoint cannot hold",
-                              "pass the same lr_schedule to Trainer.resume (it is called with the update count, "
-                              "so the schedule continues where it stopped)")
-        scaler = DynamicLossScaler.from_state_dict(json.loads(properties[_SCALER_PROPERTY]))
-        world = 1 if communicator is None else communicator.size
-        saved_world = saved.get("world_size", 1)
-        per_rank = saved["grad_accum_steps"]
-        if world != saved_world and "grad_accum_steps" not in overrides:
-            effective = per_rank * saved_world
-            if effective % world:
-                raise OnnxMPError(f"{path} was trained on {saved_world} rank(s) with {per_rank} micro-batch(es) "
-                                  f"each, an effective batch of {effective} micro-batches, which {world} ranks "
-                                  "cannot split evenly",
-                                  f"resume on a number of ranks dividing {effective}, or pass grad_accum_steps "
-                                  "to change the effective batch")
-            per_rank = effective // world
-            log.info("resuming a %d-rank run on %d rank(s): %d micro-batch(es) per rank keep the effective "
-                     "batch of %d", saved_world, world, per_rank, effective)
-        settings = {"scaler": scaler, "grad_accum_steps": per_rank,
-                    "clip_global_norm": saved["clip_global_norm"], "lr": saved["learning_rate"], **overrides}
+        artifacts, saved, settings = saving.resume_settings(path, lr_schedule, communicator, overrides)
         trainer = cls(artifacts, device=device, lr_schedule=lr_schedule, communicator=communicator, **settings)
         trainer.optimizer_steps = saved["optimizer_steps"]
         trainer.skipped_steps = saved["skipped_steps"]
@@ -610,33 +461,7 @@ class Trainer:
                          target: str = "cuda") -> Path:
         """Write the trained model for deployment: the original forward model with the
         trained weights, converted by ``onnxmp.convert`` unless ``precision="float32"``."""
-        from onnxmp.load import load
-        from onnxmp.save import save
-
-        model = load(self.artifacts.path("forward_model"))
-        trained = self.parameters()
-
-        def refill(tensor: onnx.TensorProto, values: np.ndarray) -> None:  # keeps its name and dtype
-            dtype = onnx.helper.tensor_dtype_to_np_dtype(tensor.data_type)
-            tensor.CopyFrom(numpy_helper.from_array(values.astype(dtype), tensor.name))
-
-        for init in model.graph.initializer:
-            if init.name in trained:
-                refill(init, trained[init.name])
-        for node in model.graph.node:  # weights the exporter wrote as Constant nodes
-            if node.op_type == "Constant" and node.output[0] in trained:
-                for attr in node.attribute:
-                    if attr.name == "value":
-                        refill(attr.t, trained[node.output[0]])
-        if precision != "float32":
-            import onnxmp
-
-            convert = getattr(onnxmp, "convert", None)
-            if convert is None:
-                raise OnnxMPError(f"exporting {precision} needs onnxmp.convert, which this onnxmp build lacks",
-                                  "export precision='float32'")
-            model = convert(model, target=target, precision=precision, keep_io_types=True).model
-        return save(model, path)
+        return saving.export_inference(self.artifacts, self.parameters(), path, precision, target=target)
 
     # --- plumbing ---------------------------------------------------------------------
 
@@ -657,12 +482,13 @@ class Trainer:
             checked[name] = np.ascontiguousarray(array, dtype=self._dtypes[name])
         return checked
 
-    def _run(self, input_names: list[str], feeds: Mapping[str, np.ndarray]) -> tuple:
+    def _run(self, graph: str, feeds: Mapping[str, np.ndarray]):
         try:
-            outputs = self._module(*[feeds[name] for name in input_names])
-        except RuntimeError as exc:
-            raise self._run_error(str(exc), "training" if input_names is self._train_inputs else "eval") from None
-        return outputs if isinstance(outputs, tuple) else (outputs,)
+            return self.engine.train(feeds) if graph == "training" else self.engine.evaluate(feeds)
+        except OnnxMPError:
+            raise
+        except Exception as exc:  # ORT's errors (RuntimeError natively, pybind's Fail... otherwise)
+            raise self._run_error(str(exc), graph) from None
 
     def _run_error(self, text: str, graph: str) -> OnnxMPError:
         """ORT's run error as a one-line OnnxMPError.  ORT checks the feeds against the graph's
@@ -684,51 +510,3 @@ class Trainer:
         return OnnxMPError(f"onnxruntime failed in {where} of the {graph} graph: {_ort.error_reason(text)}",
                            f"if the batch is right ({inputs}), the artifacts are at fault: rebuild them "
                            "with this onnxmp version, and report the model if it persists")
-
-
-def _metric_functions(metrics: Sequence[str | tuple[str, Metric]]) -> list[tuple[str, Metric]]:
-    result = []
-    for metric in metrics:
-        if isinstance(metric, str):
-            if metric not in METRICS:
-                raise OnnxMPError(f"unknown metric {metric!r}", f"use one of {', '.join(METRICS)} "
-                                                                "or a (name, function) pair")
-            result.append((metric, METRICS[metric]))
-        else:
-            result.append(tuple(metric))
-    return result
-
-
-def _check_device(device: str, artifacts: Artifacts) -> str:
-    import onnxruntime
-
-    kind = device.split(":")[0]
-    if kind not in TARGETS:
-        raise OnnxMPError(f"unknown device {device!r}", "use cpu or cuda (cuda:N for another GPU)")
-    chosen, built_for = TARGETS[kind], TARGETS.get(artifacts.target, CPU)
-    if chosen.provider not in onnxruntime.get_available_providers():
-        raise OnnxMPError(f"this onnxruntime build has no {chosen.provider}",
-                          "install onnxruntime-training==1.19.2 (CUDA 11.8) or train on the cpu")
-    if chosen.emulated and not built_for.emulated and artifacts.precision != "float32":
-        raise OnnxMPError(f"these {artifacts.precision} artifacts hold real low-precision ops, "
-                          "which the ORT CPU EP cannot run",
-                          "build the artifacts with target='cpu' (emulated) to train on the CPU")
-    return device
-
-
-def _session_options(artifacts: Artifacts, threads: int = 0):
-    from onnxmp.parity.emulate import session_options as emulation_options
-
-    emulated = TARGETS.get(artifacts.target, CPU).emulated and artifacts.precision != "float32"
-    if emulated:
-        options = emulation_options()
-    else:
-        import onnxruntime
-
-        options = onnxruntime.SessionOptions()
-    options.intra_op_num_threads = threads  # 0: ORT's default
-    # Deterministic kernels where ORT has a choice (CUDA); on the CPU the nondeterministic
-    # gradient kernels (GatherGrad, InplaceClipGradNorm) are kept out of the graphs instead.
-    options.use_deterministic_compute = True
-    return options
-

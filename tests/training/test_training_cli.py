@@ -193,3 +193,29 @@ def test_a_model_over_2gb_is_refused_before_its_weights_or_data_are_read(files, 
     err = capsys.readouterr().err
     assert "cannot build training artifacts over 2 GB" in err and err.count("\n") <= 2, err
     assert not (files / "never").exists()
+
+
+def test_train_prebuilt_artifacts_on_either_engine(files, capsys):
+    """A run's artifacts/ trained again with --artifacts: natively, and on the portable engine
+    (its graphs from the test scaffolding until the lowering is merged) with the same losses."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).parent))
+    from portable_scaffold import installed
+
+    with installed():
+        assert main(_args(files, files / "built", 1, "--precision", "float32", "--optimizer", "sgd")) == 0
+    histories = {}
+    for engine in ("native", "portable"):
+        args = _args(files, files / engine, 2, "--engine", engine, "--artifacts", str(files / "built" / "artifacts"))
+        args.remove(str(files / "model.onnx"))
+        assert main(args) == 0
+        histories[engine] = json.loads((files / engine / "history.json").read_text())
+        state = json.loads((files / engine / "state" / "manifest.json").read_text())["state"]
+        assert state["engine"] == engine and not (files / engine / "artifacts").exists()
+    native, portable = (h["epochs"] for h in histories.values())
+    assert [e["epoch"] for e in native] == [1, 2] and histories["native"]["optimizer_steps"] == 16
+    for a, b in zip(native, portable):
+        assert b["loss"] == pytest.approx(a["loss"], rel=1e-5) and b["eval_loss"] == pytest.approx(a["eval_loss"], rel=1e-5)
+    capsys.readouterr()

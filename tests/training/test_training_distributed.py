@@ -184,6 +184,22 @@ def test_two_ranks_equal_one_process_accumulating_two(tmp_path):
 
 
 @needs_mpi
+def test_two_ranks_on_the_portable_engine_equal_one_process(tmp_path):
+    """The portable engine through the same communicator: gradients all-reduced before the
+    step, the finite flag all-reduced (emulated fp16 with an overflowing batch on rank 1), and
+    clipping on the reduced gradients."""
+    order = np.random.default_rng([0, 0]).permutation(13)
+    configs = [dict(precision="float16", k=1, batches=13, epochs=2, poison=int(order[3]), optimizer="sgd",
+                    engine="portable"),
+               dict(precision="float32", k=1, batches=13, epochs=1, clip=0.05, engine="portable")]
+    results = _run_ranks(tmp_path, 2, configs)
+    for config, (rank0, rank1) in zip(configs, results):
+        _assert_identical(rank0, rank1)
+        _assert_identical(rank0, _reference(tmp_path, {**config, "k": 2}))
+    assert results[0][0]["step_skipped"].sum() >= 1
+
+
+@needs_mpi
 def test_three_ranks_two_micro_batches_match_within_float_rounding(tmp_path):
     # 14 batches in effective batches of 6: the last has 2, so ranks 1 and 2 pad it entirely.
     order = np.random.default_rng([0, 1]).permutation(14)

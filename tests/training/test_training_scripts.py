@@ -38,6 +38,14 @@ def test_bench_training_small(tmp_path):
     assert "steps/s" in out
 
 
+def test_bench_training_engines_one_entry(tmp_path):
+    out = _run(SCRIPTS / "bench_training.py", "--engines", "--entries", "resnet.torchscript17-bn", "--steps", "3",
+               "--warmup", "1", "--optimizer", "sgd", "--json", tmp_path / "e.json", cwd=tmp_path)
+    row = json.loads((tmp_path / "e.json").read_text())["rows"]["resnet.torchscript17-bn"]
+    assert row["ratio"] > 0 and row["same_skips_and_scales"] and row["max_rel_loss_diff"] < 1e-4
+    assert "resnet.torchscript17-bn" in out and "ratio" in out
+
+
 def test_bench_distributed_small(tmp_path):
     import shutil
 

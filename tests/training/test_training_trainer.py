@@ -147,8 +147,8 @@ def test_global_norm_clipping_on_unscaled_gradients(sgd_artifacts, batches):
     probe = Trainer(sgd_artifacts, lr=lr, scaler=DynamicLossScaler.static(2.0**10), grad_accum_steps=2)
     before = probe.parameters()
     for b in batches[:2]:
-        probe._module(*_feeds(probe, b))  # accumulate without stepping, to read the gradients
-    grads = {name: p.grad.copy() for name, p in probe._state.parameters}
+        probe.engine.train(_feeds(probe, b))  # accumulate without stepping, to read the gradients
+    grads = probe.gradients()
     norm = np.sqrt(sum(float(np.sum(g.astype(np.float64) ** 2)) for g in grads.values()))
     assert norm > clip
 
@@ -167,7 +167,7 @@ def _feeds(trainer, batch):
     feeds = trainer._feeds(batch)
     feeds["loss_scale"] = np.array(trainer.scaler.scale, np.float32)
     feeds["grad_weight"] = np.array(1.0 / trainer.grad_accum_steps, np.float32)
-    return [feeds[n] for n in trainer._train_inputs]
+    return feeds
 
 
 def test_emulated_fp16_underflow_needs_loss_scaling(tmp_path, model, batches):
@@ -179,8 +179,8 @@ def test_emulated_fp16_underflow_needs_loss_scaling(tmp_path, model, batches):
 
     def first_layer_grad(artifacts, scale):
         trainer = Trainer(artifacts, scaler=DynamicLossScaler.static(scale))
-        trainer._module(*_feeds(trainer, batches[0]))
-        return trainer._state.parameters["W0"].grad
+        trainer.engine.train(_feeds(trainer, batches[0]))
+        return trainer.gradients()["W0"]
 
     def error(grad):
         return np.linalg.norm(grad - reference) / np.linalg.norm(reference)

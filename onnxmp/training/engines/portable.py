@@ -1,0 +1,234 @@
+"""The portable engine: plain ``onnxruntime.InferenceSession`` (CPU or CUDA EP, any onnxruntime
+>= 1.19, Python 3.10-3.13), on the artifacts' portable graphs (:mod:`onnxmp.training.portable`).
+
+Parameters, accumulation buffers and optimizer state live on the device as OrtValues for the
+whole run.  Each graph run binds them as inputs through I/O binding and writes their next values
+into a second set of OrtValues on the same device (an output may not alias an input of the same
+run), and the two sets swap afterwards: no state crosses to the host.  Only ``loss`` and
+``all_finite`` are bound to the CPU.
+"""
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Mapping
+
+import numpy as np
+
+from onnxmp.errors import OnnxMPError, first_line
+from onnxmp.training.artifacts import Artifacts, read_parameters, write_parameters
+from onnxmp.training.engines.base import Engine, check_device, device_index, session_options
+from onnxmp.training.loss_scale import ALL_FINITE, LOSS
+
+log = logging.getLogger("onnxmp.training")
+
+OPTIMIZER_STATE = "optimizer_state.npz"
+_STEP = "onnxmp.optimizer.step"  # the update count, beside the slots in OPTIMIZER_STATE
+LAZY_RESET = "lazy_reset_grad"
+
+
+class PortableEngine(Engine):
+    name = "portable"
+
+    def __init__(self, artifacts: Artifacts, device: str, *, threads: int = 0,
+                 clip_global_norm: float | None = None):
+        import onnxruntime as ort
+
+        super().__init__(artifacts, device, threads=threads, clip_global_norm=clip_global_norm)
+        check_device(device, artifacts, "install onnxruntime-gpu (pip install onnxmp[gpu]) or train on the cpu")
+        self._ort = ort
+        self._where = ("cuda", device_index(device)) if device.startswith("cuda") else ("cpu", 0)
+        providers = ([("CUDAExecutionProvider", {"device_id": self._where[1]})] if self._where[0] == "cuda"
+                     else ["CPUExecutionProvider"])
+        manifest = artifacts.manifest
+        pairs = manifest["portable"]["state_pairs"] if artifacts.has_portable else {}
+        self._grad_pairs: dict[str, str] = pairs.get("training_model", {})
+        self._slots: list[str] = list(manifest["portable"].get("slots", [])) if artifacts.has_portable else []
+        options = session_options(artifacts, threads)
+        try:
+            self._train_session = ort.InferenceSession(str(artifacts.portable_path("training_model")), options,
+                                                       providers=providers)
+            self._eval_session = ort.InferenceSession(str(artifacts.portable_path("eval_model")), options,
+                                                      providers=providers)
+            self._optimizer_session = ort.InferenceSession(self._optimizer_bytes(clip_global_norm), options,
+                                                           providers=providers)
+        except OnnxMPError:
+            raise
+        except Exception as exc:
+            raise OnnxMPError(f"onnxruntime {ort.__version__} cannot load the portable graphs in "
+                              f"{artifacts.directory}: {first_line(exc)}",
+                              "rebuild the artifacts with this onnxmp version") from None
+        self._train_inputs = [i.name for i in self._train_session.get_inputs()]
+        self._train_outputs = [o.name for o in self._train_session.get_outputs()]
+        self._eval_inputs = [i.name for i in self._eval_session.get_inputs()]
+        self._eval_outputs = [o.name for o in self._eval_session.get_outputs()]
+        self._optimizer_inputs = [i.name for i in self._optimizer_session.get_inputs()]
+        self._optimizer_outputs = [o.name for o in self._optimizer_session.get_outputs()]
+
+        initial = artifacts.parameters()
+        self._params = {name: self._on_device(value) for name, value in initial.items()}
+        self._grads = {p: self._zeros(initial[p]) for p in self.requires_grad}
+        self._state = {f"{p}.{slot}": self._zeros(initial[p]) for p in self.requires_grad for slot in self._slots}
+        self._step = 0
+        self._reset = True
+        self._lr = 1e-3  # torch's and onnxruntime's default
+        # The second set of state buffers, each run's outputs; made at first use.
+        self._spare_grads: dict | None = None
+        self._spare_params: dict | None = None
+        self._spare_state: dict | None = None
+        saved = artifacts.manifest.get("state", {})
+        if saved.get("optimizer_state"):
+            self._restore(artifacts.directory / saved["optimizer_state"])
+
+    def _optimizer_bytes(self, clip_global_norm: float | None) -> bytes | str:
+        if clip_global_norm is None:
+            return str(self.artifacts.portable_path("optimizer_model"))
+        from onnxmp.training.portable import optimizer_graph
+
+        shapes = {name: list(value.shape) for name, value in self.artifacts.parameters().items()}
+        model = optimizer_graph(self.artifacts.manifest["optimizer"], [(p, shapes[p]) for p in self.requires_grad],
+                                self.artifacts.manifest["opset"], clip_global_norm)
+        return model.SerializeToString()
+
+    # --- device memory ----------------------------------------------------------------------
+
+    def _on_device(self, value: np.ndarray):
+        value = np.ascontiguousarray(value)
+        ortvalue = self._ort.OrtValue.ortvalue_from_shape_and_type(value.shape, value.dtype, *self._where)
+        ortvalue.update_inplace(value)
+        return ortvalue
+
+    def _zeros(self, like: np.ndarray):
+        return self._on_device(np.zeros(like.shape, dtype=np.float32))
+
+    def _empty_like(self, ortvalue):
+        return self._ort.OrtValue.ortvalue_from_shape_and_type(ortvalue.shape(), np.float32, *self._where)
+
+    # --- graphs ---------------------------------------------------------------------------
+
+    def train(self, feeds: Mapping[str, np.ndarray]) -> tuple[float, bool]:
+        if self._spare_grads is None:
+            self._spare_grads = {p: self._empty_like(v) for p, v in self._grads.items()}
+        binding = self._train_session.io_binding()
+        buffers = {f"{p}_grad.accumulation.buffer": p for p in self.requires_grad}
+        for name in self._train_inputs:
+            if name in self._params:
+                binding.bind_ortvalue_input(name, self._params[name])
+            elif name in buffers:
+                binding.bind_ortvalue_input(name, self._grads[buffers[name]])
+            elif name == LAZY_RESET:
+                binding.bind_cpu_input(name, np.array([self._reset]))
+            else:
+                binding.bind_cpu_input(name, feeds[name])
+        outputs = {out: buffers[into] for into, out in self._grad_pairs.items()}
+        host = (LOSS, ALL_FINITE)
+        for name in self._train_outputs:
+            if name in outputs:
+                binding.bind_ortvalue_output(name, self._spare_grads[outputs[name]])
+            elif name in host:
+                binding.bind_output(name, "cpu")
+            else:  # loss_scaled: nobody reads it, it stays where it was computed
+                binding.bind_output(name, *self._where)
+        self._train_session.run_with_iobinding(binding)
+        produced = binding.get_outputs()  # in binding order: self._train_outputs'
+        values = {name: produced[i].numpy() for i, name in enumerate(self._train_outputs) if name in host}
+        self._grads, self._spare_grads = self._spare_grads, self._grads
+        self._reset = False
+        return float(values[LOSS]), bool(values[ALL_FINITE])
+
+    def evaluate(self, feeds: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+        binding = self._eval_session.io_binding()
+        for name in self._eval_inputs:
+            if name in self._params:
+                binding.bind_ortvalue_input(name, self._params[name])
+            else:
+                binding.bind_cpu_input(name, feeds[name])
+        for name in self._eval_outputs:
+            binding.bind_output(name, "cpu")
+        self._eval_session.run_with_iobinding(binding)
+        return dict(zip(self._eval_outputs, binding.copy_outputs_to_cpu()))
+
+    def step(self) -> None:
+        if self._spare_params is None:
+            self._spare_params = {p: self._empty_like(self._params[p]) for p in self.requires_grad}
+            self._spare_state = {k: self._empty_like(v) for k, v in self._state.items()}
+        binding = self._optimizer_session.io_binding()
+        for name in self._optimizer_inputs:
+            if name == "learning_rate":
+                binding.bind_cpu_input(name, np.array(self._lr, dtype=np.float32))
+            elif name == "step":
+                binding.bind_cpu_input(name, np.array(self._step + 1, dtype=np.int64))
+            elif name in self._params:
+                binding.bind_ortvalue_input(name, self._params[name])
+            elif name.endswith(".grad") and name[:-5] in self._grads:
+                binding.bind_ortvalue_input(name, self._grads[name[:-5]])
+            elif name in self._state:
+                binding.bind_ortvalue_input(name, self._state[name])
+            else:
+                raise OnnxMPError(f"the portable optimizer graph has an unknown input {name!r}",
+                                  "rebuild the artifacts with this onnxmp version")
+        for name in self._optimizer_outputs:
+            source = name[:-4] if name.endswith(".out") else None
+            if source in self._spare_params:
+                binding.bind_ortvalue_output(name, self._spare_params[source])
+            elif source in self._spare_state:
+                binding.bind_ortvalue_output(name, self._spare_state[source])
+            else:
+                raise OnnxMPError(f"the portable optimizer graph has an unknown output {name!r}",
+                                  "rebuild the artifacts with this onnxmp version")
+        self._optimizer_session.run_with_iobinding(binding)
+        for p in self.requires_grad:
+            self._params[p], self._spare_params[p] = self._spare_params[p], self._params[p]
+        self._state, self._spare_state = self._spare_state, self._state
+        self._step += 1
+
+    def reset_grad(self) -> None:
+        self._reset = True
+
+    # --- state ----------------------------------------------------------------------------
+
+    @property
+    def learning_rate(self) -> float:
+        return self._lr
+
+    @learning_rate.setter
+    def learning_rate(self, value: float) -> None:
+        # The optimizer graph reads it as float32, as ORT's optimizer does.
+        self._lr = float(np.float32(value))
+
+    def parameters(self) -> dict[str, np.ndarray]:
+        return {name: value.numpy().copy() for name, value in self._params.items()}
+
+    def set_parameters(self, values: Mapping[str, np.ndarray]) -> None:
+        for name, value in values.items():
+            self._params[name].update_inplace(np.ascontiguousarray(value, dtype=np.float32))
+
+    def gradients(self) -> dict[str, np.ndarray]:
+        return {p: self._grads[p].numpy().copy() for p in self.requires_grad}
+
+    def gradients_ready(self) -> bool:
+        return True  # the buffers exist from the start, zeros
+
+    def read_gradients(self) -> list[np.ndarray]:
+        return [self._grads[p].numpy() for p in self.requires_grad]
+
+    def write_gradients(self, values: list[np.ndarray]) -> None:
+        for p, value in zip(self.requires_grad, values):
+            self._grads[p].update_inplace(np.ascontiguousarray(value, dtype=np.float32).reshape(self._grads[p].shape()))
+
+    def save(self, folder: Path) -> dict:
+        write_parameters(folder / self.artifacts.manifest["files"]["parameters"], self.parameters())
+        state = {name: value.numpy() for name, value in self._state.items()}
+        state[_STEP] = np.array(self._step, dtype=np.int64)
+        write_parameters(folder / OPTIMIZER_STATE, state)
+        return {"optimizer_state": OPTIMIZER_STATE}
+
+    def _restore(self, path: Path) -> None:
+        saved = read_parameters(path)
+        missing = sorted(set(self._state) - set(saved))
+        if missing or _STEP not in saved:
+            raise OnnxMPError(f"{path} lacks the optimizer state {', '.join(missing[:5]) or _STEP}",
+                              "resume from a folder the portable engine saved with these artifacts")
+        for name, value in self._state.items():
+            value.update_inplace(np.ascontiguousarray(saved[name], dtype=np.float32))
+        self._step = int(saved[_STEP])
