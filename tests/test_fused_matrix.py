@@ -96,7 +96,8 @@ CASTS = {**REFUSED, ("llama.ort119", "float16"): "58 Casts after onnxruntime's o
 KNOWN: dict[tuple[str, str], dict[tuple[str, str], str]] = {
     ("load", "1.19"): LOADS_119, ("load-other", "1.19"): LOADS_119,
     ("load", "newest"): LOADS_NEWEST, ("load-other", "newest"): LOADS_NEWEST,
-    ("parity", "1.19"): REFUSED_CPU, ("vs-ort", "1.19"): REFUSED_CPU, ("casts", "1.19"): CASTS,
+    **{(check, group): table for group in ("1.19", "newest")
+       for check, table in (("parity", REFUSED_CPU), ("vs-ort", REFUSED_CPU), ("casts", CASTS))},
 }
 
 
@@ -363,9 +364,29 @@ def table() -> list[dict]:
     return rows
 
 
+def _short(verdict: str) -> str:
+    for prefix, word in (("ok", "ok"), ("no-kernel", "no-kernel"), ("onnxmp refused", "REFUSED"), ("error", "TYPE-ERR")):
+        if verdict.startswith(prefix):
+            return word
+    return verdict[:12]
+
+
 if __name__ == "__main__":
     import logging
 
     logging.basicConfig(level=logging.ERROR)
-    for row in table():
-        print(json.dumps(row))
+    rows = table()
+    loads = [k for k in rows[0] if k.startswith("load ")]
+    print(f"{'entry':19} {'opt':6} {'fused':48} {'prec':5} " + " ".join(f"{k:15}" for k in loads)
+          + f" {'parity (ours)':30} {'ORT converter':22} Casts ours/ORT")
+    for r in rows:
+        print(f"{r['entry']:19} {r['optimizer']:6} {r['fused'][:48]:48} {r['precision'][:4]:5} "
+              + " ".join(f"{_short(r[k]):15}" for k in loads)
+              + f" {r['parity']:30} {r.get('ORT conv parity', '')[:22]:22} {r['Casts ours/ORT']}")
+    print()
+    seen = set()
+    for r in rows:  # each distinct failure message once
+        for key in loads:
+            if not r[key].startswith(("ok", "no-kernel", "-")) and (r[key][:60], key) not in seen:
+                seen.add((r[key][:60], key))
+                print(f"{r['entry']} {r['precision']} {key}: {r[key][:400]}")
