@@ -87,10 +87,12 @@ REFUSED = {("gpt2.ort119", "*"): GEMM, ("gpt2.ort132", "*"): GEMM, ("gpt2_noattn
            ("t5enc.ort132", "*"): SIMPLIFIED, ("unet.ort119", "*"): UNET, ("unet.ort132", "*"): UNET,
            ("unet_cpu.ort132", "*"): UNET}
 REFUSED_CPU = {k: v for k, v in REFUSED.items() if k[0] not in ("unet.ort119", "unet.ort132")}  # those skip
-LOADS_119 = {**REFUSED, ("bert2.ort132", "*"): ATTENTION, ("bert3.ort132", "*"): ATTENTION,
+WITH_ATTENTION = {(e, "*"): ATTENTION for e in ("bert2.ort132", "bert3.ort132", "bert3_classic.ort119",
+                                                 "bert3_classic.ort132")}
+LOADS_119 = {**REFUSED, **WITH_ATTENTION,
              **{(e, "bfloat16"): BF16_SKIPLN for e in ("bartenc.ort119", "bartenc.ort132", "bert2.ort119",
                                                        "bert3.ort119", "vit.ort119", "vit.ort132")}}
-LOADS_NEWEST = {**REFUSED, ("bert2.ort132", "*"): ATTENTION, ("bert3.ort132", "*"): ATTENTION}
+LOADS_NEWEST = {**REFUSED, **WITH_ATTENTION}
 CASTS = {**REFUSED, ("llama.ort119", "float16"): "58 Casts after onnxruntime's optimizations, onnxruntime's converter 56"}
 KNOWN: dict[tuple[str, str], dict[tuple[str, str], str]] = {
     ("load", "1.19"): LOADS_119, ("load-other", "1.19"): LOADS_119,

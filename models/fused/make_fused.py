@@ -110,6 +110,47 @@ def _text_axes(names, outputs):
     return axes
 
 
+def _classic_attention(self, hidden_states, attention_mask=None, cache=None, **kwargs):
+    """BertSelfAttention as transformers 4.x wrote it (view/permute heads, scores + additive mask)."""
+    import math
+
+    import torch
+
+    def heads(x):
+        return x.view(x.size()[:-1] + (self.num_attention_heads, self.attention_head_size)).permute(0, 2, 1, 3)
+
+    q, k, v = heads(self.query(hidden_states)), heads(self.key(hidden_states)), heads(self.value(hidden_states))
+    scores = torch.matmul(q, k.transpose(-1, -2)) / math.sqrt(self.attention_head_size)
+    if attention_mask is not None:
+        scores = scores + attention_mask
+    context = torch.matmul(torch.softmax(scores, dim=-1), v).permute(0, 2, 1, 3).contiguous()
+    return context.view(context.size()[:-2] + (self.all_head_size,)), None
+
+
+def _classic_bert(model):
+    """``model`` exported the way transformers 4.x exported BERT: the additive mask
+    ``(1 - mask[:, None, None, :]) * -10000`` and the 4.x attention.  1.19's optimizer matches only this
+    shape of graph; transformers 5's attention and mask fuse at the current release only."""
+    import types
+
+    import torch
+
+    for layer in model.encoder.layer:
+        layer.attention.self.forward = types.MethodType(_classic_attention, layer.attention.self)
+
+    class ClassicMaskBert(torch.nn.Module):
+        def __init__(self, inner):
+            super().__init__()
+            self.inner = inner
+
+        def forward(self, input_ids, attention_mask, token_type_ids, return_dict=True):
+            extended = (1.0 - attention_mask[:, None, None, :].to(torch.float32)) * -10000.0
+            return self.inner(input_ids=input_ids, attention_mask=extended, token_type_ids=token_type_ids,
+                              return_dict=return_dict)
+
+    return ClassicMaskBert(model)
+
+
 def build(name: str):
     """(torch module, sample feeds dict, output names, dynamic axes, model_type, heads, hidden, disabled fusions)."""
     import numpy as np
@@ -119,16 +160,18 @@ def build(name: str):
     torch.manual_seed(SEED)
     rng = np.random.default_rng(SEED)
     vocab = 100
-    if name in ("bert2", "bert3"):
+    if name in ("bert2", "bert3", "bert3_classic"):
         cfg = tf.BertConfig(vocab_size=vocab, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
                             intermediate_size=64, max_position_embeddings=64, type_vocab_size=2,
                             attn_implementation="eager")
         model = tf.BertModel(cfg)
         feeds = {"input_ids": _ids(rng, vocab), "attention_mask": _mask()}
-        if name == "bert3":
+        if name in ("bert3", "bert3_classic"):
             feeds["token_type_ids"] = np.concatenate(
                 [np.zeros((BATCH, SEQ // 2), np.int64), np.ones((BATCH, SEQ - SEQ // 2), np.int64)], axis=1)
         outs = ["last_hidden_state", "pooler_output"]
+        if name == "bert3_classic":
+            model = _classic_bert(model)
         return model, feeds, outs, "bert", 4, 32, []
     if name in ("gpt2", "gpt2_noattn"):
         cfg = tf.GPT2Config(vocab_size=vocab, n_embd=32, n_layer=2, n_head=4, n_positions=64, use_cache=False,
@@ -184,7 +227,7 @@ def build(name: str):
 
 # Entries whose fusions are the same at both releases and whose files are large: current release only.
 CURRENT_ONLY = {"unet_cpu"}
-ENTRIES = ("bert2", "bert3", "gpt2", "gpt2_noattn", "vit", "t5enc", "bartenc", "llama", "unet", "unet_cpu")
+ENTRIES = ("bert2", "bert3", "bert3_classic", "gpt2", "gpt2_noattn", "vit", "t5enc", "bartenc", "llama", "unet", "unet_cpu")
 
 
 def export(name: str, raw: Path, npz: Path) -> dict:
@@ -193,6 +236,7 @@ def export(name: str, raw: Path, npz: Path) -> dict:
 
     model, feeds, outs, model_type, heads, hidden, disable = build(name)
     model.eval()
+    base = getattr(model, "inner", model)
     names = list(feeds)
 
     class Wrapped(torch.nn.Module):
@@ -221,7 +265,7 @@ def export(name: str, raw: Path, npz: Path) -> dict:
     np.savez(npz, **feeds)
     return {"model_type": model_type, "num_heads": heads, "hidden_size": hidden, "disable": disable,
             "inputs": {k: [str(v.dtype), list(v.shape)] for k, v in feeds.items()}, "outputs": outs,
-            "source": f"{type(model).__module__}.{type(model).__name__} (random init, seed {SEED}) via "
+            "source": f"{type(base).__module__}.{type(base).__name__}{' (transformers 4.x attention and mask)' if base is not model else ''} (random init, seed {SEED}) via "
                       f"torch {torch.__version__} torch.onnx.export(dynamo=False, opset 17)"}
 
 
