@@ -27,6 +27,7 @@ def load(model: ModelLike, *, lazy_external: bool = False) -> onnx.ModelProto:
         copy = onnx.ModelProto()
         copy.CopyFrom(model)
         _check_not_empty(copy, "the given ModelProto")
+        _check_tensors(copy)
         return copy
     if isinstance(model, (bytes, bytearray)):
         return _parse_bytes(bytes(model), "the given bytes")
@@ -47,18 +48,13 @@ def load(model: ModelLike, *, lazy_external: bool = False) -> onnx.ModelProto:
         ) from None
     _check_not_empty(proto, str(path))
     external = _uses_external_data(proto)
-    if external and lazy_external:
-        from onnxmp.external import make_locations_absolute
+    if external:
+        from onnxmp.external import load_external, make_locations_absolute
 
-        make_locations_absolute(proto, path.parent)
-    elif external:
-        try:
-            onnx.load_external_data_for_model(proto, str(path.parent))
-        except (OSError, ValueError) as exc:
-            raise OnnxMPError(
-                f"cannot read the external data of {path}: {exc}",
-                hint="keep the external data files next to the model, with the names it records",
-            ) from None
+        # onnxmp's one reader, not onnx.load_external_data_for_model: the same rules on every path,
+        # checked before a byte is read (onnxmp.tensordata).
+        (make_locations_absolute if lazy_external else load_external)(proto, path.parent)
+    _check_tensors(proto)
     log.debug("loaded %s: %d nodes", path, len(proto.graph.node))
     return proto
 
@@ -70,6 +66,7 @@ def _parse_bytes(data: bytes, what: str) -> onnx.ModelProto:
     except Exception as exc:
         raise OnnxMPError(f"{what} are not an ONNX model ({exc})", hint="re-export the model") from None
     _check_not_empty(proto, what)
+    _check_tensors(proto)
     return proto
 
 
@@ -85,3 +82,11 @@ def _uses_external_data(proto: onnx.ModelProto) -> bool:
     from onnxmp.external import has_external_data
 
     return has_external_data(proto)
+
+
+def _check_tensors(proto: onnx.ModelProto) -> None:
+    """Every embedded tensor holds what its dims declare, before anything reshapes or allocates it."""
+    from onnxmp.external import all_tensors
+    from onnxmp.tensordata import check_model_tensors
+
+    check_model_tensors(all_tensors(proto))
