@@ -44,7 +44,7 @@ def _model(initializers, nodes=None, outputs=("y",), graph_inputs=None) -> onnx.
     x = helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 4])
     nodes = nodes if nodes is not None else [helper.make_node("MatMul", ["x", "W"], ["y"], name="mm")]
     graph = helper.make_graph(nodes, "hostile", graph_inputs or [x],
-                              [helper.make_tensor_value_info(o, TensorProto.FLOAT, None) for o in outputs],
+                              [helper.make_tensor_value_info(o, TensorProto.FLOAT, [2, 4]) for o in outputs],
                               initializer=initializers)
     return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8)
 

@@ -59,7 +59,7 @@ def argv(command: str, model: Path, out: Path, npz: dict[str, Path], trust: bool
         "validate": ["validate", str(model), str(model), "--inputs", str(npz["good_inputs"]),
                      "--report", str(out / "v.json")],
         "train": ["train", str(model), "--data", str(npz["good_data"]), "--inputs", "x", "--labels", "y",
-                  "--loss", "mse", "--epochs", "1", "--batch-size", "4", "--out", str(out / "t"), "--no-progress"],
+                  "--loss", "mse", "--epochs", "1", "--batch-size", "2", "--out", str(out / "t"), "--no-progress"],
     }[command] + extra
 
 
@@ -168,7 +168,7 @@ def test_a_hostile_npz_is_refused_unread(corpus, case, flag, tmp_path, capsys):
         "--inputs": ["validate", str(model), str(model), "--inputs", bad],
         "--calibrate": ["convert", str(model), "-o", str(out / "o.onnx"), "--calibrate", bad],
         "--data": ["train", str(model), "--data", bad, "--inputs", "x", "--labels", "y", "--loss", "mse",
-                   "--epochs", "1", "--batch-size", "4", "--out", str(out / "t")],
+                   "--epochs", "1", "--batch-size", "2", "--out", str(out / "t")],
     }[flag]
     code = main(command)
     text = "".join(capsys.readouterr())
