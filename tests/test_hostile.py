@@ -49,6 +49,18 @@ class Watch:
         os.close(self.fd)
 
 
+def test_the_watch_sees_an_open_from_c_code(corpus):
+    """The control for the checks below: numpy's C reader opening the secret is seen."""
+    root, models, npz = corpus
+    watch = Watch(root / "secret.bin")
+    try:
+        assert not watch.touched()
+        np.fromfile(root / "secret.bin", dtype=np.uint8, count=1)
+        assert watch.touched()
+    finally:
+        watch.close()
+
+
 def argv(command: str, model: Path, out: Path, npz: dict[str, Path], trust: bool = False) -> list[str]:
     extra = ["--trust-external-data"] if trust else []
     return {
