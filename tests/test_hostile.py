@@ -241,3 +241,23 @@ def test_zz_corpus_table(capsys):
     with capsys.disabled():
         for (case, command), line in sorted(TABLE.items()):
             print(f"{case:20} {command:10} {line[:150]}")
+
+
+def test_data_in_a_subfolder_or_behind_a_symlink_that_stays_inside_is_read(tmp_path, capsys):
+    """The rules do not fire on what exporters write: a relative path into a subfolder, and a symlink
+    whose target is inside the model's folder."""
+    from models.hostile import _external, _model
+
+    (tmp_path / "weights").mkdir()
+    (tmp_path / "weights" / "w.bin").write_bytes(W.tobytes())
+    os.symlink("weights/w.bin", tmp_path / "link.bin")
+    for location in ("weights/w.bin", "./weights/../weights/w.bin", "link.bin"):
+        (tmp_path / "m.onnx").write_bytes(_model([_external("W", [4, 4], location)]).SerializeToString())
+        assert main(["convert", str(tmp_path / "m.onnx"), "-o", str(tmp_path / "o.onnx")]) == 0, location
+        values = onnx.numpy_helper.to_array(onnx.load(str(tmp_path / "o.onnx")).graph.initializer[0])
+        assert np.array_equal(values.astype(np.float32), W)
+        import onnxmp
+
+        loaded = onnxmp.load(tmp_path / "m.onnx")  # the eager path: the same reader, into raw_data
+        assert np.array_equal(onnx.numpy_helper.to_array(loaded.graph.initializer[0]), W)
+    capsys.readouterr()
