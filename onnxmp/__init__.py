@@ -14,9 +14,10 @@ from onnxmp.convert import ConversionResult, convert, explain  # noqa: E402
 from onnxmp.report import Report  # noqa: E402
 from onnxmp.save import save  # noqa: E402
 from onnxmp.load import load  # noqa: E402
+from onnxmp.tensordata import trust_external_data  # noqa: E402
 # onnxruntime itself is imported only when a model runs.
 from onnxmp.parity.emulate import emulate  # noqa: E402
 from onnxmp.parity.validate import validate  # noqa: E402
 
 __all__ = ["OnnxMPError", "ConversionResult", "Options", "Report", "convert", "explain", "emulate", "validate",
-           "load", "save", "__version__"]
+           "load", "save", "trust_external_data", "__version__"]

@@ -33,6 +33,9 @@ from onnx.external_data_helper import uses_external_data
 
 from onnxmp.errors import OnnxMPError
 from onnxmp.subgraphs import bodies, holders, may_hold_graphs
+from onnxmp.tensordata import nbytes, open_checked, read_range, resolve_location
+
+_PACKED = {onnx.TensorProto.INT4, onnx.TensorProto.UINT4, onnx.TensorProto.FLOAT4E2M1}
 
 CHUNK = 64 << 20  # bytes copied per read when streaming external data
 # Protobuf cannot serialize a message over 2 GiB; a model above half of it keeps (or gets) its weights in
@@ -136,8 +139,7 @@ def data_bytes(model: onnx.ModelProto) -> int:
 
 
 def _expected_bytes(tensor: onnx.TensorProto) -> int:
-    itemsize = np.dtype(onnx.helper.tensor_dtype_to_np_dtype(tensor.data_type)).itemsize
-    return int(np.prod(tensor.dims, dtype=np.int64)) * itemsize if tensor.dims else itemsize
+    return nbytes(tensor)
 
 
 def locations(model: onnx.ModelProto) -> set[str]:
@@ -165,30 +167,39 @@ def _set_info(tensor: onnx.TensorProto, values: dict[str, str]) -> None:
 
 
 def make_locations_absolute(model: onnx.ModelProto, base_dir: Path) -> None:
-    """Point external tensors at absolute paths, checking that the files exist."""
+    """Point external tensors at absolute paths, checking every rule of :mod:`onnxmp.tensordata`
+    (location inside ``base_dir`` unless trusted, regular file, offset and length within it) before
+    any byte is read."""
     for tensor in all_tensors(model):
         if not uses_external_data(tensor):
             continue
         meta = info(tensor)
-        location = Path(meta.get("location", ""))
-        path = location if location.is_absolute() else (base_dir / location)
-        if not path.is_file():
-            raise OnnxMPError(f"external data file of tensor `{tensor.name}` not found: {path}",
-                              hint="keep the external data files next to the model, with the names it records")
-        meta["location"] = str(path.resolve())
+        meta["location"] = resolve_location(tensor, meta, base_dir)
         _set_info(tensor, meta)
 
 
 def read_external(tensor: onnx.TensorProto) -> np.ndarray:
-    meta = info(tensor)
+    """An external tensor's values, from its absolute location, every rule checked before the read."""
+    raw = read_range(tensor, info(tensor))
+    if tensor.data_type in _PACKED:  # sub-byte types: numpy_helper unpacks them
+        loaded = onnx.TensorProto(name=tensor.name, data_type=tensor.data_type, dims=tensor.dims, raw_data=bytes(raw))
+        return onnx.numpy_helper.to_array(loaded)
     dtype = onnx.helper.tensor_dtype_to_np_dtype(tensor.data_type)
-    count = int(np.prod(tensor.dims, dtype=np.int64)) if tensor.dims else 1
-    offset = int(meta.get("offset", 0))
-    array = np.fromfile(meta["location"], dtype=dtype, count=count, offset=offset)
-    if array.size != count:
-        raise OnnxMPError(f"external data of tensor `{tensor.name}` is truncated ({array.size} of {count} values)",
-                          hint="the data file does not match the model; re-export it")
-    return array.reshape(tuple(tensor.dims))
+    return np.frombuffer(raw, dtype=np.dtype(dtype).newbyteorder("<")).astype(dtype, copy=False).reshape(
+        tuple(tensor.dims))
+
+
+def load_external(model: onnx.ModelProto, base_dir: Path) -> None:
+    """Read every external tensor of a file-loaded ``model`` into ``raw_data`` (what
+    ``onnx.load_external_data_for_model`` does), through the same checks as the lazy path."""
+    make_locations_absolute(model, base_dir)
+    for tensor in all_tensors(model):
+        if uses_external_data(tensor):
+            raw = read_range(tensor, info(tensor))
+            del tensor.external_data[:]
+            tensor.data_location = onnx.TensorProto.DEFAULT
+            tensor.raw_data = bytes(raw)
+            del raw
 
 
 def tensor_array(tensor: onnx.TensorProto) -> np.ndarray:
@@ -322,8 +333,7 @@ def write_with_external_data(model: onnx.ModelProto, path: Path, data_path: Path
                 continue
             offset = out.tell()
             if uses_external_data(tensor):
-                meta = info(tensor)
-                length = _copy_range(meta["location"], int(meta.get("offset", 0)), meta.get("length"), out, tensor)
+                length = _copy_range(tensor, out)
             else:
                 raw = tensor.raw_data
                 out.write(raw)
@@ -342,15 +352,14 @@ def write_with_external_data(model: onnx.ModelProto, path: Path, data_path: Path
         _set_info(tensor, meta)
 
 
-def _copy_range(source: str, offset: int, length: str | None, out, tensor: onnx.TensorProto) -> int:
-    remaining = int(length) if length is not None else _expected_bytes(tensor)
-    total = 0
-    with open(source, "rb") as src:
-        src.seek(offset)
+def _copy_range(tensor: onnx.TensorProto, out) -> int:
+    """Stream an external tensor's bytes into ``out``, every rule checked before the first read."""
+    with open_checked(tensor, info(tensor)) as (fd, offset, remaining):
+        total = 0
         while remaining > 0:
-            chunk = src.read(min(CHUNK, remaining))
+            chunk = os.pread(fd, min(CHUNK, remaining), offset + total)
             if not chunk:
-                raise OnnxMPError(f"external data of tensor `{tensor.name}` ends early in {source}",
+                raise OnnxMPError(f"external data of tensor `{tensor.name}` ends early in {info(tensor)['location']}",
                                   hint="the data file does not match the model; re-export it")
             out.write(chunk)
             remaining -= len(chunk)
@@ -406,13 +415,14 @@ def runtime_file(model: onnx.ModelProto, folder: str | os.PathLike, name: str = 
         if in_body:
             # onnx's checker, which onnxruntime runs on subgraphs, refuses symlinks and files with
             # several hard links alike: a body's tensors (small, as a rule) are copied instead.
-            with open(location, "rb") as source, open(data, "ab") as out:
-                source.seek(int(meta.get("offset", 0)))
-                raw = source.read(int(meta["length"])) if "length" in meta else source.read()
+            raw = read_range(tensor, meta)
+            with open(data, "ab") as out:
                 offset = out.tell()
                 out.write(raw + b"\0" * ((-(offset + len(raw))) % 64))
             _set_info(tensor, {"location": data.name, "offset": offset, "length": len(raw)})
             return
+        with open_checked(tensor, meta):  # a caller's ModelProto was never checked by load
+            pass
         if location not in links:
             links[location] = f"{name}.{len(links)}.bin"
             _link(location, folder / links[location])

@@ -45,12 +45,50 @@ def read_npz(path: str | os.PathLike, hint: str = "save with np.savez(path, inpu
                 single = head.read(6) == b"\x93NUMPY"
             raise OnnxMPError(f"{path} holds a single array, not an .npz of named arrays" if single
                               else f"{path} is not an .npz file (a zip of named .npy arrays)", hint)
+        _check_npz_members(path, hint)
         with np.load(os.fspath(path), allow_pickle=False) as data:
             return {name: data[name] for name in data.files}
     except FileNotFoundError:
         raise OnnxMPError(f"cannot read {path}: file not found", "check the path") from None
     except (OSError, ValueError, zipfile.BadZipFile) as exc:
         raise OnnxMPError(f"cannot read {path}: {exc}", hint) from None
+
+
+# An .npz expanding past this, at more than _BOMB_RATIO times its compressed size, is a zip bomb: real
+# arrays compress far less (deflate tops out near 1030:1 on zeros).  np.savez (stored) never trips it.
+_BOMB_BYTES = 256 << 20
+_BOMB_RATIO = 200
+
+
+def _check_npz_members(path, hint: str) -> None:
+    """Each member's .npy header against the member's size, before numpy allocates an array for it:
+    a header may declare terabytes over a few bytes, and an object (pickled) array is refused unread."""
+    from numpy.lib import format as npy
+
+    with zipfile.ZipFile(path) as archive:
+        members = archive.infolist()
+        expanded = sum(m.file_size for m in members)
+        packed = sum(m.compress_size for m in members)
+        if expanded > _BOMB_BYTES and expanded > _BOMB_RATIO * max(packed, 1):
+            raise OnnxMPError(f"{path} expands to {expanded} bytes from {packed}: refused as a zip bomb",
+                              "save the arrays uncompressed, with numpy.savez")
+        for member in members:
+            if not member.filename.endswith(".npy"):
+                continue
+            with archive.open(member) as stream:
+                version = npy.read_magic(stream)
+                reader = npy.read_array_header_1_0 if version == (1, 0) else npy.read_array_header_2_0
+                shape, _, dtype = reader(stream)
+                header = stream.tell()
+            if dtype.hasobject:
+                raise OnnxMPError(f"{path}: array {member.filename[:-4]!r} holds Python objects (a pickle); "
+                                  "refused unread", hint)
+            count = 1
+            for dim in shape:
+                count *= dim
+            if count * dtype.itemsize != member.file_size - header:
+                raise OnnxMPError(f"{path}: array {member.filename[:-4]!r} declares shape {shape} "
+                                  f"({count * dtype.itemsize} bytes) but holds {member.file_size - header}", hint)
 
 
 def load_npz(paths: str | os.PathLike | Iterable[str | os.PathLike]) -> list[Sample]:

@@ -27,6 +27,7 @@ def load(model: ModelLike, *, lazy_external: bool = False) -> onnx.ModelProto:
         copy = onnx.ModelProto()
         copy.CopyFrom(model)
         _check_not_empty(copy, "the given ModelProto")
+        check_model(copy)
         return copy
     if isinstance(model, (bytes, bytearray)):
         return _parse_bytes(bytes(model), "the given bytes")
@@ -47,18 +48,13 @@ def load(model: ModelLike, *, lazy_external: bool = False) -> onnx.ModelProto:
         ) from None
     _check_not_empty(proto, str(path))
     external = _uses_external_data(proto)
-    if external and lazy_external:
-        from onnxmp.external import make_locations_absolute
+    if external:
+        from onnxmp.external import load_external, make_locations_absolute
 
-        make_locations_absolute(proto, path.parent)
-    elif external:
-        try:
-            onnx.load_external_data_for_model(proto, str(path.parent))
-        except (OSError, ValueError) as exc:
-            raise OnnxMPError(
-                f"cannot read the external data of {path}: {exc}",
-                hint="keep the external data files next to the model, with the names it records",
-            ) from None
+        # onnxmp's one reader, not onnx.load_external_data_for_model: the same rules on every path,
+        # checked before a byte is read (onnxmp.tensordata).
+        (make_locations_absolute if lazy_external else load_external)(proto, path.parent)
+    check_model(proto)
     log.debug("loaded %s: %d nodes", path, len(proto.graph.node))
     return proto
 
@@ -70,6 +66,7 @@ def _parse_bytes(data: bytes, what: str) -> onnx.ModelProto:
     except Exception as exc:
         raise OnnxMPError(f"{what} are not an ONNX model ({exc})", hint="re-export the model") from None
     _check_not_empty(proto, what)
+    check_model(proto)
     return proto
 
 
@@ -85,3 +82,74 @@ def _uses_external_data(proto: onnx.ModelProto) -> bool:
     from onnxmp.external import has_external_data
 
     return has_external_data(proto)
+
+
+def check_model(proto: onnx.ModelProto) -> None:
+    """Every embedded tensor holds what its dims declare, before anything reshapes or allocates it;
+    and the graphs are ones a walk can finish (:func:`_check_structure`)."""
+    from onnxmp.external import all_tensors
+    from onnxmp.tensordata import check_model_tensors
+
+    check_model_tensors(all_tensors(proto))
+    _check_structure(proto.graph, frozenset(), 0)
+
+
+# Real models nest a few Loops and Ifs; a model nested to protobuf's limit (about 32 Ifs) makes walks
+# that visit each body per level (validation, shape inference) take exponential time.
+MAX_NESTING = 16
+
+
+def _check_structure(graph: onnx.GraphProto, outer: frozenset[str], depth: int) -> None:
+    """Refuse what onnx's checker refuses and a walk over the graphs would trip on: subgraphs nested
+    past :data:`MAX_NESTING`, a value defined twice (in one graph, or again in a body: onnx's SSA rule
+    across scopes), and a cycle among a graph's nodes (out-of-order nodes are fine: normalize sorts)."""
+    from onnxmp.subgraphs import bodies, holders
+
+    if depth > MAX_NESTING:
+        raise OnnxMPError(f"graph {graph.name!r} is nested {depth} subgraphs deep (onnxmp reads at most "
+                          f"{MAX_NESTING})", hint="the model is not one an exporter writes; re-export it")
+    defined = {v.name for v in graph.input} | {t.name for t in graph.initializer}
+    # Each node's fields read once: protobuf field access dominates on graphs of 10^4 nodes.
+    ports = [(node.input[:], node.output[:]) for node in graph.node]
+    producer: dict[str, int] = {}
+    for index, (_, outputs) in enumerate(ports):
+        for name in outputs:
+            if name in producer or name in outer:
+                if not name:
+                    continue
+                node = graph.node[index]
+                where = "an enclosing graph" if name in outer else f"graph {graph.name!r}"
+                raise OnnxMPError(f"value {name!r} is defined twice (node {node.name!r} redefines it from {where})",
+                                  hint="onnx requires every value name to be defined once across all scopes; "
+                                       "re-export the model")
+            producer[name] = index
+    producer.pop("", None)
+    get = producer.get
+    if any(get(name, -1) >= index for index, (inputs, _) in enumerate(ports) for name in inputs):
+        _check_acyclic(graph, ports, producer)  # out of order: sorted, unless there is a cycle
+    inner = outer | defined | producer.keys()
+    for node in holders(graph):
+        for body in bodies(node):
+            _check_structure(body, inner, depth + 1)
+
+
+def _check_acyclic(graph: onnx.GraphProto, ports, producer: dict[str, int]) -> None:
+    waiting = [0] * len(ports)
+    readers: dict[int, list[int]] = {}
+    for index, (inputs, _) in enumerate(ports):
+        for source in {producer[name] for name in inputs if name in producer}:
+            waiting[index] += 1
+            readers.setdefault(source, []).append(index)
+    ready = [i for i, count in enumerate(waiting) if not count]
+    done = 0
+    while ready:
+        index = ready.pop()
+        done += 1
+        for reader in readers.get(index, ()):
+            waiting[reader] -= 1
+            if not waiting[reader]:
+                ready.append(reader)
+    if done != len(graph.node):
+        stuck = next(graph.node[i] for i, count in enumerate(waiting) if count)
+        raise OnnxMPError(f"graph {graph.name!r} has a cycle (node {stuck.name or stuck.op_type!r} depends on "
+                          "its own output)", hint="re-export the model")

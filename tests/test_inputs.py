@@ -136,7 +136,7 @@ def test_load_errors(tmp_path):
     with pytest.raises(OnnxMPError, match="cut.npz is not an .npz file|cannot read"):
         load_npz(tmp_path / "cut.npz")
     np.savez(tmp_path / "obj.npz", x=np.array([None, 1], dtype=object))
-    with pytest.raises(OnnxMPError, match="cannot read .*obj.npz"):
+    with pytest.raises(OnnxMPError, match="obj.npz: array 'x' holds Python objects"):
         load_npz(tmp_path / "obj.npz")
     with pytest.raises(OnnxMPError, match="no input files"):
         load_npz([])

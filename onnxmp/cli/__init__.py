@@ -92,6 +92,13 @@ def add_verbosity_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("-q", "--quiet", action="count", default=0, help="less log output (repeatable)")
 
 
+def add_trust_flag(parser: argparse.ArgumentParser) -> None:
+    """``--trust-external-data``, on every command that reads a model (docs/cli.md, "Untrusted models")."""
+    parser.add_argument("--trust-external-data", action="store_true",
+                        help="for a model you trust: let its external data files lie outside its folder or at "
+                             "absolute paths (sizes and file types are still checked)")
+
+
 def _configure_logging(verbose: int, quiet: int) -> None:
     level = logging.INFO - 10 * verbose + 10 * quiet
     root = logging.getLogger()
@@ -156,7 +163,10 @@ def main(argv: list[str] | None = None) -> int:
     prog = f"onnxmp {args.command}"
     verbose = getattr(args, "verbose", 0) > 0
     try:
-        return int(args.func(args) or 0)
+        from onnxmp.tensordata import trust_external_data
+
+        with trust_external_data(getattr(args, "trust_external_data", False)):
+            return int(args.func(args) or 0)
     except BrokenPipeError:  # `onnxmp lists | head` is normal use, not an error
         sys.stderr.close()
         return EXIT_OK

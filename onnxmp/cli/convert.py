@@ -19,7 +19,7 @@ log = logging.getLogger("onnxmp.cli")
 
 
 def register(sub) -> None:
-    from onnxmp.cli import add_verbosity_flags
+    from onnxmp.cli import add_trust_flag, add_verbosity_flags
 
     p = sub.add_parser("convert", help="convert a float32 ONNX model to mixed precision",
                        description="Color the model with TensorFlow's AMP algorithm and rewrite it to mixed "
@@ -44,6 +44,7 @@ def register(sub) -> None:
                    help="with --calibrate: emulated runs before the search stops with the best model found "
                         "(default 2000)")
     p.add_argument("--report", metavar="FILE.json", help="write the full per-vertex explanation as JSON")
+    add_trust_flag(p)
     add_verbosity_flags(p)
     p.set_defaults(func=_convert)
 
@@ -51,6 +52,7 @@ def register(sub) -> None:
     p.add_argument("model", help="input .onnx file")
     _add_common(p)
     p.add_argument("--json", action="store_true", help="print the full explanation as JSON")
+    add_trust_flag(p)
     add_verbosity_flags(p)
     p.set_defaults(func=_explain)
 

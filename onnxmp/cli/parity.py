@@ -5,7 +5,7 @@ import argparse
 import logging
 import sys
 
-from onnxmp.cli import EXIT_ERROR, add_verbosity_flags, at_least, report_error
+from onnxmp.cli import EXIT_ERROR, add_trust_flag, add_verbosity_flags, at_least, report_error
 from onnxmp.precision import PRECISIONS
 from onnxmp.targets import NAMES as TARGETS
 
@@ -23,6 +23,7 @@ def register(subparsers) -> None:
                    help="low-precision type to emulate (default: the one the model holds)")
     p.add_argument("--float-io", action="store_true",
                    help="make low-precision graph inputs/outputs float32 (default: keep their dtypes)")
+    add_trust_flag(p)
     add_verbosity_flags(p)
     p.set_defaults(func=run_emulate)
 
@@ -46,6 +47,7 @@ def register(subparsers) -> None:
     p.add_argument("--rel-err-max", type=float, metavar="X", help="maximum error relative to max |ref|")
     p.add_argument("--abs-err-max", type=float, metavar="X", help="maximum absolute error")
     p.add_argument("--top1-min", type=float, metavar="X", help="minimum top-1 agreement (0..1)")
+    add_trust_flag(p)
     add_verbosity_flags(p)
     p.set_defaults(func=run_validate)
 

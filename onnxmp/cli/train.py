@@ -39,7 +39,7 @@ log = logging.getLogger("onnxmp.cli.train")
 
 
 def register(sub) -> None:
-    from onnxmp.cli import add_verbosity_flags, at_least, positive_float
+    from onnxmp.cli import add_trust_flag, add_verbosity_flags, at_least, positive_float
     from onnxmp.training.build import PRECISIONS
     from onnxmp.training.losses import LOSSES
     from onnxmp.targets import NAMES as TARGETS
@@ -81,6 +81,7 @@ def register(sub) -> None:
                         "mpi, or none (train alone)")
     p.add_argument("--no-progress", dest="progress", action="store_false",
                    help="no progress bar (there is none when stderr is not a terminal either)")
+    add_trust_flag(p)
     add_verbosity_flags(p)
     p.set_defaults(func=_train)
 

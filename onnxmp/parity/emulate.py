@@ -55,7 +55,7 @@ from onnxmp.external import SKELETON_TENSOR_BYTES, is_large, read_external, spil
 from onnxmp.external import info as external_info
 from onnxmp.precision import BY_ONNX_TYPE, LOW, low_precision
 from onnxmp.naming import FreshNames, proto_names
-from onnxmp.load import load
+from onnxmp.load import check_model, load
 
 log = logging.getLogger("onnxmp.emulate")
 
@@ -98,6 +98,7 @@ def as_model(model: onnx.ModelProto | str | os.PathLike) -> onnx.ModelProto:
     here only reads it or copies it before changing anything.
     """
     if isinstance(model, onnx.ModelProto):
+        check_model(model)  # load's checks, without its copy
         return model
     if isinstance(model, (str, os.PathLike)) and not os.path.exists(model):
         # The CLI and its users key on "not found" for a missing file.
