@@ -35,9 +35,12 @@ from __future__ import annotations
 
 import functools
 import json
+import re
 from importlib import resources
 from pathlib import Path
 from typing import Mapping
+
+import onnx
 
 from onnxmp import targets
 from onnxmp.errors import OnnxMPError
@@ -257,3 +260,114 @@ def _takes(params: dict[str, frozenset[str]], param: str | None, dtype: str) -> 
 
 def _entry_key(entry: dict) -> tuple[str, str, str]:
     return entry["provider"], entry["domain"] or "ai.onnx", entry["op"]
+
+
+# -- schemas of the ops onnxruntime registers outside onnx's domains --------------------------------
+# onnx's shape inference and checker know none of com.microsoft's ops: they leave their outputs
+# untyped and cannot see a type parameter bound to two types, which onnxruntime refuses at session
+# creation.  ``data/ort_contrib_schemas.json`` (scripts/gen_contrib_schemas.py, from plain
+# onnxruntime's get_all_operator_schema) holds each schema's formal inputs/outputs and type
+# constraints, per onnxruntime version: 1.19.2's Attention allows no bfloat16, 1.32's does.
+
+_OPTIONS = {"single": onnx.defs.OpSchema.FormalParameterOption.Single,
+            "optional": onnx.defs.OpSchema.FormalParameterOption.Optional,
+            "variadic": onnx.defs.OpSchema.FormalParameterOption.Variadic}
+
+
+class Formal:
+    """One formal input or output, read like onnx's ``OpSchema.FormalParameter``."""
+
+    __slots__ = ("name", "type_str", "option", "is_homogeneous")
+
+    def __init__(self, name: str, type_str: str, option: str, homogeneous: bool):
+        self.name, self.type_str, self.option, self.is_homogeneous = name, type_str, _OPTIONS[option], homogeneous
+
+
+class Constraint:
+    """One type constraint, read like onnx's ``OpSchema.TypeConstraintParam``."""
+
+    __slots__ = ("type_param_str", "allowed_type_strs")
+
+    def __init__(self, param: str, allowed: list[str]):
+        self.type_param_str, self.allowed_type_strs = param, tuple(allowed)
+
+
+class ContribSchema:
+    """A schema onnxruntime registers, with the parts of onnx's ``OpSchema`` the coloring reads
+    (``inputs``, ``outputs``, ``type_constraints``, ``since_version``, ``domain``, ``name``)."""
+
+    has_function = has_context_dependent_function = False
+
+    def __init__(self, entry: dict):
+        self.name, self.domain, self.since_version = entry["op"], entry["domain"], entry["since"]
+        self.inputs = tuple(Formal(*f) for f in entry["inputs"])
+        self.outputs = tuple(Formal(*f) for f in entry["outputs"])
+        self.type_constraints = tuple(Constraint(p, ts) for p, ts in sorted(entry["constraints"].items()))
+        self.allowed = {c.type_param_str: frozenset(c.allowed_type_strs) for c in self.type_constraints}
+
+    def __repr__(self) -> str:
+        return f"ContribSchema({self.domain}:{self.name}-{self.since_version})"
+
+
+def _version_key(version: str) -> tuple[int, ...]:
+    return tuple(int(p) for p in re.findall(r"\d+", version)[:3])
+
+
+class ContribSchemas:
+    """The committed schemas of onnxruntime's own domains, per onnxruntime version."""
+
+    def __init__(self, data: dict):
+        self.versions: tuple[str, ...] = tuple(sorted(data["versions"], key=_version_key))
+        self._entries: dict[tuple[str, str], list[tuple[int, frozenset[str], dict]]] = {}
+        for entry in data["schemas"]:
+            self._entries.setdefault((entry["domain"], entry["op"]), []).append(
+                (entry["since"], frozenset(entry["ort"]), entry))
+        for rows in self._entries.values():
+            rows.sort(key=lambda r: r[0])
+        self._built: dict[tuple, ContribSchema | None] = {}
+
+    @classmethod
+    @functools.cache
+    def default(cls) -> ContribSchemas:
+        text = resources.files("onnxmp").joinpath("data", "ort_contrib_schemas.json").read_text(encoding="utf-8")
+        return cls(json.loads(text))
+
+    @property
+    def domains(self) -> frozenset[str]:
+        return frozenset(domain for domain, _ in self._entries)
+
+    def known_version(self, version: str | None) -> str:
+        """The table's version standing for onnxruntime ``version``: the newest the table knows at or
+        below it (the oldest for an older one); the newest for None."""
+        if version is None:
+            return self.versions[-1]
+        key = _version_key(version)
+        older = [v for v in self.versions if _version_key(v) <= key]
+        return older[-1] if older else self.versions[0]
+
+    def schema(self, op_type: str, domain: str, opset: int, ort_version: str | None = None) -> ContribSchema | None:
+        """The schema onnxruntime ``ort_version`` resolves for ``op_type`` at ``opset`` of ``domain``;
+        None when that onnxruntime registers no such op."""
+        version = self.known_version(ort_version)
+        key = (domain, op_type, opset, version)
+        if key not in self._built:
+            found = None
+            for since, versions, entry in self._entries.get((domain, op_type), ()):
+                if since <= opset and version in versions:
+                    found = entry
+            self._built[key] = ContribSchema(found) if found is not None else None
+        return self._built[key]
+
+
+def installed_ort_version() -> str | None:
+    """The version of the onnxruntime distribution installed (any of its packagings), without
+    importing it; None when none is."""
+    from importlib import metadata
+
+    for dist in ("onnxruntime", "onnxruntime-gpu", "onnxruntime-training", "onnxruntime-training-cpu",
+                 "onnxruntime-directml", "onnxruntime-openvino"):
+        try:
+            return metadata.version(dist)
+        except metadata.PackageNotFoundError:
+            continue
+    return None

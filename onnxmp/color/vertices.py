@@ -25,6 +25,7 @@ from typing import AbstractSet, Iterable, Iterator, Mapping, Sequence
 import numpy as np
 import onnx
 
+from onnxmp.contrib_types import runtime_schema
 from onnxmp.domains import op_key
 from onnxmp.fusions import FusedNorm, GraphFacts, Lookup, fast_gelus, fused_norms
 from onnxmp.index import TENSOR_KIND, ModelIndex, keeps_io
@@ -92,10 +93,11 @@ class _OpInfo:
 
     __slots__ = ("op_type", "domain", "opset", "key", "schema", "list", "special")
 
-    def __init__(self, op_type: str, domain: str, opset: int, lists: Mapping[str, frozenset[str]]):
+    def __init__(self, op_type: str, domain: str, opset: int, lists: Mapping[str, frozenset[str]],
+                 ort_version: str | None = None):
         self.op_type, self.domain, self.opset = op_type, domain, opset
         self.key = op_key(op_type, domain)
-        self.schema = _schema(op_type, domain, opset)
+        self.schema = _schema(op_type, domain, opset, ort_version)
         self.list = list_of(self.key, lists)
         self.special = op_type in RETARGETABLE or op_type in CONTROL_FLOW  # the view records these nodes
 
@@ -423,12 +425,10 @@ class _GraphOfNode(Mapping):
         return len(self._view.node_index)
 
 
-@functools.lru_cache(maxsize=None)
-def _schema(op_type: str, domain: str, opset: int) -> onnx.defs.OpSchema | None:
-    try:
-        return onnx.defs.get_schema(op_type, opset, domain)
-    except onnx.defs.SchemaError:
-        return None
+def _schema(op_type: str, domain: str, opset: int, ort_version: str | None = None):
+    """onnx's schema, or onnxruntime's (``ort_version``'s) for the domains it registers; None for
+    an op no schema knows."""
+    return runtime_schema(op_type, domain, opset, ort_version)
 
 
 def _params(schema: onnx.defs.OpSchema | None, formals: Sequence, count: int) -> list[str | None]:
@@ -455,11 +455,11 @@ def _params(schema: onnx.defs.OpSchema | None, formals: Sequence, count: int) ->
 
 
 @functools.lru_cache(maxsize=None)
-def _layout(op_type: str, domain: str, opset: int, n_in: int, n_out: int
+def _layout(op_type: str, domain: str, opset: int, n_in: int, n_out: int, ort_version: str | None = None
             ) -> tuple[tuple[str, tuple[int, ...], tuple[int, ...]], ...]:
     """The vertices of one (op, arity) in the order their first position appears (inputs, then
     outputs): (param, input positions, output positions)."""
-    schema = _schema(op_type, domain, opset)
+    schema = _schema(op_type, domain, opset, ort_version)
     positions: dict[str, tuple[list[int], list[int]]] = {}
     for side, formals, count in ((0, schema.inputs if schema else (), n_in),
                                  (1, schema.outputs if schema else (), n_out)):
@@ -552,6 +552,7 @@ def build_type_view(
     block_nodes: Iterable[str] = (),
     keep_io_types: bool | AbstractSet[str] = True,
     initializer_inputs: Iterable[str] = (),
+    ort_version: str | None = None,
 ) -> TypeView:
     """Build vertices and edges for the main graph and all bodies, in one pass over the nodes."""
     block = [re.compile(p) for p in block_nodes]
@@ -583,8 +584,8 @@ def build_type_view(
     def layout(op_type: str, domain: str, n_in: int, n_out: int) -> tuple[_OpInfo, list[_Group], _Tied | None]:
         op = ops.get((op_type, domain))
         if op is None:
-            op = ops[(op_type, domain)] = _OpInfo(op_type, domain, graph.opset_of(domain), lists)
-        groups = [_Group(op, *g) for g in _layout(op_type, domain, op.opset, n_in, n_out)]
+            op = ops[(op_type, domain)] = _OpInfo(op_type, domain, graph.opset_of(domain), lists, ort_version)
+        groups = [_Group(op, *g) for g in _layout(op_type, domain, op.opset, n_in, n_out, ort_version)]
         ties = kernels.tied_params(provider, domain, op_type, op.opset) if op.schema is not None else ()
         return op, groups, merge_tied_params(groups, ties)
 

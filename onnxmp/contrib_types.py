@@ -1,0 +1,166 @@
+"""Types of the tensors onnx's shape inference leaves unknown: outputs of the ops onnxruntime
+registers in its own domains (com.microsoft's Attention, SkipLayerNormalization, ...) and of the
+standard ops that read them.
+
+onnx's inference knows no com.microsoft schema, so it stops at the first fused op and every
+tensor after it stays untyped; the coloring would then change the weights of a fused op without
+its activations, and onnxruntime refuses the result ("Type parameter (T) of Optype (Attention)
+bound to different types").  An output's type follows from its schema's type constraints: a
+parameter bound at the inputs binds the outputs of that parameter, and a constraint allowing one
+type fixes it.  One pass over the nodes in order (repeated only for a graph out of order) types
+every output that binding decides; this runs only for models holding ops of those domains.
+
+The schemas are onnx's own for its domains and ``kernels.ContribSchemas`` (onnxruntime's, per
+version) for the others.  A node of an onnxruntime domain no schema knows, whose outputs stay
+untyped, is refused by name: converting around it would be guessing.
+"""
+from __future__ import annotations
+
+import functools
+import logging
+
+import onnx
+
+from onnxmp.domains import is_onnx_domain
+from onnxmp.errors import OnnxMPError
+from onnxmp.kernels import ContribSchemas
+from onnxmp.subgraphs import iter_proto_graphs
+
+log = logging.getLogger("onnxmp.normalize")
+
+_ONNX_DOMAINS = frozenset({"", "ai.onnx", "ai.onnx.ml", "ai.onnx.preview.training"})
+
+
+def _type_strs() -> tuple[dict[int, str], dict[str, int]]:
+    names = {onnx.TensorProto.FLOAT: "float", onnx.TensorProto.DOUBLE: "double"}
+    for name, value in onnx.TensorProto.DataType.items():
+        if value and value not in names:
+            names[value] = name.lower()
+    to_str = {v: f"tensor({n})" for v, n in names.items()}
+    return to_str, {s: v for v, s in to_str.items()}
+
+
+TYPE_STR, TYPE_CODE = _type_strs()
+
+
+def has_foreign_ops(model: onnx.ModelProto) -> bool:
+    """Whether a node of ``model`` (bodies included) is in a domain onnx does not define."""
+    return any(node.domain not in _ONNX_DOMAINS for g in iter_proto_graphs(model.graph) for node in g.node)
+
+
+def runtime_schema(op_type: str, domain: str, opset: int, ort_version: str | None = None):
+    """The schema a node resolves to: onnx's for onnx's domains, onnxruntime's (per version) for
+    the domains onnxruntime registers; None when neither knows it."""
+    if domain in _ONNX_DOMAINS:
+        domain = "" if is_onnx_domain(domain) else domain
+        found = _onnx_schema(op_type, domain, opset)
+        if found is not None or domain != "":
+            return found
+        # onnxruntime registers a few ops of its own in the default domain (SimplifiedLayerNormalization)
+    return ContribSchemas.default().schema(op_type, domain, opset, ort_version)
+
+
+@functools.lru_cache(maxsize=None)
+def _onnx_schema(op_type: str, domain: str, opset: int):
+    try:
+        return onnx.defs.get_schema(op_type, opset, domain)
+    except onnx.defs.SchemaError:
+        return None
+
+
+def formal_params(formals, count: int) -> list[str | None]:
+    """The type string (a parameter or a literal type) of each of ``count`` actual positions."""
+    out: list[str | None] = []
+    for i in range(count):
+        if not formals:
+            out.append(None)
+        elif i < len(formals):
+            out.append(formals[i].type_str)
+        else:
+            last = formals[-1]
+            variadic = last.option == onnx.defs.OpSchema.FormalParameterOption.Variadic
+            out.append(last.type_str if variadic and last.is_homogeneous else None)
+    return out
+
+
+def type_foreign_outputs(model: onnx.ModelProto, opsets: dict[str, int]) -> int:
+    """Declare (element type only) the outputs the schemas' type bindings decide and inference left
+    unknown, in every graph of ``model``; returns how many.  Raises for a node of an onnxruntime
+    domain no schema knows when its outputs stay untyped."""
+    known: dict[str, int] = {}
+    graphs = list(iter_proto_graphs(model.graph))
+    for g in graphs:
+        for t in g.initializer:
+            known[t.name] = t.data_type
+        for vi in (*g.input, *g.value_info, *g.output):
+            if vi.type.WhichOneof("value") == "tensor_type" and vi.type.tensor_type.elem_type:
+                known.setdefault(vi.name, vi.type.tensor_type.elem_type)
+            elif vi.type.WhichOneof("value"):
+                known.setdefault(vi.name, 0)  # a sequence, map or optional: not a tensor to type
+    runtime_domains = ContribSchemas.default().domains
+    added = 0
+    for g in graphs:
+        declared = {vi.name for vi in (*g.value_info, *g.output)}
+        for _ in range(len(g.node)):  # a sorted graph settles in one pass
+            progress = False
+            pending = False
+            for node in g.node:
+                missing = [o for o in node.output if o and o not in known]
+                if not missing:
+                    continue
+                types = _bind(node, known, opsets)
+                if types is None:
+                    if node.domain in runtime_domains and node.domain not in _ONNX_DOMAINS:
+                        raise OnnxMPError(
+                            f"no schema types the outputs of {node.domain}:{node.op_type} (node {node.name!r}) "
+                            f"for the onnxruntime versions onnxmp knows",
+                            hint="onnxmp cannot convert around an op whose output types it cannot tell; "
+                                 "convert the model before onnxruntime's fusions, or keep it in float32")
+                    continue
+                for name in missing:
+                    code = types.get(name)
+                    if code is None:
+                        pending = True
+                        continue
+                    known[name] = code
+                    progress = True
+                    if name not in declared:
+                        g.value_info.append(onnx.helper.make_tensor_value_info(name, code, None))
+                        declared.add(name)
+                        added += 1
+            if not (progress and pending):
+                break
+    if added:
+        log.info("typed %d outputs of ops onnx's inference does not know", added)
+    return added
+
+
+def _bind(node: onnx.NodeProto, known: dict[str, int], opsets: dict[str, int]) -> dict[str, int] | None:
+    """Output name -> element type for the outputs the schema's binding decides; None when no
+    schema knows the node."""
+    domain = "" if is_onnx_domain(node.domain) else node.domain
+    opset = opsets.get(domain, 1)
+    if node.op_type == "Cast" and domain == "":
+        to = next((a.i for a in node.attribute if a.name == "to"), None)
+        return {node.output[0]: to} if to else {}
+    schema = runtime_schema(node.op_type, domain, opset)
+    if schema is None:
+        return None
+    allowed = {c.type_param_str: tuple(c.allowed_type_strs) for c in schema.type_constraints}
+    bound: dict[str, int] = {}
+    for name, param in zip(node.input, formal_params(schema.inputs, len(node.input))):
+        if name and param in allowed and known.get(name):
+            bound.setdefault(param, known[name])
+    out: dict[str, int] = {}
+    for name, param in zip(node.output, formal_params(schema.outputs, len(node.output))):
+        if not name or param is None:
+            continue
+        if param in allowed:
+            code = bound.get(param)
+            if code is None and len(allowed[param]) == 1:
+                code = TYPE_CODE.get(allowed[param][0])
+        else:
+            code = TYPE_CODE.get(param)  # a literal type, tensor(int32)
+        if code:
+            out[name] = code
+    return out
