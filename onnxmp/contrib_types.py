@@ -164,3 +164,48 @@ def _bind(node: onnx.NodeProto, known: dict[str, int], opsets: dict[str, int]) -
         if code:
             out[name] = code
     return out
+
+
+def binding_errors(model: onnx.ModelProto, ort_version: str | None = None, limit: int = 5) -> list[str]:
+    """The nodes onnxruntime ``ort_version``'s graph resolution refuses for types, in its words:
+    a type parameter bound to two types, or bound to a type its constraint does not allow.
+
+    Checks the nodes of onnxruntime's domains (onnx's checker, with strict inference, checks onnx's
+    own ops); each tensor's type is its declaration, an initializer's or a graph input's.
+    """
+    found: list[str] = []
+    opsets = {("" if is_onnx_domain(o.domain) else o.domain): int(o.version) for o in model.opset_import}
+    graphs = list(iter_proto_graphs(model.graph))
+    types: dict[str, int] = {}
+    for g in graphs:
+        for vi in (*g.input, *g.value_info, *g.output):
+            if vi.type.WhichOneof("value") == "tensor_type" and vi.type.tensor_type.elem_type:
+                types[vi.name] = vi.type.tensor_type.elem_type
+        for t in g.initializer:
+            types[t.name] = t.data_type
+    for g in graphs:
+        for node in g.node:
+            domain = "" if is_onnx_domain(node.domain) else node.domain
+            if domain in _ONNX_DOMAINS and _onnx_schema(node.op_type, domain, opsets.get(domain, 1)) is not None:
+                continue
+            schema = runtime_schema(node.op_type, domain, opsets.get(domain, 1), ort_version)
+            if schema is None:
+                continue  # a custom op: onnxruntime needs its library, which onnxmp cannot see into
+            allowed = {c.type_param_str: set(c.allowed_type_strs) for c in schema.type_constraints}
+            bound: dict[str, tuple[str, str]] = {}
+            for side, names, formals in (("input", node.input, schema.inputs), ("output", node.output, schema.outputs)):
+                for name, param in zip(names, formal_params(formals, len(names))):
+                    code = types.get(name) if name else None
+                    if param not in allowed or not code:
+                        continue
+                    type_str = TYPE_STR.get(code, str(code))
+                    if type_str not in allowed[param]:
+                        found.append(f"Type '{type_str}' of {side} {name!r} of operator ({node.op_type}) in node "
+                                     f"({node.name}) is invalid for onnxruntime {ort_version or 'newest'}")
+                    elif param in bound and bound[param][0] != type_str:
+                        found.append(f"Type parameter ({param}) of Optype ({node.op_type}) bound to different types "
+                                     f"({bound[param][0]} and {type_str}) in node ({node.name})")
+                    bound.setdefault(param, (type_str, name))
+            if len(found) >= limit:
+                return found[:limit]
+    return found

@@ -163,7 +163,8 @@ class Verify(PassBase[Conversion]):
         if written is not None:
             state.model = None  # let go before the checker runs: see compact_bytes
         state.model = verify(state.model if written is None else written, original_io=state.expected_io,
-                             reload_original=lambda: normalize(load(state.source, lazy_external=True)).index.model)
+                             reload_original=lambda: normalize(load(state.source, lazy_external=True)).index.model,
+                             ort_version=state.options.ort_version)
         return PassResult(False)
 
 

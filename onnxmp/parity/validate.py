@@ -306,6 +306,37 @@ def _session(model: onnx.ModelProto, provider: str, role: str):
     return session
 
 
+# What onnxruntime says when a CPU-only build has no kernel for a node's types (a float16 model made
+# for the CUDA EP): the model itself resolved, its types are sound.
+_NO_KERNEL = ("Could not find an implementation for", "NOT_IMPLEMENTED")
+
+
+def check_loads(model: onnx.ModelProto, role: str) -> None:
+    """Raise :class:`OnnxMPError` when this onnxruntime refuses ``model`` itself at session creation
+    (graph resolution: a type parameter bound to two types, a type a schema does not allow).
+
+    On a CPU-only machine a low-precision model made for the GPU may find no CPU kernel for some
+    node; onnxruntime then says NOT_IMPLEMENTED, "Could not find an implementation", after the
+    graph resolved.  That is no fault of the model and passes, logged.
+    """
+    import onnxruntime as ort
+
+    options = ort.SessionOptions()
+    options.log_severity_level = 3
+    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+    try:
+        with session_source(model, role) as source:
+            ort.InferenceSession(source, options, providers=[CPU.provider])
+    except Exception as exc:  # onnxruntime's exceptions share no public base class
+        message = first_line(exc)
+        if any(words in str(exc) for words in _NO_KERNEL):
+            log.info("the %s model resolves in onnxruntime %s; this CPU build has no kernel for some of its "
+                     "nodes (%s)", role, ort.__version__, message)
+            return
+        raise OnnxMPError(f"onnxruntime {ort.__version__} cannot load the {role} model itself: {message}",
+                          "the model is invalid for onnxruntime; convert it again with this onnxmp") from None
+
+
 def _run(session, model: onnx.ModelProto, sample: Sample, role: str) -> dict[str, np.ndarray]:
     try:
         feeds = check_inputs(model, sample)
@@ -411,6 +442,7 @@ def validate(reference: onnx.ModelProto | str | os.PathLike, candidate: onnx.Mod
         _warn_if_no_tensor_cores()
     if emulated:
         log.info("emulating %s numerics of the candidate on CPU", " and ".join(emulated))
+        check_loads(cand_model, "candidate")  # the emulated copy loading says nothing of the model itself
 
     # One session at a time: the reference's outputs are kept (small next to the weights) and its
     # session is freed before the candidate's is built, so a large model's weights are in memory once.
