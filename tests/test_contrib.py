@@ -1,0 +1,158 @@
+"""onnxruntime's own ops (com.microsoft): typed from onnxruntime's schemas, colored as one type
+binding, checked as onnxruntime's graph resolution checks them (issue 30)."""
+from __future__ import annotations
+
+import numpy as np
+import onnx
+import pytest
+from onnx import TensorProto as TP, helper, numpy_helper
+
+import onnxmp
+from onnxmp import verify
+from onnxmp.contrib_types import binding_errors, type_foreign_outputs
+from onnxmp.errors import OnnxMPError
+from onnxmp.kernels import ContribSchemas
+from onnxmp.normalize import normalize
+
+ort = pytest.importorskip("onnxruntime")
+H, S = 8, 4  # hidden size, sequence length
+MS = "com.microsoft"
+
+
+def _w(name, shape, seed=0):
+    rng = np.random.default_rng(seed)
+    return numpy_helper.from_array((rng.standard_normal(shape) * 0.1).astype(np.float32), name)
+
+
+def fused_bert(skip_ln=True) -> onnx.ModelProto:
+    """x -> Attention (int32 mask) -> SkipLayerNormalization -> MatMul -> BiasGelu -> MatMul -> y,
+    as onnxruntime's transformer optimizer writes a BERT layer."""
+    nodes = [helper.make_node("Attention", ["x", "qkv_w", "qkv_b", "mask"], ["att"], name="Attention_0",
+                              domain=MS, num_heads=2)]
+    if skip_ln:
+        nodes.append(helper.make_node("SkipLayerNormalization", ["att", "x", "gamma", "beta"], ["ln"],
+                                      name="SkipLayerNorm_0", domain=MS, epsilon=1e-5))
+    else:
+        nodes.append(helper.make_node("Add", ["att", "x"], ["ln"], name="add"))
+    nodes += [helper.make_node("MatMul", ["ln", "w1"], ["h"], name="mm1"),
+              helper.make_node("BiasGelu", ["h", "b1"], ["g"], name="Gelu_0", domain=MS),
+              helper.make_node("MatMul", ["g", "w2"], ["y"], name="mm2")]
+    graph = helper.make_graph(
+        nodes, "fused",
+        [helper.make_tensor_value_info("x", TP.FLOAT, [1, S, H]), helper.make_tensor_value_info("mask", TP.INT32, [1, S])],
+        [helper.make_tensor_value_info("y", TP.FLOAT, [1, S, H])],
+        [_w("qkv_w", (H, 3 * H)), _w("qkv_b", (3 * H,), 1), _w("gamma", (H,), 2), _w("beta", (H,), 3),
+         _w("w1", (H, 2 * H), 4), _w("b1", (2 * H,), 5), _w("w2", (2 * H, H), 6)])
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid(MS, 1)],
+                             ir_version=8)
+
+
+def _types(model):
+    out = {t.name: t.data_type for t in model.graph.initializer}
+    for vi in (*model.graph.input, *model.graph.value_info, *model.graph.output):
+        out[vi.name] = vi.type.tensor_type.elem_type
+    return out
+
+
+def _loads(model) -> str:
+    """'' when onnxruntime resolves the model (a missing CPU kernel for a GPU model counts as
+    resolved), else what it says."""
+    options = ort.SessionOptions()
+    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+    try:
+        ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
+    except Exception as exc:  # noqa: BLE001
+        return "" if "Could not find an implementation" in str(exc) else str(exc)
+    return ""
+
+
+def test_the_schema_table_knows_each_version_and_the_fused_ops():
+    table = ContribSchemas.default()
+    assert {"1.19.2", "1.32.0"} <= set(table.versions)
+    for op in ("Attention", "MultiHeadAttention", "GroupQueryAttention", "PackedAttention", "SkipLayerNormalization",
+               "SkipSimplifiedLayerNormalization", "EmbedLayerNormalization", "BiasGelu", "FastGelu",
+               "BiasSplitGelu", "BiasAdd", "RotaryEmbedding", "GroupNorm", "QuickGelu", "FusedMatMul", "MatMulNBits"):
+        assert table.schema(op, MS, 1) is not None, op
+    # 1.19.2's Attention takes no bfloat16; the newest does.
+    assert "tensor(bfloat16)" not in table.schema("Attention", MS, 1, "1.19.2").allowed["T"]
+    assert "tensor(bfloat16)" in table.schema("Attention", MS, 1).allowed["T"]
+    assert table.known_version("1.20.1") == "1.19.2" and table.known_version("9.0") == table.versions[-1]
+    assert table.schema("NoSuchOp", MS, 1) is None
+
+
+def test_normalize_types_contrib_outputs_and_what_reads_them():
+    index = normalize(fused_bert()).index
+    for name in ("att", "ln", "h", "g", "y"):
+        assert index.dtype(name) == TP.FLOAT, name
+
+
+def test_a_model_of_onnx_ops_only_gets_no_extra_declarations():
+    model = fused_bert(skip_ln=False)
+    model.graph.node.remove(model.graph.node[0])
+    model.graph.node.remove(model.graph.node[2])  # BiasGelu: mm2 now reads h
+    model.graph.node[0].input[0] = "x"
+    model.graph.node[2].input[0] = "h"
+    before = len(normalize(model).index.model.graph.value_info)
+    assert type_foreign_outputs(model, {"": 17}) == 0 and len(model.graph.value_info) == before
+
+
+def test_an_onnxruntime_op_no_schema_knows_is_refused_by_name():
+    model = fused_bert()
+    model.graph.node[3].op_type = "BiasGeluFromTheFuture"
+    with pytest.raises(OnnxMPError, match="com.microsoft:BiasGeluFromTheFuture.*Gelu_0"):
+        onnxmp.convert(model)
+
+
+@pytest.mark.parametrize("skip_ln", [True, False])
+def test_float16_fused_model_binds_every_type_parameter_once_and_loads(skip_ln):
+    model = onnxmp.convert(fused_bert(skip_ln)).model
+    types = _types(model)
+    assert types["qkv_w"] == types["qkv_b"] == TP.FLOAT16  # weights and activation change together
+    assert types["mask"] == TP.INT32
+    assert binding_errors(model) == []
+    assert _loads(model) == ""
+
+
+def test_binding_errors_name_the_node_as_onnxruntime_does():
+    model = fused_bert()
+    w = model.graph.initializer[0]
+    w.CopyFrom(numpy_helper.from_array(numpy_helper.to_array(w).astype(np.float16), "qkv_w"))
+    errors = binding_errors(model)
+    assert errors and "Type parameter (T) of Optype (Attention) bound to different types" in errors[0]
+    assert "Attention_0" in errors[0]
+    assert "bound to different types" in _loads(model)  # what onnxruntime itself says
+
+
+def test_verify_refuses_a_model_onnxruntime_would_refuse():
+    model = fused_bert()
+    normalize(model)
+    w = model.graph.initializer[0]
+    w.CopyFrom(numpy_helper.from_array(numpy_helper.to_array(w).astype(np.float16), "qkv_w"))
+    with pytest.raises(OnnxMPError, match="would not load.*Attention"):
+        verify.verify(model)
+    assert verify.verify(fused_bert()) is not None  # the float32 model passes
+
+
+@pytest.mark.parametrize("version, low", [("1.19.2", False), ("1.32.0", True)])
+def test_bfloat16_attention_goes_low_only_where_the_target_onnxruntime_has_it(version, low):
+    result = onnxmp.convert(fused_bert(), precision="bfloat16", ort_version=version)
+    types = _types(result.model)
+    assert (types["qkv_w"] == TP.BFLOAT16) is low
+    assert binding_errors(result.model, version) == []
+
+
+def test_ort_version_is_checked():
+    with pytest.raises(OnnxMPError, match="ort_version"):
+        onnxmp.convert(fused_bert(), ort_version="latest")
+
+
+def test_validate_loads_the_candidate_itself(tmp_path):
+    from onnxmp.parity.validate import check_loads
+
+    good = onnxmp.convert(fused_bert()).model
+    check_loads(good, "candidate")  # resolves (CPU kernels missing for float16 is not its fault)
+    bad = fused_bert()
+    w = bad.graph.initializer[0]
+    w.CopyFrom(numpy_helper.from_array(numpy_helper.to_array(w).astype(np.float16), "qkv_w"))
+    with pytest.raises(OnnxMPError, match="cannot load the candidate model itself.*bound to different types"):
+        check_loads(bad, "candidate")
