@@ -94,6 +94,10 @@ class KernelTable:
                 (entry["since"], entry["until"], tuple(entry["params"]), rows))
         for ranges in (*self._ties.values(), *self._combos.values()):
             ranges.sort(key=lambda r: r[0])
+        self._float32: dict[tuple[str, str, str], list[tuple[int, int | None, frozenset[str]]]] = {}
+        for entry in (ties or {}).get("float32_params", ()):
+            self._float32.setdefault(_entry_key(entry), []).append(
+                (entry["since"], entry["until"], frozenset(entry["params"])))
         self._numerics: dict[tuple[str, str, str], list[tuple[int, int | None, dict]]] = {}
         for entry in (numerics or {}).get("kernels", ()):
             self._numerics.setdefault(_entry_key(entry), []).append((entry["since"], entry["until"], entry))
@@ -193,6 +197,13 @@ class KernelTable:
         key = (self._provider_name(provider), domain or "ai.onnx", op_type)
         ties = _in_range(self._ties.get(key, ()), opset)
         return ties[2] if ties is not None else ()
+
+    def float32_params(self, provider: str, domain: str, op_type: str, opset: int) -> frozenset[str]:
+        """Type parameters the kernel at ``opset`` reads as float32 whatever the schema allows (CUDA
+        GroupNorm's gamma and beta, ``M``): their tensors stay float32."""
+        key = (self._provider_name(provider), domain or "ai.onnx", op_type)
+        found = _in_range(self._float32.get(key, ()), opset)
+        return found[2] if found is not None else frozenset()
 
     def float_combos(self, provider: str, domain: str, op_type: str, opset: int) -> tuple[dict[str, str], ...] | None:
         """The only float type combinations the kernel at ``opset`` registers (param -> type, one dict

@@ -62,7 +62,7 @@ def _loads(model) -> str:
     try:
         ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
     except Exception as exc:  # noqa: BLE001
-        return "" if "Could not find an implementation" in str(exc) else str(exc)
+        return "" if "NOT_IMPLEMENTED" in str(exc) else str(exc)
     return ""
 
 
@@ -156,3 +156,65 @@ def test_validate_loads_the_candidate_itself(tmp_path):
     w.CopyFrom(numpy_helper.from_array(numpy_helper.to_array(w).astype(np.float16), "qkv_w"))
     with pytest.raises(OnnxMPError, match="cannot load the candidate model itself.*bound to different types"):
         check_loads(bad, "candidate")
+
+
+def _group_norm() -> onnx.ModelProto:
+    """Conv -> GroupNorm (com.microsoft, NHWC) -> Conv, as in a diffusers UNet through onnxruntime's
+    optimizer."""
+    c = 4
+    nodes = [helper.make_node("Conv", ["x", "k"], ["c0"], name="conv0", pads=[1, 1, 1, 1]),
+             helper.make_node("Transpose", ["c0"], ["nhwc"], name="to_nhwc", perm=[0, 2, 3, 1]),
+             helper.make_node("GroupNorm", ["nhwc", "gamma", "beta"], ["gn"], name="GroupNorm_0", domain=MS,
+                              activation=1, epsilon=1e-5, groups=2),
+             helper.make_node("Transpose", ["gn"], ["nchw"], name="to_nchw", perm=[0, 3, 1, 2]),
+             helper.make_node("Conv", ["nchw", "k"], ["y"], name="conv", pads=[1, 1, 1, 1])]
+    graph = helper.make_graph(nodes, "gn", [helper.make_tensor_value_info("x", TP.FLOAT, [1, c, 4, 4])],
+                              [helper.make_tensor_value_info("y", TP.FLOAT, [1, c, 4, 4])],
+                              [_w("gamma", (c,), 1), _w("beta", (c,), 2), _w("k", (c, c, 3, 3), 3)])
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid(MS, 1)],
+                             ir_version=8)
+
+
+def test_group_norm_computes_low_but_keeps_gamma_and_beta_float32_on_cuda():
+    result = onnxmp.convert(_group_norm())
+    types = _types(result.model)
+    assert types["gamma"] == types["beta"] == TP.FLOAT       # the CUDA kernel reads them as float
+    node = next(n for n in result.model.graph.node if n.op_type == "GroupNorm")
+    assert types.get(node.input[0]) == TP.FLOAT16              # X goes low with the Conv around it
+    assert binding_errors(result.model) == []
+    assert _loads(result.model) == ""
+
+
+def test_group_norm_gamma_follows_the_schema_where_no_kernel_fact_pins_it():
+    from onnxmp.kernels import KernelTable
+
+    table = KernelTable.default()
+    assert table.float32_params("cuda", MS, "GroupNorm", 1) == {"M"}
+    assert table.float32_params("cuda", MS, "BiasSplitGelu", 1) == frozenset()
+    assert table.float32_params("cuda", "", "LayerNormalization", 17) == frozenset()
+
+
+@pytest.mark.parametrize("op, inputs, extra", [
+    ("FastGelu", ["h", "b1"], {}),
+    ("BiasAdd", None, {}),
+    ("QuickGelu", ["h"], {"alpha": 1.702}),
+    ("FusedMatMul", ["h", "w3"], {"alpha": 1.0}),
+])
+def test_fused_activations_and_matmuls_convert_into_models_onnxruntime_resolves(op, inputs, extra):
+    model = fused_bert()
+    node = model.graph.node[3]
+    del node.attribute[:]
+    node.op_type = op
+    if op == "BiasAdd":  # BiasAdd(X, bias, skip) on [N, S, C]
+        model.graph.initializer.append(_w("skip", (1, S, 2 * H), 9))
+        inputs = ["h", "b1", "skip"]
+    if op == "FusedMatMul":
+        model.graph.initializer.append(_w("w3", (2 * H, 2 * H), 9))
+    del node.input[:]
+    node.input.extend(inputs)
+    node.attribute.extend(helper.make_attribute(k, v) for k, v in extra.items())
+    result = onnxmp.convert(model)
+    types = _types(result.model)
+    assert types["g"] == TP.FLOAT16, op
+    assert binding_errors(result.model) == []
+    assert _loads(result.model) == ""

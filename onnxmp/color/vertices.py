@@ -994,6 +994,8 @@ def _capability(op: _OpInfo, param: str, provider: str, kernels, low_name: str, 
     if op.op_type == "Constant":
         return True, ""  # folded at session creation; needs no kernel
     base = None if param == _WHOLE_NODE else param.split("#")[0]
+    if base is not None and base in kernels.float32_params(provider, op.domain, op.op_type, op.opset):
+        return False, f"the {provider} kernel of {op.key} reads {base} as float32 (kernel facts)"
     supported = kernels.supports(provider, op.domain, op.op_type, op.opset, base, low_name)
     if supported is None:
         return False, f"no {provider} kernel for {op.key} at opset {op.opset}"
