@@ -370,6 +370,7 @@ class ContribSchemas:
         return self._built[key]
 
 
+@functools.cache  # importlib.metadata leaves reference cycles behind; the answer does not change
 def installed_ort_version() -> str | None:
     """The version of the onnxruntime distribution installed (any of its packagings), without
     importing it; None when none is."""
