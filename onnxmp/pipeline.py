@@ -19,7 +19,9 @@ import onnx
 from onnxmp.color import Coloring, color
 from onnxmp.index import keeps_io
 from onnxmp.load import ModelLike, load
+from onnxmp.kernels import KernelTable
 from onnxmp.normalize import Normalized, normalize
+from onnxmp.opset_gaps import retarget
 from onnxmp.options import Options, Resolved
 from onnxmp.passes import PassBase, PassManager, PassResult
 from onnxmp.report import (TENSOR_CORE_OPS, MaskFillRow, Report, advice_records, group_rows, head,
@@ -55,6 +57,7 @@ class Conversion:
     report: Report | None = None
     expected_io: tuple | None = None  # the converted model's input/output signature
     stats: RewriteStats | None = None
+    retargeted: str | None = None     # the opset raised to close a kernel gap (opset_gaps.py), in words
 
     @property
     def resolved(self) -> Resolved:
@@ -72,7 +75,9 @@ class Load(PassBase[Conversion]):
         state.model = load(state.source, lazy_external=True)
         if isinstance(state.options, Options):
             state.options = state.options.resolve(state.model)
-        return PassResult(False)
+        options = state.options
+        state.retargeted = retarget(state.model, KernelTable.default(), options.target.provider, options.precision.name)
+        return PassResult(state.retargeted is not None)
 
 
 class CheckInput(PassBase[Conversion]):
@@ -118,6 +123,7 @@ class Color(PassBase[Conversion]):
         report.defer("advice", lambda: advice_records(findings))
         report.groups = group_rows(coloring)
         report.shape_inference_error = state.normalized.inference_error
+        report.opset_retarget = state.retargeted
         report.changed = coloring.has_allow() or bool(lowered_io(index.model, options.keep_io_types))
         if not report.changed:
             report.unchanged_reason = unchanged_reason(report)

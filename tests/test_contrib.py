@@ -218,3 +218,35 @@ def test_fused_activations_and_matmuls_convert_into_models_onnxruntime_resolves(
     assert types["g"] == TP.FLOAT16, op
     assert binding_errors(result.model) == []
     assert _loads(result.model) == ""
+
+
+def _clips(opset: int, dropout: bool = False) -> onnx.ModelProto:
+    """Conv -> Clip (Relu6, as PP-LCNet exports it at opset 11) -> Conv."""
+    c = 4
+    nodes = [helper.make_node("Conv", ["x", "k"], ["c0"], name="conv0", pads=[1, 1, 1, 1]),
+             helper.make_node("Clip", ["c0", "lo", "hi"], ["r"], name="clip"),
+             helper.make_node("Conv", ["r", "k"], ["y"], name="conv1", pads=[1, 1, 1, 1])]
+    if dropout:  # Dropout-10's ratio attribute is an input from opset 12: the meaning changes
+        nodes.append(helper.make_node("Dropout", ["y"], ["z"], name="drop", ratio=0.0))
+    graph = helper.make_graph(nodes, "clips", [helper.make_tensor_value_info("x", TP.FLOAT, [1, c, 4, 4])],
+                              [helper.make_tensor_value_info("z" if dropout else "y", TP.FLOAT, [1, c, 4, 4])],
+                              [_w("k", (c, c, 3, 3), 3), numpy_helper.from_array(np.array(0, np.float32), "lo"),
+                               numpy_helper.from_array(np.array(6, np.float32), "hi")])
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset)], ir_version=7)
+
+
+def test_clip_at_opset_11_is_retargeted_to_12_and_goes_low():
+    result = onnxmp.convert(_clips(11))
+    assert [o.version for o in result.model.opset_import if o.domain in ("", "ai.onnx")] == [12]
+    assert "opset 11 -> 12: Clip" in (result.report.opset_retarget or "")
+    assert "retargeted" in result.report.summary()
+    assert _types(result.model).get("r") in (None, TP.FLOAT16)
+    assert not any(n.op_type == "Cast" for n in result.model.graph.node if n.name.startswith("clip"))
+    assert sum(n.op_type == "Cast" for n in result.model.graph.node) == 2  # graph input and output only
+
+
+@pytest.mark.parametrize("model", [_clips(12), _clips(11, dropout=True)], ids=["opset12", "dropout-changes"])
+def test_no_retarget_where_no_gap_or_the_meaning_changes(model):
+    result = onnxmp.convert(model)
+    assert result.report.opset_retarget is None
+    assert [o.version for o in result.model.opset_import] == [o.version for o in model.opset_import]
