@@ -66,8 +66,15 @@ def verify(model: onnx.ModelProto | bytes, *, keep_io_types: bool = True,
             reject_invalid_input(reload_original() if before is not None and reload_original is not None else None)
             raise OnnxMPError(f"converted model fails onnx.checker / strict type inference: {error}",
                               hint=_HINT) from None
-        log.warning("the input model already fails onnx.checker in the same way (%s); the converted model "
-                    "is judged by adding no new error", error)
+        # The same complaint as the input's: the judge is whether onnxruntime takes the written model
+        # (it does not ask for a rank on every output, as the checker does; a dangling input it refuses).
+        refused = runtime_load_error(_parsed(model))
+        if refused is not None:
+            reject_invalid_input(reload_original() if reload_original is not None else None)
+            raise OnnxMPError(f"converted model fails onnx.checker ({error}) and onnxruntime refuses it: {refused}",
+                              hint=_HINT)
+        log.warning("the input model already fails onnx.checker in the same way (%s); onnxruntime loads the "
+                    "converted model, which adds no new error", error)
     model = _parsed(model)
     if has_foreign_ops(model):
         errors = binding_errors(model, ort_version)
@@ -77,6 +84,35 @@ def verify(model: onnx.ModelProto | bytes, *, keep_io_types: bool = True,
     if original_io is not None and keep_io_types:
         _check_io_signatures(original_io, io_signature(model))
     return model
+
+
+# What onnxruntime says when this build has no kernel for a node's types (a float16 model made for
+# the CUDA EP, on a CPU-only build): the graph resolved, its types are sound.
+NO_KERNEL = ("Could not find an implementation for", "Kernel not found", "NOT_IMPLEMENTED")
+
+
+def runtime_load_error(model: onnx.ModelProto) -> str | None:
+    """What the installed onnxruntime says when it refuses ``model`` at session creation (graph
+    resolution: types, structure); None when it resolves.  A missing CPU kernel (:data:`NO_KERNEL`)
+    is no fault of the model and counts as resolved; without onnxruntime, nothing can be proved."""
+    try:
+        import onnxruntime as ort
+    except ImportError:
+        return "onnxruntime is not installed"
+    from onnxmp.external import session_source
+
+    options = ort.SessionOptions()
+    options.log_severity_level = 3
+    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+    try:
+        with session_source(model, "converted") as source:
+            ort.InferenceSession(source, options, providers=["CPUExecutionProvider"])
+    except Exception as exc:  # onnxruntime's exceptions share no public base class
+        if any(words in str(exc) for words in NO_KERNEL):
+            log.debug("onnxruntime resolves the model; this build lacks kernels for some nodes: %s", first_line(exc))
+            return None
+        return first_line(exc)
+    return None
 
 
 def input_error(original: onnx.ModelProto | None) -> str | None:

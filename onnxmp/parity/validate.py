@@ -61,6 +61,7 @@ from onnxmp.parity.metrics import as_output_array
 from onnxmp.naming import json_safe
 from onnxmp.precision import BFLOAT16, FLOAT16, FLOAT32
 from onnxmp.targets import CPU, target
+from onnxmp.verify import runtime_load_error
 
 log = logging.getLogger("onnxmp.validate")
 
@@ -306,11 +307,6 @@ def _session(model: onnx.ModelProto, provider: str, role: str):
     return session
 
 
-# What onnxruntime says when a CPU-only build has no kernel for a node's types (a float16 model made
-# for the CUDA EP): the model itself resolved, its types are sound.
-_NO_KERNEL = ("Could not find an implementation for", "Kernel not found", "NOT_IMPLEMENTED")
-
-
 def check_loads(model: onnx.ModelProto, role: str) -> None:
     """Raise :class:`OnnxMPError` when this onnxruntime refuses ``model`` itself at session creation
     (graph resolution: a type parameter bound to two types, a type a schema does not allow).
@@ -322,20 +318,11 @@ def check_loads(model: onnx.ModelProto, role: str) -> None:
     """
     import onnxruntime as ort
 
-    options = ort.SessionOptions()
-    options.log_severity_level = 3
-    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
-    try:
-        with session_source(model, role) as source:
-            ort.InferenceSession(source, options, providers=[CPU.provider])
-    except Exception as exc:  # onnxruntime's exceptions share no public base class
-        message = first_line(exc)
-        if any(words in str(exc) for words in _NO_KERNEL):
-            log.info("the %s model resolves in onnxruntime %s; this CPU build has no kernel for some of its "
-                     "nodes (%s)", role, ort.__version__, message)
-            return
+    message = runtime_load_error(model)
+    if message is not None:
         raise OnnxMPError(f"onnxruntime {ort.__version__} cannot load the {role} model itself: {message}",
-                          "the model is invalid for onnxruntime; convert it again with this onnxmp") from None
+                          "a model converted for another onnxruntime (convert's --ort-version) may not load in "
+                          "this one; convert it for this one, or report it with the model")
 
 
 def _run(session, model: onnx.ModelProto, sample: Sample, role: str) -> dict[str, np.ndarray]:
