@@ -250,3 +250,73 @@ def test_no_retarget_where_no_gap_or_the_meaning_changes(model):
     result = onnxmp.convert(model)
     assert result.report.opset_retarget is None
     assert [o.version for o in result.model.opset_import] == [o.version for o in model.opset_import]
+
+
+def _gemm_into_skip_ln() -> onnx.ModelProto:
+    """GPT-2's projection through onnxruntime's optimizer: Gemm -> Reshape -> SkipLayerNormalization
+    -> MatMul.  Once, the Gemm's weight went float16 with its activation left float32 ("Gemm ... B
+    has inconsistent type"), and blocking the Gemm left SkipLayerNormalization bound to two types."""
+    nodes = [helper.make_node("Gemm", ["x2", "wg", "bg"], ["p"], name="c_proj/Gemm"),
+             helper.make_node("Reshape", ["p", "shape"], ["p3"], name="reshape"),
+             helper.make_node("SkipLayerNormalization", ["p3", "x3", "gamma", "beta"], ["ln"], name="SkipLayerNorm_0",
+                              domain=MS, epsilon=1e-5),
+             helper.make_node("MatMul", ["ln", "w1"], ["y"], name="mm")]
+    graph = helper.make_graph(
+        nodes, "gemm_skip",
+        [helper.make_tensor_value_info("x2", TP.FLOAT, [S, H]), helper.make_tensor_value_info("x3", TP.FLOAT, [1, S, H])],
+        [helper.make_tensor_value_info("y", TP.FLOAT, [1, S, 2 * H])],
+        [_w("wg", (H, H), 1), _w("bg", (H,), 2), numpy_helper.from_array(np.array([1, S, H], np.int64), "shape"),
+         _w("gamma", (H,), 3), _w("beta", (H,), 4), _w("w1", (H, 2 * H), 5)])
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid(MS, 1)],
+                             ir_version=8)
+
+
+@pytest.mark.parametrize("block", [(), ("c_proj/Gemm",), ("SkipLayerNorm",)])
+def test_a_gemm_feeding_a_fused_op_converts_into_a_loadable_model_however_blocked(block):
+    result = onnxmp.convert(_gemm_into_skip_ln(), block_nodes=block)
+    types = _types(result.model)
+    assert (types["wg"] == TP.FLOAT) is ("c_proj/Gemm" in block)
+    assert binding_errors(result.model) == []
+    assert _loads(result.model) == ""
+
+
+def _between_matmuls(op: str) -> onnx.ModelProto:
+    """x -> MatMul -> OP (com.microsoft) -> MatMul -> y, OP's other inputs initializers."""
+    inits = [_w("w0", (H, H), 1), _w("w9", (H, H), 9)]
+    extra_inputs = []
+    if op == "MultiHeadAttention":
+        node = helper.make_node(op, ["a", "a", "a"], ["b"], name="op", domain=MS, num_heads=2)
+    elif op == "SkipSimplifiedLayerNormalization":
+        node = helper.make_node(op, ["a", "x", "gamma"], ["b"], name="op", domain=MS, epsilon=1e-5)
+        inits.append(_w("gamma", (H,), 2))
+    elif op == "RotaryEmbedding":
+        node = helper.make_node(op, ["a", "pos", "cos", "sin"], ["b"], name="op", domain=MS, num_heads=2)
+        inits += [_w("cos", (S, 2), 3), _w("sin", (S, 2), 4)]
+        extra_inputs.append(helper.make_tensor_value_info("pos", TP.INT64, [1, S]))
+    elif op == "MatMulNBits":  # 4-bit weights in blocks of 16 along K = H
+        node = helper.make_node(op, ["a", "qw", "scales"], ["b"], name="op", domain=MS, K=H, N=H, bits=4, block_size=16)
+        inits += [numpy_helper.from_array(np.full((H, 1, 8), 0x88, np.uint8), "qw"), _w("scales", (H,), 5)]
+    graph = helper.make_graph(
+        [helper.make_node("MatMul", ["x", "w0"], ["a"], name="mm0"), node,
+         helper.make_node("MatMul", ["b", "w9"], ["y"], name="mm9")], "between",
+        [helper.make_tensor_value_info("x", TP.FLOAT, [1, S, H]), *extra_inputs],
+        [helper.make_tensor_value_info("y", TP.FLOAT, [1, S, H])], inits)
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid(MS, 1)],
+                             ir_version=8)
+
+
+@pytest.mark.parametrize("op", ["MultiHeadAttention", "SkipSimplifiedLayerNormalization", "RotaryEmbedding",
+                                "MatMulNBits"])
+@pytest.mark.parametrize("precision", ["float16", "bfloat16"])
+def test_the_optimizers_other_fused_ops_are_typed_and_bound_once(op, precision):
+    model = _between_matmuls(op)
+    assert normalize(_between_matmuls(op)).index.dtype("b") == TP.FLOAT
+    result = onnxmp.convert(model, precision=precision, ort_version="1.19.2")
+    assert binding_errors(result.model, "1.19.2") == []
+    assert _loads(result.model) == ""
+    if op == "MatMulNBits":
+        types = _types(result.model)
+        node = next(n for n in result.model.graph.node if n.op_type == op)
+        assert types["qw"] == TP.UINT8 and types["scales"] == types[node.input[0]]  # T1: scales follow A
+        # 1.19.2's MatMulNBits takes no bfloat16: it stays float32 there
+        assert types["scales"] == (TP.FLOAT16 if precision == "float16" else TP.FLOAT)
