@@ -62,6 +62,7 @@ class Normalized:
     renamed_nodes: int                # nodes given a (unique) name
     resorted: bool                    # some graph was out of topological order
     inference_error: str | None = None
+    foreign: bool = False             # some node is of an op onnx does not define (contrib_types typed it)
 
     @property
     def modified(self) -> bool:
@@ -243,8 +244,9 @@ def normalize(model: onnx.ModelProto) -> Normalized:
     # names, op types), since no step before the sort adds, removes or replaces a node.
     nodes = summarize(model.graph)
     inferred, error = infer_types(model, nodes)
-    if _foreign(nodes) or (nodes.holding and has_foreign_ops(inferred)):
-        # Only models holding ops of other domains pay for this (docs/coloring.md, contrib ops).
+    foreign = _foreign(nodes) or bool(nodes.holding and has_foreign_ops(inferred))
+    if foreign:
+        # Only models holding ops of other domains pay for this (docs/coloring.md, onnxruntime's own ops).
         type_foreign_outputs(inferred, opsets(inferred))
     renamed = make_node_names_unique(inferred.graph, nodes.holding, nodes.names)
     index = ModelIndex(inferred, nodes.holding)
@@ -254,7 +256,7 @@ def normalize(model: onnx.ModelProto) -> Normalized:
         if resorted:
             _check_unique_names(inferred.graph)  # make_node_names_unique checked the unsorted graphs
             index = ModelIndex(inferred)  # the sorted graphs hold new node protos
-    return Normalized(index, renamed, resorted, error)
+    return Normalized(index, renamed, resorted, error, foreign)
 
 
 def make_node_names_unique(graph: onnx.GraphProto, holding: list[onnx.NodeProto] | None = None,

@@ -58,6 +58,7 @@ class Conversion:
     expected_io: tuple | None = None  # the converted model's input/output signature
     stats: RewriteStats | None = None
     retargeted: str | None = None     # the opset raised to close a kernel gap (opset_gaps.py), in words
+    foreign_ops: bool | None = None   # normalize found ops onnx does not define (verify checks their binding)
 
     @property
     def resolved(self) -> Resolved:
@@ -147,6 +148,7 @@ class Rewrite(PassBase[Conversion]):
         state.model, state.stats = rewrite(index, state.coloring, precision=options.precision,
                                            master_weights=options.master_weights,
                                            keep_io_types=options.keep_io_types)
+        state.foreign_ops = state.normalized.foreign
         state.normalized = None  # the index points into the written model; freeing it lowers verify's peak
         report, stats = state.report, state.stats
         report.changed = stats.modified
@@ -170,7 +172,7 @@ class Verify(PassBase[Conversion]):
             state.model = None  # let go before the checker runs: see compact_bytes
         state.model = verify(state.model if written is None else written, original_io=state.expected_io,
                              reload_original=lambda: normalize(load(state.source, lazy_external=True)).index.model,
-                             ort_version=state.options.ort_version)
+                             ort_version=state.options.ort_version, foreign_ops=state.foreign_ops)
         return PassResult(False)
 
 

@@ -34,7 +34,7 @@ _HINT = ("onnxmp produced an invalid model; please report it with the model. onn
 def verify(model: onnx.ModelProto | bytes, *, keep_io_types: bool = True,
            original_io: tuple[list, list] | None = None,
            reload_original: Callable[[], onnx.ModelProto] | None = None,
-           ort_version: str | None = None) -> onnx.ModelProto:
+           ort_version: str | None = None, foreign_ops: bool | None = None) -> onnx.ModelProto:
     """Check the converted model and return it.
 
     ``original_io`` (``io_signature`` of the model converted) and ``reload_original`` (which makes
@@ -47,7 +47,8 @@ def verify(model: onnx.ModelProto | bytes, *, keep_io_types: bool = True,
     words passes (onnxruntime and onnxconverter-common run such models; onnx's checker wants a
     rank on every output, they do not).  Nodes of onnxruntime's domains are checked against its
     schemas for ``ort_version`` (:func:`~onnxmp.contrib_types.binding_errors`), as its graph
-    resolution does at session creation.
+    resolution does at session creation; ``foreign_ops`` (normalize's finding) spares plain models the
+    search for such nodes.
     """
     try:
         try:
@@ -76,7 +77,7 @@ def verify(model: onnx.ModelProto | bytes, *, keep_io_types: bool = True,
         log.warning("the input model already fails onnx.checker in the same way (%s); onnxruntime loads the "
                     "converted model, which adds no new error", error)
     model = _parsed(model)
-    if has_foreign_ops(model):
+    if foreign_ops or (foreign_ops is None and has_foreign_ops(model)):
         errors = binding_errors(model, ort_version)
         if errors:
             raise OnnxMPError(f"converted model would not load in onnxruntime {ort_version or ''}: {errors[0]}".replace(
