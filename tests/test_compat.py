@@ -725,3 +725,8 @@ def test_an_output_error_the_input_did_not_have_is_still_refused(monkeypatch):
     monkeypatch.setattr(verify_module, "full_check", check)
     with pytest.raises(onnxmp.OnnxMPError, match="input model is invalid"):
         convert_float_to_float16(model)
+
+
+def test_explain_takes_the_input_convert_takes_under_no_new_errors():
+    report = onnxmp.explain(untyped_if(then_rank=1))  # fails onnx's checker; onnxruntime loads it
+    assert report.vertices
