@@ -183,6 +183,11 @@ def binding_errors(model: onnx.ModelProto, ort_version: str | None = None, limit
                 types[vi.name] = vi.type.tensor_type.elem_type
         for t in g.initializer:
             types[t.name] = t.data_type
+        for node in g.node:  # the rewrite's Casts may leave their outputs undeclared
+            if node.op_type == "Cast" and is_onnx_domain(node.domain) and node.output[0] not in types:
+                to = next((a.i for a in node.attribute if a.name == "to"), 0)
+                if to:
+                    types[node.output[0]] = to
     for g in graphs:
         for node in g.node:
             domain = "" if is_onnx_domain(node.domain) else node.domain

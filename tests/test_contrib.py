@@ -320,3 +320,12 @@ def test_the_optimizers_other_fused_ops_are_typed_and_bound_once(op, precision):
         assert types["qw"] == TP.UINT8 and types["scales"] == types[node.input[0]]  # T1: scales follow A
         # 1.19.2's MatMulNBits takes no bfloat16: it stays float32 there
         assert types["scales"] == (TP.FLOAT16 if precision == "float16" else TP.FLOAT)
+
+
+def test_binding_errors_see_through_undeclared_cast_outputs():
+    model = fused_bert()
+    # x reaches Attention through a Cast to float16 whose output nothing declares; the weights stay float32
+    model.graph.node.insert(0, helper.make_node("Cast", ["x"], ["x16"], name="cast", to=TP.FLOAT16))
+    model.graph.node[1].input[0] = "x16"
+    errors = binding_errors(model)
+    assert errors and "(tensor(float16) and tensor(float))" in errors[0]
