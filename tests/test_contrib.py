@@ -329,3 +329,15 @@ def test_binding_errors_see_through_undeclared_cast_outputs():
     model.graph.node[1].input[0] = "x16"
     errors = binding_errors(model)
     assert errors and "(tensor(float16) and tensor(float))" in errors[0]
+
+
+def test_validate_fails_a_candidate_onnxruntime_refuses_though_its_emulated_copy_runs():
+    bad = fused_bert()
+    w = bad.graph.initializer[0]
+    w.CopyFrom(numpy_helper.from_array(numpy_helper.to_array(w).astype(np.float16), "qkv_w"))
+    feeds = {"x": np.random.default_rng(0).standard_normal((1, S, H)).astype(np.float32),
+             "mask": np.ones((1, S), np.int32)}
+    with pytest.raises(OnnxMPError, match="cannot load the candidate model itself"):
+        onnxmp.validate(fused_bert(), bad, feeds)
+    good = onnxmp.convert(fused_bert()).model
+    assert onnxmp.validate(fused_bert(), good, feeds).passed
