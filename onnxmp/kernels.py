@@ -336,6 +336,13 @@ class ContribSchemas:
         for rows in self._entries.values():
             rows.sort(key=lambda r: r[0])
         self._built: dict[tuple, ContribSchema | None] = {}
+        # (provider, domain, op) -> [(since, until, versions, {param: float types})]
+        self._kernels: dict[tuple[str, str, str], list[tuple[int, int | None, frozenset[str], dict]]] = {}
+        for entry in data.get("kernels", ()):
+            self._kernels.setdefault((entry["provider"], entry["domain"], entry["op"]), []).append(
+                (entry["since"], entry["until"], frozenset(entry["ort"]),
+                 {p: frozenset(ts) for p, ts in entry["params"].items()}))
+        self.kernel_providers = frozenset(provider for provider, _, _ in self._kernels)
 
     @classmethod
     @functools.cache
@@ -368,6 +375,20 @@ class ContribSchemas:
                     found = entry
             self._built[key] = ContribSchema(found) if found is not None else None
         return self._built[key]
+
+    def kernel_supports(self, provider: str, domain: str, op_type: str, opset: int, param: str | None, dtype: str,
+                        ort_version: str | None = None) -> bool | None:
+        """Whether onnxruntime ``ort_version``'s ``provider`` registers a ``dtype`` kernel of ``op_type``
+        (for ``param``; any parameter when the kernel does not name it); None when the table records
+        no kernels of that provider (it records the CPU EP's, read from plain builds).  False also
+        when that version registers no kernel of the op at all."""
+        if provider not in self.kernel_providers:
+            return None
+        version = self.known_version(ort_version)
+        for since, until, versions, params in reversed(self._kernels.get((provider, domain, op_type), ())):
+            if version in versions and since <= opset and (until is None or opset <= until):
+                return _takes(params, param, _DTYPE_ALIASES.get(dtype, dtype))
+        return False
 
 
 @functools.cache  # importlib.metadata leaves reference cycles behind; the answer does not change

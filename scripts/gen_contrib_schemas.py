@@ -28,6 +28,7 @@ OUTPUT = Path(__file__).resolve().parent.parent / "onnxmp" / "data" / "ort_contr
 # onnx's own domains: onnx's schemas type their ops (not the few onnxruntime adds there).
 ONNX_DOMAINS = ("", "ai.onnx", "ai.onnx.ml", "ai.onnx.preview.training")
 _OPTION = {0: "single", 1: "optional", 2: "variadic"}
+FLOAT_TYPES = ("tensor(float)", "tensor(double)", "tensor(float16)", "tensor(bfloat16)")
 
 
 def _formal(p) -> list:
@@ -71,13 +72,38 @@ def main(argv=None) -> int:
             continue  # onnx's own schema types it (onnxruntime adds a few ops to the default domain)
         entry = _entry(schema)
         merged.setdefault(_key(entry), {**entry, "ort": []})["ort"].append(version)
+    # The kernels this (CPU) build registers in those domains, with each type parameter's float types:
+    # which fused ops have a float16 CPU kernel changes between versions (SkipLayerNormalization: 1.19.2
+    # float only, 1.32 float16 and bfloat16 too).  CUDA's come from OperatorKernels.md (ort_kernels.json).
+    kernels: dict[str, dict] = {}
+    for entry in table.get("kernels", []):
+        versions = [v for v in entry.pop("ort") if v != version]
+        if versions:
+            kernels[_key(entry)] = {**entry, "ort": versions}
+    registered: dict[tuple, dict[str, set[str]]] = {}
+    for kdef in C.get_all_opkernel_def():
+        if kdef.domain in ONNX_DOMAINS:
+            continue
+        since, until = kdef.version_range
+        key = (kdef.provider, kdef.domain, kdef.op_name, int(since), None if until >= 2**31 - 1 else int(until))
+        params = registered.setdefault(key, {})
+        for param, types in kdef.type_constraints.items():
+            params.setdefault(param, set()).update(t[len("tensor("):-1] for t in types if t in FLOAT_TYPES)
+    for (provider, domain, op, since, until), params in registered.items():
+        entry = {"provider": provider, "domain": domain, "op": op, "since": since, "until": until,
+                 "params": {p: sorted(ts) for p, ts in sorted(params.items())}}
+        kernels.setdefault(_key(entry), {**entry, "ort": []})["ort"].append(version)
+    krows = sorted(kernels.values(), key=lambda e: (e["provider"], e["domain"], e["op"], e["since"], e["ort"]))
+    for row in krows:
+        row["ort"].sort(key=lambda v: tuple(map(int, v.split("."))))
     table["versions"] = sorted(set(table["versions"]) | {version}, key=lambda v: tuple(map(int, v.split("."))))
     rows = sorted(merged.values(), key=lambda e: (e["domain"], e["op"], e["since"], e["ort"]))
     for row in rows:
         row["ort"].sort(key=lambda v: tuple(map(int, v.split("."))))
     table["schemas"] = rows
     text = "{\n" + f' "source": {json.dumps(table["source"])},\n "versions": {json.dumps(table["versions"])},\n' \
-        + ' "schemas": [\n' + ",\n".join("  " + json.dumps(r, sort_keys=True) for r in rows) + "\n ]\n}\n"
+        + ' "schemas": [\n' + ",\n".join("  " + json.dumps(r, sort_keys=True) for r in rows) + "\n ],\n" \
+        + ' "kernels": [\n' + ",\n".join("  " + json.dumps(r, sort_keys=True) for r in krows) + "\n ]\n}\n"
     fd, tmp = tempfile.mkstemp(dir=args.output.parent, prefix=".schemas-")
     os.chmod(tmp, 0o644)
     with os.fdopen(fd, "w") as f:

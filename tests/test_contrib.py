@@ -341,3 +341,14 @@ def test_validate_fails_a_candidate_onnxruntime_refuses_though_its_emulated_copy
         onnxmp.validate(fused_bert(), bad, feeds)
     good = onnxmp.convert(fused_bert()).model
     assert onnxmp.validate(fused_bert(), good, feeds).passed
+
+
+@pytest.mark.parametrize("version, low", [("1.19.2", False), ("1.32.0", True)])
+def test_cpu_target_reads_the_cpu_kernels_of_the_target_onnxruntime(version, low):
+    # onnxruntime 1.19.2's CPU EP registers SkipLayerNormalization for float only; 1.32's for float16 too.
+    table = ContribSchemas.default()
+    assert table.kernel_supports("CPUExecutionProvider", MS, "SkipLayerNormalization", 1, "T", "float16", version) is low
+    assert table.kernel_supports("CUDAExecutionProvider", MS, "SkipLayerNormalization", 1, "T", "float16") is None
+    result = onnxmp.explain(_between_matmuls("SkipSimplifiedLayerNormalization"), target="cpu", ort_version=version)
+    vertex = next(v for v in result.vertices if v.node == "op")
+    assert (f"in onnxruntime {version}" in vertex.cause) is not low, vertex.cause

@@ -14,6 +14,7 @@ import onnx
 
 from onnxmp.contrib_types import runtime_schema
 from onnxmp.domains import op_key
+from onnxmp.kernels import ContribSchemas
 from onnxmp.lists import list_of
 
 # Ops that define their float output from an attribute; make_casts_allow_if_all_outputs_allow may retarget them.
@@ -27,13 +28,14 @@ FLOAT = onnx.TensorProto.FLOAT
 class OpInfo:
     """What every node of one (op type, domain) shares: schema and list."""
 
-    __slots__ = ("op_type", "domain", "opset", "key", "schema", "list", "special")
+    __slots__ = ("op_type", "domain", "opset", "key", "schema", "list", "special", "ort_version")
 
     def __init__(self, op_type: str, domain: str, opset: int, lists: Mapping[str, frozenset[str]],
                  ort_version: str | None = None):
         self.op_type, self.domain, self.opset = op_type, domain, opset
         self.key = op_key(op_type, domain)
         self.schema = op_schema(op_type, domain, opset, ort_version)
+        self.ort_version = ort_version
         self.list = list_of(self.key, lists)
         self.special = op_type in RETARGETABLE or op_type in CONTROL_FLOW  # the view records these nodes
 
@@ -178,7 +180,7 @@ def allows_type(schema: onnx.defs.OpSchema | None, param: str, type_str: str) ->
 def identity_group(op: OpInfo, lists: Mapping[str, frozenset[str]]) -> Group:
     """An identity Cast as one clear vertex over its input and output (as Identity), so colors
     pass through it; a low-precision one is retargeted to a low-to-low Cast, which ORT drops."""
-    identity = OpInfo(op.op_type, op.domain, op.opset, lists)
+    identity = OpInfo(op.op_type, op.domain, op.opset, lists, op.ort_version)
     identity.list = "clear"
     return Group(identity, "T1", (0,), (0,))
 
@@ -195,6 +197,14 @@ def kernel_capability(op: OpInfo, param: str, provider: str, kernels, low_name: 
     base = None if param == WHOLE_NODE else param.split("#")[0]
     if base is not None and base in kernels.float32_params(provider, op.domain, op.op_type, op.opset):
         return False, f"the {provider} kernel of {op.key} reads {base} as float32 (kernel facts)"
+    if op.domain not in ("", "ai.onnx") and op.schema is not None:
+        # onnxruntime's own ops: which low kernels a provider has changes between versions (CPU
+        # SkipLayerNormalization: float only in 1.19.2), where the per-version table records it
+        by_version = ContribSchemas.default().kernel_supports(provider, op.domain, op.op_type, op.opset, base,
+                                                              low_name, op.ort_version)
+        if by_version is False:
+            return False, (f"no {provider} {low_name} kernel for {op.key} ({param}) in onnxruntime "
+                           f"{op.ort_version or 'newest'}")
     supported = kernels.supports(provider, op.domain, op.op_type, op.opset, base, low_name)
     if supported is None:
         return False, f"no {provider} kernel for {op.key} at opset {op.opset}"
