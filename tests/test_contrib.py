@@ -352,3 +352,18 @@ def test_cpu_target_reads_the_cpu_kernels_of_the_target_onnxruntime(version, low
     result = onnxmp.explain(_between_matmuls("SkipSimplifiedLayerNormalization"), target="cpu", ort_version=version)
     vertex = next(v for v in result.vertices if v.node == "op")
     assert (f"in onnxruntime {version}" in vertex.cause) is not low, vertex.cause
+
+
+def test_schema_table_matches_the_installed_plain_onnxruntime():
+    pybind = pytest.importorskip("onnxruntime.capi._pybind_state")
+    if not hasattr(pybind, "get_all_operator_schema"):
+        pytest.skip("this onnxruntime build does not expose get_all_operator_schema (onnxruntime-training 1.19.2)")
+    table = ContribSchemas.default()
+    if ort.__version__ not in table.versions:
+        pytest.skip(f"the table does not record onnxruntime {ort.__version__}: run scripts/gen_contrib_schemas.py")
+    for schema in pybind.get_all_operator_schema():
+        if schema.domain != MS or schema.deprecated:
+            continue
+        ours = table.schema(schema.name, MS, schema.since_version, ort.__version__)
+        assert ours is not None and ours.since_version == schema.since_version, schema.name
+        assert ours.allowed == {tc.type_param_str: frozenset(tc.allowed_type_strs) for tc in schema.type_constraints}
