@@ -83,49 +83,54 @@ def formal_params(formals, count: int) -> list[str | None]:
     return out
 
 
-def type_foreign_outputs(model: onnx.ModelProto, opsets: dict[str, int]) -> int:
+def type_foreign_outputs(model: onnx.ModelProto, opsets: dict[str, int],
+                         holding: list[onnx.NodeProto] | None = None) -> int:
     """Declare (element type only) the outputs the schemas' type bindings decide and inference left
     unknown, in every graph of ``model``; returns how many.  Raises for a node of an onnxruntime
-    domain no schema knows when its outputs stay untyped."""
+    domain no schema knows when its outputs stay untyped.  ``holding``: ``holders(model.graph)``
+    when the caller has it."""
     known: dict[str, int] = {}
-    graphs = list(iter_proto_graphs(model.graph))
+    graphs = list(iter_proto_graphs(model.graph, holding))
     for g in graphs:
         for t in g.initializer:
             known[t.name] = t.data_type
         for vi in (*g.input, *g.value_info, *g.output):
-            if vi.type.WhichOneof("value") == "tensor_type" and vi.type.tensor_type.elem_type:
+            kind = vi.type.WhichOneof("value")
+            if kind == "tensor_type" and vi.type.tensor_type.elem_type:
                 known.setdefault(vi.name, vi.type.tensor_type.elem_type)
-            elif vi.type.WhichOneof("value"):
+            elif kind and kind != "tensor_type":
                 known.setdefault(vi.name, 0)  # a sequence, map or optional: not a tensor to type
-    runtime_domains = ContribSchemas.default().domains
+    runtime_domains = ContribSchemas.default().domains - _ONNX_DOMAINS
     added = 0
     for g in graphs:
         declared = {vi.name for vi in (*g.value_info, *g.output)}
-        for _ in range(len(g.node)):  # a sorted graph settles in one pass
-            progress = False
-            pending = False
-            for node in g.node:
-                missing = [o for o in node.output if o and o not in known]
-                if not missing:
+        rows = [(node, tuple(node.input), tuple(node.output)) for node in g.node]
+        for _ in range(len(rows)):  # a sorted graph settles in one pass
+            progress = pending = False
+            for node, ins, outs in rows:
+                if all(o in known or not o for o in outs):
                     continue
-                types = _bind(node, known, opsets)
-                if types is None:
-                    if node.domain in runtime_domains and node.domain not in _ONNX_DOMAINS:
+                layout = _binding_layout(node.op_type, node.domain, opsets, len(ins), len(outs))
+                if layout is None:
+                    if node.domain in runtime_domains:
                         raise OnnxMPError(
                             f"no schema types the outputs of {node.domain}:{node.op_type} (node {node.name!r}) "
                             f"for the onnxruntime versions onnxmp knows",
                             hint="onnxmp cannot convert around an op whose output types it cannot tell; "
                                  "convert the model before onnxruntime's fusions, or keep it in float32")
                     continue
-                for name in missing:
-                    code = types.get(name)
-                    if code is None:
+                for name, code in zip(outs, _apply(layout, node, ins, known)):
+                    if not name or name in known:
+                        continue
+                    if not code:
                         pending = True
                         continue
                     known[name] = code
                     progress = True
                     if name not in declared:
-                        g.value_info.append(onnx.helper.make_tensor_value_info(name, code, None))
+                        vi = g.value_info.add()
+                        vi.name = name
+                        vi.type.tensor_type.elem_type = code
                         declared.add(name)
                         added += 1
             if not (progress and pending):
@@ -135,35 +140,44 @@ def type_foreign_outputs(model: onnx.ModelProto, opsets: dict[str, int]) -> int:
     return added
 
 
-def _bind(node: onnx.NodeProto, known: dict[str, int], opsets: dict[str, int]) -> dict[str, int] | None:
-    """Output name -> element type for the outputs the schema's binding decides; None when no
-    schema knows the node."""
-    domain = "" if is_onnx_domain(node.domain) else node.domain
-    opset = opsets.get(domain, 1)
-    if node.op_type == "Cast" and domain == "":
-        to = next((a.i for a in node.attribute if a.name == "to"), None)
-        return {node.output[0]: to} if to else {}
-    schema = runtime_schema(node.op_type, domain, opset)
+_CAST = "cast"  # layout marker: the output's type is the node's ``to``
+
+
+@functools.lru_cache(maxsize=None)
+def _cached_layout(op_type: str, domain: str, opset: int, n_in: int, n_out: int):
+    """((input position, param) pairs, per output a param, a type code or None); None when no
+    schema knows the op."""
+    if op_type == "Cast" and domain == "":
+        return _CAST
+    schema = runtime_schema(op_type, domain, opset)
     if schema is None:
         return None
     allowed = {c.type_param_str: tuple(c.allowed_type_strs) for c in schema.type_constraints}
-    bound: dict[str, int] = {}
-    for name, param in zip(node.input, formal_params(schema.inputs, len(node.input))):
-        if name and param in allowed and known.get(name):
-            bound.setdefault(param, known[name])
-    out: dict[str, int] = {}
-    for name, param in zip(node.output, formal_params(schema.outputs, len(node.output))):
-        if not name or param is None:
-            continue
-        if param in allowed:
-            code = bound.get(param)
-            if code is None and len(allowed[param]) == 1:
-                code = TYPE_CODE.get(allowed[param][0])
+    ins = tuple((i, p) for i, p in enumerate(formal_params(schema.inputs, n_in)) if p in allowed)
+    outs = []
+    for param in formal_params(schema.outputs, n_out):
+        if param in allowed:  # a constraint allowing one type fixes it
+            outs.append(TYPE_CODE.get(allowed[param][0]) if len(allowed[param]) == 1 else param)
         else:
-            code = TYPE_CODE.get(param)  # a literal type, tensor(int32)
+            outs.append(TYPE_CODE.get(param) if param else None)  # a literal type, tensor(int32)
+    return ins, tuple(outs)
+
+
+def _binding_layout(op_type: str, domain: str, opsets: dict[str, int], n_in: int, n_out: int):
+    domain = "" if is_onnx_domain(domain) else domain
+    return _cached_layout(op_type, domain, opsets.get(domain, 1), n_in, n_out)
+
+
+def _apply(layout, node: onnx.NodeProto, ins: tuple, known: dict[str, int]) -> list:
+    """Each output's type code under the binding ``layout`` gives; None where it does not decide."""
+    if layout is _CAST:
+        return [next((a.i for a in node.attribute if a.name == "to"), None)]
+    bound: dict[str, int] = {}
+    for i, param in layout[0]:
+        code = known.get(ins[i]) if ins[i] else None
         if code:
-            out[name] = code
-    return out
+            bound.setdefault(param, code)
+    return [bound.get(out) if isinstance(out, str) else out for out in layout[1]]
 
 
 def binding_errors(model: onnx.ModelProto, ort_version: str | None = None, limit: int = 5) -> list[str]:

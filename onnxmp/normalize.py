@@ -247,7 +247,7 @@ def normalize(model: onnx.ModelProto) -> Normalized:
     foreign = _foreign(nodes) or bool(nodes.holding and has_foreign_ops(inferred))
     if foreign:
         # Only models holding ops of other domains pay for this (docs/coloring.md, onnxruntime's own ops).
-        type_foreign_outputs(inferred, opsets(inferred))
+        type_foreign_outputs(inferred, opsets(inferred), nodes.holding)
     renamed = make_node_names_unique(inferred.graph, nodes.holding, nodes.names)
     index = ModelIndex(inferred, nodes.holding)
     resorted = False
