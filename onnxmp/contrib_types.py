@@ -182,11 +182,21 @@ def _apply(layout, node: onnx.NodeProto, ins: tuple, known: dict[str, int]) -> l
 
 def binding_errors(model: onnx.ModelProto, ort_version: str | None = None, limit: int = 5) -> list[str]:
     """The nodes onnxruntime ``ort_version``'s graph resolution refuses for types, in its words:
-    a type parameter bound to two types, or bound to a type its constraint does not allow.
+    a type parameter bound to two types, or bound to a type its constraint does not allow.  For
+    several versions (``"1.19.2,1.32.0"``, ``"all"``), what any of them refuses.
 
     Checks the nodes of onnxruntime's domains (onnx's checker, with strict inference, checks onnx's
     own ops); each tensor's type is its declaration, an initializer's or a graph input's.
     """
+    found: list[str] = []
+    for version in ContribSchemas.default().versions_of(ort_version):
+        found += [e for e in _binding_errors(model, version, limit) if e not in found]
+        if len(found) >= limit:
+            break
+    return found[:limit]
+
+
+def _binding_errors(model: onnx.ModelProto, ort_version: str, limit: int) -> list[str]:
     found: list[str] = []
     opsets = {("" if is_onnx_domain(o.domain) else o.domain): int(o.version) for o in model.opset_import}
     graphs = list(iter_proto_graphs(model.graph))
@@ -220,7 +230,7 @@ def binding_errors(model: onnx.ModelProto, ort_version: str | None = None, limit
                     type_str = TYPE_STR.get(code, str(code))
                     if type_str not in allowed[param]:
                         found.append(f"Type '{type_str}' of {side} {name!r} of operator ({node.op_type}) in node "
-                                     f"({node.name}) is invalid for onnxruntime {ort_version or 'newest'}")
+                                     f"({node.name}) is invalid for onnxruntime {ort_version}")
                     elif param in bound and bound[param][0] != type_str:
                         found.append(f"Type parameter ({param}) of Optype ({node.op_type}) bound to different types "
                                      f"({bound[param][0]} and {type_str}) in node ({node.name})")

@@ -363,10 +363,19 @@ class ContribSchemas:
         older = [v for v in self.versions if _version_key(v) <= key]
         return older[-1] if older else self.versions[0]
 
+    def versions_of(self, spec: str | None) -> tuple[str, ...]:
+        """The table's versions standing for ``spec``: one onnxruntime version, several separated by
+        commas (a model that must load in each), ``"all"`` (every version the table knows), or None
+        (the newest); oldest first."""
+        if spec is not None and spec.strip() == "all":
+            return self.versions
+        parts = [None] if spec is None else [p.strip() for p in spec.split(",") if p.strip()]
+        return tuple(sorted({self.known_version(p) for p in parts}, key=_version_key))
+
     def schema(self, op_type: str, domain: str, opset: int, ort_version: str | None = None) -> ContribSchema | None:
-        """The schema onnxruntime ``ort_version`` resolves for ``op_type`` at ``opset`` of ``domain``;
-        None when that onnxruntime registers no such op."""
-        version = self.known_version(ort_version)
+        """The schema onnxruntime ``ort_version`` resolves for ``op_type`` at ``opset`` of ``domain``
+        (the oldest's, for several versions); None when that onnxruntime registers no such op."""
+        version = self.versions_of(ort_version)[0]
         key = (domain, op_type, opset, version)
         if key not in self._built:
             found = None
@@ -384,11 +393,25 @@ class ContribSchemas:
         when that version registers no kernel of the op at all."""
         if provider not in self.kernel_providers:
             return None
-        version = self.known_version(ort_version)
+        return all(self._version_takes(provider, domain, op_type, opset, param, dtype, version)
+                   for version in self.versions_of(ort_version))
+
+    def _version_takes(self, provider, domain, op_type, opset, param, dtype, version) -> bool:
         for since, until, versions, params in reversed(self._kernels.get((provider, domain, op_type), ())):
             if version in versions and since <= opset and (until is None or opset <= until):
                 return _takes(params, param, _DTYPE_ALIASES.get(dtype, dtype))
         return False
+
+    def allows(self, op_type: str, domain: str, opset: int, param: str, type_str: str,
+               ort_version: str | None = None) -> bool:
+        """Whether every onnxruntime of ``ort_version`` (see :meth:`versions_of`) lets ``param`` of
+        ``op_type`` hold ``type_str``; True for an op or parameter a version does not know."""
+        for version in self.versions_of(ort_version):
+            found = self.schema(op_type, domain, opset, version)
+            allowed = found.allowed.get(param.split("#")[0]) if found is not None else None
+            if allowed is not None and type_str not in allowed:
+                return False
+        return True
 
 
 @functools.cache  # importlib.metadata leaves reference cycles behind; the answer does not change

@@ -48,8 +48,9 @@ class Options:
     of an initializer's non-zero values that may flush or turn subnormal before its node stays
     float32.  ``forced_deny``: node name -> cause, nodes kept in float32 (the compat functions'
     range limits; calibration's culprits).  ``ort_version``: the onnxruntime the model will run on
-    (``"1.19.2"``); it decides the schemas and kernels of onnxruntime's own ops (1.19.2 has no
-    bfloat16 Attention).  Default: the installed onnxruntime, else the newest the tables know.
+    (``"1.19.2"``; ``"1.19.2,1.32.0"`` or ``"all"`` for a model that must load in each); it decides
+    the schemas and kernels of onnxruntime's own ops (1.19.2 has no bfloat16 Attention).  Default:
+    the installed onnxruntime, else the newest the tables know.
 
     Calibration (``calibration``: sample inputs, a dict of arrays, a list of them or .npz paths)
     adds the magnitude seed (``calibration_threshold``) and the accuracy-guided search to
@@ -164,9 +165,11 @@ def _ort_version(version: str | None) -> str:
     from onnxmp.kernels import ContribSchemas, installed_ort_version
 
     if version is not None:
-        if not re.fullmatch(r"\d+\.\d+(\.\d+)?", str(version)):
-            raise OnnxMPError(f"ort_version takes an onnxruntime version such as '1.19.2', got {version!r}")
-        return str(version)
+        parts = [p.strip() for p in str(version).split(",")]
+        if str(version).strip() != "all" and not all(re.fullmatch(r"\d+\.\d+(\.\d+)?", p) for p in parts):
+            raise OnnxMPError(f"ort_version takes an onnxruntime version such as '1.19.2', several separated by "
+                              f"commas, or 'all'; got {version!r}")
+        return ",".join(parts)
     return installed_ort_version() or ContribSchemas.default().versions[-1]
 
 

@@ -367,3 +367,14 @@ def test_schema_table_matches_the_installed_plain_onnxruntime():
         ours = table.schema(schema.name, MS, schema.since_version, ort.__version__)
         assert ours is not None and ours.since_version == schema.since_version, schema.name
         assert ours.allowed == {tc.type_param_str: frozenset(tc.allowed_type_strs) for tc in schema.type_constraints}
+
+
+@pytest.mark.parametrize("spec", ["1.19.2,1.32.0", "all"])
+def test_several_target_versions_keep_low_only_what_each_takes(spec):
+    table = ContribSchemas.default()
+    assert table.versions_of(spec)[0] == "1.19.2"
+    result = onnxmp.convert(fused_bert(), precision="bfloat16", ort_version=spec)
+    assert _types(result.model)["qkv_w"] == TP.FLOAT  # 1.19.2 has no bfloat16 Attention
+    assert binding_errors(result.model, "1.19.2") == binding_errors(result.model, "1.32.0") == []
+    bad = onnxmp.convert(fused_bert(), precision="bfloat16", ort_version="1.32.0").model
+    assert binding_errors(bad, spec) and not binding_errors(bad, "1.32.0")

@@ -200,8 +200,11 @@ def kernel_capability(op: OpInfo, param: str, provider: str, kernels, low_name: 
     if op.domain not in ("", "ai.onnx") and op.schema is not None:
         # onnxruntime's own ops: which low kernels a provider has changes between versions (CPU
         # SkipLayerNormalization: float only in 1.19.2), where the per-version table records it
-        by_version = ContribSchemas.default().kernel_supports(provider, op.domain, op.op_type, op.opset, base,
-                                                              low_name, op.ort_version)
+        table = ContribSchemas.default()
+        if not table.allows(op.op_type, op.domain, op.opset, param, low_type_str, op.ort_version):
+            return False, (f"onnxruntime {op.ort_version}'s schema of {op.key} does not allow {low_name} "
+                           f"for {param}")
+        by_version = table.kernel_supports(provider, op.domain, op.op_type, op.opset, base, low_name, op.ort_version)
         if by_version is False:
             return False, (f"no {provider} {low_name} kernel for {op.key} ({param}) in onnxruntime "
                            f"{op.ort_version or 'newest'}")
