@@ -35,9 +35,12 @@ from __future__ import annotations
 
 import functools
 import json
+import re
 from importlib import resources
 from pathlib import Path
 from typing import Mapping
+
+import onnx
 
 from onnxmp import targets
 from onnxmp.errors import OnnxMPError
@@ -91,6 +94,10 @@ class KernelTable:
                 (entry["since"], entry["until"], tuple(entry["params"]), rows))
         for ranges in (*self._ties.values(), *self._combos.values()):
             ranges.sort(key=lambda r: r[0])
+        self._float32: dict[tuple[str, str, str], list[tuple[int, int | None, frozenset[str]]]] = {}
+        for entry in (ties or {}).get("float32_params", ()):
+            self._float32.setdefault(_entry_key(entry), []).append(
+                (entry["since"], entry["until"], frozenset(entry["params"])))
         self._numerics: dict[tuple[str, str, str], list[tuple[int, int | None, dict]]] = {}
         for entry in (numerics or {}).get("kernels", ()):
             self._numerics.setdefault(_entry_key(entry), []).append((entry["since"], entry["until"], entry))
@@ -191,6 +198,13 @@ class KernelTable:
         ties = _in_range(self._ties.get(key, ()), opset)
         return ties[2] if ties is not None else ()
 
+    def float32_params(self, provider: str, domain: str, op_type: str, opset: int) -> frozenset[str]:
+        """Type parameters the kernel at ``opset`` reads as float32 whatever the schema allows (CUDA
+        GroupNorm's gamma and beta, ``M``): their tensors stay float32."""
+        key = (self._provider_name(provider), domain or "ai.onnx", op_type)
+        found = _in_range(self._float32.get(key, ()), opset)
+        return found[2] if found is not None else frozenset()
+
     def float_combos(self, provider: str, domain: str, op_type: str, opset: int) -> tuple[dict[str, str], ...] | None:
         """The only float type combinations the kernel at ``opset`` registers (param -> type, one dict
         per registered kernel); None when its parameters are not registered as explicit combinations."""
@@ -257,3 +271,159 @@ def _takes(params: dict[str, frozenset[str]], param: str | None, dtype: str) -> 
 
 def _entry_key(entry: dict) -> tuple[str, str, str]:
     return entry["provider"], entry["domain"] or "ai.onnx", entry["op"]
+
+
+# -- schemas of the ops onnxruntime registers outside onnx's domains --------------------------------
+# onnx's shape inference and checker know none of com.microsoft's ops: they leave their outputs
+# untyped and cannot see a type parameter bound to two types, which onnxruntime refuses at session
+# creation.  ``data/ort_contrib_schemas.json`` (scripts/gen_contrib_schemas.py, from plain
+# onnxruntime's get_all_operator_schema) holds each schema's formal inputs/outputs and type
+# constraints, per onnxruntime version: 1.19.2's Attention allows no bfloat16, 1.32's does.
+
+_OPTIONS = {"single": onnx.defs.OpSchema.FormalParameterOption.Single,
+            "optional": onnx.defs.OpSchema.FormalParameterOption.Optional,
+            "variadic": onnx.defs.OpSchema.FormalParameterOption.Variadic}
+
+
+class Formal:
+    """One formal input or output, read like onnx's ``OpSchema.FormalParameter``."""
+
+    __slots__ = ("name", "type_str", "option", "is_homogeneous")
+
+    def __init__(self, name: str, type_str: str, option: str, homogeneous: bool):
+        self.name, self.type_str, self.option, self.is_homogeneous = name, type_str, _OPTIONS[option], homogeneous
+
+
+class Constraint:
+    """One type constraint, read like onnx's ``OpSchema.TypeConstraintParam``."""
+
+    __slots__ = ("type_param_str", "allowed_type_strs")
+
+    def __init__(self, param: str, allowed: list[str]):
+        self.type_param_str, self.allowed_type_strs = param, tuple(allowed)
+
+
+class ContribSchema:
+    """A schema onnxruntime registers, with the parts of onnx's ``OpSchema`` the coloring reads
+    (``inputs``, ``outputs``, ``type_constraints``, ``since_version``, ``domain``, ``name``)."""
+
+    has_function = has_context_dependent_function = False
+
+    def __init__(self, entry: dict):
+        self.name, self.domain, self.since_version = entry["op"], entry["domain"], entry["since"]
+        self.inputs = tuple(Formal(*f) for f in entry["inputs"])
+        self.outputs = tuple(Formal(*f) for f in entry["outputs"])
+        self.type_constraints = tuple(Constraint(p, ts) for p, ts in sorted(entry["constraints"].items()))
+        self.allowed = {c.type_param_str: frozenset(c.allowed_type_strs) for c in self.type_constraints}
+
+    def __repr__(self) -> str:
+        return f"ContribSchema({self.domain}:{self.name}-{self.since_version})"
+
+
+def _version_key(version: str) -> tuple[int, ...]:
+    return tuple(int(p) for p in re.findall(r"\d+", version)[:3])
+
+
+class ContribSchemas:
+    """The committed schemas of onnxruntime's own domains, per onnxruntime version."""
+
+    def __init__(self, data: dict):
+        self.versions: tuple[str, ...] = tuple(sorted(data["versions"], key=_version_key))
+        self._entries: dict[tuple[str, str], list[tuple[int, frozenset[str], dict]]] = {}
+        for entry in data["schemas"]:
+            self._entries.setdefault((entry["domain"], entry["op"]), []).append(
+                (entry["since"], frozenset(entry["ort"]), entry))
+        for rows in self._entries.values():
+            rows.sort(key=lambda r: r[0])
+        self._built: dict[tuple, ContribSchema | None] = {}
+        # (provider, domain, op) -> [(since, until, versions, {param: float types})]
+        self._kernels: dict[tuple[str, str, str], list[tuple[int, int | None, frozenset[str], dict]]] = {}
+        for entry in data.get("kernels", ()):
+            self._kernels.setdefault((entry["provider"], entry["domain"], entry["op"]), []).append(
+                (entry["since"], entry["until"], frozenset(entry["ort"]),
+                 {p: frozenset(ts) for p, ts in entry["params"].items()}))
+        self.kernel_providers = frozenset(provider for provider, _, _ in self._kernels)
+
+    @classmethod
+    @functools.cache
+    def default(cls) -> ContribSchemas:
+        text = resources.files("onnxmp").joinpath("data", "ort_contrib_schemas.json").read_text(encoding="utf-8")
+        return cls(json.loads(text))
+
+    @property
+    def domains(self) -> frozenset[str]:
+        return frozenset(domain for domain, _ in self._entries)
+
+    def known_version(self, version: str | None) -> str:
+        """The table's version standing for onnxruntime ``version``: the newest the table knows at or
+        below it (the oldest for an older one); the newest for None."""
+        if version is None:
+            return self.versions[-1]
+        key = _version_key(version)
+        older = [v for v in self.versions if _version_key(v) <= key]
+        return older[-1] if older else self.versions[0]
+
+    def versions_of(self, spec: str | None) -> tuple[str, ...]:
+        """The table's versions standing for ``spec``: one onnxruntime version, several separated by
+        commas (a model that must load in each), ``"all"`` (every version the table knows), or None
+        (the newest); oldest first."""
+        if spec is not None and spec.strip() == "all":
+            return self.versions
+        parts = [None] if spec is None else [p.strip() for p in spec.split(",") if p.strip()]
+        return tuple(sorted({self.known_version(p) for p in parts}, key=_version_key))
+
+    def schema(self, op_type: str, domain: str, opset: int, ort_version: str | None = None) -> ContribSchema | None:
+        """The schema onnxruntime ``ort_version`` resolves for ``op_type`` at ``opset`` of ``domain``
+        (the oldest's, for several versions); None when that onnxruntime registers no such op."""
+        version = self.versions_of(ort_version)[0]
+        key = (domain, op_type, opset, version)
+        if key not in self._built:
+            found = None
+            for since, versions, entry in self._entries.get((domain, op_type), ()):
+                if since <= opset and version in versions:
+                    found = entry
+            self._built[key] = ContribSchema(found) if found is not None else None
+        return self._built[key]
+
+    def kernel_supports(self, provider: str, domain: str, op_type: str, opset: int, param: str | None, dtype: str,
+                        ort_version: str | None = None) -> bool | None:
+        """Whether onnxruntime ``ort_version``'s ``provider`` registers a ``dtype`` kernel of ``op_type``
+        (for ``param``; any parameter when the kernel does not name it); None when the table records
+        no kernels of that provider (it records the CPU EP's, read from plain builds).  False also
+        when that version registers no kernel of the op at all."""
+        if provider not in self.kernel_providers:
+            return None
+        return all(self._version_takes(provider, domain, op_type, opset, param, dtype, version)
+                   for version in self.versions_of(ort_version))
+
+    def _version_takes(self, provider, domain, op_type, opset, param, dtype, version) -> bool:
+        for since, until, versions, params in reversed(self._kernels.get((provider, domain, op_type), ())):
+            if version in versions and since <= opset and (until is None or opset <= until):
+                return _takes(params, param, _DTYPE_ALIASES.get(dtype, dtype))
+        return False
+
+    def allows(self, op_type: str, domain: str, opset: int, param: str, type_str: str,
+               ort_version: str | None = None) -> bool:
+        """Whether every onnxruntime of ``ort_version`` (see :meth:`versions_of`) lets ``param`` of
+        ``op_type`` hold ``type_str``; True for an op or parameter a version does not know."""
+        for version in self.versions_of(ort_version):
+            found = self.schema(op_type, domain, opset, version)
+            allowed = found.allowed.get(param.split("#")[0]) if found is not None else None
+            if allowed is not None and type_str not in allowed:
+                return False
+        return True
+
+
+@functools.cache  # importlib.metadata leaves reference cycles behind; the answer does not change
+def installed_ort_version() -> str | None:
+    """The version of the onnxruntime distribution installed (any of its packagings), without
+    importing it; None when none is."""
+    from importlib import metadata
+
+    for dist in ("onnxruntime", "onnxruntime-gpu", "onnxruntime-training", "onnxruntime-training-cpu",
+                 "onnxruntime-directml", "onnxruntime-openvino"):
+        try:
+            return metadata.version(dist)
+        except metadata.PackageNotFoundError:
+            continue
+    return None

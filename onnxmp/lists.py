@@ -32,6 +32,8 @@ _MS = "com.microsoft:"
 _ALLOW = {
     "Conv", "ConvTranspose", "MatMul", "Gemm", "Einsum", "LSTM", "GRU", "RNN",
     _MS + "Attention", _MS + "MultiHeadAttention", _MS + "FusedMatMul",
+    _MS + "GroupQueryAttention", _MS + "PackedAttention", _MS + "PackedMultiHeadAttention",
+    _MS + "MatMulNBits", _MS + "DecoderMaskedMultiHeadAttention",
 }
 # Numerically safe in low precision, but only worth it between allow ops.
 _INFER = {
@@ -42,6 +44,12 @@ _INFER = {
     "Softmax", "LogSoftmax", "Log", "Sqrt", "Reciprocal",
     "AveragePool", "GlobalAveragePool", "LpPool",
     _MS + "BiasGelu", _MS + "FastGelu", _MS + "SkipLayerNormalization",
+    # onnxruntime's transformer optimizer's other fusions: their kernels compute their
+    # statistics (norms) or activations from each element, and the kernel facts
+    # (onnxmp/kernels.py) decide per target and onnxruntime version whether a low kernel exists.
+    _MS + "SkipSimplifiedLayerNormalization", _MS + "EmbedLayerNormalization", _MS + "BiasSplitGelu",
+    _MS + "BiasAdd", _MS + "QuickGelu", _MS + "RotaryEmbedding", _MS + "GroupNorm", _MS + "Gelu",
+    "SimplifiedLayerNormalization",
 }
 # Range or accumulation makes fp16 unsafe; they also taint downstream infer/clear ops.
 _LOSSES = {"SoftmaxCrossEntropyLoss", "NegativeLogLikelihoodLoss"}

@@ -16,7 +16,8 @@ import onnx
 
 from onnxmp.errors import OnnxMPError, first_line
 from onnxmp.external import SKELETON_TENSOR_BYTES, skeleton
-from onnxmp.domains import ONNX_DOMAINS
+from onnxmp.contrib_types import has_foreign_ops, type_foreign_outputs
+from onnxmp.domains import ONNX_DOMAINS, opsets
 from onnxmp.index import ModelIndex
 from onnxmp.passes import require
 from onnxmp.subgraphs import GRAPH, GRAPHS, holders, iter_graphs, iter_proto_graphs, may_hold_graphs
@@ -61,6 +62,7 @@ class Normalized:
     renamed_nodes: int                # nodes given a (unique) name
     resorted: bool                    # some graph was out of topological order
     inference_error: str | None = None
+    foreign: bool = False             # some node is of an op onnx does not define (contrib_types typed it)
 
     @property
     def modified(self) -> bool:
@@ -220,6 +222,19 @@ def _refines(inferred: onnx.TypeProto, declared: onnx.TypeProto) -> bool:
             and inferred.tensor_type.elem_type == declared.tensor_type.elem_type)
 
 
+def _foreign(nodes: NodeSummary) -> bool:
+    """Whether the main graph holds an op onnx's inference cannot type: one of another domain, or
+    one onnxruntime adds to the default domain (SimplifiedLayerNormalization)."""
+    if not nodes.domains.issubset(_BUILTIN_DOMAINS):
+        return True
+    return not all(map(_onnx_knows, set(nodes.op_types))) if nodes.domains.issubset(ONNX_DOMAINS) else False
+
+
+@functools.lru_cache(maxsize=None)
+def _onnx_knows(op_type: str) -> bool:
+    return onnx.defs.has(op_type)
+
+
 def normalize(model: onnx.ModelProto) -> Normalized:
     """Annotate types, give nodes unique names, sort every graph; then index the model once.
 
@@ -229,6 +244,10 @@ def normalize(model: onnx.ModelProto) -> Normalized:
     # names, op types), since no step before the sort adds, removes or replaces a node.
     nodes = summarize(model.graph)
     inferred, error = infer_types(model, nodes)
+    foreign = _foreign(nodes) or bool(nodes.holding and has_foreign_ops(inferred))
+    if foreign:
+        # Only models holding ops of other domains pay for this (docs/coloring.md, onnxruntime's own ops).
+        type_foreign_outputs(inferred, opsets(inferred), nodes.holding)
     renamed = make_node_names_unique(inferred.graph, nodes.holding, nodes.names)
     index = ModelIndex(inferred, nodes.holding)
     resorted = False
@@ -237,7 +256,7 @@ def normalize(model: onnx.ModelProto) -> Normalized:
         if resorted:
             _check_unique_names(inferred.graph)  # make_node_names_unique checked the unsorted graphs
             index = ModelIndex(inferred)  # the sorted graphs hold new node protos
-    return Normalized(index, renamed, resorted, error)
+    return Normalized(index, renamed, resorted, error, foreign)
 
 
 def make_node_names_unique(graph: onnx.GraphProto, holding: list[onnx.NodeProto] | None = None,

@@ -47,7 +47,10 @@ class Options:
     float32 and are Cast at each low-precision use (training).  ``underflow_share``: the share
     of an initializer's non-zero values that may flush or turn subnormal before its node stays
     float32.  ``forced_deny``: node name -> cause, nodes kept in float32 (the compat functions'
-    range limits; calibration's culprits).
+    range limits; calibration's culprits).  ``ort_version``: the onnxruntime the model will run on
+    (``"1.19.2"``; ``"1.19.2,1.32.0"`` or ``"all"`` for a model that must load in each); it decides
+    the schemas and kernels of onnxruntime's own ops (1.19.2 has no bfloat16 Attention).  Default:
+    the installed onnxruntime, else the newest the tables know.
 
     Calibration (``calibration``: sample inputs, a dict of arrays, a list of them or .npz paths)
     adds the magnitude seed (``calibration_threshold``) and the accuracy-guided search to
@@ -64,6 +67,7 @@ class Options:
     master_weights: Iterable[str] = ()
     underflow_share: float = DEFAULT_UNDERFLOW_SHARE
     forced_deny: Mapping[str, str] | None = None
+    ort_version: str | None = None
     calibration: Any = None
     calibration_threshold: float = DEFAULT_THRESHOLD
     tolerance: float | None = None
@@ -129,7 +133,8 @@ class Options:
                         lists=resolve_lists(chosen.name, low.name, self.level, self.lists),
                         block_nodes=tuple(block), keep_io_types=kept_io(model, self.keep_io_types),
                         master_weights=tuple(master or ()), underflow_share=self.underflow_share,
-                        forced_deny=dict(self.forced_deny or {}), calibration_threshold=self.calibration_threshold)
+                        forced_deny=dict(self.forced_deny or {}), calibration_threshold=self.calibration_threshold,
+                        ort_version=_ort_version(self.ort_version))
 
 
 @dataclass(frozen=True)
@@ -148,9 +153,24 @@ class Resolved:
     forced_deny: Mapping[str, str] = field(default_factory=dict)
     calibration_threshold: float = DEFAULT_THRESHOLD
     magnitudes: Mapping[str, float] | None = None
+    ort_version: str | None = None
 
     def replace(self, **changes) -> Resolved:
         return dataclasses.replace(self, **changes)
+
+
+def _ort_version(version: str | None) -> str:
+    """The onnxruntime version converted for: ``version``, else the installed one, else the newest
+    the schema table knows."""
+    from onnxmp.kernels import ContribSchemas, installed_ort_version
+
+    if version is not None:
+        parts = [p.strip() for p in str(version).split(",")]
+        if str(version).strip() != "all" and not all(re.fullmatch(r"\d+\.\d+(\.\d+)?", p) for p in parts):
+            raise OnnxMPError(f"ort_version takes an onnxruntime version such as '1.19.2', several separated by "
+                              f"commas, or 'all'; got {version!r}")
+        return ",".join(parts)
+    return installed_ort_version() or ContribSchemas.default().versions[-1]
 
 
 def kept_io(model: onnx.ModelProto, keep_io_types) -> bool | frozenset[str]:

@@ -19,7 +19,9 @@ import onnx
 from onnxmp.color import Coloring, color
 from onnxmp.index import keeps_io
 from onnxmp.load import ModelLike, load
+from onnxmp.kernels import KernelTable
 from onnxmp.normalize import Normalized, normalize
+from onnxmp.opset_gaps import retarget
 from onnxmp.options import Options, Resolved
 from onnxmp.passes import PassBase, PassManager, PassResult
 from onnxmp.report import (TENSOR_CORE_OPS, MaskFillRow, Report, advice_records, group_rows, head,
@@ -55,6 +57,8 @@ class Conversion:
     report: Report | None = None
     expected_io: tuple | None = None  # the converted model's input/output signature
     stats: RewriteStats | None = None
+    retargeted: str | None = None     # the opset raised to close a kernel gap (opset_gaps.py), in words
+    foreign_ops: bool | None = None   # normalize found ops onnx does not define (verify checks their binding)
 
     @property
     def resolved(self) -> Resolved:
@@ -72,7 +76,9 @@ class Load(PassBase[Conversion]):
         state.model = load(state.source, lazy_external=True)
         if isinstance(state.options, Options):
             state.options = state.options.resolve(state.model)
-        return PassResult(False)
+        options = state.options
+        state.retargeted = retarget(state.model, KernelTable.default(), options.target.provider, options.precision.name)
+        return PassResult(state.retargeted is not None)
 
 
 class CheckInput(PassBase[Conversion]):
@@ -118,6 +124,7 @@ class Color(PassBase[Conversion]):
         report.defer("advice", lambda: advice_records(findings))
         report.groups = group_rows(coloring)
         report.shape_inference_error = state.normalized.inference_error
+        report.opset_retarget = state.retargeted
         report.changed = coloring.has_allow() or bool(lowered_io(index.model, options.keep_io_types))
         if not report.changed:
             report.unchanged_reason = unchanged_reason(report)
@@ -141,6 +148,7 @@ class Rewrite(PassBase[Conversion]):
         state.model, state.stats = rewrite(index, state.coloring, precision=options.precision,
                                            master_weights=options.master_weights,
                                            keep_io_types=options.keep_io_types)
+        state.foreign_ops = state.normalized.foreign
         state.normalized = None  # the index points into the written model; freeing it lowers verify's peak
         report, stats = state.report, state.stats
         report.changed = stats.modified
@@ -163,7 +171,8 @@ class Verify(PassBase[Conversion]):
         if written is not None:
             state.model = None  # let go before the checker runs: see compact_bytes
         state.model = verify(state.model if written is None else written, original_io=state.expected_io,
-                             reload_original=lambda: normalize(load(state.source, lazy_external=True)).index.model)
+                             reload_original=lambda: normalize(load(state.source, lazy_external=True)).index.model,
+                             ort_version=state.options.ort_version, foreign_ops=state.foreign_ops)
         return PassResult(False)
 
 

@@ -93,6 +93,7 @@ class Report:
     twin_initializers: list[str] = field(default_factory=list)
     calibration: CalibrationReport | None = None  # set by convert(..., calibration=...)
     shape_inference_error: str | None = None
+    opset_retarget: str | None = None  # the model's opset raised to reach a low-precision kernel (opset_gaps.py)
     groups: list[GroupRow] = field(default_factory=list)  # control-flow color groups
     mask_fills: list[MaskFillRow] = field(default_factory=list)  # attention mask fills replaced
     _rows: dict[str, list | Callable[[], list]] = field(default_factory=dict, repr=False, compare=False)
@@ -189,6 +190,8 @@ class Report:
         if self.converted_initializers or self.twin_initializers:
             lines.append(f"initializers: {len(self.converted_initializers)} converted, "
                          f"{len(self.twin_initializers)} with a low-precision twin")
+        if self.opset_retarget:
+            lines.append(f"retargeted {self.opset_retarget}")
         for fill in self.mask_fills:
             lines.append(f"attention mask fill `{fill.constant}`: {fill.original:.3g} -> {fill.value:g} "
                          f"(out of {self.precision}'s range; masks {len(fill.softmaxes)} Softmax)")

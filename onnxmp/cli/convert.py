@@ -83,6 +83,9 @@ def _add_common(p: argparse.ArgumentParser) -> None:
                        help=f"remove OP from the {name} list")
     p.add_argument("--block-node", action="append", default=[], metavar="REGEX",
                    help="keep nodes whose name matches REGEX in float32 (repeatable)")
+    p.add_argument("--ort-version", default=None, metavar="X.Y.Z",
+                   help="the onnxruntime the model will run on: its schemas and kernels decide onnxruntime's own "
+                        "ops (com.microsoft). Default: the installed onnxruntime")
 
 
 def _overrides(args) -> dict[str, list[str]]:
@@ -106,7 +109,7 @@ def options_from(args) -> Options:
         if given:
             raise UsageError(f"{given[0]} needs --calibrate", hint="pass sample inputs: --calibrate inputs.npz")
     return Options(target=args.target, precision=args.precision, keep_io_types=keep, level=args.level,
-                   lists=_overrides(args), block_nodes=args.block_node,
+                   lists=_overrides(args), block_nodes=args.block_node, ort_version=getattr(args, "ort_version", None),
                    calibration=getattr(args, "calibrate", None) or None, **calibration)
 
 

@@ -64,7 +64,8 @@ def color(index: ModelIndex, options: Resolved, *, kernels: KernelTable | None =
     """Color every (node, type parameter) vertex of ``index``'s graphs for ``options``."""
     view = build_type_view(index, options.lists, low=options.precision, provider=options.target.provider,
                            kernels=kernels or KernelTable.default(), block_nodes=options.block_nodes,
-                           keep_io_types=options.keep_io_types, initializer_inputs=index.initializer_inputs)
+                           keep_io_types=options.keep_io_types, initializer_inputs=index.initializer_inputs,
+                           ort_version=options.ort_version)
     state = Coloring(view, low_name=options.precision.name, mask_fills=mask_fills(index, options.precision))
     result = PassManager(color_passes(index, options), log=log, timings=timings)(state)
     if result.details.get("add_allow_ops") and result.details["add_allow_ops"].stop:

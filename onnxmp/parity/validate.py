@@ -61,6 +61,7 @@ from onnxmp.parity.metrics import as_output_array
 from onnxmp.naming import json_safe
 from onnxmp.precision import BFLOAT16, FLOAT16, FLOAT32
 from onnxmp.targets import CPU, target
+from onnxmp.verify import runtime_load_error
 
 log = logging.getLogger("onnxmp.validate")
 
@@ -306,6 +307,24 @@ def _session(model: onnx.ModelProto, provider: str, role: str):
     return session
 
 
+def check_loads(model: onnx.ModelProto, role: str) -> None:
+    """Raise :class:`OnnxMPError` when this onnxruntime refuses ``model`` itself at session creation
+    (graph resolution: a type parameter bound to two types, a type a schema does not allow).
+
+    On a CPU-only machine a low-precision model made for the GPU may find no CPU kernel for some
+    node; onnxruntime then says NOT_IMPLEMENTED, "Could not find an implementation", after the
+    graph resolved (or "Failed to find kernel ... Kernel not found" for an op the CPU EP lacks in
+    every type, com.microsoft GroupNorm).  That is no fault of the model and passes, logged.
+    """
+    import onnxruntime as ort
+
+    message = runtime_load_error(model)
+    if message is not None:
+        raise OnnxMPError(f"onnxruntime {ort.__version__} cannot load the {role} model itself: {message}",
+                          "a model converted for another onnxruntime (convert's --ort-version) may not load in "
+                          "this one; convert it for this one, or report it with the model")
+
+
 def _run(session, model: onnx.ModelProto, sample: Sample, role: str) -> dict[str, np.ndarray]:
     try:
         feeds = check_inputs(model, sample)
@@ -411,6 +430,7 @@ def validate(reference: onnx.ModelProto | str | os.PathLike, candidate: onnx.Mod
         _warn_if_no_tensor_cores()
     if emulated:
         log.info("emulating %s numerics of the candidate on CPU", " and ".join(emulated))
+        check_loads(cand_model, "candidate")  # the emulated copy loading says nothing of the model itself
 
     # One session at a time: the reference's outputs are kept (small next to the weights) and its
     # session is freed before the candidate's is built, so a large model's weights are in memory once.

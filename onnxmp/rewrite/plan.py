@@ -25,7 +25,7 @@ from typing import AbstractSet, Iterable, Iterator, Sequence
 import onnx
 
 from onnxmp.color.rules import Coloring
-from onnxmp.color.vertices import RETARGETABLE
+from onnxmp.color.layouts import RETARGETABLE
 from onnxmp.index import ModelIndex, Scope, TensorInfo, keeps_io
 from onnxmp.naming import FreshNames
 from onnxmp.passes import require
