@@ -74,32 +74,10 @@ def _find_other() -> tuple[str, str] | None:
 OTHER = _find_other()
 RUNTIMES = {"load": _installed_ort(), "load-other": OTHER[1] if OTHER else None}
 
-# The failures of main today (issue 30), per check and per onnxruntime the check runs on ("1.19": below
-# 1.20, "newest": the rest; parity and Casts run on the installed one): the lead flips these, by
-# deleting lines, when the typing branch lands.  (entry, precision) "*" matches every precision.
-GEMM = "onnxmp refuses its own output: Gemm/Add 'B has inconsistent type' (com.microsoft outputs untyped)"
-SIMPLIFIED = "the input is refused: onnx.checker knows no SimplifiedLayerNormalization (onnxruntime's ONNX-domain op)"
-UNET = "onnxmp refuses its own output: MatMul/Mul 'B has inconsistent type' next to fused ops"
-ATTENTION = "Attention 'bound to different types' (float weights, low-precision input)"
-BF16_SKIPLN = "1.19 has no bfloat16 SkipLayerNormalization/Attention schema; onnxmp writes one anyway"
-REFUSED = {("gpt2.ort119", "*"): GEMM, ("gpt2.ort132", "*"): GEMM, ("gpt2_noattn.ort119", "*"): GEMM,
-           ("gpt2_noattn.ort132", "*"): GEMM, ("llama.ort132", "*"): SIMPLIFIED, ("t5enc.ort119", "*"): SIMPLIFIED,
-           ("t5enc.ort132", "*"): SIMPLIFIED, ("unet.ort119", "*"): UNET, ("unet.ort132", "*"): UNET,
-           ("unet_cpu.ort132", "*"): UNET}
-REFUSED_CPU = {k: v for k, v in REFUSED.items() if k[0] not in ("unet.ort119", "unet.ort132")}  # those skip
-WITH_ATTENTION = {(e, "*"): ATTENTION for e in ("bert2.ort132", "bert3.ort132", "bert3_classic.ort119",
-                                                 "bert3_classic.ort132")}
-LOADS_119 = {**REFUSED, **WITH_ATTENTION,
-             **{(e, "bfloat16"): BF16_SKIPLN for e in ("bartenc.ort119", "bartenc.ort132", "bert2.ort119",
-                                                       "bert3.ort119", "vit.ort119", "vit.ort132")}}
-LOADS_NEWEST = {**REFUSED, **WITH_ATTENTION}
-CASTS = {**REFUSED, ("llama.ort119", "float16"): "58 Casts after onnxruntime's optimizations, onnxruntime's converter 56"}
-KNOWN: dict[tuple[str, str], dict[tuple[str, str], str]] = {
-    ("load", "1.19"): LOADS_119, ("load-other", "1.19"): LOADS_119,
-    ("load", "newest"): LOADS_NEWEST, ("load-other", "newest"): LOADS_NEWEST,
-    **{(check, group): table for group in ("1.19", "newest")
-       for check, table in (("parity", REFUSED_CPU), ("vs-ort", REFUSED_CPU), ("casts", CASTS))},
-}
+# Known failures, per check and per onnxruntime the check runs on ("1.19": below 1.20, "newest": the
+# rest; parity and Casts run on the installed one).  (entry, precision) "*" matches every precision.
+# Empty since the typing of onnxruntime's ops landed (issue 30): every entry holds every check.
+KNOWN: dict[tuple[str, str], dict[tuple[str, str], str]] = {}
 
 
 def known(check: str, entry: str, precision: str) -> str | None:
@@ -113,7 +91,7 @@ def cases(check: str, precisions=PRECISIONS):
     for entry in ENTRIES:
         for precision in precisions:
             reason = known(check, entry, precision)
-            marks = [pytest.mark.xfail(strict=True, reason=f"issue 30: {reason} until the typing branch lands")] \
+            marks = [pytest.mark.xfail(strict=True, reason=f"issue 30: {reason} ")] \
                 if reason else []
             out.append(pytest.param(entry, precision, id=f"{entry}-{precision}", marks=marks))
     return out
