@@ -47,10 +47,11 @@ import onnx.inliner
 import onnx.shape_inference
 from onnx import AttributeProto, TensorProto, helper, numpy_helper
 
-from onnxmp.domains import is_onnx_domain
-from onnxmp.errors import OnnxMPError
+from onnxmp.contrib_types import type_foreign_outputs
+from onnxmp.domains import is_onnx_domain, opsets
+from onnxmp.errors import OnnxMPError, first_line
 from onnxmp.fusions import inside_fused_kernels
-from onnxmp.subgraphs import bodies
+from onnxmp.subgraphs import bodies, iter_proto_graphs
 from onnxmp.external import SKELETON_TENSOR_BYTES, is_large, read_external, spilled
 from onnxmp.external import info as external_info
 from onnxmp.precision import BY_ONNX_TYPE, LOW, low_precision
@@ -244,6 +245,7 @@ def infer_tensor_types(model: onnx.ModelProto) -> dict[str, onnx.TypeProto]:
     except (onnx.shape_inference.InferenceError, onnx.checker.ValidationError) as exc:
         log.warning("type inference failed (%s); using declared types only", exc)
         inferred = skeleton
+    inferred = _type_runtime_ops(inferred)
 
     types: dict[str, onnx.TypeProto] = {}
 
@@ -261,6 +263,38 @@ def infer_tensor_types(model: onnx.ModelProto) -> dict[str, onnx.TypeProto]:
     collect(model.graph)  # declared types win over inferred ones
     collect(inferred.graph)
     return types
+
+
+def _needs_runtime_schemas(model: onnx.ModelProto) -> bool:
+    ops = {(n.op_type, n.domain) for g in iter_proto_graphs(model.graph) for n in g.node}
+    return any(not is_onnx_domain(domain) or not onnx.defs.has(op, domain or "") for op, domain in ops)
+
+
+def _type_runtime_ops(inferred: onnx.ModelProto, rounds: int = 8) -> onnx.ModelProto:
+    """Type the outputs of onnxruntime's own ops (com.microsoft, SimplifiedLayerNormalization, ...).
+
+    onnx's inference leaves them, and everything computed from them, untyped; an untyped float16
+    tensor gets no rounding pair, so a model whose writer declared no value_info (onnxruntime's own
+    converter declares none) would be emulated as if most of it ran in float32.  Each round types the
+    runtime ops' outputs from their schemas and lets onnx's inference carry the types on.
+    """
+    if not _needs_runtime_schemas(inferred):
+        return inferred
+    for _ in range(rounds):
+        try:
+            added = type_foreign_outputs(inferred, opsets(inferred))
+        except OnnxMPError as exc:
+            log.warning("cannot type every op of onnxruntime's domains (%s); tensors they write "
+                        "are emulated at the precision declared, if any", first_line(str(exc)))
+            return inferred
+        if not added:
+            break
+        try:
+            inferred = onnx.shape_inference.infer_shapes(inferred, check_type=False, strict_mode=False)
+        except (onnx.shape_inference.InferenceError, onnx.checker.ValidationError) as exc:
+            log.warning("type inference failed after typing onnxruntime's ops (%s)", exc)
+            break
+    return inferred
 
 
 # --- rewriting -----------------------------------------------------------------
