@@ -496,3 +496,44 @@ def test_cli_emulate_float32_model_warns_and_copies(tmp_path, caplog):
     assert "holds no float16 or bfloat16 tensors; writing it unchanged" in caplog.text
     assert low_precision_types(onnx.load(dst)) == []
     assert main(["emulate", str(src), "-o", str(dst), "--precision", "float16"]) == 1
+
+
+def _fast_gelu_model(value_info=()) -> onnx.ModelProto:
+    # onnxruntime's own converter writes no value_info: onnx's inference types neither FastGelu's
+    # output (com.microsoft) nor the Mul computed from it.
+    graph = helper.make_graph(
+        [helper.make_node("FastGelu", ["x"], ["g"], domain="com.microsoft"),
+         helper.make_node("Mul", ["g", "g"], ["y"])],
+        "g", [helper.make_tensor_value_info("x", TP.FLOAT16, [2, 4])],
+        [helper.make_tensor_value_info("y", TP.FLOAT16, [2, 4])], value_info=list(value_info))
+    return helper.make_model(graph, ir_version=IR_VERSION, opset_imports=[
+        helper.make_opsetid("", 17), helper.make_opsetid("com.microsoft", 1)])
+
+
+def _rounded_outputs(model: onnx.ModelProto) -> set[str]:
+    """Tensors followed by a Cast(to=FLOAT16): the ones the emulation rounds."""
+    return {n.input[0] for n in model.graph.node if n.op_type == "Cast" and n.attribute[0].i == TP.FLOAT16}
+
+
+@pytest.mark.parametrize("declared", [False, True])
+def test_runtime_ops_outputs_are_rounded_without_value_info(declared):
+    vi = [helper.make_tensor_value_info("g", TP.FLOAT16, None)] if declared else []
+    emulated = emulate(_fast_gelu_model(vi))
+    rounded = _rounded_outputs(emulated)
+    fast_gelu, mul = (n for n in emulated.graph.node if n.op_type in ("FastGelu", "Mul"))
+    assert fast_gelu.output[0] in rounded and mul.output[0] in rounded
+    x = np.linspace(-3, 3, 8, dtype=np.float16).reshape(2, 4)
+    xf = x.astype(np.float64)
+    g = (0.5 * xf * (1 + np.tanh(np.sqrt(2 / np.pi) * (xf + 0.044715 * xf ** 3)))).astype(np.float16)
+    want = (g.astype(np.float32) * g.astype(np.float32)).astype(np.float16)
+    got = run_ort(emulated, {"x": x})[0]
+    np.testing.assert_allclose(got.astype(np.float32), want.astype(np.float32), rtol=2e-3, atol=1e-3)
+
+
+def test_an_op_no_schema_types_is_left_as_declared(caplog):
+    model = _fast_gelu_model()
+    model.graph.node[0].op_type = "NoSuchFusedOp"
+    with caplog.at_level("WARNING", logger="onnxmp.emulate"):
+        emulated = emulate(model)
+    assert "cannot type" in caplog.text
+    assert not _rounded_outputs(emulated) & {"g", "y"}
