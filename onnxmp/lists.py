@@ -34,6 +34,8 @@ _ALLOW = {
     _MS + "Attention", _MS + "MultiHeadAttention", _MS + "FusedMatMul",
     _MS + "GroupQueryAttention", _MS + "PackedAttention", _MS + "PackedMultiHeadAttention",
     _MS + "MatMulNBits", _MS + "DecoderMaskedMultiHeadAttention",
+    # the transformer optimizer's channels-last Conv (UNet, enable_nhwc_conv): a Conv on Tensor Cores
+    _MS + "NhwcConv",
 }
 # Numerically safe in low precision, but only worth it between allow ops.
 _INFER = {
@@ -49,7 +51,7 @@ _INFER = {
     # (onnxmp/kernels.py) decide per target and onnxruntime version whether a low kernel exists.
     _MS + "SkipSimplifiedLayerNormalization", _MS + "EmbedLayerNormalization", _MS + "BiasSplitGelu",
     _MS + "BiasAdd", _MS + "QuickGelu", _MS + "RotaryEmbedding", _MS + "GroupNorm", _MS + "Gelu",
-    "SimplifiedLayerNormalization",
+    _MS + "SkipGroupNorm", "SimplifiedLayerNormalization",
 }
 # Range or accumulation makes fp16 unsafe; they also taint downstream infer/clear ops.
 _LOSSES = {"SoftmaxCrossEntropyLoss", "NegativeLogLikelihoodLoss"}
