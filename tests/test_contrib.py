@@ -433,3 +433,38 @@ def test_the_cpu_eps_own_cast_fallback_is_no_fault_of_the_model():
 
     path = Path(__file__).resolve().parent.parent / "models" / "exports" / "gpt2.torchscript17.onnx"
     check_loads(onnxmp.convert(str(path)).model, "candidate")
+
+
+def _rms_between_matmuls(first_matmul=True) -> onnx.ModelProto:
+    """[MatMul ->] SimplifiedLayerNormalization (onnxruntime's RMSNorm, X of type T, Y of type V) -> MatMul."""
+    nodes = [helper.make_node("MatMul", ["x", "w1"], ["h"], name="mm1")] if first_matmul else []
+    nodes += [helper.make_node("SimplifiedLayerNormalization", ["h" if first_matmul else "x", "scale"], ["n"],
+                               name="rms", axis=-1, epsilon=1e-6),
+              helper.make_node("MatMul", ["n", "w2"], ["y"], name="mm2")]
+    graph = helper.make_graph(nodes, "rms", [helper.make_tensor_value_info("x", TP.FLOAT, [2, H])],
+                              [helper.make_tensor_value_info("y", TP.FLOAT, [2, H])],
+                              [_w("w1", (H, H), 1), _w("scale", (H,), 2), _w("w2", (H, H), 3)])
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid(MS, 1)],
+                             ir_version=8)
+
+
+def test_a_float32_kernel_reads_an_input_already_low_without_a_cast():
+    # X binds no output: no "between allow ops" reaches it.  Kept float32 it cost a Cast up of a
+    # float16 tensor (Llama's embedding into its first RMSNorm), with the same numerics: the CUDA
+    # kernel widens X to float either way.
+    result = onnxmp.convert(_rms_between_matmuls())
+    types = _types(result.model)
+    rms = next(n for n in result.model.graph.node if n.op_type == "SimplifiedLayerNormalization")
+    assert types[rms.input[0]] == types[rms.output[0]] == TP.FLOAT16
+    assert sum(n.op_type == "Cast" for n in result.model.graph.node) == 2  # the model's input and output
+    assert result.coloring.final("rms:T")[1].rule == "take_low_inputs_of_float32_kernels"
+    assert binding_errors(result.model) == []
+
+
+def test_an_input_read_in_float32_stays_float32():
+    # X is the model's float32 input: going low would be a Cast, not save one.
+    result = onnxmp.convert(_rms_between_matmuls(first_matmul=False))
+    types = _types(result.model)
+    rms = next(n for n in result.model.graph.node if n.op_type == "SimplifiedLayerNormalization")
+    assert types[rms.input[0]] == TP.FLOAT and types[rms.output[0]] == TP.FLOAT16
+    assert binding_errors(result.model) == []

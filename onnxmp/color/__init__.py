@@ -14,7 +14,7 @@ from onnxmp.color.rules import (
     add_allow_ops, add_clear_and_infer_to_allow_if_between_allow, add_constant_fed_to_allow_if_before_allow,
     add_infer_to_allow_if_follow_allow,
     allow_only_where_ok, follow_input_in_fused_normalizations, force_color_match,
-    make_casts_allow_if_all_outputs_allow, propagate_allow_through_clear,
+    make_casts_allow_if_all_outputs_allow, propagate_allow_through_clear, take_low_inputs_of_float32_kernels,
     propagate_deny_forward_through_clear_and_infer, remove_allow_set_with_fp32,
 )
 from onnxmp.color.masks import mask_fills
@@ -33,7 +33,16 @@ log = logging.getLogger("onnxmp.color")
 _ALLOW_OK = (allow_only_where_ok, "every ALLOW vertex is processed, float32 and low-precision capable")
 
 
-def color_passes(index: ModelIndex, options: Resolved) -> list[PassBase[Coloring]]:
+def _float32_compute(index: ModelIndex, options: Resolved, kernels: KernelTable):
+    """op key (``Op`` or ``domain:Op``) -> whether its low kernel on the target computes in float32."""
+    def computes_in_float32(key: str) -> bool:
+        domain, _, op_type = key.rpartition(":")
+        return kernels.computes_in_float32(options.target.provider, domain, op_type, index.opset_of(domain),
+                                           options.precision.name)
+    return computes_in_float32
+
+
+def color_passes(index: ModelIndex, options: Resolved, kernels: KernelTable | None = None) -> list[PassBase[Coloring]]:
     """The seeds that apply to ``options``, then TF's rules in TF's order (with onnxmp's rule for
     the normalizations ORT fuses after TF's removal of incapable vertices)."""
     passes = [FunctionPass(seed_deny_from_initializer_range, index, underflow_share=options.underflow_share)]
@@ -52,6 +61,8 @@ def color_passes(index: ModelIndex, options: Resolved) -> list[PassBase[Coloring
     passes += [
         FunctionPass(propagate_allow_through_clear),
         FunctionPass(remove_allow_set_with_fp32, ensures=_ALLOW_OK),
+        FunctionPass(take_low_inputs_of_float32_kernels,
+                     _float32_compute(index, options, kernels or KernelTable.default()), ensures=_ALLOW_OK),
         FunctionPass(follow_input_in_fused_normalizations, ensures=_ALLOW_OK),
         FunctionPass(force_color_match),
         FunctionPass(make_casts_allow_if_all_outputs_allow),
@@ -67,7 +78,7 @@ def color(index: ModelIndex, options: Resolved, *, kernels: KernelTable | None =
                            keep_io_types=options.keep_io_types, initializer_inputs=index.initializer_inputs,
                            ort_version=options.ort_version)
     state = Coloring(view, low_name=options.precision.name, mask_fills=mask_fills(index, options.precision))
-    result = PassManager(color_passes(index, options), log=log, timings=timings)(state)
+    result = PassManager(color_passes(index, options, kernels), log=log, timings=timings)(state)
     if result.details.get("add_allow_ops") and result.details["add_allow_ops"].stop:
         log.info("no allow-list op can run in %s here; the model is left unchanged", options.precision.name)
     return state

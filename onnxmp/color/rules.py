@@ -481,6 +481,38 @@ def follow_input_in_fused_normalizations(state: Coloring) -> PassResult:
     return PassResult(changed > 0, {"changed": changed})
 
 
+def _low_input(view: TypeView, k: int) -> str:
+    return (f"{view.op_of(k)}'s kernel computes in float32 and reads this input already in low precision: "
+            f"a float32 copy would be a Cast and change nothing")
+
+
+def take_low_inputs_of_float32_kernels(state: Coloring, computes_in_float32: Callable[[str], bool]) -> PassResult:
+    """(onnxmp's, not TF's) An infer or clear vertex that only reads (its type parameter binds no
+    output: X of SimplifiedLayerNormalization, whose output is V) joins ALLOW when every tensor it
+    reads is written by an ALLOW vertex, another vertex of its node is ALLOW, and the kernel computes
+    in float32 (``computes_in_float32(op)``, the kernel facts): the kernel widens a float16 input
+    exactly, so keeping the parameter float32 only adds a Cast (Llama's embedding into its first
+    RMSNorm).  Pinned tensors and constants stay as they are."""
+    view = state.view
+    lists, codes = _u8(view.list_codes), state.codes
+    candidates = ((lists == _CLEAR_LIST) | (lists == _INFER_LIST)) & (_u8(view.ok) != 0) & (_u8(codes) == 0)
+    painted = 0
+    for k in _ids(candidates):
+        if view.output_names(k):
+            continue
+        names = view.input_names(k)
+        producers = [view.producer_of.get(t) for t in names]
+        if not names or any(p is None or codes[p] != _ALLOW for p in producers) \
+                or any(t in view.pinned for t in names):
+            continue
+        node = view.v_node[k]
+        if not any(codes[v] == _ALLOW for v in view.ids_of_node(view.node_names[node]) if v != k):
+            continue
+        if computes_in_float32(view.op_of(k)):
+            painted += state.paint(k, ALLOW, "take_low_inputs_of_float32_kernels", Cause(_low_input))
+    return PassResult(painted > 0, {"painted": painted})
+
+
 def make_casts_allow_if_all_outputs_allow(state: Coloring) -> PassResult:
     """An existing Cast(to=FLOAT), ConstantOfShape or float Constant whose consumers are
     all ALLOW is retargeted to the low-precision type (its output vertex joins ALLOW)."""
