@@ -42,9 +42,13 @@ FUSED = Path(__file__).resolve().parent.parent / "models" / "fused"
 MANIFEST = json.loads((FUSED / "manifest.json").read_text())["entries"]
 ENTRIES = sorted(MANIFEST)
 PRECISIONS = ("float16", "bfloat16")
-# Slack on "no worse than onnxruntime's converter": the worst relative error over a few hundred outputs
-# is an extreme of rounding noise, and two conversions that keep the same ops in float32 land up to
-# ~20% apart on it (bert2.ort119: 7.8e-4 against 6.6e-4 with one Cast fewer).
+# Slack on "no worse than onnxruntime's converter": the worst normwise relative error over the entry's
+# samples (both models get the same committed inputs) is an extreme of rounding noise.  Measured once
+# the emulation rounded the outputs of onnxruntime's own ops in both models alike (before, their
+# float16 outputs went unrounded in onnxruntime's converter's model, which declares no types: a
+# 2.4x gap on bert2.ort132 that was no gap at all): bert3.ort132's pooler_output is 9.7e-4 for
+# onnxmp against 8.0e-4 though onnxmp's model rounds strictly less (the same nodes, its Tanh in
+# float32), a 1.2x spread from one rounding fewer.
 NO_WORSE_SLACK = 1.25
 # Interpreters that may hold another onnxruntime than this one's (scratch venvs of the developers'
 # machine; CI has none and relies on its two legs).  ONNXMP_OTHER_ORT_PYTHON overrides.
