@@ -39,8 +39,8 @@ from onnxmp.calibrate.records import (
     REASONS, CalibrationReport, CycleRecord, Measurement, MovedNode, SeededTensor,
 )
 from onnxmp.calibrate.search import (
-    BudgetExhausted, LowNode, Oracle, RunBar, Switchboard, cpu_session, find_fp32_set, run_bound, run_samples,
-    segment_ranking,
+    BudgetExhausted, LowNode, Oracle, RunBar, Switchboard, attribution_ranking, cpu_session, find_fp32_set,
+    local_attribution, run_bound, run_samples,
 )
 from onnxmp.errors import OnnxMPError
 from onnxmp.fusions import inside_fused_kernels
@@ -144,6 +144,16 @@ def _fold_magnitudes(out: dict[str, float], run: Mapping[str, np.ndarray]) -> No
 # --- the loop ---------------------------------------------------------------------------
 
 
+def _worst_sample(plan: MetricPlan, refs: Sequence[Mapping[str, np.ndarray]]) -> bool:
+    """Whether the metric keeps the worst sample (so a partial run's error is a lower bound); the
+    agreement metrics pool rows over all samples, and a prefix of them says nothing."""
+    if plan.model_fn is not None:
+        return True
+    return bool(refs) and all(metric.kind in ("rel", "max_abs", "cosine", "callable")
+                              and np.asarray(refs[0][name]).dtype.kind == "f"
+                              for name, metric in plan.per_output.items())
+
+
 def _low_nodes(model: onnx.ModelProto, report: Report) -> dict[str, LowNode]:
     """Nodes with a low-precision vertex, and which of their tensors are low precision (from the report)."""
     protos = {node.name: node for node in proto_nodes(model.graph)}
@@ -174,6 +184,7 @@ class _Calibration:
         self.resolved = options.resolve(self.original)
         self.tolerance = DEFAULT_TOLERANCE if options.tolerance is None else options.tolerance
         self.max_runs = MAX_RUNS if options.max_runs is None else options.max_runs
+        self.deadline = None if options.time_budget is None else self.started + options.time_budget
         self.precision = self.resolved.precision.name
         calibration_threshold = options.calibration_threshold
         samples = samples_from(self.original, options.calibration)
@@ -233,6 +244,9 @@ class _Calibration:
             for cycle in range(1, MAX_CYCLES + 1):
                 if best_m.meets(self.tolerance) or rep.budget_exhausted:
                     break
+                if self._out_of_time():
+                    rep.budget_exhausted = True
+                    break
                 if current_m.tune_error <= tune_tol and current_m.holdout_error is not None:
                     # Tuned but the held-out samples miss: demand less of the tuning error reached, never
                     # searching on the held-out samples.  The cut follows the miss, within [10%, 50%]: a
@@ -276,23 +290,37 @@ class _Calibration:
     def search(self, low: Mapping[str, LowNode], fills: Mapping[str, float], tune_tol: float,
                bar: RunBar) -> list[MovedNode]:
         board = Switchboard(self.original, low, self.precision, fills)
-        heavy = {name for name, n in low.items() if n.op in TENSOR_CORE_OPS}
+        heavy = frozenset(name for name, n in low.items() if n.op in TENSOR_CORE_OPS)
+        bar.heavy, bar.tolerance = heavy, tune_tol
+        order_samples = self._hardest_first(board)
+        early = _worst_sample(self.plan, self.ref_tune)
 
-        def evaluate(fp32: frozenset[str]) -> float:
-            errors = self.plan.errors(self.ref_tune, board.run(fp32, self.tune))
-            return max(errors.values(), default=0.0) / tune_tol
+        def evaluate(fp32: frozenset[str], full: bool = False) -> float:
+            # Samples hardest first; with a worst-sample metric a candidate fails as soon as one sample
+            # does, so most failing candidates cost one session run instead of one per sample.
+            refs, outs = [], []
+            for i, out in zip(order_samples, board.iter_run(fp32, [self.tune[i] for i in order_samples])):
+                refs.append(self.ref_tune[i])
+                outs.append(out)
+                if early and not full and max(self.plan.errors(refs[-1:], outs[-1:]).values(),
+                                              default=0.0) > tune_tol:
+                    break
+            return max(self.plan.errors(refs, outs).values(), default=0.0) / tune_tol
 
         budget = self.max_runs - self.runs
-        if budget <= 0:
+        if budget <= 0 or self._out_of_time():
             self.report.budget_exhausted = True
             return []
-        oracle = Oracle(evaluate, max_runs=budget, on_run=bar)
+        oracle = Oracle(evaluate, max_runs=budget, on_run=bar, full=lambda fp32: evaluate(fp32, full=True),
+                        deadline=self.deadline)
         try:
             if max(self.plan.errors(self.ref_tune, self.ref_tune).values(), default=0.0) > tune_tol:
                 log.warning("the metric rejects the float32 model itself; no mix can pass")
                 return []
-            order, _ = segment_ranking(board.nodes, oracle, lambda m: m in heavy)
-            culprits = find_fp32_set(order, oracle)
+            self.runs += 2  # the two attribution passes, all fp32 and all low
+            added = local_attribution(board, self.tune)
+            order = attribution_ranking(board.nodes, added, lambda m: m in heavy)
+            culprits = find_fp32_set(order, oracle, gallop=True)
             found = [MovedNode(c.node, low[c.node].op, "measurement", c.score_with * tune_tol,
                                c.score_without * tune_tol) if c.score_with is not None else
                      MovedNode(c.node, low[c.node].op, "ranking prefix", None, c.score_without * tune_tol)
@@ -307,6 +335,18 @@ class _Calibration:
         finally:
             self.runs += oracle.runs
         return found
+
+    def _hardest_first(self, board: Switchboard) -> list[int]:
+        """Tuning sample indices, the one with the largest all-low error first."""
+        if len(self.tune) < 2:
+            return list(range(len(self.tune)))
+        errors = [max(self.plan.errors([ref], [out]).values(), default=0.0)
+                  for ref, out in zip(self.ref_tune, board.run((), self.tune))]
+        self.runs += 1
+        return sorted(range(len(self.tune)), key=lambda i: -errors[i])
+
+    def _out_of_time(self) -> bool:
+        return self.deadline is not None and time.perf_counter() > self.deadline
 
     def fallback_all_fp32(self, best, best_m, forced, moved):
         """Every remaining low node back to float32: lands whenever the float32 model does."""
