@@ -395,7 +395,7 @@ def test_a_held_out_miss_tightens_the_tuning_target_without_tuning_on_the_held_o
 def test_when_the_search_finds_nothing_the_all_fp32_fallback_still_lands(monkeypatch):
     import onnxmp.calibrate as calibrate
 
-    monkeypatch.setattr(calibrate, "find_fp32_set", lambda order, oracle, fixed=(): [])
+    monkeypatch.setattr(calibrate, "find_fp32_set", lambda order, oracle, fixed=(), **kw: [])
     result = onnxmp.convert(_chain(10, cancel=2000.0), calibration=_samples(3), tolerance=1e-2)
     cal = result.report.calibration
     assert cal.met and cal.final.worst <= 1e-2
@@ -451,3 +451,54 @@ def test_calibration_names_unnamed_nodes_as_plain_conversion_does():
     sample = {"x": np.random.default_rng(1).random((2, 8), np.float32)}
     names = lambda m: sorted(n.name for n in m.graph.node if n.op_type in ("MatMul", "Relu"))  # noqa: E731
     assert names(onnxmp.convert(model, calibration=[sample]).model) == names(onnxmp.convert(model).model)
+
+
+def test_galloping_finds_top_ranked_culprits_in_fewer_runs_than_bisecting_the_whole_order():
+    n = 1000
+    order = [f"n{i}" for i in range(n)]
+    guilty = {"n1", "n3"}  # ranked near the top, as the attribution puts them
+    plain = Oracle(lambda fp32: 0.5 if guilty <= fp32 else 2.0, max_runs=10**6)
+    fast = Oracle(lambda fp32: 0.5 if guilty <= fp32 else 2.0, max_runs=10**6)
+    assert {c.node for c in find_fp32_set(order, plain)} == guilty
+    assert {c.node for c in find_fp32_set(order, fast, gallop=True)} == guilty
+    assert fast.runs <= 0.7 * plain.runs, (fast.runs, plain.runs)  # 10 runs against 16
+
+
+def test_galloping_still_finds_a_culprit_ranked_last():
+    order = [f"n{i}" for i in range(100)]
+    oracle = Oracle(lambda fp32: 0.5 if "n99" in fp32 else 2.0, max_runs=10**6)
+    assert [c.node for c in find_fp32_set(order, oracle, gallop=True)] == ["n99"]
+
+
+def test_attribution_ranks_the_node_that_adds_the_error_first_and_blames_upstream_of_an_amplifier():
+    from onnxmp.calibrate import _Calibration, _low_nodes
+    from onnxmp.calibrate.search import attribution_ranking, local_attribution
+    from onnxmp.options import Options
+
+    model = _culprit_chain(8, {5})
+    cal = _Calibration(model, Options(calibration=_samples(2, seed=7), tolerance=3e-2, holdout=0))
+    low = _low_nodes(cal.original, cal.convert({}).report)
+    board = Switchboard(cal.original, low)
+    added = local_attribution(board, cal.tune)
+    order = attribution_ranking(board.nodes, added, lambda m: low[m].op == "MatMul")
+    assert "culprit5" in order[:3], order[:6]
+    # Where nothing is rounded badly, nothing adds error worth ranking: a clean block ranks low.
+    clean = [m for m in board.nodes if m in ("mm0", "relu0", "mm1", "relu1")]
+    assert clean and added["culprit5"] > 10 * max(added[m] for m in clean)
+
+
+def test_time_budget_keeps_the_best_model_found_so_far(monkeypatch):
+    import onnxmp.calibrate.search as search
+
+    model = _culprit_chain(20, {3, 11})
+    clock = iter(range(0, 10**6, 1))  # every perf_counter() call advances one "second"
+    monkeypatch.setattr(search.time, "perf_counter", lambda: float(next(clock)))
+    result = onnxmp.convert(model, calibration=_samples(2, seed=7), tolerance=3e-2, holdout=0, time_budget=1e-3)
+    cal = result.report.calibration
+    assert cal.budget_exhausted
+    assert cal.final.worst <= cal.plain.worst  # never worse than plain conversion
+
+
+def test_time_budget_must_be_positive():
+    with pytest.raises(onnxmp.OnnxMPError, match="time_budget"):
+        onnxmp.convert(_culprit_chain(2, {0}), calibration=_samples(2), time_budget=0)

@@ -69,6 +69,22 @@ def test_correlated_rounding_needs_both_twins_not_just_the_locally_worst_one():
     assert np.isfinite(result.report.calibration.final.worst)
 
 
+def test_picodet_layout_search_finds_the_island_built_in_and_keeps_every_conv_fp16():
+    # The island is known by construction (models/hard_cases.py): the bias Add at |x| ~ 1000, the
+    # BatchNormalization centring it and their two Constants.  The attribution ranks them first.
+    model, samples = hard_cases.picodet_layout(), hard_cases.samples("picodet_layout")
+    result = onnxmp.convert(model, calibration=samples, tolerance=TOLERANCE)
+    cal = result.report.calibration
+    moved = {m.node for m in cal.moved}
+    assert cal.met and moved and len(moved) <= len(hard_cases.PICODET_ISLAND), moved
+    assert moved <= hard_cases.PICODET_ISLAND
+    assert result.report.tensor_core_share() == 1.0
+    assert _held_out_error(model, result.model, samples[-1]) <= TOLERANCE
+    assert cal.runs <= 40  # main's segment ranking + bisection took 39; the attribution + gallop 26-30
+    lines = cal.summary_lines()
+    assert any("bought back" in line for line in lines) and any("share of all nodes" in line for line in lines)
+
+
 def test_bench_calibrate_smoke(tmp_path):
     import json
     import subprocess
@@ -81,6 +97,6 @@ def test_bench_calibrate_smoke(tmp_path):
                            "mlp,amplified_cancellation", "--json", str(out)], cwd=root, capture_output=True,
                           text=True, timeout=120)
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert "plain err" in proc.stdout and "run bound" in proc.stdout
+    assert "plain err" in proc.stdout and "fp16 C/M/G" in proc.stdout and "Casts" in proc.stdout
     rows = {r["model"]: r for r in json.loads(out.read_text())["rows"]}
     assert rows["amplified_cancellation"]["met"] and rows["amplified_cancellation"]["moved"] >= 1

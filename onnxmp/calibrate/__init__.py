@@ -144,6 +144,19 @@ def _fold_magnitudes(out: dict[str, float], run: Mapping[str, np.ndarray]) -> No
 # --- the loop ---------------------------------------------------------------------------
 
 
+def _low_share(report: Report) -> float | None:
+    """Share of the non-Constant nodes that run in low precision."""
+    ops = {v.node: v.op for v in report.vertices if v.op != "Constant"}
+    colors = report.node_colors()
+    return sum(colors.get(n) == "allow" for n in ops) / len(ops) if ops else None
+
+
+def _added_casts(original: onnx.ModelProto, converted: onnx.ModelProto) -> int:
+    def casts(model):
+        return sum(n.op_type == "Cast" for n in model.graph.node)
+    return casts(converted) - casts(original)
+
+
 def _worst_sample(plan: MetricPlan, refs: Sequence[Mapping[str, np.ndarray]]) -> bool:
     """Whether the metric keeps the worst sample (so a partial run's error is a lower bound); the
     agreement metrics pool rows over all samples, and a prefix of them says nothing."""
@@ -228,6 +241,8 @@ class _Calibration:
         plain = self.convert({})
         rep = self.report
         rep.share_plain = plain.report.tensor_core_share()
+        rep.share_all_plain = _low_share(plain.report)
+        rep.casts_plain = _added_casts(self.original, plain.model)
         if not plain.report.changed:
             rep.met = True
             rep.plain = rep.final = Measurement({o: 0.0 for o in rep.metric}, {o: 0.0 for o in rep.metric}
@@ -389,6 +404,8 @@ class _Calibration:
         rep.runs = self.runs
         rep.seconds = time.perf_counter() - self.started
         rep.share_final = result.report.tensor_core_share()
+        rep.share_all_final = _low_share(result.report)
+        rep.casts_final = _added_casts(self.original, result.model)
         result.report.calibration = rep
         return result
 
