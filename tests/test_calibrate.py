@@ -502,3 +502,44 @@ def test_time_budget_keeps_the_best_model_found_so_far(monkeypatch):
 def test_time_budget_must_be_positive():
     with pytest.raises(onnxmp.OnnxMPError, match="time_budget"):
         onnxmp.convert(_culprit_chain(2, {0}), calibration=_samples(2), time_budget=0)
+
+
+def test_a_conv_in_the_set_goes_back_to_fp16_when_the_cheap_ops_around_it_suffice():
+    from onnxmp.calibrate.islands import spare_heavy
+
+    order, heavy = ["conv", "bias", "norm", "act"], frozenset({"conv"})
+    # Either the Conv in fp32, or its bias and norm: the bisection found the Conv; the island spares it.
+    oracle = Oracle(lambda fp32: 0.5 if "conv" in fp32 or {"bias", "norm"} <= fp32 else 2.0, max_runs=100)
+    spared, check = spare_heavy(["conv"], order, heavy, oracle)
+    assert sorted(spared) == ["bias", "norm"]
+    assert (check.members, check.kept_fp32, check.exhaustive) == (1, 0, True)
+
+
+def test_a_conv_that_no_island_replaces_stays_and_the_exhaustive_pass_says_so():
+    from onnxmp.calibrate.islands import spare_heavy
+
+    order, heavy = ["conv", "bias", "norm"], frozenset({"conv"})
+    oracle = Oracle(lambda fp32: 0.5 if "conv" in fp32 else 2.0, max_runs=100)
+    spared, check = spare_heavy(["conv"], order, heavy, oracle)
+    assert spared is None and check.kept_fp32 == 1 and check.exhaustive
+
+
+def _relu_chain(names):
+    nodes, cur = [], "x"
+    for name in names:
+        nodes.append(onnx.helper.make_node("Relu", [cur], [name + "_out"], name=name))
+        cur = name + "_out"
+    return onnx.helper.make_graph(nodes, "g", [], [])
+
+
+def test_a_node_between_two_fp32_nodes_joins_the_island_to_save_its_casts():
+    from onnxmp.calibrate.islands import fewer_casts
+    from onnxmp.calibrate.search import LowNode
+
+    graph = _relu_chain(["a", "b", "c", "d"])
+    low = {n.name: LowNode(n.name, "Relu", frozenset(n.input), frozenset(n.output)) for n in graph.node}
+    oracle = Oracle(lambda fp32: 0.5 if {"a", "c"} <= fp32 else 2.0, max_runs=100)
+    # b sits between a and c; d reads only c: both would cost Casts on every low-precision side.
+    assert sorted(fewer_casts(["a", "c"], low, graph, frozenset(), oracle)) == ["a", "b", "c", "d"]
+    # With c low, b has a low neighbour: nothing joins.
+    assert fewer_casts(["a"], low, graph, frozenset(), oracle) == ["a"]

@@ -42,6 +42,7 @@ from onnxmp.calibrate.search import (
     BudgetExhausted, LowNode, Oracle, RunBar, Switchboard, attribution_ranking, cpu_session, find_fp32_set,
     local_attribution, run_bound, run_samples,
 )
+from onnxmp.calibrate.islands import fewer_casts, spare_heavy
 from onnxmp.errors import OnnxMPError
 from onnxmp.fusions import inside_fused_kernels
 from onnxmp.external import discard_spilled, skeleton
@@ -56,6 +57,7 @@ from onnxmp.subgraphs import proto_nodes
 log = logging.getLogger("onnxmp.calibrate")
 
 MAX_CYCLES = 4            # search + confirm cycles before the all-float32 fallback
+MEASURE_EACH = 32         # a set this small gets each member's own measurement in the report
 
 Sample = dict[str, np.ndarray]
 
@@ -340,6 +342,9 @@ class _Calibration:
                                c.score_without * tune_tol) if c.score_with is not None else
                      MovedNode(c.node, low[c.node].op, "ranking prefix", None, c.score_without * tune_tol)
                      for c in culprits]
+            names = [c.node for c in culprits]
+            if oracle(names).passed:
+                found = self._islands(found, order, low, heavy, oracle, tune_tol)
         except BudgetExhausted:
             self.report.budget_exhausted = True
             # The cheapest passing candidate seen (a bisection prefix always passes).
@@ -350,6 +355,31 @@ class _Calibration:
         finally:
             self.runs += oracle.runs
         return found
+
+    def _islands(self, found: list[MovedNode], order: Sequence[str], low: Mapping[str, LowNode],
+                 heavy: frozenset[str], oracle: Oracle, tune_tol: float) -> list[MovedNode]:
+        """Spare the set's Conv/MatMul/Gemm where cheap ops around them suffice, then close gaps that
+        would cost Casts (:mod:`onnxmp.calibrate.islands`); each new member measured on its own."""
+        names = [m.node for m in found]
+        spared, check = spare_heavy(names, order, heavy, oracle)
+        self.report.heavy_check = check
+        if spared is not None:
+            names = spared
+        grown = fewer_casts(names, low, self.original.graph, heavy, oracle)
+        if spared is None and grown == names:
+            return found
+        known = {m.node: m for m in found}
+        whole = oracle.score(grown) * tune_tol
+        out = []
+        for name in grown:
+            if name not in names:
+                out.append(MovedNode(name, low[name].op, "fewer casts", None, whole))
+            elif name in known and known[name].reason != "measurement" or len(names) > MEASURE_EACH:
+                out.append(known.get(name) or MovedNode(name, low[name].op, "ranking prefix", None, whole))
+            else:
+                out.append(MovedNode(name, low[name].op, "measurement",
+                                     oracle.score(set(grown) - {name}) * tune_tol, whole))
+        return out
 
     def _hardest_first(self, board: Switchboard) -> list[int]:
         """Tuning sample indices, the one with the largest all-low error first."""

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from onnxmp.calibrate.islands import HeavyCheck
 from onnxmp.report import head
 
 SUMMARY_ROWS = 10
@@ -60,6 +61,7 @@ REASONS = {
     "ranking prefix": "in the smallest passing prefix of the sensitivity ranking (error spread over many nodes)",
     "budget exhausted": "in the best passing candidate seen before the run budget ran out",
     "all-float32 fallback": "the search could not land; every remaining node went back to fp32",
+    "fewer casts": "every low-precision neighbour is in fp32: joining the island saves its Casts",
 }
 
 
@@ -90,6 +92,7 @@ class CalibrationReport:
     runs: int = 0
     seconds: float = 0.0
     budget_exhausted: bool = False
+    heavy_check: HeavyCheck | None = None  # the exhaustive pass over the set's Conv/MatMul/Gemm (last cycle)
     share_plain: float | None = None
     share_final: float | None = None
     share_all_plain: float | None = None  # low-precision share of every non-Constant node
@@ -123,6 +126,11 @@ class CalibrationReport:
                          + (" (run budget exhausted)" if self.budget_exhausted else ""))
         else:
             lines.append(f"  no search needed: {self.runs} emulated run(s), {self.seconds:.1f} s")
+        if self.heavy_check is not None and self.heavy_check.members:
+            c = self.heavy_check
+            how = "exhaustive over" if c.exhaustive else "not tried: too many"
+            lines.append(f"  Conv/MatMul/Gemm the search needed in fp32: {c.kept_fp32} of the {c.members} its "
+                         f"bisection named ({how} them, {c.candidates_run} run(s))")
         if self.share_all_final is not None:
             before = f"{self.share_all_plain:.0%} -> " if self.share_all_plain is not None else ""
             lines.append(f"  {precision} share of all nodes: {before}{self.share_all_final:.0%}; Casts added: "
