@@ -38,7 +38,10 @@ def test_hard_case_lands_on_the_held_out_sample_keeping_80_percent_fp16(name):
     assert cal.holdout_samples == 1
     assert _held_out_error(model, result.model, samples[-1]) <= TOLERANCE  # measured here, independently
     assert result.report.tensor_core_share() >= 0.8
-    assert cal.moved and all(m.reason == "measurement" for m in cal.moved)
+    # Measured one by one, or carried by a measured node (its Constant, a Cast-saving neighbour): no
+    # ranking prefix, budget or fallback.
+    assert cal.moved and all(m.reason in ("measurement", "follows its reader", "fewer casts") for m in cal.moved)
+    assert any(m.reason == "measurement" for m in cal.moved)
 
 
 @pytest.mark.parametrize("name", COMMITTED)
@@ -75,12 +78,16 @@ def test_picodet_layout_search_finds_the_island_built_in_and_keeps_every_conv_fp
     model, samples = hard_cases.picodet_layout(), hard_cases.samples("picodet_layout")
     result = onnxmp.convert(model, calibration=samples, tolerance=TOLERANCE)
     cal = result.report.calibration
-    moved = {m.node for m in cal.moved}
-    assert cal.met and moved and len(moved) <= len(hard_cases.PICODET_ISLAND), moved
-    assert moved <= hard_cases.PICODET_ISLAND
+    measured = {m.node for m in cal.moved if m.reason == "measurement"}
+    followers = {m.node for m in cal.moved if m.reason == "follows its reader"}
+    assert cal.met and measured and measured <= hard_cases.PICODET_ISLAND, measured
+    assert hard_cases.PICODET_ISLAND <= measured | followers  # the island's Constants go with their readers
+    assert all(name.startswith("neck/lat3/pw.") for name in followers)  # the Constants of those nodes only
     assert result.report.tensor_core_share() == 1.0
     assert _held_out_error(model, result.model, samples[-1]) <= TOLERANCE
-    assert cal.runs <= 40  # main's segment ranking + bisection took 39; the attribution + gallop 26-30
+    # main's segment ranking + bisection over every Constant took 39 runs; attribution, galloping and
+    # Constants switched with their readers take 11.
+    assert cal.runs <= 20
     lines = cal.summary_lines()
     assert any("bought back" in line for line in lines) and any("share of all nodes" in line for line in lines)
 

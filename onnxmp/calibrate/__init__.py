@@ -208,11 +208,13 @@ class _Calibration:
         self.plan: MetricPlan = metric_plan(options.metric, self.outputs)
         self.magnitudes: dict[str, float] = {}
         self.ref_tune = []
-        for run in run_samples(cpu_session(_probe(self.original), "model"), self.tune):
+        probe = cpu_session(_probe(self.original), "model")
+        for run in run_samples(probe, self.tune):
             _fold_magnitudes(self.magnitudes, run)
             self.ref_tune.append({name: run[name] for name in self.outputs})
-        self.ref_held = (list(run_samples(cpu_session(self.original, "model"), self.held, self.outputs))
-                         if self.held else [])
+        # The probe session answers for the held-out samples too: one session start less.
+        self.ref_held = list(run_samples(probe, self.held, self.outputs)) if self.held else []
+        del probe
         _check_references(self.ref_tune + self.ref_held)
         self.runs = 0
         self.report = CalibrationReport(
@@ -354,7 +356,8 @@ class _Calibration:
                 for name in board.nodes if name in probe.fp32]
         finally:
             self.runs += oracle.runs
-        return found
+        return [*found, *(MovedNode(c, low[c].op, "follows its reader", None, None)
+                          for item in found for c in board.followers.get(item.node, ()))]
 
     def _islands(self, found: list[MovedNode], order: Sequence[str], low: Mapping[str, LowNode],
                  heavy: frozenset[str], oracle: Oracle, tune_tol: float) -> list[MovedNode]:

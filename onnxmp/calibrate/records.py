@@ -62,6 +62,7 @@ REASONS = {
     "budget exhausted": "in the best passing candidate seen before the run budget ran out",
     "all-float32 fallback": "the search could not land; every remaining node went back to fp32",
     "fewer casts": "every low-precision neighbour is in fp32: joining the island saves its Casts",
+    "follows its reader": "a Constant read only by a node moved to fp32 (one switch for both in the search)",
 }
 
 

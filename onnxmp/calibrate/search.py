@@ -101,8 +101,14 @@ class Switchboard:
             replace_fills(proto.graph, fills, low_precision(precision))
         self._names = FreshNames(proto_names(proto.graph))
         self._switch: dict[str, str] = {}
+        self.follows = _single_reader_constants(proto.graph, low)
+        self.followers: dict[str, list[str]] = {}
+        for constant, reader in self.follows.items():
+            self.followers.setdefault(reader, []).append(constant)
         self._order_nodes(proto.graph, low)
         head = self._switch_nodes(proto.graph)
+        for constant, reader in self.follows.items():
+            self._switch[constant] = self._switch[reader]
         self._rewrite(proto.graph, low)
         nodes = [*head, *proto.graph.node]
         proto.graph.ClearField("node")
@@ -132,7 +138,7 @@ class Switchboard:
     # -- building ---------------------------------------------------------------------
     def _order_nodes(self, graph: onnx.GraphProto, low: Mapping[str, LowNode]) -> None:
         for node in graph.node:
-            if node.name in low:
+            if node.name in low and node.name not in self.follows:
                 self.nodes.append(node.name)
             for sub in bodies(node):
                 self._order_nodes(sub, low)
@@ -208,6 +214,39 @@ class Switchboard:
         """One sample at a time, so a caller can stop at the first sample that already fails."""
         return run_samples(self.session, samples, self.outputs if outputs is None else outputs,
                            {SWITCH_INPUT: self.mask(fp32)})
+
+
+def _single_reader_constants(graph: onnx.GraphProto, low: Mapping[str, LowNode]) -> dict[str, str]:
+    """Low Constant nodes of the main graph read by exactly one low node and nothing else: constant ->
+    reader.  Exporters such as Paddle2ONNX write every weight, bias and norm statistic as a Constant node;
+    each would be a candidate of its own, doubling the search for nothing, since its rounding only
+    matters to its one reader.  It shares its reader's switch instead."""
+    uses: dict[str, list[str]] = {}
+    for node in graph.node:
+        for t in node.input:
+            uses.setdefault(t, []).append(node.name)
+    captured: set[str] = set()
+
+    def scan(g: onnx.GraphProto) -> None:
+        for n in g.node:
+            captured.update(n.input)
+            for sub in bodies(n):
+                scan(sub)
+
+    for node in graph.node:
+        for sub in bodies(node):
+            scan(sub)
+    outputs = {o.name for o in graph.output}
+    follows = {}
+    for node in graph.node:
+        if node.op_type != "Constant" or node.name not in low or len(node.output) != 1:
+            continue
+        t = node.output[0]
+        readers = uses.get(t, [])
+        if len(readers) == 1 and readers[0] in low and readers[0] != node.name and t not in captured \
+                and t not in outputs and t in low[readers[0]].inputs | low[node.name].outputs:
+            follows[node.name] = readers[0]
+    return follows
 
 
 def local_attribution(board: Switchboard, samples: Sequence[Mapping[str, np.ndarray]]) -> dict[str, float]:
