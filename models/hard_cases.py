@@ -19,6 +19,12 @@ fixed seeds.  Used by tests/test_calibrate_hard.py and scripts/bench_calibrate.p
 * ``db_head``: a Conv/BatchNormalization/HardSwish backbone, a ConvTranspose
   neck, and DB's probability, threshold and differentiable-binarization maps
   ``1 / (1 + exp(-50 (P - T)))``: the gain of 50 amplifies fp16 rounding.
+* ``picodet_layout``: a PicoDet-shaped layout detector as Paddle2ONNX writes it
+  (every weight a Constant node, depthwise/pointwise Conv + BatchNormalization +
+  HardSwish, Resize neck, GFL head with Softmax over bins and a distance-to-bbox
+  decode, batched-NMS box areas); a pointwise Conv's bias Add of ~1000 that the
+  norm takes back off is the damage, and its minimal fp32 island
+  (``PICODET_ISLAND``) is known by construction.
 """
 from __future__ import annotations
 
@@ -227,7 +233,8 @@ PICODET_ORIGINAL = 400.0  # the page the 64 x 64 input was resized from
 # The minimal float32 island, by construction: the bias Add whose output sits at |x| ~ 1000 and the
 # BatchNormalization that reads it (its input is rounded when it runs in float16), and the two Constant
 # nodes holding the bias and the running mean (~1000: rounded by 0.5 in float16); the Conv stays float16.
-PICODET_ISLAND = frozenset({"neck/lat3/pw/Add", "neck/lat3/pw/BatchNormalization", "neck/lat3/pw.b", "neck/lat3/pw.bn.mean"})
+PICODET_ISLAND = frozenset({"neck/lat3/pw/Add", "neck/lat3/pw/BatchNormalization", "neck/lat3/pw.b",
+                            "neck/lat3/pw.bn.mean"})
 
 
 def picodet_layout() -> onnx.ModelProto:

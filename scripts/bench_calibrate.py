@@ -58,7 +58,9 @@ def _low_share(report) -> float | None:
 
 
 def _casts(original, converted) -> int:
-    return sum(n.op_type == "Cast" for n in converted.graph.node) - sum(n.op_type == "Cast" for n in original.graph.node)
+    def casts(model):
+        return sum(n.op_type == "Cast" for n in model.graph.node)
+    return casts(converted) - casts(original)
 
 
 def bench(name: str, tolerance: float, count: int) -> dict:
@@ -133,7 +135,7 @@ def main(argv: list[str] | None = None) -> int:
     say(f"tolerance {args.tolerance:g} (rel, held-out sample), {args.samples} samples, "
         f"python {platform.python_version()}, {os.cpu_count()} CPUs" + (" ; before -> after" if before else ""))
     width = 18 if before else 11
-    header = f"{'model':<26}{'nodes':>6}{'plain err':>10}" + "".join(f"{c:>{width}}" for c, _, _ in COLUMNS)
+    header = f"{'model':<26}{'nodes':>6}{'plain err':>11}" + "".join(f"{c:>{width}}" for c, _, _ in COLUMNS)
     say(header)
     say("-" * len(header))
     rows = []
@@ -142,7 +144,7 @@ def main(argv: list[str] | None = None) -> int:
         rows.append(row)
         old = before.get(name)
         cells = "".join(f"{_pair(old, row, k, f):>{width}}" for _, k, f in COLUMNS)
-        say(f"{name:<26}{row['nodes']:>6}{row['plain_error']:>10.2g}{cells}", flush=True)
+        say(f"{name:<26}{row['nodes']:>6}{row['plain_error']:>11.2g}{cells}", flush=True)
     if args.json:
         write_text_atomic(args.json, json.dumps(json_safe({"tolerance": args.tolerance, "rows": rows,
                                                            "before": list(before.values())}), indent=2))

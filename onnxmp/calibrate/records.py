@@ -57,7 +57,7 @@ class MovedNode:
 
 
 REASONS = {
-    "measurement": "bisection over the sensitivity ranking: needed for the tolerance",
+    "measurement": "bisection over the attribution ranking: needed for the tolerance",
     "ranking prefix": "in the smallest passing prefix of the sensitivity ranking (error spread over many nodes)",
     "budget exhausted": "in the best passing candidate seen before the run budget ran out",
     "all-float32 fallback": "the search could not land; every remaining node went back to fp32",
