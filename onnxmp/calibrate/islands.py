@@ -8,7 +8,8 @@ candidate pass.  Two refinements, each checked on the switchboard:
   Conv/MatMul/Gemm, in float32) suffice.  The Conv/MatMul/Gemm members are tried
   exhaustively (every subset, fewest kept in float32 first, up to
   ``EXHAUSTIVE_HEAVY`` of them), so when the share cannot rise, the one found is
-  the best achievable over the ranked candidates; the cheap part is then shrunk
+  the best achievable over the ranked candidates; more of them (a spread
+  error's passing prefix) are bisected instead.  The cheap part is then shrunk
   again by the bisection.
 * :func:`fewer_casts`: a cheap node whose every low-precision neighbour is in
   float32 (an activation or a Reshape between two float32 nodes) costs a Cast
@@ -42,18 +43,26 @@ def spare_heavy(found: Sequence[str], order: Sequence[str], heavy: frozenset[str
     """A passing set with fewer Conv/MatMul/Gemm than ``found``, or None; and what was tried."""
     members = [m for m in order if m in heavy and m in set(found)]
     before = oracle.runs
-    if not members or len(members) > EXHAUSTIVE_HEAVY:
-        return None, HeavyCheck(len(members), len(members), 0, not members)
+    if not members:
+        return None, HeavyCheck(0, 0, 0, True)
     cheap = frozenset(m for m in order if m not in heavy)
     best: tuple[str, ...] | None = None
-    for size in range(len(members)):
-        for kept in itertools.combinations(members, size):
-            if oracle(cheap | frozenset(kept)).passed:
-                best = kept
+    exhaustive = len(members) <= EXHAUSTIVE_HEAVY
+    if exhaustive:
+        for size in range(len(members)):
+            for kept in itertools.combinations(members, size):
+                if oracle(cheap | frozenset(kept)).passed:
+                    best = kept
+                    break
+            if best is not None:
                 break
-        if best is not None:
-            break
-    check = HeavyCheck(len(members), len(members) if best is None else len(best), oracle.runs - before, True)
+    elif oracle(cheap | frozenset(members)).passed:
+        # Too many for every subset (a spread error's passing prefix): bisect the members, in ranking
+        # order, with every cheap candidate in fp32; the set found is one-minimal, not proven best.
+        best = tuple(c.node for c in find_fp32_set(members, oracle, fixed=cheap, gallop=True))
+        if len(best) >= len(members):
+            best = None
+    check = HeavyCheck(len(members), len(members) if best is None else len(best), oracle.runs - before, exhaustive)
     if best is None:
         return None, check
     # The cheap ops needed around the Conv/MatMul/Gemm kept: bisect them down, those kept fixed.

@@ -129,7 +129,7 @@ class CalibrationReport:
             lines.append(f"  no search needed: {self.runs} emulated run(s), {self.seconds:.1f} s")
         if self.heavy_check is not None and self.heavy_check.members:
             c = self.heavy_check
-            how = "exhaustive over" if c.exhaustive else "not tried: too many"
+            how = "exhaustive over" if c.exhaustive else "bisected: too many for every subset of"
             lines.append(f"  Conv/MatMul/Gemm the search needed in fp32: {c.kept_fp32} of the {c.members} its "
                          f"bisection named ({how} them, {c.candidates_run} run(s))")
         if self.share_all_final is not None:
