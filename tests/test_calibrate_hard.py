@@ -92,6 +92,16 @@ def test_picodet_layout_search_finds_the_island_built_in_and_keeps_every_conv_fp
     assert any("bought back" in line for line in lines) and any("share of all nodes" in line for line in lines)
 
 
+def test_spread_error_is_fixed_by_cheap_islands_keeping_every_conv_fp16():
+    # By construction no Conv needs fp32 (models/hard_cases.py: spread_offsets): 100% is the best share.
+    model, samples = hard_cases.spread_offsets(), hard_cases.samples("spread_offsets")
+    result = onnxmp.convert(model, calibration=samples, tolerance=TOLERANCE)
+    cal = result.report.calibration
+    assert cal.met and result.report.tensor_core_share() == 1.0
+    assert {m.op for m in cal.moved} <= {"Add", "BatchNormalization", "Constant", "HardSwish"}
+    assert _held_out_error(model, result.model, samples[-1]) <= TOLERANCE
+
+
 def test_bench_calibrate_smoke(tmp_path):
     import json
     import subprocess

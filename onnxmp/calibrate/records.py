@@ -145,14 +145,20 @@ class CalibrationReport:
         back (the first minus the second; blank where no single-node measurement was made)."""
         if not self.moved:
             return []
+        followers = [m for m in self.moved if m.reason == "follows its reader"]
         rows = [(m.node, m.op, _num(m.error_with), _num(m.error_without),
                  _num(None if m.error_with is None or m.error_without is None else m.error_with - m.error_without),
-                 m.reason) for m in self.moved]
+                 m.reason) for m in self.moved if m.reason != "follows its reader"]
+        if not rows:
+            rows = [(m.node, m.op, "", "", "", m.reason) for m in followers]
+            followers = []
         header = ("moved to fp32", "op", f"error in {precision}", "error in fp32", "bought back", "why")
         shown, rest = head(rows, SUMMARY_ROWS)
         widths = [max(len(str(r[i])) for r in [header, *shown]) for i in range(len(header))]
         fmt = "  " + "  ".join(f"{{:<{w}}}" for w in widths)
         lines = [fmt.format(*r).rstrip() for r in [header, ["-" * w for w in widths], *shown]]
+        if followers:
+            lines.append(f"  + {len(followers)} Constant(s) read only by those nodes, in fp32 with them")
         lines += [f"  why: {reason} = {REASONS[reason]}" for reason in dict.fromkeys(m.reason for m in self.moved)]
         return [*lines, f"  {rest} (see --report JSON)"] if rest else lines
 
