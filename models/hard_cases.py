@@ -237,7 +237,7 @@ PICODET_ISLAND = frozenset({"neck/lat3/pw/Add", "neck/lat3/pw/BatchNormalization
                             "neck/lat3/pw.bn.mean"})
 
 
-def picodet_layout() -> onnx.ModelProto:
+def picodet_layout(size: int = PICODET_SIZE) -> onnx.ModelProto:
     """A PicoDet-shaped layout detector as Paddle2ONNX exports it.
 
     Depthwise/pointwise Conv + BatchNormalization + HardSwish backbone with every
@@ -268,8 +268,8 @@ def picodet_layout() -> onnx.ModelProto:
     up = b.op("Resize", [lat4, "", b.const("neck/up.scales", [1.0, 1.0, 2.0, 2.0])], "neck/Resize",
               mode="nearest")
     p3 = b.op("Add", [_dw_pw(b, c3, n3, 32, "neck/lat3", offset=PICODET_BIAS), up], "neck/Add")
-    levels = [(p3, 8, PICODET_SIZE // 8), (lat4, 16, PICODET_SIZE // 16)]
-    scale = PICODET_ORIGINAL / PICODET_SIZE
+    levels = [(p3, 8, size // 8), (lat4, 16, size // 16)]
+    scale = PICODET_ORIGINAL / size
     project = _const_weight(b, "head/project", np.arange(PICODET_BINS, dtype=np.float32)[:, None])
     boxes, scores = [], []
     for level, (feat, stride, side) in enumerate(levels):
@@ -321,8 +321,8 @@ def picodet_layout() -> onnx.ModelProto:
     h = b.op("Sub", [y2, y1], "nms/h/Sub")
     b.op("Mul", [w, h], "areas")
     total = sum(s * s for _, _, s in levels)
-    return b.model("picodet_layout", [helper.make_tensor_value_info("image", FLOAT, ["N", 3, PICODET_SIZE,
-                                                                                     PICODET_SIZE])],
+    return b.model("picodet_layout", [helper.make_tensor_value_info("image", FLOAT, ["N", 3, size,
+                                                                                     size])],
                    [helper.make_tensor_value_info("boxes", FLOAT, ["N", total, 4]),
                     helper.make_tensor_value_info("scores", FLOAT, ["N", total, PICODET_CLASSES]),
                     helper.make_tensor_value_info("areas", FLOAT, ["N", PICODET_CLASSES, total, 1])])

@@ -134,7 +134,7 @@ def main(argv: list[str] | None = None) -> int:
     say = (lambda *a, **k: None) if args.quiet else print
     say(f"tolerance {args.tolerance:g} (rel, held-out sample), {args.samples} samples, "
         f"python {platform.python_version()}, {os.cpu_count()} CPUs" + (" ; before -> after" if before else ""))
-    width = 18 if before else 11
+    width = 21 if before else 11
     header = f"{'model':<26}{'nodes':>6}{'plain err':>11}" + "".join(f"{c:>{width}}" for c, _, _ in COLUMNS)
     say(header)
     say("-" * len(header))

@@ -311,8 +311,9 @@ class _Calibration:
         board = Switchboard(self.original, low, self.precision, fills)
         heavy = frozenset(name for name, n in low.items() if n.op in TENSOR_CORE_OPS)
         bar.heavy, bar.tolerance = heavy, tune_tol
-        order_samples = self._hardest_first(board)
         early = _worst_sample(self.plan, self.ref_tune)
+        sample_error = [0.0] * len(self.tune)
+        order_samples = list(range(len(self.tune)))
 
         def evaluate(fp32: frozenset[str], full: bool = False) -> float:
             # Samples hardest first; with a worst-sample metric a candidate fails as soon as one sample
@@ -326,7 +327,7 @@ class _Calibration:
                     break
             return max(self.plan.errors(refs, outs).values(), default=0.0) / tune_tol
 
-        budget = self.max_runs - self.runs
+        budget = self.max_runs - self.runs - 2  # the attribution's two passes come first
         if budget <= 0 or self._out_of_time():
             self.report.budget_exhausted = True
             return []
@@ -337,7 +338,13 @@ class _Calibration:
                 log.warning("the metric rejects the float32 model itself; no mix can pass")
                 return []
             self.runs += 2  # the two attribution passes, all fp32 and all low
-            added = local_attribution(board, self.tune)
+
+            def judge(i: int, exact: dict, rounded: dict) -> None:
+                sample_error[i] = max(self.plan.errors([self.ref_tune[i]], [rounded]).values(), default=0.0)
+
+            added = local_attribution(board, self.tune, judge)
+            # Hardest sample first (largest all-low error): a failing candidate usually fails on it.
+            order_samples.sort(key=lambda i: -sample_error[i])
             order = attribution_ranking(board.nodes, added, lambda m: m in heavy)
             culprits = find_fp32_set(order, oracle, gallop=True)
             found = [MovedNode(c.node, low[c.node].op, "measurement", c.score_with * tune_tol,
@@ -383,15 +390,6 @@ class _Calibration:
                 out.append(MovedNode(name, low[name].op, "measurement",
                                      oracle.score(set(grown) - {name}) * tune_tol, whole))
         return out
-
-    def _hardest_first(self, board: Switchboard) -> list[int]:
-        """Tuning sample indices, the one with the largest all-low error first."""
-        if len(self.tune) < 2:
-            return list(range(len(self.tune)))
-        errors = [max(self.plan.errors([ref], [out]).values(), default=0.0)
-                  for ref, out in zip(self.ref_tune, board.run((), self.tune))]
-        self.runs += 1
-        return sorted(range(len(self.tune)), key=lambda i: -errors[i])
 
     def _out_of_time(self) -> bool:
         return self.deadline is not None and time.perf_counter() > self.deadline

@@ -249,7 +249,8 @@ def _single_reader_constants(graph: onnx.GraphProto, low: Mapping[str, LowNode])
     return follows
 
 
-def local_attribution(board: Switchboard, samples: Sequence[Mapping[str, np.ndarray]]) -> dict[str, float]:
+def local_attribution(board: Switchboard, samples: Sequence[Mapping[str, np.ndarray]],
+                      on_sample: Callable[[int, dict, dict], None] | None = None) -> dict[str, float]:
     """The relative error each low node ADDS, from two passes: all in float32 and all low.
 
     For a node, the relative error (max|low - fp32| / max|fp32|, worst sample) of its
@@ -258,12 +259,16 @@ def local_attribution(board: Switchboard, samples: Sequence[Mapping[str, np.ndar
     bias of ~1000 taken back off by a norm, magnitudes flushed to zero) ranks
     first, while a node that only carries error it was handed ranks low.  Nodes
     whose outputs are not probed (inside bodies) get the error of nothing: 0.
+    ``on_sample(index, exact, rounded)`` sees each sample's two runs (the model's outputs included).
     """
     from onnxmp.parity.metrics import relative_error
 
     names = list(dict.fromkeys([*board.probed, *board.outputs]))
     err: dict[str, float] = {}
-    for exact, rounded in zip(board.iter_run(board.nodes, samples, names), board.iter_run((), samples, names)):
+    for index, (exact, rounded) in enumerate(zip(board.iter_run(board.nodes, samples, names),
+                                                 board.iter_run((), samples, names))):
+        if on_sample is not None:
+            on_sample(index, exact, rounded)
         for t in names:
             ref, low = exact[t], rounded[t]
             if ref.dtype.kind != "f" or ref.shape != low.shape:
