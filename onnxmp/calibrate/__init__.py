@@ -339,7 +339,7 @@ class _Calibration:
                 return []
             self.runs += 2  # the two attribution passes, all fp32 and all low
 
-            def judge(i: int, exact: dict, rounded: dict) -> None:
+            def judge(i: int, rounded: dict) -> None:
                 sample_error[i] = max(self.plan.errors([self.ref_tune[i]], [rounded]).values(), default=0.0)
 
             added = local_attribution(board, self.tune, judge)

@@ -250,7 +250,7 @@ def _single_reader_constants(graph: onnx.GraphProto, low: Mapping[str, LowNode])
 
 
 def local_attribution(board: Switchboard, samples: Sequence[Mapping[str, np.ndarray]],
-                      on_sample: Callable[[int, dict, dict], None] | None = None) -> dict[str, float]:
+                      on_sample: Callable[[int, dict], None] | None = None) -> dict[str, float]:
     """The relative error each low node ADDS, from two passes: all in float32 and all low.
 
     For a node, the relative error (max|low - fp32| / max|fp32|, worst sample) of its
@@ -259,22 +259,37 @@ def local_attribution(board: Switchboard, samples: Sequence[Mapping[str, np.ndar
     bias of ~1000 taken back off by a norm, magnitudes flushed to zero) ranks
     first, while a node that only carries error it was handed ranks low.  Nodes
     whose outputs are not probed (inside bodies) get the error of nothing: 0.
-    ``on_sample(index, exact, rounded)`` sees each sample's two runs (the model's outputs included).
+    ``on_sample(index, outputs)`` sees each sample's all-low model outputs.  When one
+    sample's intermediates exceed ``ATTRIBUTION_BYTES``, they are fetched in groups
+    (two more runs per group) rather than holding two full copies at once.
     """
     from onnxmp.parity.metrics import relative_error
 
-    names = list(dict.fromkeys([*board.probed, *board.outputs]))
+    names = list(dict.fromkeys([*board.outputs, *board.probed]))
     err: dict[str, float] = {}
-    for index, (exact, rounded) in enumerate(zip(board.iter_run(board.nodes, samples, names),
-                                                 board.iter_run((), samples, names))):
-        if on_sample is not None:
-            on_sample(index, exact, rounded)
-        for t in names:
+
+    def fold(exact: Mapping[str, np.ndarray], rounded: Mapping[str, np.ndarray]) -> None:
+        for t in exact:
             ref, low = exact[t], rounded[t]
             if ref.dtype.kind != "f" or ref.shape != low.shape:
                 continue
             e = relative_error(ref, low)
             err[t] = max(err.get(t, 0.0), e if math.isfinite(e) else 1e30)
+
+    groups: list[list[str]] | None = None
+    for index, sample in enumerate(samples):
+        exact = next(board.iter_run(board.nodes, [sample], names))
+        if groups is None:
+            groups = _groups(names, exact, ATTRIBUTION_BYTES, lead=len(board.outputs))
+        if len(groups) > 1:
+            del exact
+        for k, group in enumerate(groups):
+            part = exact if len(groups) == 1 else next(board.iter_run(board.nodes, [sample], group))
+            rounded = next(board.iter_run((), [sample], group))
+            fold(part, rounded)
+            if k == 0 and on_sample is not None:  # the model's outputs lead the first group
+                on_sample(index, {o: rounded[o] for o in board.outputs})
+            del part, rounded
     added: dict[str, float] = {}
     producer = {t: name for name in board.nodes for t in board.low[name].outputs}
     amplifiers = []
@@ -298,6 +313,22 @@ def local_attribution(board: Switchboard, samples: Sequence[Mapping[str, np.ndar
     return added
 
 
+def _groups(names: Sequence[str], values: Mapping[str, np.ndarray], limit: int, lead: int = 0) -> list[list[str]]:
+    """``names`` in order, cut into groups of at most ``limit`` bytes (at least one name each); the
+    first ``lead`` names stay together in the first group."""
+    groups: list[list[str]] = [[]]
+    size = 0
+    for i, name in enumerate(names):
+        nbytes = int(getattr(values.get(name), "nbytes", 0))
+        if i >= lead and groups[-1] and size + nbytes > limit:
+            groups.append([])
+            size = 0
+        groups[-1].append(name)
+        size += nbytes
+    return groups
+
+
+ATTRIBUTION_BYTES = 1 << 30  # one sample's intermediates above this are fetched group by group
 AMPLIFICATION = 10.0  # output error over input error above which a node counts as amplifying
 HOPS = 2
 
