@@ -25,7 +25,7 @@ import onnx
 
 from onnxmp.calibrate.search import LowNode, Oracle, find_fp32_set
 
-EXHAUSTIVE_HEAVY = 8  # 2 ** 8 subsets at most; beyond that, the Conv/MatMul/Gemm members are kept as found
+EXHAUSTIVE_HEAVY = 5  # 2 ** 5 - 1 candidates at most; more Conv/MatMul/Gemm members are bisected instead
 
 
 @dataclass
