@@ -19,6 +19,12 @@ fixed seeds.  Used by tests/test_calibrate_hard.py and scripts/bench_calibrate.p
 * ``db_head``: a Conv/BatchNormalization/HardSwish backbone, a ConvTranspose
   neck, and DB's probability, threshold and differentiable-binarization maps
   ``1 / (1 + exp(-50 (P - T)))``: the gain of 50 amplifies fp16 rounding.
+* ``picodet_layout``: a PicoDet-shaped layout detector as Paddle2ONNX writes it
+  (every weight a Constant node, depthwise/pointwise Conv + BatchNormalization +
+  HardSwish, Resize neck, GFL head with Softmax over bins and a distance-to-bbox
+  decode, batched-NMS box areas); a pointwise Conv's bias Add of ~1000 that the
+  norm takes back off is the damage, and its minimal fp32 island
+  (``PICODET_ISLAND``) is known by construction.
 """
 from __future__ import annotations
 
@@ -192,12 +198,165 @@ def db_head(k: float = 50.0, logit_gain: float = 1.0) -> onnx.ModelProto:
                    [helper.make_tensor_value_info("maps", FLOAT, ["N", 3, 32, 32])])
 
 
+def _const_weight(b: _B, name: str, array) -> str:
+    """A weight as a Constant node, as Paddle2ONNX writes PicoDet's."""
+    return b.const(name, array)
+
+
+def _dw_pw(b: _B, x: str, cin: int, cout: int, name: str, stride: int = 1, offset: float = 0.0) -> str:
+    """ESNet/ShuffleNet-style depthwise 3x3 + pointwise 1x1, each Conv + BatchNormalization + HardSwish, the
+    weights as Constant nodes.  ``offset``: the pointwise Conv's bias, exported as Paddle2ONNX does (a
+    separate Add of a [1, C, 1, 1] Constant), is about ``offset`` and the BatchNormalization's running mean
+    takes it back off."""
+    for part, (ci, co, k, group, s) in (("dw", (cin, cin, 3, cin, stride)), ("pw", (cin, cout, 1, 1, 1))):
+        w = _const_weight(b, f"{name}/{part}.w", b.rng.standard_normal((co, ci // group, k, k))
+                          * np.sqrt(2.0 / (ci // group * k * k)))
+        y = b.op("Conv", [x, w], f"{name}/{part}/Conv", pads=[k // 2] * 4, strides=[s, s], group=group)
+        shift = np.zeros(co)
+        if part == "pw" and offset:
+            shift = offset * (1.0 + 0.1 * b.rng.random(co))
+            y = b.op("Add", [y, _const_weight(b, f"{name}/{part}.b", shift.reshape(1, co, 1, 1))],
+                     f"{name}/{part}/Add")
+        bn = [_const_weight(b, f"{name}/{part}.bn.{key}", v) for key, v in (
+            ("scale", 1.0 + 0.1 * b.rng.standard_normal(co)), ("bias", 0.1 * b.rng.standard_normal(co)),
+            ("mean", shift + 0.1 * b.rng.standard_normal(co)), ("var", 1.0 + 0.2 * b.rng.random(co)))]
+        y = b.op("BatchNormalization", [y, *bn], f"{name}/{part}/BatchNormalization", epsilon=1e-5)
+        x = b.op("HardSwish", [y], f"{name}/{part}/HardSwish")
+    return x
+
+
+PICODET_CLASSES = 8
+PICODET_BINS = 8
+PICODET_SIZE = 64
+PICODET_BIAS = 1000.0
+PICODET_ORIGINAL = 400.0  # the page the 64 x 64 input was resized from
+# The minimal float32 island, by construction: the bias Add whose output sits at |x| ~ 1000 and the
+# BatchNormalization that reads it (its input is rounded when it runs in float16), and the two Constant
+# nodes holding the bias and the running mean (~1000: rounded by 0.5 in float16); the Conv stays float16.
+PICODET_ISLAND = frozenset({"neck/lat3/pw/Add", "neck/lat3/pw/BatchNormalization", "neck/lat3/pw.b",
+                            "neck/lat3/pw.bn.mean"})
+
+
+def picodet_layout(size: int = PICODET_SIZE) -> onnx.ModelProto:
+    """A PicoDet-shaped layout detector as Paddle2ONNX exports it.
+
+    Depthwise/pointwise Conv + BatchNormalization + HardSwish backbone with every
+    weight a Constant node; an FPN neck whose coarse level is upsampled by Resize
+    (scales from a Constant); per level a GFL head: class logits through Sigmoid,
+    and 4 x ``PICODET_BINS`` distance logits through Softmax over the bins and a
+    MatMul with the bin indices (the expected distance), times the stride, decoded
+    distance-to-bbox around the anchor centres and scaled back to the original
+    page (400 px); the NMS-ish tail does what batched NMS does: a copy of the
+    boxes per class, shifted by ``class * (page + 1)`` so classes never overlap,
+    and the box areas IoU needs from those corners (float32 after plain
+    conversion: it leads to outputs through no low-precision op).  The damage:
+    the fine level's lateral pointwise Conv has its bias as a separate Add of
+    ~``PICODET_BIAS`` that the BatchNormalization's running mean takes back off,
+    so float16 rounds those activations with a spacing of 0.5 before centring.
+    The minimal float32 island is :data:`PICODET_ISLAND`: the Conv stays float16.
+    """
+    b = _B(14)
+    x = _dw_pw(b, "image", 3, 16, "stem", stride=2)             # 32 x 32
+    widths = [(16, 24, 2), (24, 24, 1), (24, 32, 2), (32, 32, 1), (32, 48, 2), (48, 48, 1), (48, 48, 1)]
+    feats = []
+    for i, (cin, cout, stride) in enumerate(widths):
+        x = _dw_pw(b, x, cin, cout, f"backbone{i}", stride=stride)
+        if i in (3, 6):
+            feats.append((x, cout))                                # 8 x 8 (stride 8), 4 x 4 (stride 16)
+    (c3, n3), (c4, n4) = feats
+    lat4 = _dw_pw(b, c4, n4, 32, "neck/lat4")
+    up = b.op("Resize", [lat4, "", b.const("neck/up.scales", [1.0, 1.0, 2.0, 2.0])], "neck/Resize",
+              mode="nearest")
+    p3 = b.op("Add", [_dw_pw(b, c3, n3, 32, "neck/lat3", offset=PICODET_BIAS), up], "neck/Add")
+    levels = [(p3, 8, size // 8), (lat4, 16, size // 16)]
+    scale = PICODET_ORIGINAL / size
+    project = _const_weight(b, "head/project", np.arange(PICODET_BINS, dtype=np.float32)[:, None])
+    boxes, scores = [], []
+    for level, (feat, stride, side) in enumerate(levels):
+        hw = side * side
+        h = _dw_pw(b, feat, 32, 32, f"head{level}/conv")
+        cls_w = _const_weight(b, f"head{level}/cls.w", 0.1 * b.rng.standard_normal((PICODET_CLASSES, 32, 1, 1)))
+        cls = b.op("Conv", [h, cls_w, _const_weight(b, f"head{level}/cls.b", np.full(PICODET_CLASSES, -2.0))],
+                   f"head{level}/cls/Conv")
+        shape = helper.make_tensor(f"head{level}/cls.shape", TensorProto.INT64, [3], [0, PICODET_CLASSES, hw])
+        b.nodes.append(helper.make_node("Constant", [], [f"head{level}/cls.shape"], name=f"head{level}/cls.shape",
+                                        value=shape))
+        sig = b.op("Sigmoid", [cls], f"head{level}/Sigmoid")
+        flat = b.op("Reshape", [sig, f"head{level}/cls.shape"], f"head{level}/cls/Reshape")
+        scores.append(b.op("Transpose", [flat], f"head{level}/cls/Transpose", perm=[0, 2, 1]))
+        reg_w = _const_weight(b, f"head{level}/reg.w", 0.3 * b.rng.standard_normal((4 * PICODET_BINS, 32, 1, 1)))
+        # Trained GFL heads put most mass on the first bins (boxes a few strides wide).
+        reg_b = _const_weight(b, f"head{level}/reg.b", np.tile(-1.0 * np.arange(PICODET_BINS), 4))
+        reg = b.op("Conv", [h, reg_w, reg_b], f"head{level}/reg/Conv")
+        rshape = helper.make_tensor(f"head{level}/reg.shape", TensorProto.INT64, [4], [0, 4, PICODET_BINS, hw])
+        b.nodes.append(helper.make_node("Constant", [], [f"head{level}/reg.shape"], name=f"head{level}/reg.shape",
+                                        value=rshape))
+        reg = b.op("Reshape", [reg, f"head{level}/reg.shape"], f"head{level}/reg/Reshape")
+        reg = b.op("Transpose", [reg], f"head{level}/reg/Transpose", perm=[0, 3, 1, 2])   # N, HW, 4, bins
+        prob = b.op("Softmax", [reg], f"head{level}/Softmax", axis=-1)
+        dist = b.op("MatMul", [prob, project], f"head{level}/project/MatMul")            # N, HW, 4, 1
+        dshape = helper.make_tensor(f"head{level}/dist.shape", TensorProto.INT64, [3], [0, hw, 4])
+        b.nodes.append(helper.make_node("Constant", [], [f"head{level}/dist.shape"],
+                                        name=f"head{level}/dist.shape", value=dshape))
+        dist = b.op("Reshape", [dist, f"head{level}/dist.shape"], f"head{level}/dist/Reshape")
+        dist = b.op("Mul", [dist, b.const(f"head{level}/stride", float(stride))], f"head{level}/stride/Mul")
+        ys, xs = np.meshgrid(np.arange(side), np.arange(side), indexing="ij")
+        centres = (np.stack([xs, ys], -1).reshape(hw, 2) + 0.5) * stride
+        # distance-to-bbox: (cx - l, cy - t, cx + r, cy + b), one signed Mul-Add as exporters fold it
+        signs = b.const(f"head{level}/signs", [-1.0, -1.0, 1.0, 1.0])
+        anchor = b.const(f"head{level}/centres", np.concatenate([centres, centres], -1))
+        box = b.op("Add", [anchor, b.op("Mul", [dist, signs], f"head{level}/decode/Mul")], f"head{level}/decode/Add")
+        boxes.append(box)
+    box = b.op("Concat", boxes, "boxes/Concat", axis=1)
+    box = b.op("Mul", [box, b.const("scale_factor", scale)], "boxes")
+    b.op("Concat", scores, "scores", axis=1)
+    # Batched NMS's trick: a copy of the boxes per class, shifted by class * (page + 1).
+    offsets = b.const("nms/offsets", (np.arange(PICODET_CLASSES) * (PICODET_ORIGINAL + 1))[None, :, None, None])
+    b.inits.append(numpy_helper.from_array(np.array([1], np.int64), "nms/axis"))
+    shifted = b.op("Add", [b.op("Unsqueeze", [box, "nms/axis"], "nms/Unsqueeze"), offsets],
+                   "nms/Add")
+    x1, y1, x2, y2 = (f"nms/{c}" for c in ("x1", "y1", "x2", "y2"))
+    b.nodes.append(helper.make_node("Split", [shifted], [x1, y1, x2, y2], name="nms/Split", axis=-1))
+    w = b.op("Sub", [x2, x1], "nms/w/Sub")
+    h = b.op("Sub", [y2, y1], "nms/h/Sub")
+    b.op("Mul", [w, h], "areas")
+    total = sum(s * s for _, _, s in levels)
+    return b.model("picodet_layout", [helper.make_tensor_value_info("image", FLOAT, ["N", 3, size,
+                                                                                     size])],
+                   [helper.make_tensor_value_info("boxes", FLOAT, ["N", total, 4]),
+                    helper.make_tensor_value_info("scores", FLOAT, ["N", total, PICODET_CLASSES]),
+                    helper.make_tensor_value_info("areas", FLOAT, ["N", PICODET_CLASSES, total, 1])])
+
+
+SPREAD_BLOCKS = 12
+
+
+def spread_offsets(offset: float = 48.0) -> onnx.ModelProto:
+    """A Paddle-exported depthwise/pointwise Conv stack where EVERY pointwise Conv's bias is a separate
+    Add of ~``offset`` that the next BatchNormalization's running mean takes back off: each block's
+    rounding alone stays under the tolerance, their sum does not.  The error is spread over
+    ``SPREAD_BLOCKS`` islands of cheap ops (bias Add + BatchNormalization); no Conv needs fp32, so the
+    best achievable Conv share is 100% by construction, and a search that takes a ranking's passing
+    prefix gives Convs away for nothing."""
+    b = _B(15)
+    x = _dw_pw(b, "image", 3, 16, "stem", stride=2)
+    for i in range(SPREAD_BLOCKS):
+        x = _dw_pw(b, x, 16, 16, f"block{i}", offset=offset)
+    pooled = b.op("GlobalAveragePool", [x], "head/GlobalAveragePool")
+    w = _const_weight(b, "head.w", b.rng.standard_normal((8, 16, 1, 1)) * 0.5)
+    b.op("Flatten", [b.op("Conv", [pooled, w], "head/Conv")], "logits")
+    return b.model("spread_offsets", [helper.make_tensor_value_info("image", FLOAT, ["N", 3, 16, 16])],
+                   [helper.make_tensor_value_info("logits", FLOAT, ["N", 8])])
+
+
 BUILDERS = {
     "amplified_cancellation": amplified_cancellation,
     "underflow_log": underflow_log,
     "correlated_rounding": correlated_rounding,
     "transformer_cancellation": transformer_cancellation,
     "db_head": db_head,
+    "picodet_layout": picodet_layout,
+    "spread_offsets": spread_offsets,
 }
 
 
@@ -226,6 +385,11 @@ def samples(name: str, count: int = 4, batch: int = 2) -> list[dict[str, np.ndar
                         "mask": padded_mask(batch, 16)})
         elif name == "db_head":
             out.append({"image": rng.standard_normal((batch, 3, 32, 32)).astype(np.float32)})
+        elif name == "spread_offsets":
+            out.append({"image": rng.standard_normal((batch, 3, 16, 16)).astype(np.float32)})
+        elif name == "picodet_layout":
+            out.append({"image": rng.standard_normal((batch, 3, PICODET_SIZE, PICODET_SIZE)).astype(np.float32)})
         else:
             out.append({"x": rng.standard_normal((batch, 32)).astype(np.float32)})
     return out
+

@@ -30,7 +30,7 @@ DEFAULT_THRESHOLD = 65504.0 / 4   # calibration: |x| above which an intermediate
 DEFAULT_TOLERANCE = 1e-2          # calibration: per output, in the metric's units
 MAX_RUNS = 2000                   # calibration: emulated runs before the search returns the best model found
 
-_CALIBRATION_ONLY = ("tolerance", "metric", "holdout", "max_runs")
+_CALIBRATION_ONLY = ("tolerance", "metric", "holdout", "max_runs", "time_budget")
 
 
 @dataclass(frozen=True)
@@ -55,7 +55,8 @@ class Options:
     Calibration (``calibration``: sample inputs, a dict of arrays, a list of them or .npz paths)
     adds the magnitude seed (``calibration_threshold``) and the accuracy-guided search to
     ``tolerance`` under ``metric``, tuning on all but the last ``holdout`` samples and stopping
-    after ``max_runs`` emulated runs (``docs/calibration.md``).
+    after ``max_runs`` emulated runs or ``time_budget`` seconds, keeping the best model found
+    (``docs/calibration.md``).
     """
 
     target: str = "cuda"
@@ -74,6 +75,7 @@ class Options:
     metric: Any = None
     holdout: int | None = None
     max_runs: int | None = None
+    time_budget: float | None = None
 
     @classmethod
     def of(cls, options: Options | None = None, **changes) -> Options:
@@ -99,6 +101,9 @@ class Options:
             raise OnnxMPError(f"tolerance must be positive, got {self.tolerance}", hint="e.g. --tolerance 0.01")
         if self.max_runs is not None and self.max_runs < 1:
             raise OnnxMPError(f"max_runs must be at least 1, got {self.max_runs}")
+        if self.time_budget is not None and not self.time_budget > 0:
+            raise OnnxMPError(f"time_budget must be positive seconds, got {self.time_budget}",
+                              hint="e.g. --time-budget 60")
         if self.holdout is not None and self.holdout < 0:
             raise OnnxMPError(f"holdout must be at least 0, got {self.holdout}")
 

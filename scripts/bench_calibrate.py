@@ -1,17 +1,19 @@
-"""Accuracy-guided calibration over the bundled models and the hard cases.
+"""Accuracy-guided calibration over the bundled models and the hard cases, before and after.
 
     python scripts/bench_calibrate.py [--models a,b,...] [--tolerance 0.01] [--samples 4] [--json FILE]
+                                      [--before DIR]
 
 For each model: plain fp16 conversion's error and the calibrated model's error
 (relative, max|out - ref| / max|ref|, worst output; on the held-out sample, the
-last of ``--samples``; the others tune), the fp16 share of Conv/MatMul/Gemm
-before and after, how many nodes the search moved, the emulated runs it used
-against the documented bound ``RUNS_C * k * log2(N)``, and wall seconds of the
-whole ``onnxmp.convert(..., calibration=...)`` call.
+last of ``--samples``; the others tune), the fp16 share of every non-Constant
+node and of Conv/MatMul/Gemm, the Casts the conversion added, the nodes the
+search moved, its emulated runs, and wall seconds of the whole
+``onnxmp.convert(..., calibration=...)`` call.
 
-The ``transformer_cancellation`` row is the 1,014-node, 15-layer transformer with
-a hidden ``(h + 2000) - 2000``; its seconds are the "1,000-node transformer
-calibrates in under 30 s on the CPU" figure, printed again below the table.
+``--before DIR``: DIR holds another onnxmp checkout (main's, e.g. from
+``git archive main | tar -x -C DIR``); every model is also calibrated with that
+onnxmp (in a subprocess, on the same models and samples from this checkout) and
+the table shows both side by side, ``before -> after``.
 """
 from __future__ import annotations
 
@@ -19,33 +21,53 @@ import argparse
 import json
 import os
 import platform
+import subprocess
 import sys
+import tempfile
 import time
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
 
 
-import onnxmp  # noqa: E402
-from models import hard_cases  # noqa: E402
-from models.zoo import COMMITTED, build  # noqa: E402
-from onnxmp.calibrate import run_with_intermediates  # noqa: E402
-from onnxmp.parity.emulate import emulate  # noqa: E402
-from onnxmp.files import guard_arguments, write_text_atomic  # noqa: E402
-from onnxmp.parity.metrics import relative_error  # noqa: E402
-from onnxmp.naming import json_safe  # noqa: E402
-from onnxmp.calibrate.search import RUNS_C, run_bound  # noqa: E402
+def _import_paths(onnxmp_dir: str | None) -> None:
+    if onnxmp_dir:  # that checkout's onnxmp, this checkout's models
+        sys.path.insert(0, os.path.abspath(onnxmp_dir))
+        import onnxmp  # noqa: F401
+        sys.path.remove(os.path.abspath(onnxmp_dir))
+        sys.modules.pop("models", None)
+    sys.path.insert(0 if not onnxmp_dir else 1, ROOT)
+
 
 TRANSFORMER = "transformer_cancellation"
-TARGET_SECONDS = 30.0
 
 
 def _error(model, converted, sample) -> float:
+    from onnxmp.calibrate import run_with_intermediates
+    from onnxmp.parity.emulate import emulate
+    from onnxmp.parity.metrics import relative_error
+
     ref = run_with_intermediates(model, [sample])[0]
     out = run_with_intermediates(emulate(converted, keep_io_types=False), [sample])[0]
     return max(relative_error(ref[o.name], out[o.name]) for o in model.graph.output)
 
 
+def _low_share(report) -> float | None:
+    ops = {v.node: v.op for v in report.vertices if v.op != "Constant"}
+    colors = report.node_colors()
+    return sum(colors.get(n) == "allow" for n in ops) / len(ops) if ops else None
+
+
+def _casts(original, converted) -> int:
+    def casts(model):
+        return sum(n.op_type == "Cast" for n in model.graph.node)
+    return casts(converted) - casts(original)
+
+
 def bench(name: str, tolerance: float, count: int) -> dict:
+    import onnxmp
+    from models import hard_cases
+    from models.zoo import build
+
     model = hard_cases.BUILDERS[name]() if name in hard_cases.BUILDERS else build(name)
     samples = hard_cases.samples(name, count)
     plain = onnxmp.convert(model)
@@ -53,56 +75,82 @@ def bench(name: str, tolerance: float, count: int) -> dict:
     result = onnxmp.convert(model, calibration=samples, tolerance=tolerance)
     seconds = time.perf_counter() - start
     cal = result.report.calibration
-    k = len(cal.moved)
     return {
         "model": name, "nodes": len(model.graph.node),
         "plain_error": _error(model, plain.model, samples[-1]),
         "calibrated_error": _error(model, result.model, samples[-1]),
+        "tune_error": cal.final.tune_error if cal.final else 0.0,
         "met": cal.met, "share_plain": plain.report.tensor_core_share(),
-        "share": result.report.tensor_core_share(), "moved": k, "candidates": cal.candidates,
-        "runs": cal.runs, "bound": run_bound(cal.candidates, k) if k else None, "cycles": len(cal.cycles),
-        "seconds": seconds,
+        "share": result.report.tensor_core_share(), "share_all": _low_share(result.report),
+        "casts": _casts(model, result.model), "moved": len(cal.moved), "candidates": cal.candidates,
+        "runs": cal.runs, "cycles": len(cal.cycles), "seconds": seconds,
     }
+
+
+def _before(directory: str, names: list[str], tolerance: float, count: int) -> dict[str, dict]:
+    with tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, "before.json")
+        proc = subprocess.run([sys.executable, os.path.abspath(__file__), "--onnxmp", directory, "--models",
+                               ",".join(names), "--tolerance", str(tolerance), "--samples", str(count), "--json", out,
+                               "--quiet"], cwd=ROOT, capture_output=True, text=True)
+        if not os.path.exists(out):
+            raise SystemExit(f"the --before run failed:\n{proc.stdout}{proc.stderr}")
+        with open(out) as f:
+            return {r["model"]: r for r in json.load(f)["rows"]}
 
 
 def _share(value) -> str:
     return "-" if value is None else f"{value:.0%}"
 
 
+def _pair(before: dict | None, after: dict, key: str, fmt) -> str:
+    return fmt(after[key]) if before is None else f"{fmt(before[key])} -> {fmt(after[key])}"
+
+
+COLUMNS = [("calib err", "calibrated_error", lambda v: f"{v:.2g}"), ("met", "met", lambda v: "yes" if v else "NO"),
+           ("fp16 all", "share_all", _share), ("fp16 C/M/G", "share", _share), ("Casts", "casts", str),
+           ("moved", "moved", str), ("runs", "runs", str), ("s", "seconds", lambda v: f"{v:.1f}")]
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--models", default=",".join([*COMMITTED, *hard_cases.BUILDERS]))
+    parser.add_argument("--models", default=None)
     parser.add_argument("--tolerance", type=float, default=1e-2)
     parser.add_argument("--samples", type=int, default=4, help="samples per model; the last one is held out")
     parser.add_argument("--json", metavar="FILE")
+    parser.add_argument("--before", metavar="DIR", help="another onnxmp checkout to compare with (main's)")
+    parser.add_argument("--onnxmp", metavar="DIR", help=argparse.SUPPRESS)  # the --before subprocess
+    parser.add_argument("--quiet", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    _import_paths(args.onnxmp)
+    from models import hard_cases
+    from models.zoo import COMMITTED
+    from onnxmp.files import guard_arguments, write_text_atomic
+    from onnxmp.naming import json_safe
+
     guard_arguments(parser, {"--json": args.json})
+    names = (args.models or ",".join([*COMMITTED, *hard_cases.BUILDERS])).split(",")
+    before = _before(args.before, names, args.tolerance, args.samples) if args.before else {}
+    say = (lambda *a, **k: None) if args.quiet else print
+    say(f"tolerance {args.tolerance:g} (rel, held-out sample), {args.samples} samples, "
+        f"python {platform.python_version()}, {os.cpu_count()} CPUs" + (" ; before -> after" if before else ""))
+    width = 21 if before else 11
+    header = f"{'model':<26}{'nodes':>6}{'plain err':>11}" + "".join(f"{c:>{width}}" for c, _, _ in COLUMNS)
+    say(header)
+    say("-" * len(header))
     rows = []
-    header = (f"{'model':<26}{'nodes':>6}{'plain err':>11}{'calib err':>11}{'met':>5}{'fp16 share':>13}"
-              f"{'moved':>6}{'runs':>6}{'bound':>7}{'s':>7}")
-    print(f"tolerance {args.tolerance:g} (rel, held-out sample), {args.samples} samples, "
-          f"python {platform.python_version()}, {os.cpu_count()} CPUs")
-    print(header)
-    print("-" * len(header))
-    for name in args.models.split(","):
+    for name in names:
         row = bench(name, args.tolerance, args.samples)
         rows.append(row)
-        bound = "-" if row["bound"] is None else f"{row['bound']:.0f}"
-        print(f"{row['model']:<26}{row['nodes']:>6}{row['plain_error']:>11.3g}{row['calibrated_error']:>11.3g}"
-              f"{'yes' if row['met'] else 'NO':>5}{_share(row['share_plain']) + ' -> ' + _share(row['share']):>13}"
-              f"{row['moved']:>6}{row['runs']:>6}{bound:>7}{row['seconds']:>7.1f}", flush=True)
-    print(f"\nrun bound: RUNS_C * k * log2(N) with RUNS_C = {RUNS_C}, k = nodes moved, N = low-precision nodes "
-          "after plain conversion (one search cycle; see onnxmp/calibrate/search.py)")
-    transformer = next((r for r in rows if r["model"] == TRANSFORMER), None)
-    if transformer is not None:
-        verdict = "under" if transformer["seconds"] < TARGET_SECONDS else "OVER"
-        print(f"{transformer['nodes']}-node transformer: calibrated in {transformer['seconds']:.1f} s "
-              f"({verdict} the {TARGET_SECONDS:.0f} s target), {transformer['runs']} emulated runs")
+        old = before.get(name)
+        cells = "".join(f"{_pair(old, row, k, f):>{width}}" for _, k, f in COLUMNS)
+        say(f"{name:<26}{row['nodes']:>6}{row['plain_error']:>11.2g}{cells}", flush=True)
     if args.json:
-        write_text_atomic(args.json, json.dumps(json_safe({"tolerance": args.tolerance, "rows": rows}), indent=2))
+        write_text_atomic(args.json, json.dumps(json_safe({"tolerance": args.tolerance, "rows": rows,
+                                                           "before": list(before.values())}), indent=2))
     failed = [r["model"] for r in rows if not r["met"] or (r["share"] is not None and r["share"] < 0.8)]
     if failed:
-        print(f"missed (tolerance or 80% fp16 share): {', '.join(failed)}")
+        say(f"missed (tolerance or 80% fp16 Conv/MatMul/Gemm share): {', '.join(failed)}")
     return 1 if failed else 0
 
 

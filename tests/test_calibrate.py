@@ -395,7 +395,7 @@ def test_a_held_out_miss_tightens_the_tuning_target_without_tuning_on_the_held_o
 def test_when_the_search_finds_nothing_the_all_fp32_fallback_still_lands(monkeypatch):
     import onnxmp.calibrate as calibrate
 
-    monkeypatch.setattr(calibrate, "find_fp32_set", lambda order, oracle, fixed=(): [])
+    monkeypatch.setattr(calibrate, "find_fp32_set", lambda order, oracle, fixed=(), **kw: [])
     result = onnxmp.convert(_chain(10, cancel=2000.0), calibration=_samples(3), tolerance=1e-2)
     cal = result.report.calibration
     assert cal.met and cal.final.worst <= 1e-2
@@ -451,3 +451,124 @@ def test_calibration_names_unnamed_nodes_as_plain_conversion_does():
     sample = {"x": np.random.default_rng(1).random((2, 8), np.float32)}
     names = lambda m: sorted(n.name for n in m.graph.node if n.op_type in ("MatMul", "Relu"))  # noqa: E731
     assert names(onnxmp.convert(model, calibration=[sample]).model) == names(onnxmp.convert(model).model)
+
+
+def test_galloping_finds_top_ranked_culprits_in_fewer_runs_than_bisecting_the_whole_order():
+    n = 1000
+    order = [f"n{i}" for i in range(n)]
+    guilty = {"n1", "n3"}  # ranked near the top, as the attribution puts them
+    plain = Oracle(lambda fp32: 0.5 if guilty <= fp32 else 2.0, max_runs=10**6)
+    fast = Oracle(lambda fp32: 0.5 if guilty <= fp32 else 2.0, max_runs=10**6)
+    assert {c.node for c in find_fp32_set(order, plain)} == guilty
+    assert {c.node for c in find_fp32_set(order, fast, gallop=True)} == guilty
+    assert fast.runs <= 0.7 * plain.runs, (fast.runs, plain.runs)  # 10 runs against 16
+
+
+def test_galloping_still_finds_a_culprit_ranked_last():
+    order = [f"n{i}" for i in range(100)]
+    oracle = Oracle(lambda fp32: 0.5 if "n99" in fp32 else 2.0, max_runs=10**6)
+    assert [c.node for c in find_fp32_set(order, oracle, gallop=True)] == ["n99"]
+
+
+def test_attribution_ranks_the_node_that_adds_the_error_first_and_blames_upstream_of_an_amplifier():
+    from onnxmp.calibrate import _Calibration, _low_nodes
+    from onnxmp.calibrate.search import attribution_ranking, local_attribution
+    from onnxmp.options import Options
+
+    model = _culprit_chain(8, {5})
+    cal = _Calibration(model, Options(calibration=_samples(2, seed=7), tolerance=3e-2, holdout=0))
+    low = _low_nodes(cal.original, cal.convert({}).report)
+    board = Switchboard(cal.original, low)
+    added = local_attribution(board, cal.tune)
+    order = attribution_ranking(board.nodes, added, lambda m: low[m].op == "MatMul")
+    assert "culprit5" in order[:3], order[:6]
+    # Where nothing is rounded badly, nothing adds error worth ranking: a clean block ranks low.
+    clean = [m for m in board.nodes if m in ("mm0", "relu0", "mm1", "relu1")]
+    assert clean and added["culprit5"] > 10 * max(added[m] for m in clean)
+
+
+def test_time_budget_keeps_the_best_model_found_so_far(monkeypatch):
+    import onnxmp.calibrate.search as search
+
+    model = _culprit_chain(20, {3, 11})
+    clock = iter(range(0, 10**6, 1))  # every perf_counter() call advances one "second"
+    monkeypatch.setattr(search.time, "perf_counter", lambda: float(next(clock)))
+    result = onnxmp.convert(model, calibration=_samples(2, seed=7), tolerance=3e-2, holdout=0, time_budget=1e-3)
+    cal = result.report.calibration
+    assert cal.budget_exhausted
+    assert cal.final.worst <= cal.plain.worst  # never worse than plain conversion
+
+
+def test_time_budget_must_be_positive():
+    with pytest.raises(onnxmp.OnnxMPError, match="time_budget"):
+        onnxmp.convert(_culprit_chain(2, {0}), calibration=_samples(2), time_budget=0)
+
+
+def test_a_conv_in_the_set_goes_back_to_fp16_when_the_cheap_ops_around_it_suffice():
+    from onnxmp.calibrate.islands import spare_heavy
+
+    order, heavy = ["conv", "bias", "norm", "act"], frozenset({"conv"})
+    # Either the Conv in fp32, or its bias and norm: the bisection found the Conv; the island spares it.
+    oracle = Oracle(lambda fp32: 0.5 if "conv" in fp32 or {"bias", "norm"} <= fp32 else 2.0, max_runs=100)
+    spared, check = spare_heavy(["conv"], order, heavy, oracle)
+    assert sorted(spared) == ["bias", "norm"]
+    assert (check.members, check.kept_fp32, check.exhaustive) == (1, 0, True)
+
+
+def test_a_conv_that_no_island_replaces_stays_and_the_exhaustive_pass_says_so():
+    from onnxmp.calibrate.islands import spare_heavy
+
+    order, heavy = ["conv", "bias", "norm"], frozenset({"conv"})
+    oracle = Oracle(lambda fp32: 0.5 if "conv" in fp32 else 2.0, max_runs=100)
+    spared, check = spare_heavy(["conv"], order, heavy, oracle)
+    assert spared is None and check.kept_fp32 == 1 and check.exhaustive
+
+
+def _relu_chain(names):
+    nodes, cur = [], "x"
+    for name in names:
+        nodes.append(onnx.helper.make_node("Relu", [cur], [name + "_out"], name=name))
+        cur = name + "_out"
+    return onnx.helper.make_graph(nodes, "g", [], [])
+
+
+def test_a_node_between_two_fp32_nodes_joins_the_island_to_save_its_casts():
+    from onnxmp.calibrate.islands import fewer_casts
+    from onnxmp.calibrate.search import LowNode
+
+    graph = _relu_chain(["a", "b", "c", "d"])
+    low = {n.name: LowNode(n.name, "Relu", frozenset(n.input), frozenset(n.output)) for n in graph.node}
+    oracle = Oracle(lambda fp32: 0.5 if {"a", "c"} <= fp32 else 2.0, max_runs=100)
+    # b sits between a and c; d reads only c: both would cost Casts on every low-precision side.
+    assert sorted(fewer_casts(["a", "c"], low, graph, frozenset(), oracle)) == ["a", "b", "c", "d"]
+    # With c low, b has a low neighbour: nothing joins.
+    assert fewer_casts(["a"], low, graph, frozenset(), oracle) == ["a"]
+
+
+def test_many_convs_in_a_spread_prefix_are_bisected_back_to_fp16():
+    from onnxmp.calibrate.islands import EXHAUSTIVE_HEAVY, spare_heavy
+
+    convs = [f"conv{i}" for i in range(3 * EXHAUSTIVE_HEAVY)]
+    cheap = [f"bn{i}" for i in range(3 * EXHAUSTIVE_HEAVY)]
+    order = [*cheap, *convs]
+    # Only conv5 must stay; every norm needed: a prefix holding all the Convs gives all but one back.
+    oracle = Oracle(lambda fp32: 0.5 if "conv5" in fp32 and set(cheap) <= fp32 else 2.0, max_runs=1000)
+    spared, check = spare_heavy(order, order, frozenset(convs), oracle)
+    assert set(spared) == {"conv5", *cheap}
+    assert (check.members, check.kept_fp32, check.exhaustive) == (len(convs), 1, False)
+
+
+def test_attribution_in_groups_ranks_as_in_one_piece(monkeypatch):
+    # A model whose intermediates exceed the memory limit is fetched group by group: same blame.
+    import onnxmp.calibrate.search as search
+    from onnxmp.calibrate import _Calibration, _low_nodes
+    from onnxmp.options import Options
+
+    model = _culprit_chain(6, {2})
+    cal = _Calibration(model, Options(calibration=_samples(2, seed=7), tolerance=3e-2, holdout=0))
+    board = Switchboard(cal.original, _low_nodes(cal.original, cal.convert({}).report))
+    whole = search.local_attribution(board, cal.tune)
+    monkeypatch.setattr(search, "ATTRIBUTION_BYTES", 64)
+    seen = []
+    assert search.local_attribution(board, cal.tune, lambda i, out: seen.append((i, sorted(out)))) == whole
+    assert seen == [(0, ["side2", "y"]), (1, ["side2", "y"])]

@@ -138,6 +138,10 @@ def test_outputs_get_the_umask_mode(work, capsys):
      "argument --tolerance: must be a positive number, got -0.1", "see `onnxmp convert --help`"),
     (["convert", "m.onnx", "-o", "x.onnx", "--calibrate", "s.npz", "--tolerance", "nan"],
      "argument --tolerance: must be a positive number, got nan", "see `onnxmp convert --help`"),
+    (["convert", "m.onnx", "-o", "x.onnx", "--calibrate", "s.npz", "--time-budget", "0"],
+     "argument --time-budget: must be a positive number, got 0", "see `onnxmp convert --help`"),
+    (["convert", "m.onnx", "-o", "x.onnx", "--time-budget", "60"], "--time-budget needs --calibrate",
+     "pass sample inputs"),
 ])
 def test_usage_errors_exit_2_with_one_line_and_a_hint(work, capsys, argv, message, hint):
     assert main(argv) == EXIT_USAGE

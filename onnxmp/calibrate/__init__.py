@@ -39,9 +39,10 @@ from onnxmp.calibrate.records import (
     REASONS, CalibrationReport, CycleRecord, Measurement, MovedNode, SeededTensor,
 )
 from onnxmp.calibrate.search import (
-    BudgetExhausted, LowNode, Oracle, RunBar, Switchboard, cpu_session, find_fp32_set, run_bound, run_samples,
-    segment_ranking,
+    BudgetExhausted, LowNode, Oracle, RunBar, Switchboard, attribution_ranking, cpu_session, find_fp32_set,
+    local_attribution, run_bound, run_samples,
 )
+from onnxmp.calibrate.islands import fewer_casts, spare_heavy
 from onnxmp.errors import OnnxMPError
 from onnxmp.fusions import inside_fused_kernels
 from onnxmp.external import discard_spilled, skeleton
@@ -56,6 +57,7 @@ from onnxmp.subgraphs import proto_nodes
 log = logging.getLogger("onnxmp.calibrate")
 
 MAX_CYCLES = 4            # search + confirm cycles before the all-float32 fallback
+MEASURE_EACH = 32         # a set this small gets each member's own measurement in the report
 
 Sample = dict[str, np.ndarray]
 
@@ -144,6 +146,29 @@ def _fold_magnitudes(out: dict[str, float], run: Mapping[str, np.ndarray]) -> No
 # --- the loop ---------------------------------------------------------------------------
 
 
+def _low_share(report: Report) -> float | None:
+    """Share of the non-Constant nodes that run in low precision."""
+    ops = {v.node: v.op for v in report.vertices if v.op != "Constant"}
+    colors = report.node_colors()
+    return sum(colors.get(n) == "allow" for n in ops) / len(ops) if ops else None
+
+
+def _added_casts(original: onnx.ModelProto, converted: onnx.ModelProto) -> int:
+    def casts(model):
+        return sum(n.op_type == "Cast" for n in model.graph.node)
+    return casts(converted) - casts(original)
+
+
+def _worst_sample(plan: MetricPlan, refs: Sequence[Mapping[str, np.ndarray]]) -> bool:
+    """Whether the metric keeps the worst sample (so a partial run's error is a lower bound); the
+    agreement metrics pool rows over all samples, and a prefix of them says nothing."""
+    if plan.model_fn is not None:
+        return True
+    return bool(refs) and all(metric.kind in ("rel", "max_abs", "cosine", "callable")
+                              and np.asarray(refs[0][name]).dtype.kind == "f"
+                              for name, metric in plan.per_output.items())
+
+
 def _low_nodes(model: onnx.ModelProto, report: Report) -> dict[str, LowNode]:
     """Nodes with a low-precision vertex, and which of their tensors are low precision (from the report)."""
     protos = {node.name: node for node in proto_nodes(model.graph)}
@@ -174,6 +199,7 @@ class _Calibration:
         self.resolved = options.resolve(self.original)
         self.tolerance = DEFAULT_TOLERANCE if options.tolerance is None else options.tolerance
         self.max_runs = MAX_RUNS if options.max_runs is None else options.max_runs
+        self.deadline = None if options.time_budget is None else self.started + options.time_budget
         self.precision = self.resolved.precision.name
         calibration_threshold = options.calibration_threshold
         samples = samples_from(self.original, options.calibration)
@@ -182,11 +208,13 @@ class _Calibration:
         self.plan: MetricPlan = metric_plan(options.metric, self.outputs)
         self.magnitudes: dict[str, float] = {}
         self.ref_tune = []
-        for run in run_samples(cpu_session(_probe(self.original), "model"), self.tune):
+        probe = cpu_session(_probe(self.original), "model")
+        for run in run_samples(probe, self.tune):
             _fold_magnitudes(self.magnitudes, run)
             self.ref_tune.append({name: run[name] for name in self.outputs})
-        self.ref_held = (list(run_samples(cpu_session(self.original, "model"), self.held, self.outputs))
-                         if self.held else [])
+        # The probe session answers for the held-out samples too: one session start less.
+        self.ref_held = list(run_samples(probe, self.held, self.outputs)) if self.held else []
+        del probe
         _check_references(self.ref_tune + self.ref_held)
         self.runs = 0
         self.report = CalibrationReport(
@@ -217,6 +245,8 @@ class _Calibration:
         plain = self.convert({})
         rep = self.report
         rep.share_plain = plain.report.tensor_core_share()
+        rep.share_all_plain = _low_share(plain.report)
+        rep.casts_plain = _added_casts(self.original, plain.model)
         if not plain.report.changed:
             rep.met = True
             rep.plain = rep.final = Measurement({o: 0.0 for o in rep.metric}, {o: 0.0 for o in rep.metric}
@@ -232,6 +262,9 @@ class _Calibration:
         try:
             for cycle in range(1, MAX_CYCLES + 1):
                 if best_m.meets(self.tolerance) or rep.budget_exhausted:
+                    break
+                if self._out_of_time():
+                    rep.budget_exhausted = True
                     break
                 if current_m.tune_error <= tune_tol and current_m.holdout_error is not None:
                     # Tuned but the held-out samples miss: demand less of the tuning error reached, never
@@ -276,27 +309,51 @@ class _Calibration:
     def search(self, low: Mapping[str, LowNode], fills: Mapping[str, float], tune_tol: float,
                bar: RunBar) -> list[MovedNode]:
         board = Switchboard(self.original, low, self.precision, fills)
-        heavy = {name for name, n in low.items() if n.op in TENSOR_CORE_OPS}
+        heavy = frozenset(name for name, n in low.items() if n.op in TENSOR_CORE_OPS)
+        bar.heavy, bar.tolerance = heavy, tune_tol
+        early = _worst_sample(self.plan, self.ref_tune)
+        sample_error = [0.0] * len(self.tune)
+        order_samples = list(range(len(self.tune)))
 
-        def evaluate(fp32: frozenset[str]) -> float:
-            errors = self.plan.errors(self.ref_tune, board.run(fp32, self.tune))
-            return max(errors.values(), default=0.0) / tune_tol
+        def evaluate(fp32: frozenset[str], full: bool = False) -> float:
+            # Samples hardest first; with a worst-sample metric a candidate fails as soon as one sample
+            # does, so most failing candidates cost one session run instead of one per sample.
+            refs, outs = [], []
+            for i, out in zip(order_samples, board.iter_run(fp32, [self.tune[i] for i in order_samples])):
+                refs.append(self.ref_tune[i])
+                outs.append(out)
+                if early and not full and max(self.plan.errors(refs[-1:], outs[-1:]).values(),
+                                              default=0.0) > tune_tol:
+                    break
+            return max(self.plan.errors(refs, outs).values(), default=0.0) / tune_tol
 
-        budget = self.max_runs - self.runs
-        if budget <= 0:
+        budget = self.max_runs - self.runs - 2  # the attribution's two passes come first
+        if budget <= 0 or self._out_of_time():
             self.report.budget_exhausted = True
             return []
-        oracle = Oracle(evaluate, max_runs=budget, on_run=bar)
+        oracle = Oracle(evaluate, max_runs=budget, on_run=bar, full=lambda fp32: evaluate(fp32, full=True),
+                        deadline=self.deadline)
         try:
             if max(self.plan.errors(self.ref_tune, self.ref_tune).values(), default=0.0) > tune_tol:
                 log.warning("the metric rejects the float32 model itself; no mix can pass")
                 return []
-            order, _ = segment_ranking(board.nodes, oracle, lambda m: m in heavy)
-            culprits = find_fp32_set(order, oracle)
+            self.runs += 2  # the two attribution passes, all fp32 and all low
+
+            def judge(i: int, rounded: dict) -> None:
+                sample_error[i] = max(self.plan.errors([self.ref_tune[i]], [rounded]).values(), default=0.0)
+
+            added = local_attribution(board, self.tune, judge)
+            # Hardest sample first (largest all-low error): a failing candidate usually fails on it.
+            order_samples.sort(key=lambda i: -sample_error[i])
+            order = attribution_ranking(board.nodes, added, lambda m: m in heavy)
+            culprits = find_fp32_set(order, oracle, gallop=True)
             found = [MovedNode(c.node, low[c.node].op, "measurement", c.score_with * tune_tol,
                                c.score_without * tune_tol) if c.score_with is not None else
                      MovedNode(c.node, low[c.node].op, "ranking prefix", None, c.score_without * tune_tol)
                      for c in culprits]
+            names = [c.node for c in culprits]
+            if oracle(names).passed:
+                found = self._islands(found, order, low, heavy, oracle, tune_tol)
         except BudgetExhausted:
             self.report.budget_exhausted = True
             # The cheapest passing candidate seen (a bisection prefix always passes).
@@ -306,7 +363,36 @@ class _Calibration:
                 for name in board.nodes if name in probe.fp32]
         finally:
             self.runs += oracle.runs
-        return found
+        return [*found, *(MovedNode(c, low[c].op, "follows its reader", None, None)
+                          for item in found for c in board.followers.get(item.node, ()))]
+
+    def _islands(self, found: list[MovedNode], order: Sequence[str], low: Mapping[str, LowNode],
+                 heavy: frozenset[str], oracle: Oracle, tune_tol: float) -> list[MovedNode]:
+        """Spare the set's Conv/MatMul/Gemm where cheap ops around them suffice, then close gaps that
+        would cost Casts (:mod:`onnxmp.calibrate.islands`); each new member measured on its own."""
+        names = [m.node for m in found]
+        spared, check = spare_heavy(names, order, heavy, oracle)
+        self.report.heavy_check = check
+        if spared is not None:
+            names = spared
+        grown = fewer_casts(names, low, self.original.graph, heavy, oracle)
+        if spared is None and grown == names:
+            return found
+        known = {m.node: m for m in found}
+        whole = oracle.score(grown) * tune_tol
+        out = []
+        for name in grown:
+            if name not in names:
+                out.append(MovedNode(name, low[name].op, "fewer casts", None, whole))
+            elif name in known and known[name].reason != "measurement" or len(names) > MEASURE_EACH:
+                out.append(known.get(name) or MovedNode(name, low[name].op, "ranking prefix", None, whole))
+            else:
+                out.append(MovedNode(name, low[name].op, "measurement",
+                                     oracle.score(set(grown) - {name}) * tune_tol, whole))
+        return out
+
+    def _out_of_time(self) -> bool:
+        return self.deadline is not None and time.perf_counter() > self.deadline
 
     def fallback_all_fp32(self, best, best_m, forced, moved):
         """Every remaining low node back to float32: lands whenever the float32 model does."""
@@ -349,6 +435,8 @@ class _Calibration:
         rep.runs = self.runs
         rep.seconds = time.perf_counter() - self.started
         rep.share_final = result.report.tensor_core_share()
+        rep.share_all_final = _low_share(result.report)
+        rep.casts_final = _added_casts(self.original, result.model)
         result.report.calibration = rep
         return result
 

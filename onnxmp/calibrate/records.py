@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from onnxmp.calibrate.islands import HeavyCheck
 from onnxmp.report import head
 
 SUMMARY_ROWS = 10
@@ -56,10 +57,12 @@ class MovedNode:
 
 
 REASONS = {
-    "measurement": "bisection over the sensitivity ranking: needed for the tolerance",
+    "measurement": "bisection over the attribution ranking: needed for the tolerance",
     "ranking prefix": "in the smallest passing prefix of the sensitivity ranking (error spread over many nodes)",
     "budget exhausted": "in the best passing candidate seen before the run budget ran out",
     "all-float32 fallback": "the search could not land; every remaining node went back to fp32",
+    "fewer casts": "every low-precision neighbour is in fp32: joining the island saves its Casts",
+    "follows its reader": "a Constant read only by a node moved to fp32 (one switch for both in the search)",
 }
 
 
@@ -90,8 +93,13 @@ class CalibrationReport:
     runs: int = 0
     seconds: float = 0.0
     budget_exhausted: bool = False
+    heavy_check: HeavyCheck | None = None  # the exhaustive pass over the set's Conv/MatMul/Gemm (last cycle)
     share_plain: float | None = None
     share_final: float | None = None
+    share_all_plain: float | None = None  # low-precision share of every non-Constant node
+    share_all_final: float | None = None
+    casts_plain: int | None = None  # Cast nodes the conversion added (main graph)
+    casts_final: int | None = None
 
     @property
     def error(self) -> float:
@@ -119,9 +127,44 @@ class CalibrationReport:
                          + (" (run budget exhausted)" if self.budget_exhausted else ""))
         else:
             lines.append(f"  no search needed: {self.runs} emulated run(s), {self.seconds:.1f} s")
+        if self.heavy_check is not None and self.heavy_check.members:
+            c = self.heavy_check
+            how = "exhaustive over" if c.exhaustive else "bisected: too many for every subset of"
+            lines.append(f"  Conv/MatMul/Gemm the search needed in fp32: {c.kept_fp32} of the {c.members} its "
+                         f"bisection named ({how} them, {c.candidates_run} run(s))")
+        if self.share_all_final is not None:
+            before = f"{self.share_all_plain:.0%} -> " if self.share_all_plain is not None else ""
+            lines.append(f"  {precision} share of all nodes: {before}{self.share_all_final:.0%}; Casts added: "
+                         + (f"{self.casts_plain} -> " if self.casts_plain is not None else "") + f"{self.casts_final}")
         lines += _capped([f"  seeded fp32: `{s.tensor}` reached {s.observed_max:.3g}" for s in self.seeded])
-        lines += _capped([f"  moved to fp32: {m.describe()}" for m in self.moved])
+        lines += self.moved_table(precision)
         return lines
+
+    def moved_table(self, precision: str = "float16") -> list[str]:
+        """One row per node moved to fp32: the error with it in low precision, in fp32, and what it bought
+        back (the first minus the second; blank where no single-node measurement was made)."""
+        if not self.moved:
+            return []
+        followers = [m for m in self.moved if m.reason == "follows its reader"]
+        rows = [(m.node, m.op, _num(m.error_with), _num(m.error_without),
+                 _num(None if m.error_with is None or m.error_without is None else m.error_with - m.error_without),
+                 m.reason) for m in self.moved if m.reason != "follows its reader"]
+        if not rows:
+            rows = [(m.node, m.op, "", "", "", m.reason) for m in followers]
+            followers = []
+        header = ("moved to fp32", "op", f"error in {precision}", "error in fp32", "bought back", "why")
+        shown, rest = head(rows, SUMMARY_ROWS)
+        widths = [max(len(str(r[i])) for r in [header, *shown]) for i in range(len(header))]
+        fmt = "  " + "  ".join(f"{{:<{w}}}" for w in widths)
+        lines = [fmt.format(*r).rstrip() for r in [header, ["-" * w for w in widths], *shown]]
+        if followers:
+            lines.append(f"  + {len(followers)} Constant(s) read only by those nodes, in fp32 with them")
+        lines += [f"  why: {reason} = {REASONS[reason]}" for reason in dict.fromkeys(m.reason for m in self.moved)]
+        return [*lines, f"  {rest} (see --report JSON)"] if rest else lines
+
+
+def _num(value: float | None) -> str:
+    return "" if value is None else f"{value:.3g}"
 
 
 def _capped(lines: list[str]) -> list[str]:

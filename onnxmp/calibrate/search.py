@@ -87,7 +87,10 @@ class Switchboard:
     def __init__(self, model: onnx.ModelProto, low: Mapping[str, LowNode], precision: str = "float16",
                  fills: Mapping[str, float] | None = None):
         """``fills``: the attention mask fills the conversion replaced (``{constant: value}``, from
-        ``Report.mask_fills``), replaced here whatever the switches say, as in the real model."""
+        ``Report.mask_fills``), replaced here whatever the switches say, as in the real model.
+
+        Every low node's low-precision outputs (main graph) are outputs of the session too
+        (``self.probed``), for :func:`local_attribution`; :meth:`run` fetches only the model's."""
         import onnxruntime as ort
 
         self.low_type = low_precision(precision).onnx_type
@@ -98,14 +101,26 @@ class Switchboard:
             replace_fills(proto.graph, fills, low_precision(precision))
         self._names = FreshNames(proto_names(proto.graph))
         self._switch: dict[str, str] = {}
+        self.follows = _single_reader_constants(proto.graph, low)
+        self.followers: dict[str, list[str]] = {}
+        for constant, reader in self.follows.items():
+            self.followers.setdefault(reader, []).append(constant)
         self._order_nodes(proto.graph, low)
         head = self._switch_nodes(proto.graph)
+        for constant, reader in self.follows.items():
+            self._switch[constant] = self._switch[reader]
         self._rewrite(proto.graph, low)
         nodes = [*head, *proto.graph.node]
         proto.graph.ClearField("node")
         proto.graph.node.extend(nodes)
         proto.graph.input.append(helper.make_tensor_value_info(SWITCH_INPUT, TensorProto.BOOL, [len(self.nodes)]))
         self.outputs = [o.name for o in proto.graph.output]
+        present = set(self.outputs)
+        main = {n.name for n in proto.graph.node}
+        self.probed = [t for name in self.nodes if name in main for t in sorted(low[name].outputs) if t not in present]
+        for t in self.probed:
+            proto.graph.output.append(helper.make_tensor_value_info(t, TensorProto.FLOAT, None))
+        self.low = dict(low)
         options = ort.SessionOptions()
         # ORT's memory-reuse planner is superlinear in the number of values: it took 5 s of a
         # 4,500-node switchboard's 5.5 s start-up.  Runs are short; allocation is cheap by comparison.
@@ -123,7 +138,7 @@ class Switchboard:
     # -- building ---------------------------------------------------------------------
     def _order_nodes(self, graph: onnx.GraphProto, low: Mapping[str, LowNode]) -> None:
         for node in graph.node:
-            if node.name in low:
+            if node.name in low and node.name not in self.follows:
                 self.nodes.append(node.name)
             for sub in bodies(node):
                 self._order_nodes(sub, low)
@@ -192,7 +207,141 @@ class Switchboard:
         return switches
 
     def run(self, fp32: Iterable[str], samples: Sequence[Mapping[str, np.ndarray]]) -> list[dict[str, np.ndarray]]:
-        return list(run_samples(self.session, samples, self.outputs, {SWITCH_INPUT: self.mask(fp32)}))
+        return list(self.iter_run(fp32, samples))
+
+    def iter_run(self, fp32: Iterable[str], samples: Sequence[Mapping[str, np.ndarray]],
+                 outputs: Sequence[str] | None = None) -> Iterator[dict[str, np.ndarray]]:
+        """One sample at a time, so a caller can stop at the first sample that already fails."""
+        return run_samples(self.session, samples, self.outputs if outputs is None else outputs,
+                           {SWITCH_INPUT: self.mask(fp32)})
+
+
+def _single_reader_constants(graph: onnx.GraphProto, low: Mapping[str, LowNode]) -> dict[str, str]:
+    """Low Constant nodes of the main graph read by exactly one low node and nothing else: constant ->
+    reader.  Exporters such as Paddle2ONNX write every weight, bias and norm statistic as a Constant node;
+    each would be a candidate of its own, doubling the search for nothing, since its rounding only
+    matters to its one reader.  It shares its reader's switch instead."""
+    uses: dict[str, list[str]] = {}
+    for node in graph.node:
+        for t in node.input:
+            uses.setdefault(t, []).append(node.name)
+    captured: set[str] = set()
+
+    def scan(g: onnx.GraphProto) -> None:
+        for n in g.node:
+            captured.update(n.input)
+            for sub in bodies(n):
+                scan(sub)
+
+    for node in graph.node:
+        for sub in bodies(node):
+            scan(sub)
+    outputs = {o.name for o in graph.output}
+    follows = {}
+    for node in graph.node:
+        if node.op_type != "Constant" or node.name not in low or len(node.output) != 1:
+            continue
+        t = node.output[0]
+        readers = uses.get(t, [])
+        if len(readers) == 1 and readers[0] in low and readers[0] != node.name and t not in captured \
+                and t not in outputs and t in low[readers[0]].inputs | low[node.name].outputs:
+            follows[node.name] = readers[0]
+    return follows
+
+
+def local_attribution(board: Switchboard, samples: Sequence[Mapping[str, np.ndarray]],
+                      on_sample: Callable[[int, dict], None] | None = None) -> dict[str, float]:
+    """The relative error each low node ADDS, from two passes: all in float32 and all low.
+
+    For a node, the relative error (max|low - fp32| / max|fp32|, worst sample) of its
+    output minus the worst of its low-precision inputs' is its local contribution:
+    a node whose inputs arrive nearly exact but whose output is far off (a rounded
+    bias of ~1000 taken back off by a norm, magnitudes flushed to zero) ranks
+    first, while a node that only carries error it was handed ranks low.  Nodes
+    whose outputs are not probed (inside bodies) get the error of nothing: 0.
+    ``on_sample(index, outputs)`` sees each sample's all-low model outputs.  When one
+    sample's intermediates exceed ``ATTRIBUTION_BYTES``, they are fetched in groups
+    (two more runs per group) rather than holding two full copies at once.
+    """
+    from onnxmp.parity.metrics import relative_error
+
+    names = list(dict.fromkeys([*board.outputs, *board.probed]))
+    err: dict[str, float] = {}
+
+    def fold(exact: Mapping[str, np.ndarray], rounded: Mapping[str, np.ndarray]) -> None:
+        for t in exact:
+            ref, low = exact[t], rounded[t]
+            if ref.dtype.kind != "f" or ref.shape != low.shape:
+                continue
+            e = relative_error(ref, low)
+            err[t] = max(err.get(t, 0.0), e if math.isfinite(e) else 1e30)
+
+    groups: list[list[str]] | None = None
+    for index, sample in enumerate(samples):
+        exact = next(board.iter_run(board.nodes, [sample], names))
+        if groups is None:
+            groups = _groups(names, exact, ATTRIBUTION_BYTES, lead=len(board.outputs))
+        if len(groups) > 1:
+            del exact
+        for k, group in enumerate(groups):
+            part = exact if len(groups) == 1 else next(board.iter_run(board.nodes, [sample], group))
+            rounded = next(board.iter_run((), [sample], group))
+            fold(part, rounded)
+            if k == 0 and on_sample is not None:  # the model's outputs lead the first group
+                on_sample(index, {o: rounded[o] for o in board.outputs})
+            del part, rounded
+    added: dict[str, float] = {}
+    producer = {t: name for name in board.nodes for t in board.low[name].outputs}
+    amplifiers = []
+    for name in board.nodes:
+        spec = board.low[name]
+        out = max((err.get(t, 0.0) for t in spec.outputs), default=0.0)
+        into = max((err.get(t, 0.0) for t in spec.inputs), default=0.0)
+        added[name] = max(out - into, 0.0)
+        if 0.0 < into and out > AMPLIFICATION * into:
+            amplifiers.append(name)
+    # A node that turns a small input error into a large one (a norm centring values rounded at
+    # |x| ~ 1000) is not where the error is made: its producers' rounding is.  They share its blame,
+    # halved per hop, for HOPS hops upstream.
+    for name in amplifiers:
+        frontier, score = [name], added[name]
+        for _ in range(HOPS):
+            score /= 2
+            frontier = [producer[t] for n in frontier for t in board.low[n].inputs if t in producer]
+            for n in frontier:
+                added[n] = max(added[n], score)
+    return added
+
+
+def _groups(names: Sequence[str], values: Mapping[str, np.ndarray], limit: int, lead: int = 0) -> list[list[str]]:
+    """``names`` in order, cut into groups of at most ``limit`` bytes (at least one name each); the
+    first ``lead`` names stay together in the first group."""
+    groups: list[list[str]] = [[]]
+    size = 0
+    for i, name in enumerate(names):
+        nbytes = int(getattr(values.get(name), "nbytes", 0))
+        if i >= lead and groups[-1] and size + nbytes > limit:
+            groups.append([])
+            size = 0
+        groups[-1].append(name)
+        size += nbytes
+    return groups
+
+
+ATTRIBUTION_BYTES = 1 << 30  # one sample's intermediates above this are fetched group by group
+AMPLIFICATION = 10.0  # output error over input error above which a node counts as amplifying
+HOPS = 2
+
+
+HEAVY_DISCOUNT = 0.25  # a Conv/MatMul/Gemm must add 4x the error of a cheap op to be given up before it
+
+
+def attribution_ranking(nodes: Sequence[str], added: Mapping[str, float], heavy: Callable[[str], bool]) -> list[str]:
+    """``nodes`` by the error each adds (most first); Conv/MatMul/Gemm discounted so cheap ops around
+    them (the bias, norm or activation reading their output) are tried first; ties keep topological
+    order."""
+    position = {name: i for i, name in enumerate(nodes)}
+    return sorted(nodes, key=lambda m: (-added.get(m, 0.0) * (HEAVY_DISCOUNT if heavy(m) else 1.0), position[m]))
 
 
 def cpu_session(model: onnx.ModelProto, what: str, options=None):
@@ -255,17 +404,35 @@ class Oracle:
     runs: int = 0
     on_run: Callable[[Probe], None] | None = None
     cache: dict[frozenset[str], Probe] = field(default_factory=dict)
+    # ``evaluate`` may stop at the first failing sample (its score of a failing candidate is then a
+    # lower bound); ``full`` scores every sample, for the figures the report prints.
+    full: Callable[[frozenset[str]], float] | None = None
+    deadline: float | None = None  # time.perf_counter() after which no new candidate runs (--time-budget)
+    exact: dict[frozenset[str], float] = field(default_factory=dict)
+
+    def _spend(self) -> None:
+        if self.runs >= self.max_runs or (self.deadline is not None and time.perf_counter() > self.deadline):
+            raise BudgetExhausted
+        self.runs += 1
 
     def __call__(self, fp32: Iterable[str]) -> Probe:
         key = frozenset(fp32)
         if key not in self.cache:
-            if self.runs >= self.max_runs:
-                raise BudgetExhausted
-            self.runs += 1
+            self._spend()
             self.cache[key] = Probe(key, self.evaluate(key))
             if self.on_run is not None:
                 self.on_run(self.cache[key])
         return self.cache[key]
+
+    def score(self, fp32: Iterable[str]) -> float:
+        """The candidate's score over every sample (one more run when the cached one stopped early)."""
+        probe = self(fp32)
+        if self.full is None or probe.passed:  # a passing candidate ran every sample
+            return probe.score
+        if probe.fp32 not in self.exact:
+            self._spend()
+            self.exact[probe.fp32] = self.full(probe.fp32)
+        return self.exact[probe.fp32]
 
     def best_passing(self, weight: Callable[[frozenset[str]], Any]) -> Probe | None:
         """The passing candidate that gives up the least (by ``weight``), then the lowest score."""
@@ -308,7 +475,7 @@ def segment_ranking(nodes: Sequence[str], oracle: Oracle, heavy: Callable[[str],
 
 
 def find_fp32_set(order: Sequence[str], oracle: Oracle, fixed: Iterable[str] = (),
-                  max_rounds: int | None = None) -> list[Culprit]:
+                  max_rounds: int | None = None, gallop: bool = False) -> list[Culprit]:
     """A small set of ``order``'s nodes whose return to float32 makes the candidate pass.
 
     ``fixed`` nodes are in float32 throughout.  After ``max_rounds`` rounds
@@ -333,6 +500,14 @@ def find_fp32_set(order: Sequence[str], oracle: Oracle, fixed: Iterable[str] = (
             break
         lo = 0
         denied = base | frozenset(chosen)
+        # Galloping from the top of the ranking first: a culprit the attribution ranked at position p
+        # costs about 2 log2(p) runs instead of log2(N).
+        step = 1
+        while gallop and step < hi - 1:
+            if oracle(denied | frozenset(order[:step])).passed:
+                hi = step
+                break
+            lo, step = step, step * 2
         while hi - lo > 1:
             mid = (lo + hi) // 2
             if oracle(denied | frozenset(order[:mid])).passed:
@@ -351,9 +526,9 @@ def find_fp32_set(order: Sequence[str], oracle: Oracle, fixed: Iterable[str] = (
         if trial.passed:
             keep.remove(name)
         else:
-            result.append(Culprit(name, trial.score, oracle(rest | {name}).score))
+            result.append(Culprit(name, oracle.score(rest), oracle.score(rest | {name})))
     if prefix:
-        passing = oracle(base | frozenset(keep)).score
+        passing = oracle.score(base | frozenset(keep))
         result += [Culprit(name, None, passing) for name in prefix]
     return result
 
@@ -366,9 +541,14 @@ class RunBar:
 
         self.bar = tqdm(desc=desc, unit="run", disable=None, leave=False)
         self.start = time.perf_counter()
+        self.heavy: frozenset[str] = frozenset()  # the search's Conv/MatMul/Gemm candidates
+        self.tolerance = 1.0
 
     def __call__(self, probe: Probe) -> None:
-        self.bar.set_postfix_str(f"fp32 {len(probe.fp32)}, err/tol {probe.score:.3g}")
+        share = (f", fp16 Conv/MatMul/Gemm {1 - len(probe.fp32 & self.heavy) / len(self.heavy):.0%}"
+                 if self.heavy else "")
+        error = "" if probe.passed else ">="  # a failing candidate stops at its first failing sample
+        self.bar.set_postfix_str(f"fp32 {len(probe.fp32)}, error {error}{probe.score * self.tolerance:.3g}{share}")
         self.bar.update(1)
 
     def close(self) -> None:

@@ -43,6 +43,9 @@ def register(sub) -> None:
     p.add_argument("--max-runs", type=at_least(1), default=None, metavar="N",
                    help="with --calibrate: emulated runs before the search stops with the best model found "
                         "(default 2000)")
+    p.add_argument("--time-budget", type=positive_float, default=None, metavar="SECONDS",
+                   help="with --calibrate: stop searching after about SECONDS and write the best model found "
+                        "so far (default: no limit)")
     p.add_argument("--report", metavar="FILE.json", help="write the full per-vertex explanation as JSON")
     add_trust_flag(p)
     add_verbosity_flags(p)
@@ -103,7 +106,8 @@ def options_from(args) -> Options:
     keep = args.keep_io_types
     if isinstance(keep, list):  # --keep-io-types NAME...; without names, the default
         keep = keep or True
-    calibration = {name: getattr(args, name, None) for name in ("tolerance", "metric", "holdout", "max_runs")}
+    calibration = {name: getattr(args, name, None) for name in ("tolerance", "metric", "holdout", "max_runs",
+                                                                      "time_budget")}
     if not getattr(args, "calibrate", None):
         given = [f"--{k.replace('_', '-')}" for k, v in calibration.items() if v is not None]
         if given:
