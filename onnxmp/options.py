@@ -50,7 +50,9 @@ class Options:
     range limits; calibration's culprits).  ``ort_version``: the onnxruntime the model will run on
     (``"1.19.2"``; ``"1.19.2,1.32.0"`` or ``"all"`` for a model that must load in each); it decides
     the schemas and kernels of onnxruntime's own ops (1.19.2 has no bfloat16 Attention).  Default:
-    the installed onnxruntime, else the newest the tables know.
+    ``"all"``, every onnxruntime the tables know (1.19.2 to the newest): a converted model travels
+    from the machine that converts it to the one that runs it, and must load in whichever supported
+    onnxruntime that is; name one version to use what only it offers.
 
     Calibration (``calibration``: sample inputs, a dict of arrays, a list of them or .npz paths)
     adds the magnitude seed (``calibration_threshold``) and the accuracy-guided search to
@@ -165,17 +167,16 @@ class Resolved:
 
 
 def _ort_version(version: str | None) -> str:
-    """The onnxruntime version converted for: ``version``, else the installed one, else the newest
-    the schema table knows."""
-    from onnxmp.kernels import ContribSchemas, installed_ort_version
-
+    """The onnxruntime versions converted for: ``version``, else every one the schema table knows
+    (a written model must load in each onnxruntime onnxmp supports, not only the converting
+    machine's)."""
     if version is not None:
         parts = [p.strip() for p in str(version).split(",")]
         if str(version).strip() != "all" and not all(re.fullmatch(r"\d+\.\d+(\.\d+)?", p) for p in parts):
             raise OnnxMPError(f"ort_version takes an onnxruntime version such as '1.19.2', several separated by "
                               f"commas, or 'all'; got {version!r}")
         return ",".join(parts)
-    return installed_ort_version() or ContribSchemas.default().versions[-1]
+    return "all"
 
 
 def kept_io(model: onnx.ModelProto, keep_io_types) -> bool | frozenset[str]:

@@ -88,7 +88,8 @@ def _add_common(p: argparse.ArgumentParser) -> None:
                    help="keep nodes whose name matches REGEX in float32 (repeatable)")
     p.add_argument("--ort-version", default=None, metavar="X.Y.Z",
                    help="the onnxruntime the model will run on: its schemas and kernels decide onnxruntime's own "
-                        "ops (com.microsoft). Default: the installed onnxruntime")
+                        "ops (com.microsoft). Default: all, every onnxruntime onnxmp knows (1.19.2 to the newest), so the "
+                        "model loads in each")
 
 
 def _overrides(args) -> dict[str, list[str]]:
