@@ -308,7 +308,7 @@ def _print_table(summaries: list[dict]) -> None:
     if not summaries:
         sys.stdout.write("nothing to train: the state already has all epochs\n")
         return
-    columns = [c for c in ("epoch", "loss", "eval_loss", "eval_accuracy", "eval_binary_accuracy", "loss_scale",
+    columns = [c for c in ("epoch", "loss", "eval_loss", "eval_accuracy", "eval_token_accuracy", "eval_binary_accuracy", "loss_scale",
                            "skipped_steps") if c in summaries[0]]
     sys.stdout.write("  ".join(f"{c:>14}" for c in columns) + "\n")
     for row in summaries:
