@@ -277,3 +277,22 @@ def test_a_batch_with_every_label_ignored_trains_on_as_torch_does(tmp_path):
     assert math.isnan(result.loss) and result.all_finite and result.stepped
     trainer.scaler.check_progress([result.loss], precision="float32")  # no error: the update ran
     assert all(np.array_equal(v, data[k]) for k, v in trainer.parameters().items())  # zero gradients: SGD keeps them
+
+
+def test_causal_lm_evaluates_a_token_accuracy_on_the_shifted_labelled_positions(tmp_path):
+    from onnxmp.training import Trainer
+    from onnxmp.training.metrics import token_accuracy
+
+    data = case("causal_lm_tokens_ignored")
+    artifacts = build_artifacts(tiny_model(data["x"], data["W"], data["b"]), requires_grad=["W", "b"],
+                                loss="causal_lm", precision="float32", out_dir=tmp_path / "lm")
+    assert losses_module.LOSSES["causal_lm"].metrics == ("token_accuracy",)
+    result = Trainer(artifacts).evaluate([(data["x"], data["labels"])], ["token_accuracy"])
+    logits = data["x"] @ data["W"] + data["b"]
+    labels = np.asarray(data["labels"])
+    shifted, predicted = labels[:, 1:], logits[:, :-1].argmax(-1)
+    keep = shifted != -100
+    assert keep.sum() < shifted.size  # the case has ignored positions, and they do not count
+    assert result["token_accuracy"] == pytest.approx(float(np.mean(predicted[keep] == shifted[keep])))
+    assert result["token_accuracy"] == pytest.approx(token_accuracy(labels, logits))
+    assert result["loss"] == pytest.approx(float(data["loss"]), rel=1e-5)
