@@ -50,16 +50,41 @@ def stop_on_signals() -> Iterator[None]:
         for signum, handler in previous.items():
             signal.signal(signum, handler)
         _state["pending"] = None
+        _state["deferring"] = 0
+
+
+class Deferral:
+    """A context whose signals, once :meth:`start` is called, wait for its end.
+
+    ``with Deferral() as hold: ... hold.start() ...``: what runs after ``start()`` up to the end of
+    the block (the exit of the contexts nested in it included: a folder renamed into place) is not
+    cut by a signal; the signal is raised when the block ends, unless it ends with an error."""
+
+    def __init__(self):
+        self.started = False
+
+    def start(self) -> None:
+        if not self.started:
+            self.started = True
+            _state["deferring"] += 1
+
+    def __enter__(self) -> "Deferral":
+        return self
+
+    def __exit__(self, kind, value, traceback) -> None:
+        if not self.started:
+            return
+        self.started = False
+        _state["deferring"] -= 1
+        if not _state["deferring"] and _state["pending"] is not None:
+            signum, _state["pending"] = _state["pending"], None
+            if kind is None:
+                raise Interrupted(signum)
 
 
 @contextlib.contextmanager
 def deferred() -> Iterator[None]:
     """A signal received inside the block is raised when it ends."""
-    _state["deferring"] += 1
-    try:
+    with Deferral() as hold:
+        hold.start()
         yield
-    finally:
-        _state["deferring"] -= 1
-    if not _state["deferring"] and _state["pending"] is not None:
-        signum, _state["pending"] = _state["pending"], None
-        raise Interrupted(signum)

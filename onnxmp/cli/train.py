@@ -208,7 +208,7 @@ def _train_on(args, comm) -> int:
     # in a private folder, which goes when they are done.
     saved = _Saved(out / "state", resume)
     try:
-        with interrupts.stop_on_signals():
+        with interrupts.stop_on_signals(), interrupts.Deferral() as finishing:
             workspace = atomic_directory(out) if root else _private_folder(f"onnxmp-rank{comm.rank}-")
             with workspace as folder:
                 if resume is None and prebuilt is None:
@@ -219,6 +219,7 @@ def _train_on(args, comm) -> int:
                 if resume is None:
                     trainer = Trainer(artifacts, device=args.device, communicator=comm, **settings)
                 summaries, exported = _fit_and_export(trainer, train, evaluation, args, folder, saved)
+                finishing.start()  # DIR is complete: a signal now waits until it is renamed into place
     except interrupts.Interrupted as stop:
         if root:
             sys.stderr.write(f"onnxmp train: interrupted by {stop.name}; {saved.describe(args)}\n")

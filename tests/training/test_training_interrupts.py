@@ -83,3 +83,22 @@ def test_sigkill_leaves_the_last_state_at_the_logged_path(files):
     process.communicate(timeout=60)
     trainer = Trainer.resume(out / "state")
     assert trainer.epoch >= 2 and trainer.optimizer_steps == 4 * trainer.epoch
+
+
+def test_a_signal_during_a_save_waits_for_its_end():
+    from onnxmp.cli import interrupts
+
+    previous = signal.getsignal(signal.SIGTERM)
+    done = []
+    with pytest.raises(interrupts.Interrupted) as info:
+        with interrupts.stop_on_signals():
+            with interrupts.deferred():
+                os.kill(os.getpid(), signal.SIGTERM)
+                time.sleep(0.01)  # the handler has run: it only noted the signal
+                done.append("saved")
+            pytest.fail("the signal must be raised when the deferred block ends")
+    assert done == ["saved"] and info.value.exit_code == 143 and info.value.name == "SIGTERM"
+    assert signal.getsignal(signal.SIGTERM) is previous  # handlers restored
+    with interrupts.stop_on_signals():  # no signal: nothing raised, a started Deferral included
+        with interrupts.Deferral() as hold:
+            hold.start()
