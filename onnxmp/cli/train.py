@@ -201,8 +201,16 @@ def _train_on(args, comm) -> int:
         scaler = _scaler(args, args.precision if prebuilt is None else artifacts.precision)
         if scaler is not None:
             settings["scaler"] = scaler
-    elif args.schedule is not None or args.warmup_steps:
-        log.info("--schedule and --warmup-steps are not used with --resume: the run keeps its saved schedule")
+    else:
+        ignored = [flag for flag, given in (("--schedule", args.schedule is not None),
+                                            ("--warmup-steps", args.warmup_steps), ("--init-scale", args.init_scale),
+                                            ("--growth-interval", args.growth_interval),
+                                            ("--growth-factor", args.growth_factor),
+                                            ("--backoff-factor", args.backoff_factor),
+                                            ("--no-loss-scaling", not args.loss_scaling)) if given]
+        if ignored:
+            log.warning("%s not used with --resume: the run keeps its saved schedule and loss scaler",
+                        ", ".join(ignored))
 
     # The other ranks build their own artifacts (the same graphs; rank 0's weights are broadcast)
     # in a private folder, which goes when they are done.
