@@ -285,9 +285,6 @@ def _parameters(args, model) -> tuple[list[str], list[str]]:
     from onnxmp.training.prepare import without_gradient
 
     names = trainable(model)
-    unknown = [n for n in args.frozen if n not in set(names)]
-    if unknown:
-        log.info("--frozen names no float initializer: %s", ", ".join(unknown))
     candidates = [n for n in names if n not in set(args.frozen)]
     trained, by_pattern = select(candidates, args.train_patterns, args.freeze_patterns)
     if by_pattern:
