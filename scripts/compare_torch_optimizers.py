@@ -260,7 +260,8 @@ def main() -> int:
     if args.json:
         args.json.write_text(json.dumps(figures, indent=1))
     if args.plot:
-        how = f"Trainer, {args.trainer} engine" if args.trainer else "ORT's training graph + the portable optimizer graph"
+        how = (f"Trainer, {args.trainer} engine" if args.trainer
+               else "ORT's training graph + the portable optimizer graph")
         plot(figures, args.plot, f"bert2 (matrix export), float32, {args.steps} steps: onnxmp ({how}) vs torch.optim")
     return 0
 

@@ -318,7 +318,8 @@ def _loss(args):
         options["pos_weight"] = args.pos_weight[0] if len(args.pos_weight) == 1 else args.pos_weight
     if options:
         if args.loss not in losses.LOSSES:
-            raise UsageError(f"--ignore-index and --pos-weight are options of the built-in losses, not of {args.loss!r}",
+            raise UsageError("--ignore-index and --pos-weight are options of the built-in losses, "
+                             f"not of {args.loss!r}",
                              prog="onnxmp train")
         return losses.block(args.loss, **options), options
     return losses.resolve_loss(args.loss), {}
@@ -477,8 +478,8 @@ def _print_table(summaries: list[dict]) -> None:
     if not summaries:
         sys.stdout.write("nothing to train: the state already has all epochs\n")
         return
-    columns = [c for c in ("epoch", "loss", "eval_loss", "eval_accuracy", "eval_token_accuracy", "eval_binary_accuracy", "loss_scale",
-                           "skipped_steps") if c in summaries[0]]
+    columns = [c for c in ("epoch", "loss", "eval_loss", "eval_accuracy", "eval_token_accuracy",
+                           "eval_binary_accuracy", "loss_scale", "skipped_steps") if c in summaries[0]]
     sys.stdout.write("  ".join(f"{c:>14}" for c in columns) + "\n")
     for row in summaries:
         cells = []

@@ -16,4 +16,5 @@ from onnxmp.training.scaler import DynamicLossScaler
 from onnxmp.training.schedules import Schedule
 from onnxmp.training.trainer import History, StepResult, Trainer
 
-__all__ = ["SGD", "AdamW", "Artifacts", "DynamicLossScaler", "History", "Schedule", "StepResult", "Trainer", "build_artifacts"]
+__all__ = ["SGD", "AdamW", "Artifacts", "DynamicLossScaler", "History", "Schedule", "StepResult", "Trainer",
+           "build_artifacts"]
