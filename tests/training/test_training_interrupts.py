@@ -32,11 +32,22 @@ def _args(files, out, epochs, *extra):
             "--no-progress", "--precision", "float32", *extra]
 
 
-def _start(files, out):
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
-    # Enough epochs that the run is still going when the signal comes.
-    return subprocess.Popen([sys.executable, "-m", "onnxmp", *_args(files, out, 100000)], cwd=files, env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+@pytest.fixture()
+def start():
+    started = []
+
+    def run(files, out):
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+        # Enough epochs that the run is still going when the signal comes.
+        started.append(subprocess.Popen([sys.executable, "-m", "onnxmp", *_args(files, out, 100000)], cwd=files,
+                                        env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+        return started[-1]
+
+    yield run
+    for process in started:  # a failed test leaves no run behind
+        if process.poll() is None:
+            process.kill()
+            process.communicate()
 
 
 def _wait_for_epochs(process, state: Path, epochs: int = 2, timeout: float = 120) -> None:
@@ -54,9 +65,9 @@ def _wait_for_epochs(process, state: Path, epochs: int = 2, timeout: float = 120
 
 
 @pytest.mark.parametrize("signum, code", [(signal.SIGINT, 130), (signal.SIGTERM, 143)])
-def test_a_signal_stops_the_run_and_keeps_the_last_state(files, signum, code):
+def test_a_signal_stops_the_run_and_keeps_the_last_state(files, start, signum, code):
     out = files / "out"
-    process = _start(files, out)
+    process = start(files, out)
     _wait_for_epochs(process, out / "state")
     process.send_signal(signum)
     stdout, stderr = process.communicate(timeout=120)
@@ -75,9 +86,9 @@ def test_a_signal_stops_the_run_and_keeps_the_last_state(files, signum, code):
     assert [e["epoch"] for e in history["epochs"]] == [saved + 1]
 
 
-def test_sigkill_leaves_the_last_state_at_the_logged_path(files):
+def test_sigkill_leaves_the_last_state_at_the_logged_path(files, start):
     out = files / "out"
-    process = _start(files, out)
+    process = start(files, out)
     _wait_for_epochs(process, out / "state")
     process.kill()
     process.communicate(timeout=60)
