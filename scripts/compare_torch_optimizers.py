@@ -12,6 +12,12 @@ seed, same config; the script checks the logits against ``matrix.json``) and tra
 training graph gives the loss and gradients, and :func:`build_portable_optimizer`'s graph, run in a
 plain ``InferenceSession``, applies the update.  Both see the same batches (``tasks.batches``) and the
 same float32 learning rate.  It prints each step's two losses and their relative difference.
+
+``--trainer ENGINE`` runs the onnxmp side through ``onnxmp.training.Trainer`` on that engine instead
+(the loop users run: ``train_step`` per batch, a static loss scale of 1).  The portable engine needs
+artifacts with portable graphs (the lowering of issue 28); the native engine steps with its own
+optimizer model, which is onnxruntime's AdamW until it runs the portable optimizer graph too.
+``--plot PNG`` draws the curves (matplotlib).
 """
 from __future__ import annotations
 
@@ -129,6 +135,68 @@ def onnxmp_losses(steps: int, folder: Path) -> dict:
     return results
 
 
+def trainer_losses(steps: int, folder: Path, engine: str) -> dict:
+    """The same runs through the Trainer on ``engine``: per-step losses."""
+    import onnx
+
+    from onnxmp.errors import OnnxMPError
+    from onnxmp.training import SGD, AdamW, DynamicLossScaler, Trainer, build_artifacts
+
+    entry, batches = _batches(steps)
+    model = onnx.load(str(EXPORTS / entry["file"]))
+    names = [t.name for t in model.graph.initializer if t.data_type == onnx.TensorProto.FLOAT]
+    results = {}
+    for run, (kind, kwargs, no_decay) in RUNS.items():
+        optimizer = (AdamW if kind == "adamw" else SGD)(**kwargs, no_decay=no_decay)
+        art = build_artifacts(model, requires_grad=names, loss="cross_entropy", optimizer=optimizer,
+                              precision="float32", out_dir=folder / f"trainer-{run}")
+        if engine == "portable" and not art.has_portable:
+            raise OnnxMPError("this onnxmp writes no portable graphs yet (the lowering of issue 28 is not merged): "
+                              "the portable engine cannot run the comparison",
+                              "run without --trainer (ORT's training graph + the portable optimizer graph)")
+        trainer = Trainer(art, engine=engine, lr=float(np.float32(kwargs["lr"])), scaler=DynamicLossScaler.static(1.0))
+        results[run] = [trainer.train_step(*batch).loss for batch in batches]
+    return results
+
+
+def plot(figures: dict, path: Path, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    runs = [r for r in RUNS if r in figures]
+    fig, axes = plt.subplots(2, len(runs), figsize=(4.2 * len(runs), 6.4), sharex=True,
+                             gridspec_kw={"height_ratios": [2, 1]})
+    for col, run in enumerate(runs):
+        steps = np.arange(1, len(figures[run]["torch"]) + 1)
+        top, bottom = axes[0][col], axes[1][col]
+        top.plot(steps, figures[run]["torch"], "o-", label="torch.optim", color="black", lw=1)
+        top.plot(steps, figures[run]["onnxmp"], "x--", label="onnxmp", color="tab:blue")
+        rel = np.abs(np.subtract(figures[run]["onnxmp"], figures[run]["torch"])) / np.abs(figures[run]["torch"])
+        bottom.semilogy(steps, np.maximum(rel, 1e-10), "x--", color="tab:blue", label="onnxmp")
+        if run == "adamw" and "adamw_native" in figures:
+            top.plot(steps, figures["adamw_native"]["onnxmp"], "s:", color="tab:red", ms=3,
+                     label="onnxruntime's AdamW (native engine)")
+            native = np.abs(np.subtract(figures["adamw_native"]["onnxmp"], figures[run]["torch"])) \
+                / np.abs(figures[run]["torch"])
+            bottom.semilogy(steps, np.maximum(native, 1e-10), "s:", color="tab:red", ms=3)
+        bottom.axhline(1e-4, color="grey", lw=0.8, ls="--")
+        kind, kwargs, _ = RUNS[run]
+        top.set_title(f"{kind} lr={kwargs['lr']:g} wd={kwargs['weight_decay']:g}"
+                      + (f" mom={kwargs['momentum']:g}" if "momentum" in kwargs else ""), fontsize=9)
+        top.legend(fontsize=7)
+        bottom.set_xlabel("step")
+        if col == 0:
+            top.set_ylabel("training loss")
+            bottom.set_ylabel("relative difference")
+    fig.suptitle(title, fontsize=10)
+    fig.tight_layout()
+    from onnxmp.files import atomic_write
+
+    atomic_write(path, lambda tmp: fig.savefig(tmp, dpi=110, format="png"))
+
+
 def _native_losses(model, names, batches, entry, folder: Path, api) -> list[float]:
     """For contrast: the native engine's optimizer model (onnxruntime's AdamWOptimizer, Hugging Face's
     formula, eps 1e-6) at run "adamw"'s lr and no weight decay."""
@@ -157,6 +225,9 @@ def main() -> int:
     parser.add_argument("--torch-python", help="a Python with torch and transformers")
     parser.add_argument("--role", choices=["torch"], help=argparse.SUPPRESS)
     parser.add_argument("--json", type=Path, help="write the figures here")
+    parser.add_argument("--trainer", choices=["native", "portable"],
+                        help="run the onnxmp side through Trainer on this engine")
+    parser.add_argument("--plot", type=Path, help="draw the curves into this PNG")
     args = parser.parse_args()
     if args.role == "torch":
         json.dump(torch_losses(args.steps), sys.stdout)
@@ -171,6 +242,8 @@ def main() -> int:
     theirs = json.loads(done.stdout)
     with tempfile.TemporaryDirectory(prefix="onnxmp-compare-") as folder:
         ours = onnxmp_losses(args.steps, Path(folder))
+        if args.trainer:
+            ours.update(trainer_losses(args.steps, Path(folder), args.trainer))
     figures = {}
     for run in [*RUNS, "adamw_native"]:
         against = "adamw" if run == "adamw_native" else run
@@ -186,6 +259,10 @@ def main() -> int:
         print(f" max relative difference: {max(rel):.2e}")
     if args.json:
         args.json.write_text(json.dumps(figures, indent=1))
+    if args.plot:
+        how = (f"Trainer, {args.trainer} engine" if args.trainer
+               else "ORT's training graph + the portable optimizer graph")
+        plot(figures, args.plot, f"bert2 (matrix export), float32, {args.steps} steps: onnxmp ({how}) vs torch.optim")
     return 0
 
 

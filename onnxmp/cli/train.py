@@ -4,15 +4,19 @@ Layout of ``--out DIR``:
 
 * ``artifacts/``: what :func:`onnxmp.training.build_artifacts` wrote (a fresh run only: a resumed
   run replaces the folder without it, and its ``state/`` holds the same graphs);
-* ``state/``: the trainer saved after every epoch (``--resume DIR/state``);
+* ``state/``: the trainer saved after every epoch (``--resume DIR/state``), written to this
+  final path as each epoch completes (not only when the run ends);
 * ``history.json``: per-epoch summaries of this run;
 * ``model.onnx`` (float32) and, for mixed precision, ``model.<precision>.onnx``
   (converted for CUDA): the trained model for inference.
 
 The data is checked (keys, rows, dtypes, labels against the loss) before
 anything is written; ``DIR`` is built as a temporary folder beside it and
-renamed into place when the run succeeds, so a failed run leaves nothing (and
-an earlier ``DIR`` stays as it was).
+renamed into place when the run succeeds.  Only ``DIR/state`` is written
+before: each completed epoch replaces it (atomically), so a run that fails, is
+interrupted (SIGINT/SIGTERM: it stops at the current step and exits 130/143
+naming the state) or is killed leaves the last completed epoch's state there,
+resumable, and nothing else of the run.
 
 Under ``mpiexec -n W`` the run is data-parallel (docs/distributed.md):
 ``--batch-size`` and ``--grad-accum-steps`` are per rank, every rank reads the
@@ -25,6 +29,7 @@ import json
 import logging
 import contextlib
 import math
+import shutil
 import sys
 import tempfile
 from dataclasses import dataclass
@@ -32,7 +37,7 @@ from pathlib import Path
 
 import numpy as np
 
-from onnxmp.errors import OnnxMPError
+from onnxmp.errors import OnnxMPError, UsageError
 
 log = logging.getLogger("onnxmp.cli.train")
 
@@ -45,6 +50,7 @@ def register(sub) -> None:
     from onnxmp.targets import NAMES as TARGETS
     from onnxmp.training.engines import ENGINES
     from onnxmp.training.optimizer import OPTIMIZERS
+    from onnxmp.training.schedules import SCHEDULES
 
     p = sub.add_parser("train", help="train an ONNX model with mixed precision and dynamic loss scaling",
                        description="Build training artifacts (loss scaling, unscale, inf/NaN check), train on "
@@ -54,22 +60,53 @@ def register(sub) -> None:
     p.add_argument("--artifacts", metavar="DIR",
                    help="train artifacts built before (on Python 3.11 with the training build) instead of a model: "
                         "with --engine portable they train on any Python and onnxruntime")
-    p.add_argument("--data", required=True, help=".npz file with the training arrays")
+    p.add_argument("--data", help=".npz file with the training arrays")
     p.add_argument("--eval", dest="eval_data", help=".npz file with evaluation arrays (same keys)")
-    p.add_argument("--inputs", nargs="+", required=True, metavar="KEY",
+    p.add_argument("--inputs", nargs="+", metavar="KEY",
                    help="npz keys fed to the model inputs, in the model's input order")
-    p.add_argument("--labels", required=True, metavar="KEY", help="npz key holding the labels/targets")
-    p.add_argument("--loss", choices=list(LOSSES), default="cross_entropy")
+    p.add_argument("--labels", metavar="KEY", help="npz key holding the labels/targets")
+    p.add_argument("--loss", default="cross_entropy", metavar="LOSS",
+                   help=f"a built-in loss ({', '.join(LOSSES)}; default cross_entropy) or a custom one: "
+                        "module:function or path/to/file.py:function returning an onnxblock Block")
+    p.add_argument("--ignore-index", type=int, default=None, metavar="I",
+                   help="cross_entropy / causal_lm: the label of positions without one (default -100)")
+    p.add_argument("--pos-weight", type=float, nargs="+", default=None, metavar="W",
+                   help="bce_with_logits: weight of the positive targets (one number, or one per class)")
     p.add_argument("--optimizer", choices=OPTIMIZERS, default="adamw")
-    p.add_argument("--epochs", type=at_least(1), required=True, help="total epochs (a resumed run continues up to it)")
-    p.add_argument("--batch-size", type=at_least(1), required=True)
+    p.add_argument("--epochs", type=at_least(1), help="total epochs (a resumed run continues up to it)")
+    p.add_argument("--batch-size", type=at_least(1))
     p.add_argument("--lr", type=positive_float, default=1e-3,
                    help="learning rate (default 1e-3; a resumed run keeps its saved rate)")
-    p.add_argument("--out", required=True, metavar="DIR", help="output folder")
+    p.add_argument("--schedule", choices=SCHEDULES, default=None,
+                   help="learning-rate schedule, per update, as Hugging Face's get_*_schedule_with_warmup "
+                        "(default constant); a resumed run keeps its saved one")
+    p.add_argument("--warmup-steps", type=at_least(0), default=0, metavar="N",
+                   help="updates of linear warmup from 0 to --lr (default 0)")
+    p.add_argument("--init-scale", type=positive_float, default=None, metavar="S",
+                   help="initial loss scale (torch's GradScaler default 65536; float16 scales dynamically)")
+    p.add_argument("--growth-interval", type=at_least(1), default=None, metavar="N",
+                   help="finite updates in a row before the loss scale grows (default 2000)")
+    p.add_argument("--growth-factor", type=positive_float, default=None, metavar="F",
+                   help="the loss scale's growth factor (default 2)")
+    p.add_argument("--backoff-factor", type=positive_float, default=None, metavar="F",
+                   help="the loss scale's back-off factor on non-finite gradients (default 0.5)")
+    p.add_argument("--no-loss-scaling", dest="loss_scaling", action="store_false",
+                   help="a static loss scale of 1 (torch's GradScaler(enabled=False)); non-finite updates are "
+                        "still skipped")
+    p.add_argument("--threads", type=at_least(0), default=None, metavar="N",
+                   help="intra-op threads of the onnxruntime sessions (default: all cores; 0: onnxruntime's default)")
+    p.add_argument("--out", metavar="DIR", help="output folder")
     p.add_argument("--device", choices=TARGETS, default="cpu")
     p.add_argument("--precision", choices=PRECISIONS, default="float16")
     p.add_argument("--resume", metavar="DIR", help="continue from a saved state folder (DIR or DIR/state)")
     p.add_argument("--frozen", nargs="+", default=[], metavar="NAME", help="initializers not to train")
+    p.add_argument("--train", dest="train_patterns", action="append", default=[], metavar="REGEX",
+                   help="train only the parameters whose name a pattern matches (re.search; repeatable)")
+    p.add_argument("--freeze", dest="freeze_patterns", action="append", default=[], metavar="REGEX",
+                   help="do not train the parameters whose name a pattern matches (re.search; repeatable)")
+    p.add_argument("--list-params", action="store_true",
+                   help="list the model's float initializers (shape, dtype, size, and the nodes reading "
+                        "exporter-made names) and exit without training")
     p.add_argument("--grad-accum-steps", type=at_least(1), default=1, metavar="K")
     p.add_argument("--clip-global-norm", type=positive_float, default=None, metavar="C")
     p.add_argument("--seed", type=at_least(0), default=0, help="shuffling seed (default 0)")
@@ -89,6 +126,14 @@ def register(sub) -> None:
 def _train(args) -> int:
     from onnxmp.training.distributed import abort_on_error, from_environment
 
+    if args.list_params:
+        return _list_params(args)
+    missing = [flag for flag, value in (("--data", args.data), ("--inputs", args.inputs), ("--labels", args.labels),
+                                        ("--epochs", args.epochs), ("--batch-size", args.batch_size),
+                                        ("--out", args.out)) if value is None]
+    if missing:
+        raise UsageError(f"the following arguments are required: {', '.join(missing)}",
+                         "see `onnxmp train --help`", prog="onnxmp train")
     comm = from_environment(args.distributed)
     if comm is None or comm.size == 1:
         return _train_on(args, None)
@@ -104,13 +149,13 @@ def _train(args) -> int:
 
 
 def _train_on(args, comm) -> int:
+    from onnxmp.cli import interrupts
     from onnxmp.files import atomic_directory, guard_outputs
     from onnxmp.training import Trainer, build_artifacts
-    from onnxmp.training.artifacts import check_replaceable
-
-    from onnxmp.training.artifacts import Artifacts
+    from onnxmp.training.artifacts import Artifacts, check_replaceable
 
     root = comm is None or comm.is_root
+    world = 1 if comm is None else comm.size
     out = Path(args.out)
     resume = _state_folder(Path(args.resume)) if args.resume else None
     prebuilt = Path(args.artifacts) if args.artifacts and resume is None else None
@@ -127,16 +172,16 @@ def _train_on(args, comm) -> int:
         inputs["--resume"] = resume
     if root:  # only rank 0 writes; on another host --out's folder need not exist
         guard_outputs({"--out": out}, inputs, folders=["--out"])
-        check_replaceable(out, marker="history.json", what="train output folder")
+        if not (out / "state" / "manifest.json").is_file():  # an interrupted run leaves only DIR/state
+            check_replaceable(out, marker="history.json", what="train output folder")
 
     if resume is not None:
-        trainer = Trainer.resume(resume, device=args.device, communicator=comm, engine=args.engine)
+        trainer = Trainer.resume(resume, device=args.device, communicator=comm, engine=args.engine,
+                                 **({"threads": args.threads} if args.threads is not None else {}))
         log.info("resumed at epoch %d (%d updates)", trainer.epoch, trainer.optimizer_steps)
         spec = _DataSpec.of_manifest(trainer.artifacts.manifest)
     elif prebuilt is not None:
         artifacts = Artifacts.load(prebuilt)
-        trainer = Trainer(artifacts, device=args.device, lr=args.lr, grad_accum_steps=args.grad_accum_steps,
-                          clip_global_norm=args.clip_global_norm, communicator=comm, engine=args.engine)
         spec = _DataSpec.of_manifest(artifacts.manifest)
     else:
         from onnxmp.training import _ort
@@ -147,32 +192,47 @@ def _train_on(args, comm) -> int:
 
         check_trainable_size(args.model)  # before the weights are read into memory
         model = load(args.model)
-        spec = _DataSpec.of_model(model, args.loss)
+        loss, loss_options = _loss(args)
+        spec = _DataSpec.of_model(model, args.loss, loss_options)
     # Every check on the data happens before anything is built or written.
     train = _read_arrays(args.data, args.inputs, args.labels, spec)
     evaluation = _read_arrays(args.eval_data, args.inputs, args.labels, spec) if args.eval_data else None
+    settings = _trainer_settings(args, len(train[0]), world)
+    if resume is None:
+        scaler = _scaler(args, args.precision if prebuilt is None else artifacts.precision)
+        if scaler is not None:
+            settings["scaler"] = scaler
+    else:
+        ignored = [flag for flag, given in (("--schedule", args.schedule is not None),
+                                            ("--warmup-steps", args.warmup_steps), ("--init-scale", args.init_scale),
+                                            ("--growth-interval", args.growth_interval),
+                                            ("--growth-factor", args.growth_factor),
+                                            ("--backoff-factor", args.backoff_factor),
+                                            ("--no-loss-scaling", not args.loss_scaling)) if given]
+        if ignored:
+            log.warning("%s not used with --resume: the run keeps its saved schedule and loss scaler",
+                        ", ".join(ignored))
 
     # The other ranks build their own artifacts (the same graphs; rank 0's weights are broadcast)
     # in a private folder, which goes when they are done.
-    workspace = atomic_directory(out) if root else _private_folder(f"onnxmp-rank{comm.rank}-")
-    with workspace as folder:
-        if resume is None and prebuilt is None:
-            from onnxmp.training.models import trainable
-
-            from onnxmp.training.prepare import without_gradient
-
-            frozen = set(args.frozen)
-            candidates = [n for n in trainable(model) if n not in frozen]
-            # Constants some exporters store as initializers (a clamp minimum...) have no gradient.
-            constant = without_gradient(model, candidates)
-            for name, reason in constant.items():
-                log.info("not training %s: %s", name, reason)
-            artifacts = build_artifacts(model, requires_grad=[n for n in candidates if n not in constant],
-                                        frozen=[*args.frozen, *constant], loss=args.loss, optimizer=args.optimizer,
-                                        precision=args.precision, target=args.device, out_dir=folder / "artifacts")
-            trainer = Trainer(artifacts, device=args.device, lr=args.lr, grad_accum_steps=args.grad_accum_steps,
-                              clip_global_norm=args.clip_global_norm, communicator=comm, engine=args.engine)
-        summaries, exported = _fit_and_export(trainer, train, evaluation, args, folder)
+    saved = _Saved(out / "state", resume)
+    try:
+        with interrupts.stop_on_signals(), interrupts.Deferral() as finishing:
+            workspace = atomic_directory(out) if root else _private_folder(f"onnxmp-rank{comm.rank}-")
+            with workspace as folder:
+                if resume is None and prebuilt is None:
+                    trained, frozen = _parameters(args, model)
+                    artifacts = build_artifacts(model, requires_grad=trained, frozen=frozen, loss=loss,
+                                                optimizer=args.optimizer, precision=args.precision,
+                                                target=args.device, out_dir=folder / "artifacts")
+                if resume is None:
+                    trainer = Trainer(artifacts, device=args.device, communicator=comm, **settings)
+                summaries, exported = _fit_and_export(trainer, train, evaluation, args, folder, saved)
+                finishing.start()  # DIR is complete: a signal now waits until it is renamed into place
+    except interrupts.Interrupted as stop:
+        if root:
+            sys.stderr.write(f"onnxmp train: interrupted by {stop.name}; {saved.describe(args)}\n")
+        return stop.exit_code
     if not root:
         return 0
     if comm is not None:
@@ -187,13 +247,119 @@ def _train_on(args, comm) -> int:
     return 0
 
 
+class _Saved:
+    """Where the per-epoch state goes (its final path, outside the output's temporary folder), and
+    what there is to resume from when the run stops."""
+
+    def __init__(self, path: Path, resumed_from: Path | None):
+        self.path = path
+        self.epoch: int | None = None  # the last epoch saved by this run
+        self.resumed_from = resumed_from
+
+    def save(self, trainer) -> None:
+        from onnxmp.cli import interrupts
+
+        with interrupts.deferred():  # a signal now waits: the state is never cut in half
+            if trainer.comm is None or trainer.comm.is_root:
+                self.path.parent.mkdir(exist_ok=True)
+            trainer.save(self.path)
+        self.epoch = trainer.epoch
+
+    def describe(self, args) -> str:
+        out = self.path.parent
+        if self.epoch is not None:
+            where = self.path
+            what = f"the state after epoch {self.epoch} is in {where}"
+        elif self.resumed_from is not None:
+            where = self.resumed_from
+            what = f"no epoch completed since the resume; the state resumed from is still {where}"
+        else:
+            return "no epoch completed: nothing was saved"
+        return f"{what}: continue with `onnxmp train --resume {where} --out {out} ...` (the same data and flags)"
+
+
+def _parameters(args, model) -> tuple[list[str], list[str]]:
+    """(trained, frozen) initializers: --frozen names, then the --train/--freeze patterns, less the
+    constants some exporters store as initializers (a clamp minimum...), which have no gradient."""
+    from onnxmp.cli.train_params import select
+    from onnxmp.training.models import trainable
+    from onnxmp.training.prepare import without_gradient
+
+    names = trainable(model)
+    candidates = [n for n in names if n not in set(args.frozen)]
+    trained, by_pattern = select(candidates, args.train_patterns, args.freeze_patterns)
+    if by_pattern:
+        log.info("not training %d parameter(s) the --train/--freeze patterns leave out", len(by_pattern))
+    constant = without_gradient(model, trained)
+    for name, reason in constant.items():
+        log.info("not training %s: %s", name, reason)
+    trained = [n for n in trained if n not in constant]
+    return trained, [*args.frozen, *by_pattern, *constant]
+
+
+def _list_params(args) -> int:
+    from onnxmp.cli.train_params import list_params
+    from onnxmp.load import load
+
+    if not args.model:
+        raise UsageError("--list-params needs the model", "onnxmp train MODEL --list-params", prog="onnxmp train")
+    for line in list_params(load(args.model)):
+        sys.stdout.write(line + "\n")
+    return 0
+
+
+def _loss(args):
+    """What build_artifacts takes for --loss, --ignore-index and --pos-weight."""
+    from onnxmp.training import losses
+
+    options = {}
+    if args.ignore_index is not None:
+        options["ignore_index"] = args.ignore_index
+    if args.pos_weight is not None:
+        options["pos_weight"] = args.pos_weight[0] if len(args.pos_weight) == 1 else args.pos_weight
+    if options:
+        if args.loss not in losses.LOSSES:
+            raise UsageError("--ignore-index and --pos-weight are options of the built-in losses, "
+                             f"not of {args.loss!r}",
+                             prog="onnxmp train")
+        return losses.block(args.loss, **options), options
+    return losses.resolve_loss(args.loss), {}
+
+
+def _scaler(args, precision: str):
+    """The loss scaler the flags ask for; None for the Trainer's default."""
+    from onnxmp.training.scaler import DynamicLossScaler
+
+    settings = {k: v for k, v in (("init_scale", args.init_scale), ("growth_interval", args.growth_interval),
+                                  ("growth_factor", args.growth_factor), ("backoff_factor", args.backoff_factor))
+                if v is not None}
+    if not args.loss_scaling:
+        return DynamicLossScaler(enabled=False)
+    if not settings:
+        return None
+    # Asked for on float32/bfloat16 too (their default is a static scale of 1): then it is dynamic there.
+    return DynamicLossScaler(**settings)
+
+
+def _trainer_settings(args, rows: int, world: int) -> dict:
+    """Trainer keywords from the flags; ``total_steps`` for a schedule counts the run's updates."""
+    settings = {"lr": args.lr, "grad_accum_steps": args.grad_accum_steps, "clip_global_norm": args.clip_global_norm,
+                "engine": args.engine, "threads": args.threads}
+    if args.schedule is not None or args.warmup_steps:
+        batches = math.ceil(rows / args.batch_size)
+        per_epoch = math.ceil(batches / (args.grad_accum_steps * world))  # a short last group is one update too
+        settings.update(schedule=args.schedule or "constant", warmup_steps=args.warmup_steps,
+                        total_steps=args.epochs * per_epoch)
+    return settings
+
+
 @contextlib.contextmanager
 def _private_folder(prefix: str):
     with tempfile.TemporaryDirectory(prefix=prefix) as folder:
         yield Path(folder)
 
 
-def _fit_and_export(trainer, train, evaluation, args, folder: Path) -> tuple[list[dict], list[str]]:
+def _fit_and_export(trainer, train, evaluation, args, folder: Path, saved: _Saved) -> tuple[list[dict], list[str]]:
     from onnxmp.files import write_text_atomic
     from onnxmp.training.distributed import contiguous_shard, shard
     from onnxmp.training.losses import LOSSES
@@ -224,11 +390,14 @@ def _fit_and_export(trainer, train, evaluation, args, folder: Path) -> tuple[lis
     # As convert's bars: none in a log file or a pipe, where it is only noise.
     progress = args.progress and sys.stderr.isatty()
     history = trainer.fit(epoch_batches, args.epochs, eval_batches, metrics, progress=progress,
-                          on_epoch_end=lambda t, _: t.save(folder / "state"))
+                          on_epoch_end=lambda t, _: saved.save(t))
     if not history.epochs:  # nothing left to train: keep the state resumable
-        trainer.save(folder / "state")
+        saved.save(trainer)
     if not root:
         return history.epochs, []
+    # DIR/state is already in place; the new DIR (this temporary folder) replaces the old one whole,
+    # so it takes a copy of it.
+    shutil.copytree(saved.path, folder / "state")
     summary = {"epochs": history.epochs, "skipped_steps": trainer.skipped_steps,
                "optimizer_steps": trainer.optimizer_steps, "loss_scale": trainer.scaler.scale}
     if comm is not None:
@@ -256,14 +425,15 @@ class _DataSpec:
     dtypes: dict[str, str]
     loss: str
     output_shape: list[int | None]
+    loss_options: dict | None = None
 
     @classmethod
     def of_manifest(cls, manifest: dict) -> "_DataSpec":
         return cls(list(manifest["model_inputs"]), dict(manifest["input_dtypes"]), manifest["loss"],
-                   list(manifest.get("output_shape", [])))
+                   list(manifest.get("output_shape", [])), manifest.get("loss_options"))
 
     @classmethod
-    def of_model(cls, model, loss: str) -> "_DataSpec":
+    def of_model(cls, model, loss: str, options: dict | None = None) -> "_DataSpec":
         from onnx import helper
 
         from onnxmp.inputs import model_inputs
@@ -271,7 +441,7 @@ class _DataSpec:
 
         inputs = model_inputs(model)
         dtypes = {v.name: str(helper.tensor_dtype_to_np_dtype(v.type.tensor_type.elem_type)) for v in inputs}
-        return cls([v.name for v in inputs], dtypes, loss, output_shape(model))
+        return cls([v.name for v in inputs], dtypes, loss, output_shape(model), options)
 
 
 def _read_arrays(path: str, inputs: list[str], labels: str, spec: _DataSpec) -> list[np.ndarray]:
@@ -301,7 +471,7 @@ def _read_arrays(path: str, inputs: list[str], labels: str, spec: _DataSpec) -> 
                               f"{spec.dtypes[name]}")
         result.append(array.astype(spec.dtypes[name], copy=False))
     result.append(check_labels(spec.loss, arrays[-1], rows=len(arrays[0]), shape=spec.output_shape,
-                               where=f"{path}: labels {labels!r}"))
+                               where=f"{path}: labels {labels!r}", options=spec.loss_options))
     return result
 
 
@@ -309,8 +479,8 @@ def _print_table(summaries: list[dict]) -> None:
     if not summaries:
         sys.stdout.write("nothing to train: the state already has all epochs\n")
         return
-    columns = [c for c in ("epoch", "loss", "eval_loss", "eval_accuracy", "eval_binary_accuracy", "loss_scale",
-                           "skipped_steps") if c in summaries[0]]
+    columns = [c for c in ("epoch", "loss", "eval_loss", "eval_accuracy", "eval_token_accuracy",
+                           "eval_binary_accuracy", "loss_scale", "skipped_steps") if c in summaries[0]]
     sys.stdout.write("  ".join(f"{c:>14}" for c in columns) + "\n")
     for row in summaries:
         cells = []

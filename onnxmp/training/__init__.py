@@ -13,6 +13,8 @@ from onnxmp.training.artifacts import Artifacts
 from onnxmp.training.build import build_artifacts
 from onnxmp.training.optim import SGD, AdamW
 from onnxmp.training.scaler import DynamicLossScaler
+from onnxmp.training.schedules import Schedule
 from onnxmp.training.trainer import History, StepResult, Trainer
 
-__all__ = ["SGD", "AdamW", "Artifacts", "DynamicLossScaler", "History", "StepResult", "Trainer", "build_artifacts"]
+__all__ = ["SGD", "AdamW", "Artifacts", "DynamicLossScaler", "History", "Schedule", "StepResult", "Trainer",
+           "build_artifacts"]

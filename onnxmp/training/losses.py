@@ -185,7 +185,8 @@ class Loss:
 LOSSES: dict[str, Loss] = {loss.name: loss for loss in (
     Loss("cross_entropy", cross_entropy, "labels", classes=True, metrics=("accuracy",),
          options={"ignore_index": IGNORE_INDEX}, ranks=(2, None)),
-    Loss("causal_lm", causal_lm, "labels", classes=True, options={"ignore_index": IGNORE_INDEX}, ranks=(3, 3)),
+    Loss("causal_lm", causal_lm, "labels", classes=True, metrics=("token_accuracy",),
+         options={"ignore_index": IGNORE_INDEX}, ranks=(3, 3)),
     Loss("mse", mse, "target", classes=False),
     Loss("bce_with_logits", bce_with_logits, "target", classes=False, probabilities=True,
          metrics=("binary_accuracy",), options={"pos_weight": None}),

@@ -1,6 +1,7 @@
 """What a training run reports: per-step results, the history of a fit, and eval metrics."""
 from __future__ import annotations
 
+import functools
 from dataclasses import asdict, dataclass, field
 from typing import Any, Callable, Sequence
 
@@ -11,9 +12,26 @@ from onnxmp.errors import OnnxMPError
 Metric = Callable[[np.ndarray, np.ndarray], float]
 
 
-def accuracy(labels: np.ndarray, predictions: np.ndarray) -> float:
-    """Share of rows whose arg-max over the last axis equals the integer label."""
-    return float(np.mean(np.argmax(predictions, axis=-1) == labels))
+IGNORE_INDEX = -100  # torch's and Hugging Face's; losses.IGNORE_INDEX is the same
+
+
+def accuracy(labels: np.ndarray, predictions: np.ndarray, *, ignore_index: int | None = IGNORE_INDEX) -> float:
+    """Share of the labelled positions whose arg-max over the last axis equals the integer label.
+
+    Positions labelled ``ignore_index`` (-100, as the losses ignore them) do not count; NaN
+    when a batch has none."""
+    labels = np.asarray(labels)
+    hits = np.argmax(predictions, axis=-1) == labels
+    if ignore_index is not None:
+        keep = labels != ignore_index
+        return float(np.mean(hits[keep])) if keep.any() else float("nan")
+    return float(np.mean(hits))
+
+
+def token_accuracy(labels: np.ndarray, predictions: np.ndarray, *, ignore_index: int | None = IGNORE_INDEX) -> float:
+    """The causal-LM accuracy: logits at position ``t`` predict the label at ``t + 1``, as the
+    ``causal_lm`` loss shifts them; ``ignore_index`` positions do not count."""
+    return accuracy(np.asarray(labels)[:, 1:], np.asarray(predictions)[:, :-1], ignore_index=ignore_index)
 
 
 def binary_accuracy(labels: np.ndarray, predictions: np.ndarray) -> float:
@@ -21,7 +39,9 @@ def binary_accuracy(labels: np.ndarray, predictions: np.ndarray) -> float:
     return float(np.mean((predictions > 0) == (labels > 0.5)))
 
 
-METRICS: dict[str, Metric] = {"accuracy": accuracy, "binary_accuracy": binary_accuracy}
+METRICS: dict[str, Metric] = {"accuracy": accuracy, "token_accuracy": token_accuracy,
+                              "binary_accuracy": binary_accuracy}
+_MASKED = ("accuracy", "token_accuracy")  # the ones that take the loss's ignore_index
 
 
 @dataclass(frozen=True)
@@ -54,14 +74,19 @@ class History:
         return asdict(self)
 
 
-def metric_functions(metrics: Sequence[str | tuple[str, Metric]]) -> list[tuple[str, Metric]]:
+def metric_functions(metrics: Sequence[str | tuple[str, Metric]], *,
+                     ignore_index: int | None = IGNORE_INDEX) -> list[tuple[str, Metric]]:
+    """``(name, fn)`` pairs; the named class-id metrics skip ``ignore_index`` (the loss's)."""
     result = []
     for metric in metrics:
         if isinstance(metric, str):
             if metric not in METRICS:
                 raise OnnxMPError(f"unknown metric {metric!r}", f"use one of {', '.join(METRICS)} "
                                                                 "or a (name, function) pair")
-            result.append((metric, METRICS[metric]))
+            fn = METRICS[metric]
+            if metric in _MASKED:
+                fn = functools.partial(fn, ignore_index=ignore_index)
+            result.append((metric, fn))
         else:
             result.append(tuple(metric))
     return result

@@ -45,6 +45,9 @@ def save(trainer: "Trainer", path: str | os.PathLike) -> Path:
         "micro_steps": trainer.micro_steps, "epoch": trainer.epoch,
         "grad_accum_steps": trainer.grad_accum_steps, "clip_global_norm": trainer.clip_global_norm,
         "learning_rate": trainer.learning_rate,
+        # A Schedule is settings, saved whole; the run continues on it from the saved update count.
+        "schedule": None if trainer.schedule is None else trainer.schedule.to_dict(),
+        "base_learning_rate": trainer.base_lr,
         # A schedule is a Python function, which a state cannot hold: record that there was
         # one, so resume() can refuse to continue silently without it.
         "lr_schedule": trainer.lr_schedule is not None,
@@ -106,7 +109,13 @@ def resume_settings(path: str | os.PathLike, lr_schedule: Callable[[int], float]
         log.info("resuming a %d-rank run on %d rank(s): %d micro-batch(es) per rank keep the effective "
                  "batch of %d", saved_world, world, per_rank, effective)
     settings = {"scaler": scaler, "grad_accum_steps": per_rank,
-                "clip_global_norm": saved["clip_global_norm"], "lr": saved["learning_rate"], **overrides}
+                "clip_global_norm": saved["clip_global_norm"], "lr": saved["learning_rate"]}
+    if saved.get("schedule") and lr_schedule is None:
+        from onnxmp.training.schedules import Schedule
+
+        settings["schedule"] = Schedule.from_dict(saved["schedule"])
+        settings["base_lr"] = float(saved["base_learning_rate"])
+    settings.update(overrides)
     return artifacts, saved, settings
 
 

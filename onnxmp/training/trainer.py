@@ -35,11 +35,12 @@ from onnxmp.training import _ort, saving
 from onnxmp.training.artifacts import Artifacts
 from onnxmp.training.distributed import Communicator
 from onnxmp.training.engines import make_engine
-from onnxmp.training.labels import check_labels
+from onnxmp.training.labels import check_labels, label_run_error
 from onnxmp.training.loss_scale import GRAD_SHAPE, GRAD_WEIGHT, LOSS, LOSS_SCALE
-from onnxmp.training.losses import LOSSES
+from onnxmp.training.losses import IGNORE_INDEX, LOSSES
 from onnxmp.training.metrics import METRICS, History, Metric, StepResult, metric_functions
 from onnxmp.training.scaler import DynamicLossScaler
+from onnxmp.training.schedules import Schedule
 
 log = logging.getLogger("onnxmp.training")
 
@@ -50,11 +51,22 @@ class Trainer:
     """Train from an :class:`Artifacts` folder (or its path).
 
     ``scaler`` defaults to :class:`DynamicLossScaler` for float16 artifacts and
-    a static scale of 1 otherwise (bfloat16 and float32 have float32's range).
-    ``lr`` sets the optimizer's learning rate (``None`` leaves the default, 1e-3);
-    ``lr_schedule(step)`` sets it before each applied update, ``step`` counting
-    applied updates.  ``clip_global_norm`` clips the unscaled gradients of each
-    effective batch by their global L2 norm.
+    a static scale of 1 otherwise (bfloat16 and float32 have float32's range); a
+    mapping of its settings (``{"init_scale": 2**24, "growth_interval": 100}``,
+    GradScaler's names) makes one.  After each effective batch the scaler's
+    ``check_progress`` raises where no loss scale can help (a NaN loss in float32 or
+    bfloat16, non-finite gradients at the scale's floor), so a run never silently
+    stops learning.
+
+    ``lr`` sets the optimizer's (base) learning rate (``None`` leaves the default, 1e-3).
+    ``schedule`` (a :class:`~onnxmp.training.schedules.Schedule`, or one of its names with
+    ``warmup_steps`` and ``total_steps``) sets it to ``schedule.lr_at(updates, lr)`` before
+    each applied update, as Hugging Face's ``get_*_schedule_with_warmup`` steps (per
+    effective batch; a skipped update does not advance it); it is saved with the state.
+    ``lr_schedule(step)``, a function, does the same but cannot be saved.
+    ``clip_global_norm`` clips the unscaled gradients of each effective batch by their
+    global L2 norm.  ``threads`` sets the sessions' intra-op threads (0: onnxruntime's
+    default, all cores; data-parallel ranks share a host's cores unless given).
 
     ``communicator`` (a :class:`~onnxmp.training.distributed.Communicator` of
     ``W`` ranks) trains data-parallel: each rank runs ``grad_accum_steps``
@@ -75,7 +87,9 @@ class Trainer:
     def __init__(self, artifacts: Artifacts | str | os.PathLike, *, device: str = "cpu",
                  scaler: DynamicLossScaler | None = None, grad_accum_steps: int = 1, lr: float | None = 1e-3,
                  lr_schedule: Callable[[int], float] | None = None, clip_global_norm: float | None = None,
-                 communicator: Communicator | None = None, engine: str = "auto"):
+                 communicator: Communicator | None = None, engine: str = "auto",
+                 schedule: Schedule | str | None = None, warmup_steps: int = 0, total_steps: int | None = None,
+                 threads: int | None = None):
         self.comm = communicator if communicator is not None and communicator.size > 1 else None
         self.world_size = 1 if self.comm is None else self.comm.size
         self.rank = 0 if self.comm is None else self.comm.rank
@@ -86,14 +100,28 @@ class Trainer:
         self.grad_accum_steps = int(grad_accum_steps)
         self.clip_global_norm = None if clip_global_norm is None else float(clip_global_norm)
         self.lr_schedule = lr_schedule
+        if isinstance(schedule, str):
+            schedule = Schedule(schedule, warmup_steps, total_steps)
+        elif schedule is not None and not isinstance(schedule, Schedule):
+            raise OnnxMPError(f"schedule must be a Schedule or one of its names, got {type(schedule).__name__}",
+                              "pass schedule='linear' with warmup_steps and total_steps, or a Schedule")
+        if schedule is not None and lr_schedule is not None:
+            raise OnnxMPError("schedule and lr_schedule both set the learning rate", "pass one of them")
+        self.schedule = schedule
         if scaler is None:
             scaler = DynamicLossScaler() if self.artifacts.precision == "float16" else DynamicLossScaler.static(1.0)
+        elif isinstance(scaler, Mapping):
+            scaler = DynamicLossScaler(**scaler)
         self.scaler = scaler
+        if threads is not None and (isinstance(threads, bool) or int(threads) != threads or threads < 0):
+            raise OnnxMPError(f"threads must be a non-negative integer (0: onnxruntime's default), got {threads!r}")
 
-        self.engine = make_engine(engine, self.artifacts, device, threads=self._threads(),
+        self.engine = make_engine(engine, self.artifacts, device,
+                                  threads=self._threads() if threads is None else int(threads),
                                   clip_global_norm=self.clip_global_norm)
         if lr is not None:
             self.engine.learning_rate = float(lr)
+        self.base_lr = float(lr) if lr is not None else self.engine.learning_rate  # what a schedule multiplies
         self._dtypes = {name: np.dtype(d) for name, d in self.artifacts.manifest["input_dtypes"].items()}
 
         # Counters; all of them are saved with the state.
@@ -188,16 +216,21 @@ class Trainer:
         if apply:
             if self.lr_schedule is not None:
                 self.engine.learning_rate = float(self.lr_schedule(self.optimizer_steps))
+            elif self.schedule is not None:
+                self.engine.learning_rate = self.schedule.lr_at(self.optimizer_steps, self.base_lr)
             self.engine.step()
             self.optimizer_steps += 1
         else:
             self.skipped_steps += 1
             log.debug("non-finite gradients: update skipped, loss scale now %g", self.scaler.scale)
         self.engine.reset_grad()
+        # Data-parallel: every rank's losses, so that every rank decides alike.
+        losses = self._pending_losses if self.comm is None else self.last_batch_losses
         self._pending = 0
         self._pending_finite = True
         self._pending_losses = []
         self._ran_since_reset = False
+        self.scaler.check_progress(losses, precision=self.artifacts.precision)
         return apply
 
     def _reduce_effective_batch(self) -> bool | None:
@@ -289,7 +322,7 @@ class Trainer:
         from tqdm.auto import tqdm
 
         history = History()
-        metric_fns = metric_functions(metrics)
+        metric_fns = self._metric_functions(metrics)
         for epoch in range(self.epoch, epochs):
             batches = train_batches(epoch) if callable(train_batches) else train_batches
             total = len(batches) if hasattr(batches, "__len__") else None
@@ -352,7 +385,7 @@ class Trainer:
         :func:`~onnxmp.training.distributed.contiguous_shard`); the per-batch sums are
         gathered and added in that global order, so the result equals one process's.
         """
-        metric_fns = metric_functions(metrics)
+        metric_fns = self._metric_functions(metrics)
         prediction = self.artifacts.manifest["forward_outputs"][0]
         label = self.artifacts.manifest["label_input"]
         names = [LOSS, *(name for name, _ in metric_fns)]
@@ -437,11 +470,14 @@ class Trainer:
         would have; otherwise it is refused unless ``grad_accum_steps`` is given.
         """
         artifacts, saved, settings = saving.resume_settings(path, lr_schedule, communicator, overrides)
+        base_lr = settings.pop("base_lr", None)
         trainer = cls(artifacts, device=device, lr_schedule=lr_schedule, communicator=communicator, **settings)
         trainer.optimizer_steps = saved["optimizer_steps"]
         trainer.skipped_steps = saved["skipped_steps"]
         trainer.micro_steps = saved["micro_steps"]
         trainer.epoch = saved["epoch"]
+        if base_lr is not None and "lr" not in overrides:
+            trainer.base_lr = base_lr
         if trainer.comm is not None:
             trainer._check_same_state(path)
         return trainer
@@ -475,12 +511,17 @@ class Trainer:
         for name, array in zip(names, arrays):
             if name == label and isinstance(manifest.get("loss"), str) and manifest["loss"] in LOSSES:
                 rows = len(arrays[0]) if len(arrays) > 1 else len(array)
-                array = check_labels(manifest["loss"], array, rows=rows, shape=manifest.get("output_shape", []))
+                array = check_labels(manifest["loss"], array, rows=rows, shape=manifest.get("output_shape", []),
+                                     options=manifest.get("loss_options"))
             elif np.asarray(array).dtype.kind not in "biuf":
                 raise OnnxMPError(f"input {name} has dtype {np.asarray(array).dtype}; the model wants "
                                   f"{self._dtypes[name]}")
             checked[name] = np.ascontiguousarray(array, dtype=self._dtypes[name])
         return checked
+
+    def _metric_functions(self, metrics):
+        options = self.artifacts.manifest.get("loss_options") or {}
+        return metric_functions(metrics, ignore_index=options.get("ignore_index", IGNORE_INDEX))
 
     def _run(self, graph: str, feeds: Mapping[str, np.ndarray]):
         try:
@@ -494,6 +535,9 @@ class Trainer:
         """ORT's run error as a one-line OnnxMPError.  ORT checks the feeds against the graph's
         inputs before it runs a node: only such an error is the batch's fault for sure.  One
         from a node may still come from the batch (labels the loss rejects), or from the graph."""
+        err = label_run_error(text, self.artifacts.inputs)
+        if err:
+            return err
         inputs = (f"inputs are {', '.join(self.artifacts.inputs)} "
                   f"with dtypes {self.artifacts.manifest['input_dtypes']}")
         node = re.search(r"while running (\S+) node\. Name:'([^']*)'", text)

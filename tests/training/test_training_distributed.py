@@ -305,10 +305,14 @@ def test_an_exception_on_one_rank_ends_the_job_with_its_error(cli_files):
 
 
 @needs_mpi
-def test_a_killed_rank_ends_the_job_and_leaves_no_output(cli_files):
+def test_a_killed_rank_ends_the_job_and_leaves_only_the_last_state(cli_files):
+    from onnxmp.training import Trainer
+
     done = _launch(2, str(WORKER), "cli", "kill", "--", *_cli_args(cli_files, cli_files / "out"), timeout=60)
     assert done.returncode != 0
-    assert not (cli_files / "out").exists()  # rank 0's folder is renamed into place only at the end
+    # rank 0's folder is renamed into place only at the end; the per-epoch state is at its final path.
+    assert sorted(p.name for p in (cli_files / "out").iterdir()) == ["state"]
+    assert Trainer.resume(cli_files / "out" / "state").epoch == 1
 
 
 @needs_mpi

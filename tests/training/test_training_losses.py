@@ -229,8 +229,10 @@ def test_labels_with_other_positions_fail_at_the_first_step(tmp_path):
     short = data["labels"][:, :3]  # 3 labels for 5 positions: GatherElements alone would read a prefix
     with pytest.raises(OnnxMPError) as info:
         trainer.train_step(data["x"], short)
-    assert "labels_like_logits" in str(info.value)
-    assert "do not have the logits' positions" in str(label_run_error(str(info.value)))
+    # The Trainer turns onnxruntime's error in the labels_like_logits check into the batch's fault.
+    assert "do not have the logits' positions" in str(info.value) and "a batch is x, labels" in str(info.value)
+    assert label_run_error("onnxruntime failed in a Reshape node 'onnxmp/loss/causal_lm/labels_like_logits'") \
+        is not None and label_run_error("onnxruntime failed in a MatMul node 'm'") is None
     assert trainer.train_step(data["x"], data["labels"]).stepped
 
 
@@ -275,3 +277,22 @@ def test_a_batch_with_every_label_ignored_trains_on_as_torch_does(tmp_path):
     assert math.isnan(result.loss) and result.all_finite and result.stepped
     trainer.scaler.check_progress([result.loss], precision="float32")  # no error: the update ran
     assert all(np.array_equal(v, data[k]) for k, v in trainer.parameters().items())  # zero gradients: SGD keeps them
+
+
+def test_causal_lm_evaluates_a_token_accuracy_on_the_shifted_labelled_positions(tmp_path):
+    from onnxmp.training import Trainer
+    from onnxmp.training.metrics import token_accuracy
+
+    data = case("causal_lm_tokens_ignored")
+    artifacts = build_artifacts(tiny_model(data["x"], data["W"], data["b"]), requires_grad=["W", "b"],
+                                loss="causal_lm", precision="float32", out_dir=tmp_path / "lm")
+    assert losses_module.LOSSES["causal_lm"].metrics == ("token_accuracy",)
+    result = Trainer(artifacts).evaluate([(data["x"], data["labels"])], ["token_accuracy"])
+    logits = data["x"] @ data["W"] + data["b"]
+    labels = np.asarray(data["labels"])
+    shifted, predicted = labels[:, 1:], logits[:, :-1].argmax(-1)
+    keep = shifted != -100
+    assert keep.sum() < shifted.size  # the case has ignored positions, and they do not count
+    assert result["token_accuracy"] == pytest.approx(float(np.mean(predicted[keep] == shifted[keep])))
+    assert result["token_accuracy"] == pytest.approx(token_accuracy(labels, logits))
+    assert result["loss"] == pytest.approx(float(data["loss"]), rel=1e-5)

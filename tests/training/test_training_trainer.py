@@ -1,4 +1,6 @@
 """Trainer semantics: skipped steps, scale growth, resume, accumulation, clipping."""
+import math
+
 import numpy as np
 import onnx
 import pytest
@@ -43,10 +45,16 @@ def test_skipped_step_leaves_optimizer_state_untouched(fp32_artifacts, batches):
     Power-of-two loss scales are exact in float32, so the comparison is bit for bit."""
     clean = Trainer(fp32_artifacts, scaler=DynamicLossScaler(4.0))
     with_skip = Trainer(fp32_artifacts, scaler=DynamicLossScaler(4.0))
-    for trainer, sequence in ((clean, batches[:3]), (with_skip, [batches[0], with_nan(batches[5]), *batches[1:3]])):
-        for batch in sequence:
-            trainer.train_step(*batch)
-    assert with_skip.scaler.scale == 2.0 and clean.scaler.scale == 4.0
+    for batch in batches[:3]:
+        clean.train_step(*batch)
+    # Non-finite through the gradients only (an infinite scale): a NaN loss in float32 is an error now.
+    with_skip.train_step(*batches[0])
+    with_skip.scaler.scale = math.inf
+    assert with_skip.train_step(*batches[5]).skipped
+    with_skip.scaler.scale = 4.0
+    for batch in batches[1:3]:
+        with_skip.train_step(*batch)
+    assert clean.scaler.scale == 4.0
     assert_same_parameters(clean.parameters(), with_skip.parameters())
     assert clean.optimizer_steps == with_skip.optimizer_steps == 3
 
@@ -267,10 +275,77 @@ def test_lr_schedule_counts_applied_updates_only(fp32_artifacts, batches):
         return 0.1 / (step + 1)
 
     trainer = Trainer(fp32_artifacts, lr_schedule=schedule)
-    for b in (batches[0], with_nan(batches[1]), batches[2], batches[3]):
+    trainer.train_step(*batches[0])
+    skip_through_gradients(trainer, batches[1])
+    for b in batches[2:4]:
         trainer.train_step(*b)
     assert calls == [0, 1, 2]
     assert trainer.learning_rate == pytest.approx(0.1 / 3)
+
+
+def skip_through_gradients(trainer, batch):
+    """A skipped update whose loss is finite: an infinite scale overflows only the gradients."""
+    scale = trainer.scaler.scale
+    trainer.scaler.scale = math.inf
+    assert trainer.train_step(*batch).skipped
+    trainer.scaler.scale = scale
+
+
+def test_named_schedule_sets_lr_per_applied_update_and_resumes(fp32_artifacts, batches, tmp_path):
+    """Hugging Face's warmup: the first update runs at lr 0 (weights unchanged), then linear decay;
+    a skipped update does not advance it; the schedule and base lr are saved with the state."""
+    from onnxmp.training.schedules import Schedule
+
+    trainer = Trainer(fp32_artifacts, lr=0.1, schedule="linear", warmup_steps=2, total_steps=6)
+    before = trainer.parameters()
+    trainer.train_step(*batches[0])
+    assert trainer.learning_rate == 0.0
+    assert_same_parameters(before, trainer.parameters())
+    skip_through_gradients(trainer, batches[1])
+    trainer.train_step(*batches[2])
+    assert trainer.learning_rate == pytest.approx(0.05)
+    trainer.save(tmp_path / "state")
+    resumed = Trainer.resume(tmp_path / "state")
+    assert resumed.schedule == Schedule("linear", 2, 6) and resumed.base_lr == 0.1
+    for t in (trainer, resumed):
+        for b in batches[3:5]:
+            t.train_step(*b)
+    assert trainer.learning_rate == resumed.learning_rate == pytest.approx(0.1 * 3 / 4)
+    assert_same_parameters(trainer.parameters(), resumed.parameters())
+    with pytest.raises(OnnxMPError, match="both set the learning rate"):
+        Trainer(fp32_artifacts, schedule="constant", lr_schedule=lambda step: 0.1)
+    with pytest.raises(OnnxMPError, match="needs total_steps"):
+        Trainer(fp32_artifacts, schedule="cosine")
+
+
+def test_nan_loss_in_float32_is_an_error_not_a_silent_skip(fp32_artifacts, batches):
+    trainer = Trainer(fp32_artifacts)
+    trainer.train_step(*batches[0])
+    with pytest.raises(OnnxMPError, match="the loss is nan in float32"):
+        trainer.train_step(*with_nan(batches[1]))
+
+
+def test_scaler_settings_and_threads(fp16_artifacts, batches):
+    trainer = Trainer(fp16_artifacts, scaler={"init_scale": 2.0**24, "growth_interval": 2}, threads=1)
+    assert trainer.train_step(*batches[0]).loss_scale == 2.0**24
+    assert trainer.scaler.growth_interval == 2 and trainer.scaler.init_scale == 2.0**24
+    with pytest.raises(OnnxMPError, match="threads must be"):
+        Trainer(fp16_artifacts, threads=-1)
+
+
+def test_accuracy_skips_ignored_labels():
+    from onnxmp.training.metrics import accuracy, metric_functions, token_accuracy
+
+    logits = np.eye(3, dtype=np.float32)[None].repeat(2, 0)  # position t predicts class t
+    labels = np.array([[0, 1, -100], [0, 2, 2]])
+    assert accuracy(labels, logits) == pytest.approx(4 / 5)
+    assert accuracy(np.array([[-100, -100, -100]]), logits[:1]) != accuracy(np.array([[-100, -100, -100]]),
+                                                                             logits[:1])  # NaN: none labelled
+    # Shifted: logits at t against labels at t + 1 -> [1, -100] and [2, 2] against predictions [0, 1].
+    assert token_accuracy(labels, logits) == pytest.approx(0 / 3)
+    assert token_accuracy(np.array([[5, 0, 1]]), logits[:1]) == 1.0
+    (name, fn), = metric_functions(["accuracy"], ignore_index=2)
+    assert name == "accuracy" and fn(labels, logits) == pytest.approx(3 / 4)  # -100 counts, 2 not
 
 
 def test_fit_shows_a_progress_bar(fp16_artifacts, batches, capsys):

@@ -1,0 +1,115 @@
+"""`onnxmp train` stopped by a real signal keeps the last completed epoch's state at the logged path."""
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import onnx
+import pytest
+
+from onnxmp.cli import main
+from onnxmp.training import Trainer
+from onnxmp.training.models import mlp
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture()
+def files(tmp_path):
+    onnx.save(mlp((8, 16, 4), seed=3), tmp_path / "model.onnx")
+    x = np.random.default_rng(0).normal(size=(64, 8)).astype(np.float32)
+    np.savez(tmp_path / "train.npz", feat=x, lab=x[:, :4].argmax(axis=1))
+    return tmp_path
+
+
+def _args(files, out, epochs, *extra):
+    return ["train", str(files / "model.onnx"), "--data", str(files / "train.npz"), "--inputs", "feat",
+            "--labels", "lab", "--epochs", str(epochs), "--batch-size", "16", "--lr", "0.01", "--out", str(out),
+            "--no-progress", "--precision", "float32", *extra]
+
+
+@pytest.fixture()
+def start():
+    started = []
+
+    def run(files, out):
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+        # Enough epochs that the run is still going when the signal comes.
+        started.append(subprocess.Popen([sys.executable, "-m", "onnxmp", *_args(files, out, 100000)], cwd=files,
+                                        env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+        return started[-1]
+
+    yield run
+    for process in started:  # a failed test leaves no run behind
+        if process.poll() is None:
+            process.kill()
+            process.communicate()
+
+
+def _wait_for_epochs(process, state: Path, epochs: int = 2, timeout: float = 120) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            if json.loads((state / "trainer_state.json").read_text())["epoch"] >= epochs:
+                return
+        except (OSError, ValueError):
+            pass  # not there yet (or being replaced)
+        assert process.poll() is None, process.communicate()
+        time.sleep(0.05)
+    process.kill()
+    pytest.fail(f"no state after {epochs} epochs in {timeout} s")
+
+
+@pytest.mark.parametrize("signum, code", [(signal.SIGINT, 130), (signal.SIGTERM, 143)])
+def test_a_signal_stops_the_run_and_keeps_the_last_state(files, start, signum, code):
+    out = files / "out"
+    process = start(files, out)
+    _wait_for_epochs(process, out / "state")
+    process.send_signal(signum)
+    stdout, stderr = process.communicate(timeout=120)
+    assert process.returncode == code, stderr
+    lines = [line for line in stderr.splitlines() if "interrupted" in line]
+    assert len(lines) == 1 and f"is in {out / 'state'}" in lines[0] and f"--resume {out / 'state'}" in lines[0]
+    assert sorted(p.name for p in out.iterdir()) == ["state"]  # nothing else of the run, no temporary folder
+    assert not [p for p in files.iterdir() if p.name.startswith(".out.")]
+
+    saved = json.loads((out / "state" / "trainer_state.json").read_text())["epoch"]
+    trainer = Trainer.resume(out / "state")
+    assert trainer.epoch == saved >= 2
+    # The log named this path: the CLI continues from it, into the same folder.
+    assert main(_args(files, out, saved + 1, "--resume", str(out / "state"))) == 0
+    history = json.loads((out / "history.json").read_text())
+    assert [e["epoch"] for e in history["epochs"]] == [saved + 1]
+
+
+def test_sigkill_leaves_the_last_state_at_the_logged_path(files, start):
+    out = files / "out"
+    process = start(files, out)
+    _wait_for_epochs(process, out / "state")
+    process.kill()
+    process.communicate(timeout=60)
+    trainer = Trainer.resume(out / "state")
+    assert trainer.epoch >= 2 and trainer.optimizer_steps == 4 * trainer.epoch
+
+
+def test_a_signal_during_a_save_waits_for_its_end():
+    from onnxmp.cli import interrupts
+
+    previous = signal.getsignal(signal.SIGTERM)
+    done = []
+    with pytest.raises(interrupts.Interrupted) as info:
+        with interrupts.stop_on_signals():
+            with interrupts.deferred():
+                os.kill(os.getpid(), signal.SIGTERM)
+                time.sleep(0.01)  # the handler has run: it only noted the signal
+                done.append("saved")
+            pytest.fail("the signal must be raised when the deferred block ends")
+    assert done == ["saved"] and info.value.exit_code == 143 and info.value.name == "SIGTERM"
+    assert signal.getsignal(signal.SIGTERM) is previous  # handlers restored
+    with interrupts.stop_on_signals():  # no signal: nothing raised, a started Deferral included
+        with interrupts.Deferral() as hold:
+            hold.start()
