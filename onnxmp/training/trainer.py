@@ -51,7 +51,7 @@ class Trainer:
 
     ``scaler`` defaults to :class:`DynamicLossScaler` for float16 artifacts and
     a static scale of 1 otherwise (bfloat16 and float32 have float32's range).
-    ``lr`` sets the optimizer's learning rate (``None`` leaves the default, 1e-3);
+    ``lr`` sets the optimizer's learning rate (``None``: the lr the artifacts' optimizer was built with);
     ``lr_schedule(step)`` sets it before each applied update, ``step`` counting
     applied updates.  ``clip_global_norm`` clips the unscaled gradients of each
     effective batch by their global L2 norm.
@@ -73,7 +73,7 @@ class Trainer:
     """
 
     def __init__(self, artifacts: Artifacts | str | os.PathLike, *, device: str = "cpu",
-                 scaler: DynamicLossScaler | None = None, grad_accum_steps: int = 1, lr: float | None = 1e-3,
+                 scaler: DynamicLossScaler | None = None, grad_accum_steps: int = 1, lr: float | None = None,
                  lr_schedule: Callable[[int], float] | None = None, clip_global_norm: float | None = None,
                  communicator: Communicator | None = None, engine: str = "auto"):
         self.comm = communicator if communicator is not None and communicator.size > 1 else None

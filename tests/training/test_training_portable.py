@@ -69,7 +69,7 @@ def test_sgd_steps_equal_numpy(sgd_linear, data):
 def _digest(trainer):
     engine = trainer.engine
     return (json.dumps({k: v.tolist() for k, v in engine.parameters().items()}),
-            json.dumps({k: v.numpy().tolist() for k, v in engine._state.items()}), engine._step)
+            json.dumps({k: v.numpy().tolist() for k, v in engine._update._state.items()}), engine._update.step)
 
 
 def test_non_finite_step_is_skipped_bit_for_bit(adamw_linear, data):
@@ -81,7 +81,7 @@ def test_non_finite_step_is_skipped_bit_for_bit(adamw_linear, data):
     assert not bad.all_finite and bad.skipped and trainer.skipped_steps == 1
     assert _digest(trainer) == before and trainer.scaler.scale == 1.0
     good = trainer.train_step(*data[1])
-    assert good.stepped and trainer.engine._step == 1
+    assert good.stepped and trainer.engine._update.step == 1
 
     clean = Trainer(adamw_linear, engine="portable", lr=1e-2)
     clean.train_step(*data[1])
