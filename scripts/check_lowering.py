@@ -1,0 +1,257 @@
+"""Lowering on the export matrix: the lowered training and eval models against ORT's own.
+
+For each entry of ``models/exports/matrix.json``, target and precision, builds the artifacts
+(onnxruntime-training 1.19.2, Python 3.11), lowers the training and eval models
+(:func:`onnxmp.training.lower.lower_model`) and runs both on one batch with onnxruntime-training's
+``InferenceSession`` on the CPU (which registers ORT's training kernels: the native graph is the
+oracle).  The native ``InPlaceAccumulatorV2`` nodes are given their optional second output, the
+accumulated buffer, so that the new buffer values are the kernel's own.  Prints, per model, the
+largest difference of ``loss_scaled``, ``loss``, ``all_finite``, the new buffers and the eval
+outputs (relative to the largest magnitude of each), then the lowering table: each op lowered,
+the standard ops it became, and in how many graphs it was proven equal.
+
+cuda-target graphs use float16/bfloat16 kernels the CPU build lacks: they are lowered and checked
+(onnx's full check, every op standard or registered by plain onnxruntime) but not run.
+``--plain PYTHON`` also creates a session of every lowered CPU-target model in another
+interpreter (a plain onnxruntime, e.g. Python 3.12).
+
+    python scripts/check_lowering.py [--entries bert2.torchscript17 ...] [--targets cpu cuda]
+        [--precisions float32 float16 bfloat16] [--cache DIR] [--plain /path/to/python]
+"""
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import numpy as np
+import onnx
+
+ROOT = Path(__file__).resolve().parents[1]
+EXPORTS = ROOT / "models" / "exports"
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(EXPORTS))
+
+from onnxmp.domains import is_onnx_domain  # noqa: E402
+from onnxmp.training.lower import LOWERINGS, check_lowered, lower_model  # noqa: E402
+
+MATRIX = json.loads((EXPORTS / "matrix.json").read_text())
+ACCUMULATOR = "InPlaceAccumulatorV2"
+
+
+def build(entry: str, target: str, precision: str, cache: Path) -> Path:
+    from onnxmp.training import build_artifacts
+    from onnxmp.training.prepare import without_gradient
+
+    out = cache / f"{entry}.{target}.{precision}"
+    if not (out / "manifest.json").exists():
+        model = onnx.load(str(EXPORTS / MATRIX[entry]["file"]))
+        names = [t.name for t in model.graph.initializer if t.data_type == onnx.TensorProto.FLOAT]
+        frozen = without_gradient(model, names)
+        build_artifacts(model, requires_grad=[n for n in names if n not in frozen], loss="cross_entropy",
+                        optimizer="adamw", precision=precision, target=target, out_dir=out)
+    return out
+
+
+def feeds(directory: Path, entry: str, seed: int = 0, reset: bool = False) -> dict[str, np.ndarray]:
+    """One batch, the initial parameters, random accumulation buffers and a loss scale."""
+    import tasks
+
+    manifest = json.loads((directory / "manifest.json").read_text())
+    training = onnx.load(str(directory / "training_model.onnx"), load_external_data=False)
+    forward = onnx.load(str(directory / "forward_model.onnx"))
+    params = {t.name: onnx.numpy_helper.to_array(t) for t in forward.graph.initializer}
+    batch = tasks.batches(MATRIX[entry]["arch"], MATRIX[entry]["inputs"], tasks.BATCH, seed)[0]
+    rng = np.random.default_rng(seed)
+    out = dict(zip(manifest["inputs"], batch))
+    for value in training.graph.input:
+        name = value.name
+        if name in out:
+            continue
+        if name in params:
+            out[name] = params[name]
+        elif name.endswith(".accumulation.buffer"):
+            shape = params[name[:-len("_grad.accumulation.buffer")]].shape
+            out[name] = np.asarray(rng.standard_normal(shape) * 1e-3, dtype=np.float32)
+        elif name == "lazy_reset_grad":
+            out[name] = np.array([reset], dtype=bool)
+        elif name == "loss_scale":
+            out[name] = np.array(1.0 if manifest["precision"] == "float32" else 1024.0, np.float32)
+        elif name == "grad_weight":
+            out[name] = np.array(0.5, np.float32)
+        else:
+            raise KeyError(f"no feed for {name}")
+    return out
+
+
+def with_buffers_out(training: onnx.ModelProto) -> tuple[onnx.ModelProto, dict[str, str]]:
+    """The native model with each accumulator's accumulated buffer as an output: flag name -> it."""
+    native = onnx.ModelProto()
+    native.CopyFrom(training)
+    types = {v.name: v.type for v in native.graph.input}
+    pairs = {}
+    for node in native.graph.node:
+        if node.op_type == ACCUMULATOR:
+            name = f"{node.input[0]}.native_out"
+            if len(node.output) < 2:
+                node.output.append(name)
+            else:
+                node.output[1] = name
+            pairs[node.output[0]] = name
+            native.graph.output.append(onnx.helper.make_value_info(name, types[node.input[0]]))
+    return native, pairs
+
+
+def session(model: onnx.ModelProto):
+    import onnxruntime as ort
+
+    options = ort.SessionOptions()
+    options.log_severity_level = 3
+    return ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
+
+
+def difference(want: np.ndarray, got: np.ndarray, scale: float | None = None) -> float:
+    """Largest |want - got| over ``scale`` (default: the largest |want|; 0 when both are all zeros);
+    inf on a shape or finiteness mismatch."""
+    want, got = np.asarray(want), np.asarray(got)
+    if want.shape != got.shape:
+        return float("inf")
+    if want.dtype == bool:
+        return float(np.any(want != got))
+    want, got = want.astype(np.float64), got.astype(np.float64)
+    if not np.array_equal(np.isfinite(want), np.isfinite(got)):
+        return float("inf")
+    finite = np.isfinite(want)
+    if scale is None:
+        scale = float(np.abs(want[finite]).max()) if finite.any() else 0.0
+    error = float(np.abs(want[finite] - got[finite]).max()) if finite.any() else 0.0
+    return error / scale if scale else error
+
+
+def compare_training(directory: Path, entry: str, reset: bool = False) -> dict[str, float]:
+    """Largest relative differences of the lowered training model's outputs against the native."""
+    training = onnx.load(str(directory / "training_model.onnx"))
+    native, pairs = with_buffers_out(training)
+    lowered = lower_model(training)
+    inputs = feeds(directory, entry, reset=reset)
+    # ORT's accumulator writes into the fed buffer's memory: each run gets its own copies.
+    want = dict(zip([o.name for o in native.graph.output], session(native).run(None, _copies(inputs))))
+    got = dict(zip([o.name for o in lowered.graph.output], session(lowered).run(None, _copies(inputs))))
+    result = {name: difference(want[name], got[name]) for name in ("loss_scaled", "loss", "all_finite")}
+    # Against the largest gradient of all: a gradient that is zero in exact arithmetic (a key
+    # bias under softmax) is rounding noise in both, with no scale of its own.
+    scale = max(float(np.abs(want[native_out]).max()) for native_out in pairs.values())
+    result["buffers"] = max(difference(want[native_out], got[flag], scale) for flag, native_out in pairs.items())
+    return result
+
+
+def _copies(arrays: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    return {k: v.copy() for k, v in arrays.items()}
+
+
+def compare_eval(directory: Path, entry: str) -> float:
+    evaluation = onnx.load(str(directory / "eval_model.onnx"))
+    lowered = lower_model(evaluation)
+    inputs = feeds(directory, entry)
+    names = {v.name for v in evaluation.graph.input}
+    inputs = {k: v for k, v in inputs.items() if k in names}
+    want, got = session(evaluation).run(None, inputs), session(lowered).run(None, inputs)
+    return max(difference(w, g) for w, g in zip(want, got))
+
+
+def lowered_ops(model: onnx.ModelProto, lowered: onnx.ModelProto) -> dict[str, set[str]]:
+    """Op lowered -> the op types of the nodes that replaced it (named after it)."""
+    result: dict[str, set[str]] = collections.defaultdict(set)
+    scopes = {n.name: n.op_type for n in model.graph.node if n.op_type in LOWERINGS and n.domain == "com.microsoft"}
+    for node in lowered.graph.node:
+        scope = node.name.rsplit("/", 1)[0]
+        if scope in scopes and node.op_type != "Constant":
+            result[scopes[scope]].add(node.op_type if is_onnx_domain(node.domain) else f"{node.domain}:{node.op_type}")
+    return result
+
+
+def structural(model: onnx.ModelProto) -> None:
+    """onnx's full check, and every op standard or registered by plain onnxruntime CPU and CUDA."""
+    check_lowered(model)
+    onnx.checker.check_model(model, full_check=True)
+
+
+def plain_sessions(paths: list[Path], python: str) -> str:
+    """Create a CPU session of each model in another interpreter (a plain onnxruntime)."""
+    code = ("import sys, onnxruntime as o\n"
+            "for p in sys.argv[1:]:\n"
+            "    o.InferenceSession(p, providers=['CPUExecutionProvider'])\n"
+            "print(o.__version__, len(sys.argv) - 1)\n")
+    done = subprocess.run([python, "-c", code, *map(str, paths)], capture_output=True, text=True, timeout=1800)
+    if done.returncode:
+        raise SystemExit(f"plain onnxruntime ({python}) refused a lowered model:\n{done.stderr[-2000:]}")
+    return done.stdout.strip()
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--entries", nargs="*", default=sorted(k for k, e in MATRIX.items() if "file" in e))
+    parser.add_argument("--targets", nargs="*", default=["cpu", "cuda"])
+    parser.add_argument("--precisions", nargs="*", default=["float32", "float16", "bfloat16"])
+    parser.add_argument("--cache", type=Path, default=None, help="folder of built artifacts to reuse")
+    parser.add_argument("--plain", action="append", default=[], help="python of a plain onnxruntime")
+    parser.add_argument("--tolerance", type=float, default=1e-4)
+    args = parser.parse_args(argv)
+    cache = args.cache or Path(tempfile.mkdtemp(prefix="check_lowering-"))
+    cache.mkdir(parents=True, exist_ok=True)
+    proven: dict[str, collections.Counter] = collections.defaultdict(collections.Counter)
+    became: dict[str, set[str]] = collections.defaultdict(set)
+    failures, saved = [], []
+    for target in args.targets:
+        for precision in args.precisions:
+            if target == "cuda" and precision == "float32":
+                continue  # float32 has no device-specific graph: the cpu build is the same model
+            for entry in args.entries:
+                key = f"{entry} {target} {precision}"
+                try:
+                    directory = build(entry, target, precision, cache)
+                except Exception as exc:  # the build itself failing is another helper's issue: say so
+                    print(f"{key:48s} BUILD FAILED: {str(exc).splitlines()[0][:150]}", flush=True)
+                    continue
+                row = {}
+                for kind in ("training_model", "eval_model"):
+                    model = onnx.load(str(directory / f"{kind}.onnx"))
+                    lowered = lower_model(model)
+                    structural(lowered)
+                    path = directory / f"{kind}.lowered.onnx"
+                    onnx.save(lowered, str(path))
+                    if target == "cpu":
+                        saved.append(path)
+                    for op, ops in lowered_ops(model, lowered).items():
+                        became[op] |= ops
+                        proven[op]["checked" if target == "cpu" else "structural"] += 1
+                if target == "cpu":
+                    row = compare_training(directory, entry)
+                    row["reset"] = compare_training(directory, entry, reset=True)["buffers"]
+                    row["eval"] = compare_eval(directory, entry)
+                    bad = {k: v for k, v in row.items() if not v <= args.tolerance}
+                    if bad:
+                        failures.append((key, bad))
+                print(f"{key:48s} " + (" ".join(f"{k}={v:.1e}" for k, v in row.items()) or "lowered, checked"),
+                      flush=True)
+    for python in args.plain:
+        print(f"plain onnxruntime sessions ({python}): {plain_sessions(saved, python)}")
+    print("\n| op | standard ops | evidence |\n|---|---|---|")
+    for op in sorted(became):
+        counts = proven[op]
+        print(f"| {op} | {', '.join(sorted(became[op]))} | equal to ORT's kernel in {counts['checked']} cpu graphs; "
+              f"lowered+checked in {counts['structural']} cuda graphs |")
+    if failures:
+        print(f"\n{len(failures)} model(s) differ beyond {args.tolerance}:")
+        for key, bad in failures:
+            print(f"  {key}: {bad}")
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
