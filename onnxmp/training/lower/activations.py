@@ -73,10 +73,9 @@ def sigmoid_grad(e: Emit) -> None:
 def relu_grad(e: Emit) -> None:
     """ReluGrad(dY, X): dY where X > 0, else 0 (X is the Relu's input or output: same sign)."""
     dy, x = e.input(0), e.input(1)
-    elem = e.dtype(dy)
-    positive = e.op("Greater", [x, e.scalar(0.0, e.dtype(x))])
-    e.op("Where", [positive, dy, e.scalar(0.0, elem)], e.output(0))
-    e.types[e.output(0)] = elem
+    # A select, not a product: a non-finite dY where X <= 0 gives 0, as ORT's kernel does.
+    positive = e.op("Greater", [e.wide(x), e.scalar(0.0)])
+    e.result(e.op("Where", [positive, e.wide(dy), e.scalar(0.0)]), e.dtype(dy), e.output(0))
 
 
 def softmax_grad_13(e: Emit) -> None:

@@ -1,7 +1,8 @@
 """Lowerings of ORT's shape, gather/scatter and concat/split training ops (``training_ops/cpu/tensor``).
 
-They only move or add values, so they run in the gradient's own type (no float32 detour),
-except that the additions of a scatter happen in that type too, as in ORT's kernels.
+Those that only move values run in the gradient's own type.  Those that add (the scatters with
+reduction="add") add in float32 and round once: the CPU build has no float16 ScatterElements or
+ScatterND with reduction="add", and ORT's CUDA kernels accumulate low-precision gradients in float.
 """
 from __future__ import annotations
 
@@ -25,14 +26,19 @@ def _int64_one():
 
 
 def reduce_axes(e: Emit, shape: str, other: str) -> str:
-    """The axes (of the broadcast result, ascending, int64 1-D) along which a tensor of ``shape``
-    was broadcast against one of ``other``: where its dim is 1 (or missing) and the other's is not."""
+    """The axes (of the broadcast result, int64 1-D, descending as ORT's BroadcastGradientArgs
+    lists them) along which a tensor of ``shape`` was broadcast against one of ``other``: every
+    axis it lacks, and those where its dim is 1 and the other's is not (both 1: none)."""
     rank = e.op("Max", [e.op("Shape", [shape]), e.op("Shape", [other])])
     mine, theirs = _padded(e, shape, rank), _padded(e, other, rank)
     one = e.ints([1])
-    broadcast = e.op("And", [e.op("Equal", [mine, one]), e.op("Not", [e.op("Equal", [theirs, one])])])
     positions = e.op("Range", [e.ints(0), e.op("Squeeze", [rank]), e.ints(1)])
-    return e.op("Compress", [positions, broadcast], axis=0)
+    missing = e.op("Less", [positions, e.op("Sub", [rank, e.op("Shape", [shape])])])
+    stretched = e.op("And", [e.op("Equal", [mine, one]), e.op("Not", [e.op("Equal", [theirs, one])])])
+    broadcast = e.op("Or", [missing, stretched])
+    backwards = e.op("Slice", [broadcast, e.ints([-1]), e.ints([-2**62]), e.ints([0]), e.ints([-1])])
+    last = e.op("Sub", [e.op("Squeeze", [rank]), e.ints(1)])
+    return e.op("Compress", [e.op("Range", [last, e.ints(-1), e.ints(-1)]), backwards], axis=0)
 
 
 def sum_to(e: Emit, x: str, shape: str, other: str) -> str:
@@ -42,7 +48,7 @@ def sum_to(e: Emit, x: str, shape: str, other: str) -> str:
 
 def broadcast_gradient_args(e: Emit) -> None:
     """BroadcastGradientArgs(a_shape, b_shape) -> (a_axes, b_axes): the axes each input's gradient
-    is summed over, numbered in the broadcast result, ascending."""
+    is summed over, numbered in the broadcast result, from the last (ORT's kernel walks them so)."""
     a, b = e.input(0), e.input(1)
     for output, (mine, theirs) in zip(e.node.output, ((a, b), (b, a))):
         if output:
@@ -69,9 +75,11 @@ def split_training(e: Emit) -> None:
 
 
 def reduce_sum_training(e: Emit) -> None:
-    """ReduceSumTraining(data, axes; keepdims=1, noop_with_empty_axes=0): ReduceSum-13's semantics."""
-    e.op("ReduceSum", [e.input(0), e.input(1)], e.output(0), keepdims=e.attr("keepdims", 1),
-         noop_with_empty_axes=e.attr("noop_with_empty_axes", 0))
+    """ReduceSumTraining(data, axes; keepdims=1, noop_with_empty_axes=0): ReduceSum-13's semantics,
+    summed in float32 (rounded once) for float16/bfloat16."""
+    total = e.op("ReduceSum", [e.wide(e.input(0)), e.input(1)], keepdims=e.attr("keepdims", 1),
+                 noop_with_empty_axes=e.attr("noop_with_empty_axes", 0))
+    e.result(total, e.dtype(e.input(0)), e.output(0))
 
 
 def gather_grad(e: Emit) -> None:
@@ -92,23 +100,22 @@ def gather_grad(e: Emit) -> None:
     rows = e.op("Slice", [shape, start, stop])
     count = e.op("Reshape", [e.op("Size", [indices]), e.ints([1])])
     dy_shape = e.op("Concat", [before, count, after], axis=0)
-    dy3 = e.op("Reshape", [dy, dy_shape])
+    dy3 = e.op("Reshape", [e.wide(dy), dy_shape])
     idx = e.op("Reshape", [indices, e.op("Concat", [e.ints([1]), count, e.ints([1])], axis=0)])
     idx = e.op("Expand", [e.cast(idx, TensorProto.INT64), dy_shape])
-    zeros = e.zeros(e.op("Concat", [before, rows, after], axis=0), e.dtype(dy))
+    zeros = e.zeros(e.op("Concat", [before, rows, after], axis=0), TensorProto.FLOAT)
     summed = e.op("ScatterElements", [zeros, idx, dy3], axis=1, reduction="add")
-    e.op("Reshape", [summed, shape], e.output(0))
-    e.types[e.output(0)] = e.dtype(dy)
+    e.result(e.op("Reshape", [summed, shape]), e.dtype(dy), e.output(0))
 
 
 def gather_elements_grad(e: Emit) -> None:
     """GatherElementsGrad(dY, shape, indices; axis=0): ScatterElements(add) of dY into zeros."""
     dy, shape, indices = e.input(0), e.input(1), e.input(2)
     e.needs_opset(SCATTER_ADD_OPSET)
-    zeros = e.zeros(shape, e.dtype(dy))
-    e.op("ScatterElements", [zeros, e.cast(indices, TensorProto.INT64), dy], e.output(0),
-         axis=e.attr("axis", 0), reduction="add")
-    e.types[e.output(0)] = e.dtype(dy)
+    zeros = e.zeros(shape, TensorProto.FLOAT)
+    summed = e.op("ScatterElements", [zeros, e.cast(indices, TensorProto.INT64), e.wide(dy)],
+                  axis=e.attr("axis", 0), reduction="add")
+    e.result(summed, e.dtype(dy), e.output(0))
 
 
 def gather_nd_grad(e: Emit) -> None:
@@ -119,9 +126,9 @@ def gather_nd_grad(e: Emit) -> None:
                           f"{e.attr('batch_dims', 0)}: only batch_dims=0 has a standard equivalent here",
                           "re-export the model without batched GatherND")
     e.needs_opset(SCATTER_ADD_OPSET)
-    zeros = e.zeros(shape, e.dtype(update))
-    e.op("ScatterND", [zeros, e.cast(indices, TensorProto.INT64), update], e.output(0), reduction="add")
-    e.types[e.output(0)] = e.dtype(update)
+    zeros = e.zeros(shape, TensorProto.FLOAT)
+    summed = e.op("ScatterND", [zeros, e.cast(indices, TensorProto.INT64), e.wide(update)], reduction="add")
+    e.result(summed, e.dtype(update), e.output(0))
 
 
 def slice_grad(e: Emit) -> None:
@@ -151,7 +158,6 @@ def max_pool_grad(e: Emit) -> None:
     e.needs_opset(SCATTER_ADD_OPSET)
     shape = e.op("Concat", [e.op("Slice", [e.op("Shape", [dy]), e.ints([0]), e.ints([1])]), e.ints(dims[1:])], axis=0)
     count = e.op("ReduceProd", [shape], keepdims=1)
-    flat = e.op("ScatterElements", [e.zeros(count, e.dtype(dy)), e.op("Reshape", [indices, e.ints([-1])]),
-                                    e.op("Reshape", [dy, e.ints([-1])])], axis=0, reduction="add")
-    e.op("Reshape", [flat, shape], e.output(0))
-    e.types[e.output(0)] = e.dtype(dy)
+    flat = e.op("ScatterElements", [e.zeros(count, TensorProto.FLOAT), e.op("Reshape", [indices, e.ints([-1])]),
+                                    e.op("Reshape", [e.wide(dy), e.ints([-1])])], axis=0, reduction="add")
+    e.result(e.op("Reshape", [flat, shape]), e.dtype(dy), e.output(0))
