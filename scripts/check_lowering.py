@@ -37,7 +37,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(EXPORTS))
 
 from onnxmp.domains import is_onnx_domain  # noqa: E402
-from onnxmp.training.lower import LOWERINGS, check_lowered, lower_model  # noqa: E402
+from onnxmp.training.lower import LOWERINGS, check_lowered, lower_model, standard  # noqa: E402
 
 MATRIX = json.loads((EXPORTS / "matrix.json").read_text())
 ACCUMULATOR = "InPlaceAccumulatorV2"
@@ -136,20 +136,26 @@ def difference(want: np.ndarray, got: np.ndarray, scale: float | None = None) ->
     return error / scale if scale else error
 
 
-def compare_training(directory: Path, entry: str, reset: bool = False) -> dict[str, float]:
-    """Largest relative differences of the lowered training model's outputs against the native."""
+def compare_training(directory: Path, entry: str, lowered: onnx.ModelProto | None = None) -> dict[str, float]:
+    """Largest relative differences of the lowered training model's outputs against the native,
+    accumulating into the buffers (``buffers``) and overwriting them (``reset``)."""
     training = onnx.load(str(directory / "training_model.onnx"))
     native, pairs = with_buffers_out(training)
-    lowered = lower_model(training)
-    inputs = feeds(directory, entry, reset=reset)
-    # ORT's accumulator writes into the fed buffer's memory: each run gets its own copies.
-    want = dict(zip([o.name for o in native.graph.output], session(native).run(None, _copies(inputs))))
-    got = dict(zip([o.name for o in lowered.graph.output], session(lowered).run(None, _copies(inputs))))
-    result = {name: difference(want[name], got[name]) for name in ("loss_scaled", "loss", "all_finite")}
-    # Against the largest gradient of all: a gradient that is zero in exact arithmetic (a key
-    # bias under softmax) is rounding noise in both, with no scale of its own.
-    scale = max(float(np.abs(want[native_out]).max()) for native_out in pairs.values())
-    result["buffers"] = max(difference(want[native_out], got[flag], scale) for flag, native_out in pairs.items())
+    lowered = lowered if lowered is not None else lower_model(training)
+    sessions = session(native), session(lowered)
+    result: dict[str, float] = {}
+    for reset in (False, True):
+        inputs = feeds(directory, entry, reset=reset)
+        # ORT's accumulator writes into the fed buffer's memory: each run gets its own copies.
+        want = dict(zip([o.name for o in native.graph.output], sessions[0].run(None, _copies(inputs))))
+        got = dict(zip([o.name for o in lowered.graph.output], sessions[1].run(None, _copies(inputs))))
+        if not reset:
+            result.update({name: difference(want[name], got[name]) for name in ("loss_scaled", "loss", "all_finite")})
+        # Against the largest gradient of all: a gradient that is zero in exact arithmetic (a key
+        # bias under softmax) is rounding noise in both, with no scale of its own.
+        scale = max(float(np.abs(want[native_out]).max()) for native_out in pairs.values())
+        result["reset" if reset else "buffers"] = max(difference(want[native_out], got[flag], scale)
+                                                      for flag, native_out in pairs.items())
     return result
 
 
@@ -157,9 +163,9 @@ def _copies(arrays: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
     return {k: v.copy() for k, v in arrays.items()}
 
 
-def compare_eval(directory: Path, entry: str) -> float:
+def compare_eval(directory: Path, entry: str, lowered: onnx.ModelProto | None = None) -> float:
     evaluation = onnx.load(str(directory / "eval_model.onnx"))
-    lowered = lower_model(evaluation)
+    lowered = lowered if lowered is not None else lower_model(evaluation)
     inputs = feeds(directory, entry)
     names = {v.name for v in evaluation.graph.input}
     inputs = {k: v for k, v in inputs.items() if k in names}
@@ -170,7 +176,7 @@ def compare_eval(directory: Path, entry: str) -> float:
 def lowered_ops(model: onnx.ModelProto, lowered: onnx.ModelProto) -> dict[str, set[str]]:
     """Op lowered -> the op types of the nodes that replaced it (named after it)."""
     result: dict[str, set[str]] = collections.defaultdict(set)
-    scopes = {n.name: n.op_type for n in model.graph.node if n.op_type in LOWERINGS and n.domain == "com.microsoft"}
+    scopes = {n.name: n.op_type for n in model.graph.node if n.op_type in LOWERINGS and not standard(n)}
     for node in lowered.graph.node:
         scope = node.name.rsplit("/", 1)[0]
         if scope in scopes and node.op_type != "Constant":
@@ -222,10 +228,10 @@ def main(argv: list[str] | None = None) -> int:
                 except Exception as exc:  # the build itself failing is another helper's issue: say so
                     print(f"{key:48s} BUILD FAILED: {str(exc).splitlines()[0][:150]}", flush=True)
                     continue
-                row, seen = {}, {}
+                row, seen, lowered_of = {}, {}, {}
                 for kind in ("training_model", "eval_model"):
                     model = onnx.load(str(directory / f"{kind}.onnx"))
-                    lowered = lower_model(model)
+                    lowered = lowered_of[kind] = lower_model(model)
                     structural(lowered)
                     path = directory / f"{kind}.lowered.onnx"
                     onnx.save(lowered, str(path))
@@ -236,9 +242,8 @@ def main(argv: list[str] | None = None) -> int:
                         seen[op] = seen.get(op, 0) + 1
                 outcome = "structural"
                 if target == "cpu":
-                    row = compare_training(directory, entry)
-                    row["reset"] = compare_training(directory, entry, reset=True)["buffers"]
-                    row["eval"] = compare_eval(directory, entry)
+                    row = compare_training(directory, entry, lowered_of["training_model"])
+                    row["eval"] = compare_eval(directory, entry, lowered_of["eval_model"])
                     tolerance = args.tolerance if args.tolerance is not None else TOLERANCE[precision]
                     bad = {k: v for k, v in row.items() if not v <= tolerance}
                     if bad:

@@ -188,4 +188,4 @@ def check_lowered(model: onnx.ModelProto) -> None:
                 raise OnnxMPError(f"the lowered graph still holds {node.domain}:{node.op_type} (node {node.name!r})")
 
 
-__all__ = ["LOWERINGS", "check_lowered", "kept", "lower_model"]
+__all__ = ["LOWERINGS", "check_lowered", "kept", "lower_model", "standard"]
