@@ -116,6 +116,8 @@ CASES = [
     Case("Scale", {"X": normal(*SHAPE), "scale": np.array([4.0], np.float32)}, floats=("X",)),
     Case("Scale", {"X": normal(*SHAPE), "scale": np.array(3.0, np.float32)}, attrs={"scale_down": 1},
          floats=("X",), id="down"),
+    Case("Scale", {"X": normal(*SHAPE), "scale": np.array([3], np.int64)}, attrs={"scale_down": 1},
+         floats=("X",), id="int64-scale"),
     Case("DivGrad", {"dY": normal(2, 3, 4), "A": normal(2, 3, 4), "B": normal(3, 1) + 3}, outputs=2,
          id="B-broadcast"),
     Case("DivGrad", {"dY": normal(2, 3, 4), "A": normal(4), "B": normal(2, 3, 4) + 3}, outputs=2, id="A-broadcast"),
@@ -171,6 +173,13 @@ CASES = [
     Case("SoftmaxCrossEntropyLossGrad", {"dY": np.array(1.0, np.float32), "log_prob": None,
                                          "label": np.array([2, 0, 3, 1]), "weight": RNG.random(4).astype(np.float32)},
          attrs={"ignore_index": 0}, floats=("dY", "log_prob", "weight"), id="weights-ignore-index"),
+    Case("SoftmaxCrossEntropyLossGrad", {"dY": np.array(0.3, np.float32), "log_prob": None,
+                                         "label": np.array([-100, -100, -100, -100])}, attrs={"ignore_index": -100},
+         floats=("dY", "log_prob"), id="every-label-ignored"),
+    Case("SoftmaxCrossEntropyLossGrad", {"dY": np.array(1.5, np.float32),
+                                         "log_prob": np.log(RNG.dirichlet(np.ones(3), (2, 2))).transpose(0, 2, 1).astype(
+                                             np.float32), "label": np.array([[0, 2], [1, -1]])},
+         attrs={"ignore_index": -1}, floats=("dY", "log_prob"), id="spatial-ignore-index"),
     Case("SoftmaxCrossEntropyLossGrad", {"dY": np.array(2.0, np.float32), "log_prob": None,
                                          "label": np.array([1, 0, 3, 3])}, attrs={"reduction": "sum"},
          floats=("dY", "log_prob"), id="sum"),
@@ -184,7 +193,7 @@ CASES = [
 _logits = normal(4, 4) * 2
 _log_prob = (_logits - np.log(np.exp(_logits).sum(1, keepdims=True))).astype(np.float32)
 for case in CASES:
-    if case.op == "SoftmaxCrossEntropyLossGrad":
+    if case.op == "SoftmaxCrossEntropyLossGrad" and case.inputs["log_prob"] is None:
         case.inputs["log_prob"] = _log_prob
     if case.op == "LayerNormalizationGrad":
         x = case.inputs["X"]

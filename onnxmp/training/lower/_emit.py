@@ -16,6 +16,11 @@ LOW_TYPES = frozenset(p.onnx_type for p in LOW.values())
 SCATTER_ADD_OPSET = 16
 
 
+def int64_fill(value: int) -> onnx.TensorProto:
+    """ConstantOfShape's ``value`` for an int64 fill."""
+    return numpy_helper.from_array(np.full(1, value, np.int64))
+
+
 class Emit(Builder):
     """Emits the standard nodes replacing ``node``.  ``types`` maps value names to element types
     (extended as nodes are emitted); ``retyped`` collects outputs whose type the lowering changed

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import math
 
+from onnx import TensorProto
+
 from onnxmp.training.lower._emit import Emit
 
 
@@ -117,7 +119,10 @@ def scale(e: Emit) -> None:
     """Scale(X, scale; scale_down=0): X * scale, or X / scale with scale_down (ORT's kernel
     multiplies by the reciprocal, computed in float)."""
     x = e.input(0)
-    s = e.op("Reshape", [e.cast(e.input(1), 1), e.ints([])])
+    factor = e.input(1)  # float, double or an integer type (ORT's ScaleT)
+    if e.dtype(factor) != TensorProto.FLOAT:
+        factor = e.cast(factor, TensorProto.FLOAT)
+    s = e.op("Reshape", [factor, e.ints([])])
     if e.attr("scale_down", 0):
         s = e.op("Reciprocal", [s])
     e.result(e.op("Mul", [e.wide(x), s]), e.dtype(x), e.output(0))

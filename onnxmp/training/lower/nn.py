@@ -7,7 +7,7 @@ import onnx
 from onnx import TensorProto, helper
 
 from onnxmp.errors import OnnxMPError
-from onnxmp.training.lower._emit import LOW_TYPES, Emit
+from onnxmp.training.lower._emit import Emit, int64_fill
 
 
 def _axis_start(e: Emit, axis: int, rank: str) -> str:
@@ -129,7 +129,7 @@ def softmax_cross_entropy_loss_grad(e: Emit) -> None:
     rank = e.rank(log_prob)
     # classes as [1, C, 1...] against label as [N, 1, d...]
     classes = e.op("Gather", [e.op("Shape", [log_prob]), e.ints(1)], axis=0)
-    ones = e.op("ConstantOfShape", [e.op("Sub", [rank, e.ints([2])])], value=_int64(1))
+    ones = e.op("ConstantOfShape", [e.op("Sub", [rank, e.ints([2])])], value=int64_fill(1))
     class_ids = e.op("Reshape", [e.op("Range", [e.ints(0), classes, e.ints(1)]),
                                  e.op("Concat", [e.ints([1, -1]), ones], axis=0)])
     label1 = e.op("Unsqueeze", [label, e.ints([1])])
@@ -152,16 +152,12 @@ def softmax_cross_entropy_loss_grad(e: Emit) -> None:
         if reduction == "mean":
             denominator = (e.op("ReduceSum", [w], keepdims=0) if w is not None
                            else e.cast(e.op("Size", [label]), TensorProto.FLOAT))
-            factor = e.op("Div", [factor, denominator])
+            # Every label ignored: ORT's kernel gives zeros (every w is 0), not 0 / 0.
+            empty = e.op("Equal", [denominator, e.scalar(0.0)])
+            factor = e.op("Div", [factor, e.op("Where", [empty, e.scalar(1.0), denominator])])
     d_logits = e.op("Mul", [e.op("Sub", [e.op("Exp", [log_prob]), one_hot]), e.op("Unsqueeze", [factor, e.ints([1])])
                             if w is not None or reduction == "none" else factor])
     e.result(d_logits, e.dtype(log_prob_raw), e.output(0))
-
-
-def _int64(value: int):
-    import numpy as np
-    from onnx import numpy_helper
-    return numpy_helper.from_array(np.full(1, value, np.int64))
 
 
 def in_place_accumulator_v2(e: Emit) -> None:

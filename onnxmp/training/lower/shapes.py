@@ -9,20 +9,14 @@ from __future__ import annotations
 from onnx import TensorProto
 
 from onnxmp.errors import OnnxMPError
-from onnxmp.training.lower._emit import SCATTER_ADD_OPSET, Emit
+from onnxmp.training.lower._emit import SCATTER_ADD_OPSET, Emit, int64_fill
 
 
 def _padded(e: Emit, shape: str, rank: str) -> str:
     """``shape`` (1-D int64) left-padded with ones to length ``rank`` (1-D, one element)."""
     missing = e.op("Sub", [rank, e.op("Shape", [shape])])
-    ones = e.op("ConstantOfShape", [missing], value=_int64_one())
+    ones = e.op("ConstantOfShape", [missing], value=int64_fill(1))
     return e.op("Concat", [ones, shape], axis=0)
-
-
-def _int64_one():
-    import numpy as np
-    from onnx import numpy_helper
-    return numpy_helper.from_array(np.ones(1, np.int64))
 
 
 def reduce_axes(e: Emit, shape: str, other: str) -> str:
