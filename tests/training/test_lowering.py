@@ -322,6 +322,14 @@ def test_an_unknown_training_op_is_a_named_error():
         lower_model(model)
 
 
+def test_an_ai_onnx_op_onnx_does_not_define_is_a_named_error():
+    node = helper.make_node("AveragePoolGrad", ["x"], ["y"], name="pool_grad")
+    graph = helper.make_graph([node], "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2])])
+    with pytest.raises(OnnxMPError, match=r"cannot lower AveragePoolGrad \(node 'pool_grad'\)"):
+        lower_model(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]))
+
+
 def test_lowering_walks_subgraphs():
     inner = helper.make_graph([helper.make_node("TanhGrad", ["dy", "y"], ["dx"], domain=MS, name="inner")], "body",
                               [], [helper.make_tensor_value_info("dx", TensorProto.FLOAT, [3])])

@@ -19,7 +19,7 @@ from typing import Callable
 
 import onnx
 
-from onnxmp.domains import ONNX_DOMAINS, is_onnx_domain
+from onnxmp.domains import ONNX_DOMAINS, is_onnx_domain, op_key
 from onnxmp.errors import OnnxMPError
 from onnxmp.kernels import KernelTable
 from onnxmp.naming import FreshNames, proto_names
@@ -28,6 +28,7 @@ from onnxmp.training.lower import activations, nn, shapes
 from onnxmp.training.lower._emit import Emit
 
 MS_DOMAIN = "com.microsoft"
+ML_DOMAIN = "ai.onnx.ml"
 # Plain onnxruntime must run both; the kernel table lists what its CPU and CUDA builds register.
 PROVIDERS = ("cpu", "cuda")
 
@@ -62,8 +63,11 @@ LOWERINGS: dict[str, Callable[[Emit], None]] = {
 
 
 def standard(node: onnx.NodeProto) -> bool:
-    """An ai.onnx op onnx defines (ORT registers some training ops, MaxPoolGrad, in ai.onnx's domain)."""
-    return is_onnx_domain(node.domain) and onnx.defs.has(node.op_type)
+    """An op onnx defines, in ai.onnx or ai.onnx.ml (ORT registers some training ops, MaxPoolGrad,
+    in ai.onnx's domain, where onnx has no such op)."""
+    if is_onnx_domain(node.domain):
+        return onnx.defs.has(node.op_type)
+    return node.domain == ML_DOMAIN and onnx.defs.has(node.op_type, ML_DOMAIN)
 
 
 def kept(domain: str, op_type: str, version: int = 1) -> bool:
@@ -83,8 +87,8 @@ def lower_model(model: onnx.ModelProto) -> onnx.ModelProto:
     versions = {("" if is_onnx_domain(o.domain) else o.domain): o.version for o in lowered.opset_import}
     min_opset = 0
     retyped: dict[str, onnx.TypeProto] = {}
+    names = FreshNames(proto_names(lowered.graph))  # every graph's names: a body sees its parents'
     for graph in list(iter_proto_graphs(lowered.graph)):
-        names = FreshNames(proto_names(graph))
         nodes: list[onnx.NodeProto] = []
         changed = False
         for node in graph.node:
@@ -94,7 +98,7 @@ def lower_model(model: onnx.ModelProto) -> onnx.ModelProto:
             rule = LOWERINGS.get(node.op_type) if node.domain in (MS_DOMAIN, *ONNX_DOMAINS) else None
             if rule is None:
                 raise OnnxMPError(
-                    f"cannot lower {node.domain}:{node.op_type} (node {node.name!r}): plain onnxruntime has no "
+                    f"cannot lower {op_key(node.op_type, node.domain)} (node {node.name!r}): plain onnxruntime has no "
                     f"kernel for it and onnxmp has no standard form of it",
                     "report the model to onnxmp; the native engine (onnxruntime-training) still runs it")
             emit = Emit(names, node, types, declared)
@@ -185,7 +189,8 @@ def check_lowered(model: onnx.ModelProto) -> None:
     for graph in iter_proto_graphs(model.graph):
         for node in graph.node:
             if not (standard(node) or kept(node.domain, node.op_type)):
-                raise OnnxMPError(f"the lowered graph still holds {node.domain}:{node.op_type} (node {node.name!r})")
+                raise OnnxMPError(f"the lowered graph still holds {op_key(node.op_type, node.domain)} "
+                                  f"(node {node.name!r})", "this is an onnxmp bug; please report it with the model")
 
 
 __all__ = ["LOWERINGS", "check_lowered", "kept", "lower_model", "standard"]
