@@ -113,16 +113,38 @@ def gather_elements_grad(e: Emit) -> None:
 
 
 def gather_nd_grad(e: Emit) -> None:
-    """GatherNDGrad(shape, indices, update; batch_dims=0): ScatterND(add) of the update into zeros."""
+    """GatherNDGrad(shape, indices, update; batch_dims=0): the update added into zeros at the index
+    rows (negative indices count from the end, as GatherND's)."""
     shape, indices, update = e.input(0), e.input(1), e.input(2)
     if e.attr("batch_dims", 0):
         raise OnnxMPError(f"cannot lower GatherNDGrad (node {e.scope!r}) with batch_dims="
                           f"{e.attr('batch_dims', 0)}: only batch_dims=0 has a standard equivalent here",
                           "re-export the model without batched GatherND")
     e.needs_opset(SCATTER_ADD_OPSET)
-    zeros = e.zeros(shape, TensorProto.FLOAT)
-    summed = e.op("ScatterND", [zeros, e.cast(indices, TensorProto.INT64), e.wide(update)], reduction="add")
-    e.result(summed, e.dtype(update), e.output(0))
+    indices = e.cast(indices, TensorProto.INT64)
+    declared = e.shapes.get(e.input(1))
+    dims = declared.tensor_type.shape.dim if declared is not None else []
+    depth = dims[-1].dim_value if len(dims) else 0
+    if not depth:  # the index depth is not declared: ScatterND(add) takes any
+        summed = e.op("ScatterND", [e.zeros(shape, TensorProto.FLOAT), indices, e.wide(update)], reduction="add")
+        e.result(summed, e.dtype(update), e.output(0))
+        return
+    # With the depth k known, each index row becomes one flat row of the first k axes, and the
+    # update a [rows, rest] matrix added into zeros [prod(first k), rest] by ScatterElements(add).
+    flat = None
+    for j in range(depth):
+        dim = e.op("Squeeze", [e.op("Slice", [shape, e.ints([j]), e.ints([j + 1])])])
+        column = e.op("Mod", [e.op("Add", [e.op("Gather", [indices, e.ints(j)], axis=-1), dim]), dim])
+        flat = column if flat is None else e.op("Add", [e.op("Mul", [flat, dim]), column])
+    lead = e.op("ReduceProd", [e.op("Slice", [shape, e.ints([0]), e.ints([depth])])], keepdims=1)
+    rest = e.op("ReduceProd", [e.op("Concat", [e.ints([1]), e.op("Slice", [shape, e.ints([depth]),
+                                                                            e.ints([2**62])])], axis=0)], keepdims=1)
+    table = e.op("Concat", [e.ints([-1]), rest], axis=0)
+    values = e.op("Reshape", [e.wide(update), table])
+    rows = e.op("Expand", [e.op("Reshape", [flat, e.ints([-1, 1])]), e.op("Shape", [values])])
+    zeros = e.zeros(e.op("Concat", [lead, rest], axis=0), TensorProto.FLOAT)
+    summed = e.op("ScatterElements", [zeros, rows, values], axis=0, reduction="add")
+    e.result(e.op("Reshape", [summed, shape]), e.dtype(update), e.output(0))
 
 
 def slice_grad(e: Emit) -> None:
@@ -133,8 +155,10 @@ def slice_grad(e: Emit) -> None:
     count = e.op("ReduceProd", [shape], keepdims=1)
     iota = e.op("Reshape", [e.op("Range", [e.ints(0), e.op("Squeeze", [count]), e.ints(1)]), shape])
     taken = e.op("Slice", [iota, *[i for i in e.node.input[2:]]])
-    positions = e.op("Reshape", [taken, e.ints([-1, 1])])
-    flat = e.op("ScatterND", [e.zeros(count, e.dtype(dy)), positions, e.op("Reshape", [dy, e.ints([-1])])])
+    positions = e.op("Reshape", [taken, e.ints([-1])])
+    # ScatterElements, not ScatterND: CUDA registers ScatterElements at every opset the graphs use.
+    flat = e.op("ScatterElements", [e.zeros(count, e.dtype(dy)), positions, e.op("Reshape", [dy, e.ints([-1])])],
+                axis=0)
     e.op("Reshape", [flat, shape], e.output(0))
     e.types[e.output(0)] = e.dtype(dy)
 
