@@ -38,6 +38,7 @@ LOWERINGS: dict[str, Callable[[Emit], None]] = {
     "ConcatTraining": shapes.concat_training,
     "ConvGrad": nn.conv_grad,
     "DivGrad": activations.div_grad,
+    "DropoutGrad": activations.dropout_grad,
     "FastGeluGrad": activations.fast_gelu_grad,
     "GatherElementsGrad": shapes.gather_elements_grad,
     "GatherGrad": shapes.gather_grad,

@@ -141,3 +141,20 @@ def div_grad(e: Emit) -> None:
     if e.output(1):
         db = e.op("Neg", [e.op("Div", [e.op("Div", [e.op("Mul", [dy, a]), b]), b])])
         e.result(sum_to(e, db, shape_b, shape_a), e.dtype(e.input(2)), e.output(1))
+
+
+def dropout_grad(e: Emit) -> None:
+    """DropoutGrad(dY, mask[, ratio=0.5, training_mode]): mask * dY / (1 - ratio), or dY itself
+    when ratio is 0.  ORT's kernel ignores training_mode (in eval mode Dropout's mask is all true)
+    and multiplies by the mask, so a non-finite dY where the mask is false stays NaN."""
+    dy, mask, ratio = e.input(0), e.input(1), e.input(2)
+    if ratio:  # float16, float or double (ORT's T1)
+        ratio = e.op("Reshape", [ratio if e.dtype(ratio) == TensorProto.FLOAT else e.cast(ratio, TensorProto.FLOAT),
+                                 e.ints([])])
+    else:
+        ratio = e.scalar(0.5)
+    grad = e.wide(dy)
+    dropped = e.op("Div", [e.op("Mul", [e.cast(mask, TensorProto.FLOAT), grad]),
+                           e.op("Sub", [e.scalar(1.0), ratio])])
+    none = e.op("Equal", [ratio, e.scalar(0.0)])
+    e.result(e.op("Where", [none, grad, dropped]), e.dtype(dy), e.output(0))
