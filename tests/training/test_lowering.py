@@ -37,6 +37,10 @@ class Case:
     output_shapes: tuple = ()     # declared output shapes, where ORT's kernel reads them
     id: str = ""
 
+    @property
+    def float_inputs(self) -> tuple[str, ...]:
+        return self.floats or tuple(k for k, v in self.inputs.items() if v.dtype == np.float32)
+
 
 def _elem(array: np.ndarray) -> int:
     return helper.np_dtype_to_tensor_dtype(array.dtype)
@@ -44,7 +48,7 @@ def _elem(array: np.ndarray) -> int:
 
 def _graph(case: Case, elem: int) -> onnx.ModelProto:
     """The case's one-node graph with its float inputs in ``elem``; outputs untyped unless declared."""
-    floats = case.floats or tuple(k for k, v in case.inputs.items() if v.dtype == np.float32)
+    floats = case.float_inputs
     inputs = [helper.make_tensor_value_info(k, elem if k in floats else _elem(v), list(v.shape))
               for k, v in case.inputs.items()]
     names = [f"out{i}" for i in range(case.outputs)]
@@ -66,11 +70,6 @@ def model_of(case: Case) -> onnx.ModelProto:
         model.graph.output[i].CopyFrom(helper.make_tensor_value_info(
             model.graph.output[i].name, helper.np_dtype_to_tensor_dtype(result.dtype), list(result.shape)))
     return model
-
-
-_ORT_TYPES = {"tensor(float)": TensorProto.FLOAT, "tensor(float16)": TensorProto.FLOAT16,
-              "tensor(int64)": TensorProto.INT64, "tensor(bool)": TensorProto.BOOL,
-              "tensor(bfloat16)": TensorProto.BFLOAT16}
 
 
 def _session(model: onnx.ModelProto) -> ort.InferenceSession:
@@ -261,7 +260,7 @@ def test_lowering_in_float16_matches_the_float32_kernel(case):
     lowered = lower_model(_low_model(case, TensorProto.FLOAT16))
     check_lowered(lowered)
     onnx.checker.check_model(lowered, full_check=True)
-    floats = case.floats or tuple(k for k, v in case.inputs.items() if v.dtype == np.float32)
+    floats = case.float_inputs
     feeds = {k: (v.astype(np.float16) if k in floats else v) for k, v in _feeds(rounded).items()}
     if case.op == "ConvGrad":
         return  # ORT's CPU build has no float16 Conv/ConvTranspose: checked, not run (CUDA runs it)
@@ -276,7 +275,7 @@ def test_lowering_in_bfloat16_is_valid(case):
     lowered = lower_model(_low_model(case, TensorProto.BFLOAT16))
     check_lowered(lowered)
     onnx.checker.check_model(lowered, full_check=True)
-    floats = case.floats or tuple(k for k, v in case.inputs.items() if v.dtype == np.float32)
+    floats = case.float_inputs
     for value in lowered.graph.output:
         if value.type.tensor_type.elem_type in (TensorProto.FLOAT, TensorProto.FLOAT16):
             pytest.fail(f"{value.name} left bfloat16")

@@ -3,7 +3,6 @@
 InPlaceAccumulatorV2."""
 from __future__ import annotations
 
-import onnx
 from onnx import TensorProto, helper
 
 from onnxmp.errors import OnnxMPError
