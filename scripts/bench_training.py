@@ -56,22 +56,6 @@ ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_ENTRIES = ("bert2.torchscript17", "vit.torchscript17", "wav2vec2.torchscript17", "resnet.torchscript17-bn")
 
 
-def _portable_builders():
-    """The portable form needs the lowering and the portable optimizer graph; until they are
-    merged the tests' scaffolding stands in (its graphs keep training ops: Python 3.11 only)."""
-    import contextlib
-
-    from onnxmp.training import portable
-
-    if portable.available():
-        return contextlib.nullcontext
-    sys.path.insert(0, str(ROOT / "tests" / "training"))
-    from portable_scaffold import installed
-
-    print("note: no lowering in this onnxmp yet; the portable graphs come from the tests' scaffolding")
-    return installed
-
-
 def time_engine(artifacts, engine, batches, lr, args):
     scaler = DynamicLossScaler(2.0**16, growth_steps=5) if artifacts.precision == "float16" else None
     trainer = Trainer(artifacts, engine=engine, lr=lr, scaler=scaler)
@@ -97,7 +81,6 @@ def bench_engines(args) -> int:
     matrix = json.loads((ROOT / "models" / "exports" / "matrix.json").read_text())
     names = list(matrix) if args.all else [n for n in matrix if any(w in n for w in args.entries or DEFAULT_ENTRIES)]
     rows = {}
-    builders = _portable_builders()
     print(f"{args.optimizer}, {args.steps} timed steps after {args.warmup} of warm-up, an update every step")
     print(f"{'export':<28}{'precision':>10}{'native ms':>11}{'portable ms':>13}{'ratio':>7}"
           f"{'max rel loss diff':>19}{'same skips':>11}")
@@ -108,10 +91,9 @@ def bench_engines(args) -> int:
             params = [t.name for t in model.graph.initializer if t.data_type == onnx.TensorProto.FLOAT]
             frozen = without_gradient(model, params)
             try:
-                with builders():
-                    artifacts = build_artifacts(model, requires_grad=[n for n in params if n not in frozen],
-                                                frozen=list(frozen), precision=args.precision, target="cpu",
-                                                optimizer=args.optimizer, out_dir=Path(folder) / key)
+                artifacts = build_artifacts(model, requires_grad=[n for n in params if n not in frozen],
+                                            frozen=list(frozen), precision=args.precision, target="cpu",
+                                            optimizer=args.optimizer, out_dir=Path(folder) / key)
                 batches = tasks.batches(entry["arch"], entry["inputs"], 32)
                 lr = tasks.LR.get(entry["arch"], tasks.DEFAULT_LR)
                 native, a = time_engine(artifacts, "native", batches, lr, args)

@@ -1,8 +1,6 @@
-"""Native against portable on artifacts the training build writes (Python 3.11).
-
-Until helper B's lowering is merged the portable graphs come from the test scaffolding
-(:mod:`portable_scaffold`: only InPlaceAccumulatorV2 is rewritten, the other training ops stay),
-so they run in onnxruntime-training's InferenceSession; the engine under test is the real one."""
+"""Native against portable on artifacts the training build writes (Python 3.11): both step with
+torch's update (the portable optimizer graph), so they differ only in the training graph's
+kernels, onnxruntime-training's against their lowering."""
 from __future__ import annotations
 
 import numpy as np
@@ -10,8 +8,6 @@ import pytest
 
 from onnxmp.training import DynamicLossScaler, Trainer, build_artifacts
 from onnxmp.training.models import mlp, trainable
-
-from portable_scaffold import installed
 
 STEPS = 30
 
@@ -31,10 +27,9 @@ def built(tmp_path_factory):
 
     def get(optimizer, precision):
         if (optimizer, precision) not in cache:
-            with installed():
-                cache[optimizer, precision] = build_artifacts(
-                    model, requires_grad=trainable(model), optimizer=optimizer, precision=precision, target="cpu",
-                    out_dir=tmp_path_factory.mktemp(f"{optimizer}-{precision}"))
+            cache[optimizer, precision] = build_artifacts(
+                model, requires_grad=trainable(model), optimizer=optimizer, precision=precision, target="cpu",
+                out_dir=tmp_path_factory.mktemp(f"{optimizer}-{precision}"))
         return cache[optimizer, precision]
     return get
 
@@ -76,9 +71,8 @@ def test_float16_skips_and_scales_agree(built, data, optimizer):
 
 def test_accumulated_gradients_and_clipping_agree(built, data):
     artifacts = built("sgd", "float32")
-    with installed():  # the clipped optimizer graph is rebuilt at Trainer(): the scaffolding's
-        trainers = {engine: Trainer(artifacts, engine=engine, lr=0.5, grad_accum_steps=3, clip_global_norm=0.01)
-                    for engine in ("native", "portable")}
+    trainers = {engine: Trainer(artifacts, engine=engine, lr=0.5, grad_accum_steps=3, clip_global_norm=0.01)
+                for engine in ("native", "portable")}
     for engine, trainer in trainers.items():
         for batch in data[:2]:
             trainer.train_step(*batch)
@@ -107,17 +101,3 @@ def test_native_state_resumes_natively_and_refuses_portable(built, data, tmp_pat
 
     with pytest.raises(OnnxMPError, match="native engine saved"):
         Trainer.resume(tmp_path / "state", engine="portable")
-
-
-def test_without_the_lowering_the_build_writes_no_portable_form(tmp_path, caplog):
-    import onnxmp.training.portable as portable
-
-    if portable.available():
-        pytest.skip("the lowering is merged")
-    model = mlp((8, 16, 4), seed=0)
-    artifacts = build_artifacts(model, requires_grad=trainable(model), precision="float32", out_dir=tmp_path / "a")
-    assert not artifacts.has_portable and "no portable form" in caplog.text
-    from onnxmp.errors import OnnxMPError
-
-    with pytest.raises(OnnxMPError, match="no portable graphs"):
-        Trainer(artifacts, engine="portable")

@@ -17,7 +17,6 @@ from onnxmp.training import engines
 from onnxmp.training.artifacts import Artifacts
 
 from linear_artifacts import linear_data, write_linear_artifacts
-from portable_scaffold import installed
 
 
 @pytest.fixture(scope="module")
@@ -118,8 +117,7 @@ def test_clipping_rebuilds_the_optimizer_graph(sgd_linear, data):
     grads = probe.gradients()
     norm = np.sqrt(sum(float(np.sum(g.astype(np.float64) ** 2)) for g in grads.values()))
     assert norm > clip
-    with installed():  # MERGE(issue 28): C1's builder takes the clip once merged
-        trainer = Trainer(sgd_linear, engine="portable", lr=lr, clip_global_norm=clip)
+    trainer = Trainer(sgd_linear, engine="portable", lr=lr, clip_global_norm=clip)
     assert trainer.train_step(*data[0]).stepped
     after = trainer.parameters()
     for name in before:
