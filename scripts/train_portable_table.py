@@ -117,6 +117,7 @@ def main(argv=None) -> int:
         return 0
     with tempfile.TemporaryDirectory(prefix="onnxmp-portable-table-") as scratch:
         folder = args.keep or Path(scratch)
+        folder.mkdir(parents=True, exist_ok=True)
         folders = build(args.entries, args.precisions, folder)
         env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
         child = subprocess.run([args.python, __file__, "--epochs", str(args.epochs), "--train", *map(str, folders)],
