@@ -61,7 +61,9 @@ DEFAULT_ENTRIES = ("bert2.torchscript17", "vit.torchscript17", "wav2vec2.torchsc
 def time_engines(artifacts, batches, lr, args):
     """Both engines step by step in turn, each step timed: the machine's load falls on both alike
     (medians, not means, so a stall of the machine moves neither)."""
-    scaler = (lambda: DynamicLossScaler(2.0**16, growth_steps=5)) if artifacts.precision == "float16" else (lambda: None)
+    def scaler():
+        return DynamicLossScaler(2.0**16, growth_steps=5) if artifacts.precision == "float16" else None
+
     trainers = {engine: Trainer(artifacts, engine=engine, lr=lr, scaler=scaler()) for engine in ENGINES}
     times = {engine: [] for engine in ENGINES}
     results = {engine: [] for engine in ENGINES}
@@ -142,9 +144,8 @@ def bench_engines(args) -> int:
             print(f"{key:<28}{args.precision:>10}{native * 1e3:>11.1f}{portable * 1e3:>13.1f}"
                   f"{portable / native:>7.2f}{diff:>19.2e}{str(same):>11}{versus}", flush=True)
     if args.json:
-        write_text_atomic(args.json, json.dumps({"steps": args.steps, "precision": args.precision, "optimizer": args.optimizer,
-                                                 "rows": rows},
-                                                indent=2) + "\n")
+        write_text_atomic(args.json, json.dumps({"steps": args.steps, "precision": args.precision,
+                                                 "optimizer": args.optimizer, "rows": rows}, indent=2) + "\n")
     return 0
 
 

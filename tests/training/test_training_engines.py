@@ -101,3 +101,23 @@ def test_native_state_resumes_natively_and_refuses_portable(built, data, tmp_pat
 
     with pytest.raises(OnnxMPError, match="native engine saved"):
         Trainer.resume(tmp_path / "state", engine="portable")
+
+
+def test_a_scalar_parameter_trains_alike(tmp_path, data):
+    # A 0-d initializer (dynamo exports have them) keeps its shape [] in every engine buffer.
+    from onnx import TensorProto, helper, numpy_helper
+
+    rng = np.random.default_rng(0)
+    graph = helper.make_graph(
+        [helper.make_node("MatMul", ["x", "W"], ["h"]), helper.make_node("Mul", ["h", "s"], ["logits"])], "scalar",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", 8])],
+        [helper.make_tensor_value_info("logits", TensorProto.FLOAT, ["N", 4])],
+        [numpy_helper.from_array(rng.normal(size=(8, 4)).astype(np.float32), "W"),
+         numpy_helper.from_array(np.array(1.5, np.float32), "s")])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 8
+    artifacts = build_artifacts(model, requires_grad=["W", "s"], target="cpu", out_dir=tmp_path / "a")
+    runs = {engine: _run(artifacts, engine, data[:6]) for engine in ("native", "portable")}
+    np.testing.assert_allclose([r.loss for r in runs["portable"][1]], [r.loss for r in runs["native"][1]], rtol=1e-5)
+    for trainer, _ in runs.values():
+        assert trainer.parameters()["s"].shape == () and trainer.parameters()["s"] != 1.5

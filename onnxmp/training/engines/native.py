@@ -118,7 +118,7 @@ class NativeEngine(Engine):
 
     def write_gradients(self, values: list[np.ndarray]) -> None:
         for g, value in zip(self._grads(), values):
-            g.update_inplace(np.ascontiguousarray(value.reshape(g.shape())))
+            g.update_inplace(np.asarray(value.reshape(g.shape()), order="C"))
 
     def save(self, folder: Path) -> dict:
         files = self.artifacts.manifest["files"]

@@ -71,7 +71,7 @@ class PortableEngine(Engine):
     # --- device memory ----------------------------------------------------------------------
 
     def _on_device(self, value: np.ndarray):
-        value = np.ascontiguousarray(value)
+        value = np.asarray(value, order="C")
         ortvalue = self._ort.OrtValue.ortvalue_from_shape_and_type(value.shape, value.dtype, *self._where)
         ortvalue.update_inplace(value)
         return ortvalue
@@ -152,7 +152,7 @@ class PortableEngine(Engine):
 
     def set_parameters(self, values: Mapping[str, np.ndarray]) -> None:
         for name, value in values.items():
-            self._params[name].update_inplace(np.ascontiguousarray(value, dtype=np.float32))
+            self._params[name].update_inplace(np.asarray(value, dtype=np.float32, order="C"))
 
     def gradients(self) -> dict[str, np.ndarray]:
         return {p: self._grads[p].numpy().copy() for p in self.requires_grad}
@@ -165,7 +165,8 @@ class PortableEngine(Engine):
 
     def write_gradients(self, values: list[np.ndarray]) -> None:
         for p, value in zip(self.requires_grad, values):
-            self._grads[p].update_inplace(np.ascontiguousarray(value, dtype=np.float32).reshape(self._grads[p].shape()))
+            value = np.asarray(value, dtype=np.float32, order="C")
+            self._grads[p].update_inplace(value.reshape(self._grads[p].shape()))
 
     def save(self, folder: Path) -> dict:
         write_parameters(folder / self.artifacts.manifest["files"]["parameters"], self.parameters())

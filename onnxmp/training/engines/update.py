@@ -74,7 +74,7 @@ class Update:
         self.lr = default_learning_rate(artifacts)
 
     def on_device(self, value: np.ndarray):
-        value = np.ascontiguousarray(value)
+        value = np.asarray(value, order="C")
         ortvalue = self._ort.OrtValue.ortvalue_from_shape_and_type(value.shape, value.dtype, *self._where)
         ortvalue.update_inplace(value)
         return ortvalue
@@ -131,5 +131,5 @@ class Update:
             raise OnnxMPError(f"{path} lacks the optimizer state {', '.join(missing[:5]) or _STEP}",
                               "resume from a folder onnxmp saved with these artifacts")
         for name, value in self._state.items():
-            value.update_inplace(np.ascontiguousarray(saved[name], dtype=np.float32))
+            value.update_inplace(np.asarray(saved[name], dtype=np.float32, order="C"))
         self.step = int(saved[_STEP])
