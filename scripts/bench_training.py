@@ -22,6 +22,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -56,34 +58,40 @@ ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_ENTRIES = ("bert2.torchscript17", "vit.torchscript17", "wav2vec2.torchscript17", "resnet.torchscript17-bn")
 
 
-def _portable_builders():
-    """The portable form needs the lowering and the portable optimizer graph; until they are
-    merged the tests' scaffolding stands in (its graphs keep training ops: Python 3.11 only)."""
-    import contextlib
+def time_engines(artifacts, batches, lr, args):
+    """Both engines step by step in turn, each step timed: the machine's load falls on both alike
+    (medians, not means, so a stall of the machine moves neither)."""
+    def scaler():
+        return DynamicLossScaler(2.0**16, growth_steps=5) if artifacts.precision == "float16" else None
 
-    from onnxmp.training import portable
-
-    if portable.available():
-        return contextlib.nullcontext
-    sys.path.insert(0, str(ROOT / "tests" / "training"))
-    from portable_scaffold import installed
-
-    print("note: no lowering in this onnxmp yet; the portable graphs come from the tests' scaffolding")
-    return installed
-
-
-def time_engine(artifacts, engine, batches, lr, args):
-    scaler = DynamicLossScaler(2.0**16, growth_steps=5) if artifacts.precision == "float16" else None
-    trainer = Trainer(artifacts, engine=engine, lr=lr, scaler=scaler)
-    results, seconds = [], 0.0
+    trainers = {engine: Trainer(artifacts, engine=engine, lr=lr, scaler=scaler()) for engine in ENGINES}
+    times = {engine: [] for engine in ENGINES}
+    results = {engine: [] for engine in ENGINES}
     for i in range(args.warmup + args.steps):
         batch = batches[i % len(batches)]
-        start = time.perf_counter()
-        result = trainer.train_step(*batch)
-        if i >= args.warmup:
-            seconds += time.perf_counter() - start
-            results.append(result)
-    return seconds / args.steps, results
+        for engine, trainer in trainers.items():
+            start = time.perf_counter()
+            result = trainer.train_step(*batch)
+            if i >= args.warmup:
+                times[engine].append(time.perf_counter() - start)
+                results[engine].append(result)
+    return {engine: statistics.median(t) for engine, t in times.items()}, results
+
+
+def torch_times(args, names) -> dict:
+    """Seconds per step of PyTorch on the same models (scripts/torch_step_time.py in ``--torch-python``)."""
+    if not args.torch_python:
+        return {}
+    command = [args.torch_python, str(ROOT / "scripts" / "torch_step_time.py"), *names, "--optimizer", args.optimizer,
+               "--steps", str(args.steps), "--warmup", str(args.warmup)]
+    child = subprocess.run(command, capture_output=True, text=True)
+    rows = [json.loads(line) for line in child.stdout.splitlines() if line.startswith("{")]
+    if child.returncode != 0:
+        print(f"note: {args.torch_python} failed: {child.stderr.strip().splitlines()[-1:]}")
+    return {row["entry"]: row for row in rows}
+
+
+ENGINES = ("native", "portable")
 
 
 def bench_engines(args) -> int:
@@ -97,10 +105,11 @@ def bench_engines(args) -> int:
     matrix = json.loads((ROOT / "models" / "exports" / "matrix.json").read_text())
     names = list(matrix) if args.all else [n for n in matrix if any(w in n for w in args.entries or DEFAULT_ENTRIES)]
     rows = {}
-    builders = _portable_builders()
-    print(f"{args.optimizer}, {args.steps} timed steps after {args.warmup} of warm-up, an update every step")
+    torch = torch_times(args, names)
+    print(f"{args.optimizer}, median of {args.steps} timed steps after {args.warmup} of warm-up, an update every "
+          f"step, the engines in turn{'; torch: ' + args.torch_python if args.torch_python else ''}")
     print(f"{'export':<28}{'precision':>10}{'native ms':>11}{'portable ms':>13}{'ratio':>7}"
-          f"{'max rel loss diff':>19}{'same skips':>11}")
+          f"{'max rel loss diff':>19}{'same skips':>11}{'torch ms':>10}{'portable/torch steps/s':>24}")
     with tempfile.TemporaryDirectory(prefix="onnxmp-bench-engines-") as folder:
         for key in names:
             entry = matrix[key]
@@ -108,30 +117,35 @@ def bench_engines(args) -> int:
             params = [t.name for t in model.graph.initializer if t.data_type == onnx.TensorProto.FLOAT]
             frozen = without_gradient(model, params)
             try:
-                with builders():
-                    artifacts = build_artifacts(model, requires_grad=[n for n in params if n not in frozen],
-                                                frozen=list(frozen), precision=args.precision, target="cpu",
-                                                optimizer=args.optimizer, out_dir=Path(folder) / key)
+                artifacts = build_artifacts(model, requires_grad=[n for n in params if n not in frozen],
+                                            frozen=list(frozen), precision=args.precision, target="cpu",
+                                            optimizer=args.optimizer, out_dir=Path(folder) / key)
                 batches = tasks.batches(entry["arch"], entry["inputs"], 32)
                 lr = tasks.LR.get(entry["arch"], tasks.DEFAULT_LR)
-                native, a = time_engine(artifacts, "native", batches, lr, args)
-                portable, b = time_engine(artifacts, "portable", batches, lr, args)
+                seconds, runs = time_engines(artifacts, batches, lr, args)
             except OnnxMPError as exc:
                 print(f"{key:<28}refused: {str(exc).splitlines()[0][:120]}")
                 rows[key] = {"refused": str(exc).splitlines()[0]}
                 continue
+            native, portable = seconds["native"], seconds["portable"]
+            a, b = runs["native"], runs["portable"]
             diff = max(abs(x.loss - y.loss) / max(abs(x.loss), 1e-12) for x, y in zip(a, b)
                        if np.isfinite(x.loss) and np.isfinite(y.loss))
             same = [(x.skipped, x.loss_scale) for x in a] == [(y.skipped, y.loss_scale) for y in b]
             rows[key] = {"native_s": native, "portable_s": portable, "ratio": portable / native,
                          "max_rel_loss_diff": diff, "same_skips_and_scales": same,
                          "skipped": sum(x.skipped for x in a)}
+            theirs = torch.get(key, {})
+            if "torch_s" in theirs:
+                rows[key]["torch_s"] = theirs["torch_s"]
+                versus = f"{theirs['torch_s'] * 1e3:>10.1f}{theirs['torch_s'] / portable:>24.2f}"
+            else:
+                versus = f"{'-':>10}{theirs.get('error', '-')[:40]:>24}"
             print(f"{key:<28}{args.precision:>10}{native * 1e3:>11.1f}{portable * 1e3:>13.1f}"
-                  f"{portable / native:>7.2f}{diff:>19.2e}{str(same):>11}", flush=True)
+                  f"{portable / native:>7.2f}{diff:>19.2e}{str(same):>11}{versus}", flush=True)
     if args.json:
-        write_text_atomic(args.json, json.dumps({"steps": args.steps, "precision": args.precision, "optimizer": args.optimizer,
-                                                 "rows": rows},
-                                                indent=2) + "\n")
+        write_text_atomic(args.json, json.dumps({"steps": args.steps, "precision": args.precision,
+                                                 "optimizer": args.optimizer, "rows": rows}, indent=2) + "\n")
     return 0
 
 
@@ -153,6 +167,9 @@ def main(argv=None) -> int:
     parser.add_argument("--precision", choices=["float32", "float16", "bfloat16"], default=None,
                         help="the mixed precision to compare with float32 (default float16); with --engines "
                              "the precision of both runs (default float32)")
+    parser.add_argument("--torch-python", metavar="PYTHON",
+                        help="with --engines: an interpreter with torch and transformers (e.g. "
+                             "/work/scratch/torchenv/bin/python) that times PyTorch on the same models and batches")
     parser.add_argument("--json", type=Path, help="write the figures here")
     args = parser.parse_args(argv)
     guard_arguments(parser, {"--json": args.json})

@@ -11,7 +11,8 @@
 # 2. Runs scripts/gpu_check.py: real-fp16 parity of models/*.onnx on the CUDA
 #    EP, and fp32 vs fp16 latency of a BERT-base-sized encoder and a
 #    ResNet-50-sized CNN (onnxmp and onnxconverter-common).
-# 3. Training hook (see the marked section below).
+# 3. Training hook (see the marked section below), and scripts/gpu_train_check.py: the
+#    portable engine's fp32/fp16/bf16 step time on the CUDA EP beside PyTorch AMP.
 #
 # --wheels DIR is for a GPU machine without a package registry: no venv, no
 # download.  The interpreter (PYTHON, else python3) must already have numpy,
@@ -240,6 +241,44 @@ for entry in "${TRAIN_SCRIPTS[@]}"; do
     fi
 done
 # ============================================================================
+
+# Training through the portable engine (issue 28): BERT-base-sized and ResNet-50-sized models,
+# fp32/fp16/bf16 step time on the CUDA EP beside PyTorch AMP on the same model and batch.  The
+# artifacts are built in $TRAIN_VENV (onnxruntime-training) and trained in $VENV (plain
+# onnxruntime-gpu); torch comes from TORCH_PYTHON (default python3, the machine's own torch).
+TORCH_PYTHON=${TORCH_PYTHON:-python3}
+name=gpu_train_check.py
+if [ -n "$WHEELS" ]; then
+    record "$name" "skipped (--wheels: no training venv to build the artifacts in)"
+elif [ "$DRY_RUN" = 1 ] && ! "$TORCH_PYTHON" -c "import torch" >/dev/null 2>&1; then
+    record "$name" "skipped (dry run: no torch in $TORCH_PYTHON; set TORCH_PYTHON)"
+elif [ "$DRY_RUN" = 1 ]; then
+    echo "[dry-run] on a GPU: builds in $TRAIN_VENV, trains in $VENV, torch from $TORCH_PYTHON"
+    start=$SECONDS
+    if "$PY" scripts/gpu_train_check.py --dry-run --torch-python "$TORCH_PYTHON" > "$DRY_DIR/$name.log" 2>&1; then
+        cat "$DRY_DIR/$name.log"
+        record "$name" "ok, dry run on CPU ($((SECONDS - start)) s)"
+    else
+        tail -20 "$DRY_DIR/$name.log"
+        record "$name" "FAILED dry run on CPU"
+    fi
+else
+    if [ -z "$train_ready" ]; then
+        mkdir -p "$RESULTS"
+        make_venv "$TRAIN_VENV" ".[train-gpu]" "${TRAIN_CUDA_WHEELS[@]}" && train_ready=ok || train_ready=failed
+    fi
+    echo "== $name"
+    start=$SECONDS
+    if [ "$train_ready" != ok ]; then
+        record "$name" "FAILED: $TRAIN_VENV setup"
+    elif (export_cuda_libs "$PY"; timeout "$TRAIN_TIMEOUT" "$PY" scripts/gpu_train_check.py \
+            --torch-python "$TORCH_PYTHON" --build-python "$TRAIN_VENV/bin/python" --train-python "$PY" \
+            --json "$RESULTS/gpu_train_check.json"); then
+        record "$name" "ok ($((SECONDS - start)) s)"
+    else
+        record "$name" "FAILED (exit $? after $((SECONDS - start)) s)"
+    fi
+fi
 
 echo
 echo "== steps"

@@ -10,6 +10,6 @@ if _ROOT not in sys.path:
 # onnxruntime-training 1.19.2 has wheels up to Python 3.11 only (pyproject's markers leave it
 # out above): there the tests that build artifacts cannot run; tests/test_packaging.py covers
 # the message.  The portable engine's tests need only plain onnxruntime and run everywhere.
-PORTABLE_TESTS = {"test_training_portable.py"}
+PORTABLE_TESTS = {"test_training_portable.py", "test_training_portable_committed.py"}
 collect_ignore = ([f"training/{p.name}" for p in (Path(__file__).parent / "training").glob("test_*.py")
                    if p.name not in PORTABLE_TESTS] if sys.version_info >= (3, 12) else [])

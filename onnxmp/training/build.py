@@ -13,8 +13,11 @@ The build is a pipeline of stages (``docs/training.md``), each a pass over one
 5. ``loss_scale``: unscale / finite check (:mod:`~onnxmp.training.loss_scale`);
 6. ``determinism``: on the CPU, kernels that run exactly and deterministically
    (:mod:`~onnxmp.training.determinism`);
-7. ``optimizer``: the optimizer model (:mod:`~onnxmp.training.optimizer`);
-8. ``write``: the folder, whole or not at all (:mod:`~onnxmp.training.artifacts`), with the
+7. ``lower``: the training and eval models in ops plain onnxruntime runs, for the portable
+   engine (:mod:`~onnxmp.training.lower`); an op it cannot lower stops the build, named;
+8. ``optimizer``: the optimizer models (:mod:`~onnxmp.training.optimizer`): onnxblock's, and
+   torch's update in standard ops, which both engines step with;
+9. ``write``: the folder, whole or not at all (:mod:`~onnxmp.training.artifacts`), with the
    portable form of the graphs (:mod:`~onnxmp.training.portable`) and the parameters in
    ``parameters.npz``.
 """
@@ -47,9 +50,11 @@ from onnxmp.training.labels import check_output, output_shape
 from onnxmp.training.loss_scale import GRAD_WEIGHT, LOSS_SCALE, RESERVED, add_loss_scaling
 from onnxmp.training.losses import LOSSES
 from onnxmp.training.losses import loss as loss_named
+from onnxmp.training.lower import check_lowered, lower_model
 from onnxmp.training.optim import Optimizer as OptimizerSpec
 from onnxmp.training.optim import optimizer_named
 from onnxmp.training.optimizer import MAX_OPSET, build_optimizer_model, build_portable_optimizer, cap_ir_version
+from onnxmp.training.portable import portable_form
 from onnxmp.training.prepare import Preparation, describe, prepare_for_gradient, promote_constants
 
 log = logging.getLogger("onnxmp.training")
@@ -81,6 +86,8 @@ class TrainingBuild:
     training: onnx.ModelProto | None = None
     evaluation: onnx.ModelProto | None = None
     parameters: Any = None
+    lowered_training: onnx.ModelProto | None = None    # training/evaluation in ops plain onnxruntime runs
+    lowered_evaluation: onnx.ModelProto | None = None
     optimizer_model: onnx.ModelProto | None = None
     portable_optimizer: onnx.ModelProto | None = None  # torch's update in standard ops (optimizer.py)
     artifacts: Artifacts | None = None
@@ -157,6 +164,26 @@ class Determinism(PassBase[TrainingBuild]):
         return PassResult(bool(wrapped or replaced), {"float32_grads": wrapped, "scatter_grads": replaced})
 
 
+class Lower(PassBase[TrainingBuild]):
+    """The portable training and eval models: ORT's training ops rewritten into standard ONNX
+    (and the com.microsoft ops plain onnxruntime registers on CPU and CUDA)."""
+
+    name = "lower"
+
+    def call(self, state: TrainingBuild) -> PassResult:
+        state.lowered_training = lower_model(state.training)
+        state.lowered_evaluation = lower_model(state.evaluation)
+        for proto in (state.lowered_training, state.lowered_evaluation):
+            cap_ir_version(proto)
+        return PassResult(True, {"training_nodes": len(state.lowered_training.graph.node)})
+
+    def ensures(self, state: TrainingBuild) -> None:
+        for proto in (state.lowered_training, state.lowered_evaluation):
+            check_lowered(proto)
+        same = [v.name for v in state.lowered_training.graph.input] == [v.name for v in state.training.graph.input]
+        self.check(same, "the lowered training model has the native one's inputs, in order")
+
+
 class Optimizer(PassBase[TrainingBuild]):
     name = "optimizer"
 
@@ -175,15 +202,9 @@ class Write(PassBase[TrainingBuild]):
 
     def call(self, state: TrainingBuild) -> PassResult:
         manifest = _manifest(state)
-        from onnxmp.training.portable import portable_form
-
-        shapes = [(t.name, list(t.dims)) for group in state.parameters for t in group]
-        portable = portable_form(state.training, state.evaluation, state.optimizer, shapes, state.requires_grad,
-                                 manifest["opset"])
-        models = None
-        if portable is not None:
-            models, manifest["portable"] = portable
-            manifest["optimizer"]["slots"] = manifest["portable"]["slots"]
+        models, manifest["portable"] = portable_form(state.lowered_training, state.lowered_evaluation,
+                                                     state.portable_optimizer, state.requires_grad)
+        manifest["optimizer"]["slots"] = manifest["portable"]["slots"]
         write_artifacts(state.out, manifest, training=state.training, evaluation=state.evaluation,
                         optimizer_model=state.optimizer_model, forward=state.forward, parameters=state.parameters,
                         portable=models)
@@ -192,7 +213,7 @@ class Write(PassBase[TrainingBuild]):
         return PassResult(True)
 
 
-STAGES = (Load, Prepare, Convert, Gradient, LossScale, Determinism, Optimizer, Write)
+STAGES = (Load, Prepare, Convert, Gradient, LossScale, Determinism, Lower, Optimizer, Write)
 
 
 def build_artifacts(

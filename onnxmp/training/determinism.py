@@ -11,14 +11,12 @@ from __future__ import annotations
 
 import logging
 
-import numpy as np
 import onnx
-from onnx import TensorProto, helper, numpy_helper
+from onnx import TensorProto, helper
 
 from onnxmp.domains import is_onnx_domain
 from onnxmp.naming import FreshNames, proto_names
 from onnxmp.precision import LOW
-from onnxmp.training.prepare import Builder, attribute
 
 log = logging.getLogger("onnxmp.training.determinism")
 
@@ -101,43 +99,22 @@ def deterministic_gather_grads(training: onnx.ModelProto) -> int:
                     default.version if default else "?", _SCATTER_REDUCTION_OPSET)
         return 0
     default.version = max(default.version, _SCATTER_REDUCTION_OPSET)
+    # The lowering's GatherGrad is the deterministic one: the native graph takes it as it is.
+    from onnxmp.training.lower import shapes
+    from onnxmp.training.lower._emit import Emit
+
     names = FreshNames(proto_names(graph))
+    # On the emulated target every gradient is float32 here (float32_cpu_grad_kernels ran first).
+    types = {n.input[2]: TensorProto.FLOAT for n in grads}
     replaced = 0
     nodes: list[onnx.NodeProto] = []
     for node in graph.node:
-        axis = attribute(node, "axis", 0) if node.op_type == "GatherGrad" and node.domain == "com.microsoft" else None
-        if axis is None or axis < 0:
+        if not (node.op_type == "GatherGrad" and node.domain == "com.microsoft"):
             nodes.append(node)
             continue
-        b = Builder(names, node, {})
-        shape, indices, dy = node.input
-        ints = {}
-
-        def const_ints(values):
-            key = tuple(values)
-            if key not in ints:
-                out = names(f"{b.scope}/ints")
-                b.nodes.append(helper.make_node("Constant", [], [out], name=names(f"{b.scope}/Constant"),
-                                                value=numpy_helper.from_array(np.array(values, np.int64), out)))
-                ints[key] = out
-            return ints[key]
-
-        def product(start: int, end: int | None) -> str:
-            piece = b.op("Slice", [shape, const_ints([start]), const_ints([end if end is not None else 2**62])])
-            return b.op("ReduceProd", [b.op("Concat", [const_ints([1]), piece], axis=0)], keepdims=1)
-
-        before, after = product(0, axis), product(axis + 1, None)
-        rows = b.op("Slice", [shape, const_ints([axis]), const_ints([axis + 1])])
-        count = b.op("Reshape", [b.op("Size", [indices]), const_ints([1])])
-        dy_shape = b.op("Concat", [before, count, after], axis=0)
-        dy3 = b.op("Reshape", [dy, dy_shape])
-        idx = b.op("Reshape", [indices, b.op("Concat", [const_ints([1]), count, const_ints([1])], axis=0)])
-        idx = b.op("Expand", [b.op("Cast", [idx], to=TensorProto.INT64), dy_shape])
-        zeros = b.op("ConstantOfShape", [b.op("Concat", [before, rows, after], axis=0)],
-                     value=numpy_helper.from_array(np.zeros(1, np.float32)))
-        summed = b.op("ScatterElements", [zeros, idx, dy3], axis=1, reduction="add")
-        b.op("Reshape", [summed, shape], node.output[0])
-        nodes.extend(b.nodes)
+        emit = Emit(names, node, types, {})
+        shapes.gather_grad(emit)
+        nodes.extend(emit.nodes)
         replaced += 1
     graph.ClearField("node")
     graph.node.extend(nodes)

@@ -58,7 +58,7 @@ class Trainer:
     bfloat16, non-finite gradients at the scale's floor), so a run never silently
     stops learning.
 
-    ``lr`` sets the optimizer's (base) learning rate (``None`` leaves the default, 1e-3).
+    ``lr`` sets the optimizer's (base) learning rate (``None``: the lr the artifacts' optimizer was built with).
     ``schedule`` (a :class:`~onnxmp.training.schedules.Schedule`, or one of its names with
     ``warmup_steps`` and ``total_steps``) sets it to ``schedule.lr_at(updates, lr)`` before
     each applied update, as Hugging Face's ``get_*_schedule_with_warmup`` steps (per
@@ -85,7 +85,7 @@ class Trainer:
     """
 
     def __init__(self, artifacts: Artifacts | str | os.PathLike, *, device: str = "cpu",
-                 scaler: DynamicLossScaler | None = None, grad_accum_steps: int = 1, lr: float | None = 1e-3,
+                 scaler: DynamicLossScaler | None = None, grad_accum_steps: int = 1, lr: float | None = None,
                  lr_schedule: Callable[[int], float] | None = None, clip_global_norm: float | None = None,
                  communicator: Communicator | None = None, engine: str = "auto",
                  schedule: Schedule | str | None = None, warmup_steps: int = 0, total_steps: int | None = None,

@@ -60,19 +60,14 @@ def run(config: dict, comm, folder: Path) -> dict[str, np.ndarray]:
     if config.get("resume"):
         trainer = Trainer.resume(config["resume"], communicator=comm, **config.get("overrides", {}))
     else:
-        import contextlib
-
-        from portable_scaffold import installed  # TEST SCAFFOLDING until the lowering is merged
-
         model = mlp(SIZES, seed=config.get("seed_on_rank_1", 0) if rank == 1 else 0)
         engine = config.get("engine", "auto")
-        with installed() if engine == "portable" else contextlib.nullcontext():
-            artifacts = build_artifacts(model, requires_grad=trainable(model), out_dir=folder / f"artifacts{rank}",
-                                        precision=config["precision"], target="cpu",
-                                        optimizer=config.get("optimizer", "adamw"))
-            trainer = Trainer(artifacts, grad_accum_steps=k, communicator=comm, scaler=scaler(),
-                              clip_global_norm=config.get("clip"), engine=engine,
-                              lr_schedule=None if not config.get("schedule") else lambda step: 1e-2 / (1 + step))
+        artifacts = build_artifacts(model, requires_grad=trainable(model), out_dir=folder / f"artifacts{rank}",
+                                    precision=config["precision"], target="cpu",
+                                    optimizer=config.get("optimizer", "adamw"))
+        trainer = Trainer(artifacts, grad_accum_steps=k, communicator=comm, scaler=scaler(),
+                          clip_global_norm=config.get("clip"), engine=engine,
+                          lr_schedule=None if not config.get("schedule") else lambda step: 1e-2 / (1 + step))
     if config.get("initial_only"):
         return {f"param.{name}": value for name, value in trainer.parameters().items()}
     history = trainer.fit(shard, config["epochs"], eval_shard, ["accuracy"], progress=False)

@@ -19,9 +19,10 @@ import onnx
 from onnx import TensorProto, helper, numpy_helper
 
 from onnxmp.training.artifacts import FILES, FORMAT, MANIFEST, PORTABLE_FILES, write_parameters
+from onnxmp.training.optim import optimizer_named
+from onnxmp.training.optimizer import build_portable_optimizer
 from onnxmp.training.portable import optimizer_slots, state_pairs
 
-from portable_scaffold import optimizer_for_tests
 
 OPSET = 17
 
@@ -102,7 +103,7 @@ def write_linear_artifacts(out: Path, *, optimizer: str = "sgd", n_in: int = 6, 
     params = {"W": rng.normal(scale=0.5, size=(n_in, n_out)).astype(np.float32),
               "b": np.zeros(n_out, np.float32)}
     requires_grad = ["W", "b"]
-    optimizer_model = optimizer_for_tests(optimizer, [(p, list(params[p].shape)) for p in requires_grad], OPSET)
+    optimizer_model = build_portable_optimizer(optimizer, [(p, list(params[p].shape)) for p in requires_grad], OPSET)
     slots = optimizer_slots(optimizer_model, requires_grad)
     models = {"training_model": training_model(n_in, n_out), "eval_model": eval_model(n_in, n_out),
               "optimizer_model": optimizer_model}
@@ -114,7 +115,7 @@ def write_linear_artifacts(out: Path, *, optimizer: str = "sgd", n_in: int = 6, 
     write_parameters(out / FILES["parameters"], params)
     manifest = {
         "format": FORMAT, "precision": "float32", "target": "cpu", "loss": "mse",
-        "optimizer": {"name": optimizer, "hyperparameters": {}, "slots": slots}, "opset": OPSET,
+        "optimizer": optimizer_named(optimizer).manifest_entry(requires_grad), "opset": OPSET,
         "inputs": ["x", "target"], "input_dtypes": {"x": "float32", "target": "float32"},
         "model_inputs": ["x"], "label_input": "target", "forward_outputs": ["y"], "output_shape": [None, n_out],
         "training_outputs": ["loss_scaled", "loss", "all_finite"], "eval_outputs": ["loss", "y"],

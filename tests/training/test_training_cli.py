@@ -197,15 +197,8 @@ def test_a_model_over_2gb_is_refused_before_its_weights_or_data_are_read(files, 
 
 def test_train_prebuilt_artifacts_on_either_engine(files, capsys):
     """A run's artifacts/ trained again with --artifacts: natively, and on the portable engine
-    (its graphs from the test scaffolding until the lowering is merged) with the same losses."""
-    import sys
-    from pathlib import Path
-
-    sys.path.insert(0, str(Path(__file__).parent))
-    from portable_scaffold import installed
-
-    with installed():
-        assert main(_args(files, files / "built", 1, "--precision", "float32", "--optimizer", "sgd")) == 0
+    (its graphs lowered) with the same losses."""
+    assert main(_args(files, files / "built", 1, "--precision", "float32", "--optimizer", "sgd")) == 0
     histories = {}
     for engine in ("native", "portable"):
         args = _args(files, files / engine, 2, "--engine", engine, "--artifacts", str(files / "built" / "artifacts"))

@@ -1,8 +1,6 @@
-"""Native against portable on artifacts the training build writes (Python 3.11).
-
-Until helper B's lowering is merged the portable graphs come from the test scaffolding
-(:mod:`portable_scaffold`: only InPlaceAccumulatorV2 is rewritten, the other training ops stay),
-so they run in onnxruntime-training's InferenceSession; the engine under test is the real one."""
+"""Native against portable on artifacts the training build writes (Python 3.11): both step with
+torch's update (the portable optimizer graph), so they differ only in the training graph's
+kernels, onnxruntime-training's against their lowering."""
 from __future__ import annotations
 
 import numpy as np
@@ -10,8 +8,6 @@ import pytest
 
 from onnxmp.training import DynamicLossScaler, Trainer, build_artifacts
 from onnxmp.training.models import mlp, trainable
-
-from portable_scaffold import installed
 
 STEPS = 30
 
@@ -31,10 +27,9 @@ def built(tmp_path_factory):
 
     def get(optimizer, precision):
         if (optimizer, precision) not in cache:
-            with installed():
-                cache[optimizer, precision] = build_artifacts(
-                    model, requires_grad=trainable(model), optimizer=optimizer, precision=precision, target="cpu",
-                    out_dir=tmp_path_factory.mktemp(f"{optimizer}-{precision}"))
+            cache[optimizer, precision] = build_artifacts(
+                model, requires_grad=trainable(model), optimizer=optimizer, precision=precision, target="cpu",
+                out_dir=tmp_path_factory.mktemp(f"{optimizer}-{precision}"))
         return cache[optimizer, precision]
     return get
 
@@ -76,9 +71,8 @@ def test_float16_skips_and_scales_agree(built, data, optimizer):
 
 def test_accumulated_gradients_and_clipping_agree(built, data):
     artifacts = built("sgd", "float32")
-    with installed():  # the clipped optimizer graph is rebuilt at Trainer(): the scaffolding's
-        trainers = {engine: Trainer(artifacts, engine=engine, lr=0.5, grad_accum_steps=3, clip_global_norm=0.01)
-                    for engine in ("native", "portable")}
+    trainers = {engine: Trainer(artifacts, engine=engine, lr=0.5, grad_accum_steps=3, clip_global_norm=0.01)
+                for engine in ("native", "portable")}
     for engine, trainer in trainers.items():
         for batch in data[:2]:
             trainer.train_step(*batch)
@@ -109,15 +103,21 @@ def test_native_state_resumes_natively_and_refuses_portable(built, data, tmp_pat
         Trainer.resume(tmp_path / "state", engine="portable")
 
 
-def test_without_the_lowering_the_build_writes_no_portable_form(tmp_path, caplog):
-    import onnxmp.training.portable as portable
+def test_a_scalar_parameter_trains_alike(tmp_path, data):
+    # A 0-d initializer (dynamo exports have them) keeps its shape [] in every engine buffer.
+    from onnx import TensorProto, helper, numpy_helper
 
-    if portable.available():
-        pytest.skip("the lowering is merged")
-    model = mlp((8, 16, 4), seed=0)
-    artifacts = build_artifacts(model, requires_grad=trainable(model), precision="float32", out_dir=tmp_path / "a")
-    assert not artifacts.has_portable and "no portable form" in caplog.text
-    from onnxmp.errors import OnnxMPError
-
-    with pytest.raises(OnnxMPError, match="no portable graphs"):
-        Trainer(artifacts, engine="portable")
+    rng = np.random.default_rng(0)
+    graph = helper.make_graph(
+        [helper.make_node("MatMul", ["x", "W"], ["h"]), helper.make_node("Mul", ["h", "s"], ["logits"])], "scalar",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", 8])],
+        [helper.make_tensor_value_info("logits", TensorProto.FLOAT, ["N", 4])],
+        [numpy_helper.from_array(rng.normal(size=(8, 4)).astype(np.float32), "W"),
+         numpy_helper.from_array(np.array(1.5, np.float32), "s")])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 8
+    artifacts = build_artifacts(model, requires_grad=["W", "s"], target="cpu", out_dir=tmp_path / "a")
+    runs = {engine: _run(artifacts, engine, data[:6]) for engine in ("native", "portable")}
+    np.testing.assert_allclose([r.loss for r in runs["portable"][1]], [r.loss for r in runs["native"][1]], rtol=1e-5)
+    for trainer, _ in runs.values():
+        assert trainer.parameters()["s"].shape == () and trainer.parameters()["s"] != 1.5

@@ -79,3 +79,12 @@ def test_check_cuda_builds_one_entry(tmp_path):
     assert all(g["ok"] for g in graphs.values())
     assert graphs["training_model.onnx"]["not_onnx"] == {"MaxPoolGrad": 1}  # onnxruntime-training's own
     assert "ConvGrad" in graphs["training_model.onnx"]["without_cuda_kernel"]
+
+
+def test_train_portable_table_one_entry(tmp_path):
+    # Built here, trained by a second interpreter (this one) on the portable engine.
+    out = _run(SCRIPTS / "train_portable_table.py", "--entries", "resnet.torchscript17", "--precisions", "float32",
+               "float16", cwd=tmp_path)
+    rows = [line.split() for line in out.splitlines() if line.startswith("resnet.torchscript17")]
+    assert [r[1] for r in rows] == ["float32", "float16"] and all(r[-1] == "ok" for r in rows)
+    assert "engine portable" in out

@@ -122,6 +122,15 @@ def device_index(device: str) -> int:
         raise OnnxMPError(f"bad device {device!r}", "use cpu, cuda or cuda:N") from None
 
 
+def placement(device: str) -> tuple[tuple[str, int], list]:
+    """Where OrtValues of ``device`` live (``OrtValue``'s device type and id) and the providers
+    of a session on it."""
+    if device.startswith("cuda"):
+        index = device_index(device)
+        return ("cuda", index), [("CUDAExecutionProvider", {"device_id": index})]
+    return ("cpu", 0), ["CPUExecutionProvider"]
+
+
 def session_options(artifacts: Artifacts, threads: int = 0):
     from onnxmp.parity.emulate import session_options as emulation_options
 

@@ -1,24 +1,26 @@
-"""The native engine: onnxruntime-training 1.19.2's Module/Optimizer API (Python <= 3.11).
+"""The native engine: onnxruntime-training 1.19.2's Module API (Python <= 3.11).
 
-It runs the artifacts' training graphs as built (InPlaceAccumulatorV2, AdamWOptimizer...),
-with ORT's CheckpointState holding parameters, gradients and optimizer state.
+It runs the artifacts' training and eval graphs as built (InPlaceAccumulatorV2, the gradient
+ops...), with ORT's CheckpointState holding parameters and gradients.  Its update is the
+portable engine's (:mod:`onnxmp.training.engines.update`: torch's AdamW / SGD in standard ops,
+on an ``InferenceSession`` over the Module's own gradient and parameter buffers), not
+onnxruntime's AdamWOptimizer, whose formula is Hugging Face's: the two engines then differ
+only in the training graph's kernels, and the native one is the lowering's oracle.
 """
 from __future__ import annotations
 
 import logging
-import tempfile
 from pathlib import Path
 from typing import Mapping
 
 import numpy as np
-import onnx
 
 from onnxmp.errors import OnnxMPError, first_line
 from onnxmp.training import _ort
 from onnxmp.training.artifacts import Artifacts, write_parameters
-from onnxmp.training.engines.base import Engine, check_device, session_options
+from onnxmp.training.engines.base import Engine, check_device, placement, session_options
+from onnxmp.training.engines.update import Update
 from onnxmp.training.loss_scale import ALL_FINITE, LOSS
-from onnxmp.training.optimizer import build_optimizer_model
 
 log = logging.getLogger("onnxmp.training")
 
@@ -32,36 +34,27 @@ class NativeEngine(Engine):
         api = _ort.api()
         check_device(device, artifacts, "install onnxruntime-training==1.19.2 (CUDA 11.8), train on the cpu, "
                                         "or use engine='portable' with onnxruntime-gpu")
+        import onnxruntime as ort
+
+        self._ort = ort
+        where, providers = placement(device)
+        options = session_options(artifacts, threads)
         try:
             self._state = api.CheckpointState.load_checkpoint(str(artifacts.checkpoint))
             self._module = api.Module(str(artifacts.training_model), self._state, str(artifacts.eval_model),
-                                      device=device, session_options=session_options(artifacts, threads))
-            self._optimizer = self._make_optimizer(api, clip_global_norm)
-        except OnnxMPError:
-            raise
+                                      device=device, session_options=options)
         except Exception as exc:
             raise OnnxMPError(f"onnxruntime cannot load the artifacts in {artifacts.directory}: "
                               f"{first_line(exc)}", "rebuild them with this onnxmp version") from None
+        shapes = {p: tuple(self._state.parameters[p]._parameter.data.shape()) for p in self.requires_grad}
+        self._update = Update(ort, artifacts, self.requires_grad, shapes, where, options, providers, clip_global_norm)
+        self._update.restore(artifacts)
+        self._new: dict | None = None  # the buffers each update writes the parameters into
         self._train_inputs = self._module.train().input_names()
         self._train_outputs = self._module.output_names()
         self._eval_inputs = self._module.eval().input_names()
         self._eval_outputs = self._module.output_names()
         self._module.train()
-
-    def _make_optimizer(self, api, clip_global_norm):
-        # SGDOptimizerV2's schema infers a scalar flag where onnxblock declares [1]; ORT
-        # warns about that harmless mismatch on every load, so its log goes to debug.
-        if clip_global_norm is None:
-            with _ort.native_stderr_to_log(log):
-                return api.Optimizer(str(self.artifacts.optimizer_model), self._module)
-        model = build_optimizer_model(self.artifacts.optimizer_name, opset=self.artifacts.manifest["opset"],
-                                      clip_global_norm=clip_global_norm, parameters=len(self.requires_grad))
-        # ORT reads the optimizer model once, at construction.
-        with tempfile.TemporaryDirectory(prefix="onnxmp-optimizer-") as folder:
-            path = Path(folder) / "optimizer_model.onnx"
-            onnx.save(model, path)
-            with _ort.native_stderr_to_log(log):
-                return api.Optimizer(str(path), self._module)
 
     # --- graphs ---------------------------------------------------------------------------
 
@@ -79,7 +72,16 @@ class NativeEngine(Engine):
         return dict(zip(self._eval_outputs, outputs if isinstance(outputs, tuple) else (outputs,)))
 
     def step(self) -> None:
-        self._optimizer.step()
+        wrap = self._ort.OrtValue
+        params = {p: self._state.parameters[p]._parameter for p in self.requires_grad}
+        if self._new is None:
+            self._new = {p: self._update.empty_like(wrap(param.data)) for p, param in params.items()}
+        # The Module's own buffers, bound without a copy; ORT keeps a parameter's memory where it
+        # is, so the new values are copied into it (the training graph reads it there).
+        self._update.run({p: wrap(param.data) for p, param in params.items()},
+                         {p: wrap(param.grad) for p, param in params.items()}, self._new)
+        for p, param in params.items():
+            param.copy_from(self._state._state, self._new[p]._ortvalue)
 
     def reset_grad(self) -> None:
         self._module.lazy_reset_grad()
@@ -88,11 +90,11 @@ class NativeEngine(Engine):
 
     @property
     def learning_rate(self) -> float:
-        return self._optimizer.get_learning_rate()
+        return self._update.lr
 
     @learning_rate.setter
     def learning_rate(self, value: float) -> None:
-        self._optimizer.set_learning_rate(float(value))
+        self._update.lr = float(np.float32(value))
 
     def parameters(self) -> dict[str, np.ndarray]:
         return {name: np.array(param.data, copy=True) for name, param in self._state.parameters}
@@ -116,13 +118,11 @@ class NativeEngine(Engine):
 
     def write_gradients(self, values: list[np.ndarray]) -> None:
         for g, value in zip(self._grads(), values):
-            g.update_inplace(np.ascontiguousarray(value.reshape(g.shape())))
+            g.update_inplace(np.asarray(value.reshape(g.shape()), order="C"))
 
     def save(self, folder: Path) -> dict:
         files = self.artifacts.manifest["files"]
-        _ort.api().CheckpointState.save_checkpoint(self._state, str(folder / files["checkpoint"]),
-                                                   include_optimizer_state=True)
-        # The trained weights in the portable format too: exportable and readable anywhere
-        # (the optimizer moments stay in ORT's checkpoint only).
+        _ort.api().CheckpointState.save_checkpoint(self._state, str(folder / files["checkpoint"]))
+        # The trained weights in the portable format too: exportable and readable anywhere.
         write_parameters(folder / files["parameters"], self.parameters())
-        return {}
+        return self._update.save(folder)

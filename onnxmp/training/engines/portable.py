@@ -16,14 +16,13 @@ from typing import Mapping
 import numpy as np
 
 from onnxmp.errors import OnnxMPError, first_line
-from onnxmp.training.artifacts import Artifacts, read_parameters, write_parameters
-from onnxmp.training.engines.base import Engine, check_device, device_index, session_options
+from onnxmp.training.artifacts import Artifacts, write_parameters
+from onnxmp.training.engines.base import Engine, check_device, placement, session_options
+from onnxmp.training.engines.update import Update
 from onnxmp.training.loss_scale import ALL_FINITE, LOSS
 
 log = logging.getLogger("onnxmp.training")
 
-OPTIMIZER_STATE = "optimizer_state.npz"
-_STEP = "onnxmp.optimizer.step"  # the update count, beside the slots in OPTIMIZER_STATE
 LAZY_RESET = "lazy_reset_grad"
 
 
@@ -37,21 +36,16 @@ class PortableEngine(Engine):
         super().__init__(artifacts, device, threads=threads, clip_global_norm=clip_global_norm)
         check_device(device, artifacts, "install onnxruntime-gpu (pip install onnxmp[gpu]) or train on the cpu")
         self._ort = ort
-        self._where = ("cuda", device_index(device)) if device.startswith("cuda") else ("cpu", 0)
-        providers = ([("CUDAExecutionProvider", {"device_id": self._where[1]})] if self._where[0] == "cuda"
-                     else ["CPUExecutionProvider"])
+        self._where, providers = placement(device)
         manifest = artifacts.manifest
         pairs = manifest["portable"]["state_pairs"] if artifacts.has_portable else {}
         self._grad_pairs: dict[str, str] = pairs.get("training_model", {})
-        self._slots: list[str] = list(manifest["portable"].get("slots", [])) if artifacts.has_portable else []
         options = session_options(artifacts, threads)
         try:
             self._train_session = ort.InferenceSession(str(artifacts.portable_path("training_model")), options,
                                                        providers=providers)
             self._eval_session = ort.InferenceSession(str(artifacts.portable_path("eval_model")), options,
                                                       providers=providers)
-            self._optimizer_session = ort.InferenceSession(self._optimizer_bytes(clip_global_norm), options,
-                                                           providers=providers)
         except OnnxMPError:
             raise
         except Exception as exc:
@@ -62,38 +56,22 @@ class PortableEngine(Engine):
         self._train_outputs = [o.name for o in self._train_session.get_outputs()]
         self._eval_inputs = [i.name for i in self._eval_session.get_inputs()]
         self._eval_outputs = [o.name for o in self._eval_session.get_outputs()]
-        self._optimizer_inputs = [i.name for i in self._optimizer_session.get_inputs()]
-        self._optimizer_outputs = [o.name for o in self._optimizer_session.get_outputs()]
 
         initial = artifacts.parameters()
+        self._update = Update(ort, artifacts, self.requires_grad, {p: initial[p].shape for p in self.requires_grad},
+                              self._where, options, providers, clip_global_norm)
+        self._update.restore(artifacts)
         self._params = {name: self._on_device(value) for name, value in initial.items()}
         self._grads = {p: self._zeros(initial[p]) for p in self.requires_grad}
-        self._state = {f"{p}.{slot}": self._zeros(initial[p]) for p in self.requires_grad for slot in self._slots}
-        self._step = 0
         self._reset = True
-        self._lr = 1e-3  # torch's and onnxruntime's default
         # The second set of state buffers, each run's outputs; made at first use.
         self._spare_grads: dict | None = None
         self._spare_params: dict | None = None
-        self._spare_state: dict | None = None
-        saved = artifacts.manifest.get("state", {})
-        if saved.get("optimizer_state"):
-            self._restore(artifacts.directory / saved["optimizer_state"])
-
-    def _optimizer_bytes(self, clip_global_norm: float | None) -> bytes | str:
-        if clip_global_norm is None:
-            return str(self.artifacts.portable_path("optimizer_model"))
-        from onnxmp.training.portable import optimizer_graph
-
-        shapes = {name: list(value.shape) for name, value in self.artifacts.parameters().items()}
-        model = optimizer_graph(self.artifacts.manifest["optimizer"], [(p, shapes[p]) for p in self.requires_grad],
-                                self.artifacts.manifest["opset"], clip_global_norm)
-        return model.SerializeToString()
 
     # --- device memory ----------------------------------------------------------------------
 
     def _on_device(self, value: np.ndarray):
-        value = np.ascontiguousarray(value)
+        value = np.asarray(value, order="C")
         ortvalue = self._ort.OrtValue.ortvalue_from_shape_and_type(value.shape, value.dtype, *self._where)
         ortvalue.update_inplace(value)
         return ortvalue
@@ -151,36 +129,9 @@ class PortableEngine(Engine):
     def step(self) -> None:
         if self._spare_params is None:
             self._spare_params = {p: self._empty_like(self._params[p]) for p in self.requires_grad}
-            self._spare_state = {k: self._empty_like(v) for k, v in self._state.items()}
-        binding = self._optimizer_session.io_binding()
-        for name in self._optimizer_inputs:
-            if name == "learning_rate":
-                binding.bind_cpu_input(name, np.array(self._lr, dtype=np.float32))
-            elif name == "step":
-                binding.bind_cpu_input(name, np.array(self._step + 1, dtype=np.int64))
-            elif name in self._params:
-                binding.bind_ortvalue_input(name, self._params[name])
-            elif name.endswith(".grad") and name[:-5] in self._grads:
-                binding.bind_ortvalue_input(name, self._grads[name[:-5]])
-            elif name in self._state:
-                binding.bind_ortvalue_input(name, self._state[name])
-            else:
-                raise OnnxMPError(f"the portable optimizer graph has an unknown input {name!r}",
-                                  "rebuild the artifacts with this onnxmp version")
-        for name in self._optimizer_outputs:
-            source = name[:-4] if name.endswith(".out") else None
-            if source in self._spare_params:
-                binding.bind_ortvalue_output(name, self._spare_params[source])
-            elif source in self._spare_state:
-                binding.bind_ortvalue_output(name, self._spare_state[source])
-            else:
-                raise OnnxMPError(f"the portable optimizer graph has an unknown output {name!r}",
-                                  "rebuild the artifacts with this onnxmp version")
-        self._optimizer_session.run_with_iobinding(binding)
+        self._update.run(self._params, self._grads, self._spare_params)
         for p in self.requires_grad:
             self._params[p], self._spare_params[p] = self._spare_params[p], self._params[p]
-        self._state, self._spare_state = self._spare_state, self._state
-        self._step += 1
 
     def reset_grad(self) -> None:
         self._reset = True
@@ -189,19 +140,19 @@ class PortableEngine(Engine):
 
     @property
     def learning_rate(self) -> float:
-        return self._lr
+        return self._update.lr
 
     @learning_rate.setter
     def learning_rate(self, value: float) -> None:
         # The optimizer graph reads it as float32, as ORT's optimizer does.
-        self._lr = float(np.float32(value))
+        self._update.lr = float(np.float32(value))
 
     def parameters(self) -> dict[str, np.ndarray]:
         return {name: value.numpy().copy() for name, value in self._params.items()}
 
     def set_parameters(self, values: Mapping[str, np.ndarray]) -> None:
         for name, value in values.items():
-            self._params[name].update_inplace(np.ascontiguousarray(value, dtype=np.float32))
+            self._params[name].update_inplace(np.asarray(value, dtype=np.float32, order="C"))
 
     def gradients(self) -> dict[str, np.ndarray]:
         return {p: self._grads[p].numpy().copy() for p in self.requires_grad}
@@ -214,21 +165,9 @@ class PortableEngine(Engine):
 
     def write_gradients(self, values: list[np.ndarray]) -> None:
         for p, value in zip(self.requires_grad, values):
-            self._grads[p].update_inplace(np.ascontiguousarray(value, dtype=np.float32).reshape(self._grads[p].shape()))
+            value = np.asarray(value, dtype=np.float32, order="C")
+            self._grads[p].update_inplace(value.reshape(self._grads[p].shape()))
 
     def save(self, folder: Path) -> dict:
         write_parameters(folder / self.artifacts.manifest["files"]["parameters"], self.parameters())
-        state = {name: value.numpy() for name, value in self._state.items()}
-        state[_STEP] = np.array(self._step, dtype=np.int64)
-        write_parameters(folder / OPTIMIZER_STATE, state)
-        return {"optimizer_state": OPTIMIZER_STATE}
-
-    def _restore(self, path: Path) -> None:
-        saved = read_parameters(path)
-        missing = sorted(set(self._state) - set(saved))
-        if missing or _STEP not in saved:
-            raise OnnxMPError(f"{path} lacks the optimizer state {', '.join(missing[:5]) or _STEP}",
-                              "resume from a folder the portable engine saved with these artifacts")
-        for name, value in self._state.items():
-            value.update_inplace(np.ascontiguousarray(saved[name], dtype=np.float32))
-        self._step = int(saved[_STEP])
+        return self._update.save(folder)

@@ -1,0 +1,135 @@
+"""The optimizer update both engines run: the artifacts' portable optimizer graph (torch's
+AdamW / SGD in standard ops, :func:`onnxmp.training.optimizer.build_portable_optimizer`) on a
+plain ``InferenceSession``.
+
+One home for the update, so the native and the portable engine step with the same algorithm
+and differ only in the training graph's kernels (onnxruntime-training's gradient ops against
+their lowered form).  The update's state (the slots, the step count) lives here as OrtValues
+on the device; the engine lends the parameters and the accumulated gradients, and the buffers
+the new parameters are written into (an output may not alias an input of the same run).
+"""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Mapping, Sequence
+
+import numpy as np
+
+from onnxmp.errors import OnnxMPError, first_line
+from onnxmp.training.artifacts import Artifacts, read_parameters, write_parameters
+
+OPTIMIZER_STATE = "optimizer_state.npz"
+_STEP = "onnxmp.optimizer.step"  # the update count, beside the slots in OPTIMIZER_STATE
+_REBUILD = "rebuild the artifacts with this onnxmp version"
+
+
+def default_learning_rate(artifacts: Artifacts) -> float:
+    """The lr the artifacts' optimizer was given (torch's default, 1e-3, where none is recorded)."""
+    hyper = artifacts.manifest.get("optimizer", {}).get("hyperparameters", {})
+    return float(np.float32(hyper.get("lr", 1e-3)))
+
+
+def optimizer_model(artifacts: Artifacts, requires_grad: Sequence[str], shapes: Mapping[str, Sequence[int]],
+                    clip_global_norm: float | None):
+    """The optimizer graph: the artifacts' file, or one rebuilt from the manifest's entry when a
+    clip is asked for (a constant in the graph) or the folder has no portable graphs."""
+    if clip_global_norm is None and artifacts.has_portable:
+        return str(artifacts.portable_path("optimizer_model"))
+    from onnxmp.training.optimizer import build_portable_optimizer
+
+    entry = artifacts.manifest.get("optimizer")
+    if not isinstance(entry, dict):
+        raise OnnxMPError(f"the manifest in {artifacts.directory} records no optimizer entry", _REBUILD)
+    kwargs = {} if clip_global_norm is None else {"clip_global_norm": float(clip_global_norm)}
+    model = build_portable_optimizer(entry, [(p, list(shapes[p])) for p in requires_grad],
+                                     artifacts.manifest["opset"], **kwargs)
+    return model.SerializeToString()
+
+
+class Update:
+    """torch's optimizer over ``requires_grad``, with its slots and step count on ``where``."""
+
+    def __init__(self, ort, artifacts: Artifacts, requires_grad: Sequence[str],
+                 shapes: Mapping[str, Sequence[int]], where: tuple[str, int], options, providers,
+                 clip_global_norm: float | None = None):
+        self._ort, self._where = ort, where
+        self.requires_grad = list(requires_grad)
+        try:
+            self._session = ort.InferenceSession(optimizer_model(artifacts, requires_grad, shapes, clip_global_norm),
+                                                 options, providers=providers)
+        except OnnxMPError:
+            raise
+        except Exception as exc:
+            raise OnnxMPError(f"onnxruntime {ort.__version__} cannot load the optimizer graph of "
+                              f"{artifacts.directory}: {first_line(exc)}", _REBUILD) from None
+        self._inputs = [i.name for i in self._session.get_inputs()]
+        self._outputs = [o.name for o in self._session.get_outputs()]
+        first = self.requires_grad[0]
+        self.slots = [name[len(first) + 1:] for name in self._inputs
+                      if name.startswith(f"{first}.") and name != f"{first}.grad"]
+        zeros = {p: np.zeros(shapes[p], dtype=np.float32) for p in self.requires_grad}
+        self._state = {f"{p}.{slot}": self.on_device(zeros[p]) for p in self.requires_grad for slot in self.slots}
+        self._spare: dict | None = None
+        self.step = 0  # applied updates
+        self.lr = default_learning_rate(artifacts)
+
+    def on_device(self, value: np.ndarray):
+        value = np.asarray(value, order="C")
+        ortvalue = self._ort.OrtValue.ortvalue_from_shape_and_type(value.shape, value.dtype, *self._where)
+        ortvalue.update_inplace(value)
+        return ortvalue
+
+    def empty_like(self, ortvalue):
+        return self._ort.OrtValue.ortvalue_from_shape_and_type(ortvalue.shape(), np.float32, *self._where)
+
+    def run(self, params: Mapping[str, object], grads: Mapping[str, object], into: Mapping[str, object]) -> None:
+        """One update: reads ``params`` and ``grads`` (OrtValues by parameter name), writes the new
+        parameters into ``into`` and advances the slots and the step count."""
+        if self._spare is None:
+            self._spare = {k: self.empty_like(v) for k, v in self._state.items()}
+        binding = self._session.io_binding()
+        for name in self._inputs:
+            if name == "learning_rate":
+                binding.bind_cpu_input(name, np.array(self.lr, dtype=np.float32))
+            elif name == "step":
+                binding.bind_cpu_input(name, np.array(self.step + 1, dtype=np.int64))
+            elif name in params:
+                binding.bind_ortvalue_input(name, params[name])
+            elif name.endswith(".grad") and name[:-5] in grads:
+                binding.bind_ortvalue_input(name, grads[name[:-5]])
+            elif name in self._state:
+                binding.bind_ortvalue_input(name, self._state[name])
+            else:
+                raise OnnxMPError(f"the optimizer graph has an unknown input {name!r}", _REBUILD)
+        for name in self._outputs:
+            source = name[:-4] if name.endswith(".out") else None
+            if source in into:
+                binding.bind_ortvalue_output(name, into[source])
+            elif source in self._spare:
+                binding.bind_ortvalue_output(name, self._spare[source])
+            else:
+                raise OnnxMPError(f"the optimizer graph has an unknown output {name!r}", _REBUILD)
+        self._session.run_with_iobinding(binding)
+        self._state, self._spare = self._spare, self._state
+        self.step += 1
+
+    def save(self, folder: Path) -> dict:
+        state = {name: value.numpy() for name, value in self._state.items()}
+        state[_STEP] = np.array(self.step, dtype=np.int64)
+        write_parameters(folder / OPTIMIZER_STATE, state)
+        return {"optimizer_state": OPTIMIZER_STATE}
+
+    def restore(self, artifacts: Artifacts) -> None:
+        """Continue from the optimizer state a saved folder holds (nothing to do in a fresh one)."""
+        saved_name = artifacts.manifest.get("state", {}).get("optimizer_state")
+        if not saved_name:
+            return
+        path = artifacts.directory / saved_name
+        saved = read_parameters(path)
+        missing = sorted(set(self._state) - set(saved))
+        if missing or _STEP not in saved:
+            raise OnnxMPError(f"{path} lacks the optimizer state {', '.join(missing[:5]) or _STEP}",
+                              "resume from a folder onnxmp saved with these artifacts")
+        for name, value in self._state.items():
+            value.update_inplace(np.asarray(saved[name], dtype=np.float32, order="C"))
+        self.step = int(saved[_STEP])

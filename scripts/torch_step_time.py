@@ -1,0 +1,73 @@
+#!/usr/bin/env python
+"""PyTorch's training step time on the matrix's models, for ``scripts/bench_training.py --torch-python``.
+
+Runs in a scratch environment with torch and transformers (not onnxmp dependencies): builds each
+entry's architecture as ``models/exports/export.py`` does (same config, seed and weight noise, eval
+mode as exported: no dropout), and times forward, cross-entropy, backward, ``torch.optim.AdamW`` /
+``SGD`` step and ``zero_grad`` on the same batches the ONNX engines train on.  Prints one JSON
+line per entry: ``{"entry", "torch_s"}`` (median seconds per step), or ``{"entry", "error"}``.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+EXPORTS = Path(__file__).resolve().parents[1] / "models" / "exports"
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("entries", nargs="+")
+    parser.add_argument("--optimizer", choices=["adamw", "sgd"], default="adamw")
+    parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--warmup", type=int, default=5)
+    parser.add_argument("--threads", type=int, default=0, help="torch's intra-op threads (0: its default)")
+    args = parser.parse_args(argv)
+    sys.path.insert(0, str(EXPORTS))
+    import torch
+
+    import export
+    import tasks
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    matrix = json.loads((EXPORTS / "matrix.json").read_text())
+    for key in args.entries:
+        entry = matrix[key]
+        try:
+            torch.manual_seed(0)
+            model = export.builders()[entry["arch"]]()
+            if hasattr(model, "config"):
+                model.config._attn_implementation = "eager"
+            with torch.no_grad():
+                for p in model.parameters():
+                    p.add_(0.02 * torch.randn_like(p))
+            wrapped = export._Logits(model, entry["inputs"]).eval()
+            lr = tasks.LR.get(entry["arch"], tasks.DEFAULT_LR)
+            params = [p for p in wrapped.parameters() if p.requires_grad]
+            optimizer = (torch.optim.AdamW(params, lr=lr) if args.optimizer == "adamw"
+                         else torch.optim.SGD(params, lr=lr))
+            batches = [[torch.from_numpy(a) for a in batch]
+                       for batch in tasks.batches(entry["arch"], entry["inputs"], 32)]
+            times = []
+            for i in range(args.warmup + args.steps):
+                *inputs, labels = batches[i % len(batches)]
+                start = time.perf_counter()
+                loss = torch.nn.functional.cross_entropy(wrapped(*inputs), labels)
+                loss.backward()
+                optimizer.step()
+                optimizer.zero_grad()
+                if i >= args.warmup:
+                    times.append(time.perf_counter() - start)
+            print(json.dumps({"entry": key, "torch_s": statistics.median(times)}), flush=True)
+        except Exception as exc:  # one entry's failure is reported in its row, the others still run
+            print(json.dumps({"entry": key, "error": f"{type(exc).__name__}: {exc}"[:200]}), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
