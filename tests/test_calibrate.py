@@ -289,6 +289,31 @@ def test_switchboard_all_off_is_fp32_and_all_on_is_the_real_conversion():
         assert relative_error(ref[name], on[name]) > 0  # the switches do something
 
 
+@pytest.mark.parametrize("keep", [False, True])
+def test_switchboard_rounds_the_float16_interface_as_the_real_model_does(keep):
+    # keep_io_types=False: the real model's x and y are float16 whatever its edge nodes compute in.  A
+    # switchboard blind to that credited a float32 edge node with accuracy the model cannot have, so a
+    # pass/fail check passed the candidate there and failed it on the real model, and the loop fell
+    # back to all-float32.
+    from onnxmp.calibrate import _Calibration, _low_io
+    from onnxmp.options import Options
+
+    model = _chain(3)
+    sample = _samples(1)
+    cal = _Calibration(model, Options(calibration=sample, keep_io_types=keep, holdout=0))
+    real = cal.convert({"mm0": "test", "relu2": "test", "out": "test"})  # the edge nodes in float32
+    io = _low_io(cal.original, real.model)
+    assert io == (frozenset() if keep else {"x", "y"})
+    low = _low_nodes(cal.original, real.report)
+    assert low and not {"mm0", "relu2", "out"} & set(low)
+    expected = run_with_intermediates(emulate(real.model, keep_io_types=False), sample)[0]["y"]
+    on = Switchboard(cal.original, low, low_io=io).run([], sample)[0]["y"]
+    np.testing.assert_array_equal(on, expected)
+    if not keep:  # blind to the interface, the switchboard misses the real model's rounding
+        blind = Switchboard(cal.original, low).run([], sample)[0]["y"]
+        assert not np.array_equal(blind, expected)
+
+
 def test_budget_exhausted_returns_the_best_model_with_met_false_not_an_exception():
     model = _chain(10, cancel=2000.0)
     samples = _samples(3)

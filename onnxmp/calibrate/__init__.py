@@ -169,6 +169,18 @@ def _worst_sample(plan: MetricPlan, refs: Sequence[Mapping[str, np.ndarray]]) ->
                               for name, metric in plan.per_output.items())
 
 
+def _low_io(original: onnx.ModelProto, converted: onnx.ModelProto) -> frozenset[str]:
+    """Main-graph float32 inputs and outputs that the conversion gave a low-precision type
+    (``keep_io_types=False``): the real model rounds them whatever its nodes compute in."""
+    def types(model):
+        return {v.name: v.type.tensor_type.elem_type for v in [*model.graph.input, *model.graph.output]}
+
+    before, after = types(original), types(converted)
+    return frozenset(name for name, t in after.items()
+                     if before.get(name) == onnx.TensorProto.FLOAT and t != onnx.TensorProto.FLOAT
+                     and t in (onnx.TensorProto.FLOAT16, onnx.TensorProto.BFLOAT16))
+
+
 def _low_nodes(model: onnx.ModelProto, report: Report) -> dict[str, LowNode]:
     """Nodes with a low-precision vertex, and which of their tensors are low precision (from the report)."""
     protos = {node.name: node for node in proto_nodes(model.graph)}
@@ -277,7 +289,7 @@ class _Calibration:
                 if cycle == 1:
                     rep.candidates = len(low)
                 fills = {f.constant: f.value for f in current.report.mask_fills}
-                found = self.search(low, fills, tune_tol, bar)
+                found = self.search(low, fills, tune_tol, bar, _low_io(self.original, current.model))
                 if not found:
                     break
                 for item in found:
@@ -307,8 +319,8 @@ class _Calibration:
         return self.finish(best)
 
     def search(self, low: Mapping[str, LowNode], fills: Mapping[str, float], tune_tol: float,
-               bar: RunBar) -> list[MovedNode]:
-        board = Switchboard(self.original, low, self.precision, fills)
+               bar: RunBar, low_io: frozenset[str] = frozenset()) -> list[MovedNode]:
+        board = Switchboard(self.original, low, self.precision, fills, low_io)
         heavy = frozenset(name for name, n in low.items() if n.op in TENSOR_CORE_OPS)
         bar.heavy, bar.tolerance = heavy, tune_tol
         early = _worst_sample(self.plan, self.ref_tune)

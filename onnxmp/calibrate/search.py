@@ -85,9 +85,13 @@ class Switchboard:
     """One ORT session over the model with every low node's rounding switchable per run."""
 
     def __init__(self, model: onnx.ModelProto, low: Mapping[str, LowNode], precision: str = "float16",
-                 fills: Mapping[str, float] | None = None):
+                 fills: Mapping[str, float] | None = None, low_io: Iterable[str] = ()):
         """``fills``: the attention mask fills the conversion replaced (``{constant: value}``, from
         ``Report.mask_fills``), replaced here whatever the switches say, as in the real model.
+        ``low_io``: main-graph inputs and outputs the conversion gives a low-precision type
+        (``keep_io_types=False``); they are rounded whatever the switches say, as the real model's
+        interface rounds them, so that a candidate's float32 node at the edge is not credited with
+        float32 accuracy the converted model cannot deliver.
 
         Every low node's low-precision outputs (main graph) are outputs of the session too
         (``self.probed``), for :func:`local_attribution`; :meth:`run` fetches only the model's."""
@@ -110,11 +114,12 @@ class Switchboard:
         for constant, reader in self.follows.items():
             self._switch[constant] = self._switch[reader]
         self._rewrite(proto.graph, low)
-        nodes = [*head, *proto.graph.node]
+        head += self._round_io(proto.graph, frozenset(low_io))
+        nodes = [*head, *proto.graph.node, *self._tail]
         proto.graph.ClearField("node")
         proto.graph.node.extend(nodes)
         proto.graph.input.append(helper.make_tensor_value_info(SWITCH_INPUT, TensorProto.BOOL, [len(self.nodes)]))
-        self.outputs = [o.name for o in proto.graph.output]
+        self.outputs = [o.name for o in model.graph.output]
         present = set(self.outputs)
         main = {n.name for n in proto.graph.node}
         self.probed = [t for name in self.nodes if name in main for t in sorted(low[name].outputs) if t not in present]
@@ -153,6 +158,28 @@ class Switchboard:
             made.append(helper.make_node("Gather", [SWITCH_INPUT, index], [switch], name=switch))
             self._switch[name] = switch
         return made
+
+    def _round_io(self, graph: onnx.GraphProto, low_io: frozenset[str]) -> list[onnx.NodeProto]:
+        """Rounding of the low-precision interface: a rounded input keeps its name inside the graph
+        and is fed under a fresh one (``self._feed``); a rounded output is fetched under a fresh one
+        (``self._fetch``), so nodes reading either, in bodies too, need no rewriting."""
+        self._feed: dict[str, str] = {}
+        self._fetch: dict[str, str] = {}
+        self._tail: list[onnx.NodeProto] = []
+        head = []
+        for value in graph.input:
+            if value.name in low_io and value.type.tensor_type.elem_type == TensorProto.FLOAT:
+                fed = self._names(f"{value.name}__onnxmp_io")
+                head += self._round(fed, value.name)
+                self._feed[value.name] = fed
+                value.name = fed
+        for value in graph.output:
+            if value.name in low_io and value.type.tensor_type.elem_type == TensorProto.FLOAT:
+                fetched = self._names(f"{value.name}__onnxmp_io")
+                self._tail += self._round(value.name, fetched)
+                self._fetch[value.name] = fetched
+                value.name = fetched
+        return head
 
     def _round(self, src: str, dst: str) -> list[onnx.NodeProto]:
         low = self._names(f"{dst}__low")
@@ -212,8 +239,14 @@ class Switchboard:
     def iter_run(self, fp32: Iterable[str], samples: Sequence[Mapping[str, np.ndarray]],
                  outputs: Sequence[str] | None = None) -> Iterator[dict[str, np.ndarray]]:
         """One sample at a time, so a caller can stop at the first sample that already fails."""
-        return run_samples(self.session, samples, self.outputs if outputs is None else outputs,
+        names = list(self.outputs if outputs is None else outputs)
+        if self._feed:
+            samples = ({self._feed.get(k, k): v for k, v in s.items()} for s in samples)
+        runs = run_samples(self.session, samples, [self._fetch.get(n, n) for n in names],
                            {SWITCH_INPUT: self.mask(fp32)})
+        if not self._fetch:
+            return runs
+        return ({n: out[self._fetch.get(n, n)] for n in names} for out in runs)
 
 
 def _single_reader_constants(graph: onnx.GraphProto, low: Mapping[str, LowNode]) -> dict[str, str]:
