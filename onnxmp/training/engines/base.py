@@ -60,13 +60,15 @@ class Engine(abc.ABC):
 
     # --- state ----------------------------------------------------------------------------
 
+    # Both engines step with one Update (update.py), which holds the learning rate.
     @property
-    @abc.abstractmethod
-    def learning_rate(self) -> float: ...
+    def learning_rate(self) -> float:
+        return self._update.lr
 
     @learning_rate.setter
-    @abc.abstractmethod
-    def learning_rate(self, value: float) -> None: ...
+    def learning_rate(self, value: float) -> None:
+        # The optimizer graph reads it as float32.
+        self._update.lr = float(np.float32(value))
 
     @abc.abstractmethod
     def parameters(self) -> dict[str, np.ndarray]:

@@ -88,14 +88,6 @@ class NativeEngine(Engine):
 
     # --- state ----------------------------------------------------------------------------
 
-    @property
-    def learning_rate(self) -> float:
-        return self._update.lr
-
-    @learning_rate.setter
-    def learning_rate(self, value: float) -> None:
-        self._update.lr = float(np.float32(value))
-
     def parameters(self) -> dict[str, np.ndarray]:
         return {name: np.array(param.data, copy=True) for name, param in self._state.parameters}
 

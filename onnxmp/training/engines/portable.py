@@ -138,15 +138,6 @@ class PortableEngine(Engine):
 
     # --- state ----------------------------------------------------------------------------
 
-    @property
-    def learning_rate(self) -> float:
-        return self._update.lr
-
-    @learning_rate.setter
-    def learning_rate(self, value: float) -> None:
-        # The optimizer graph reads it as float32, as ORT's optimizer does.
-        self._update.lr = float(np.float32(value))
-
     def parameters(self) -> dict[str, np.ndarray]:
         return {name: value.numpy().copy() for name, value in self._params.items()}
 
