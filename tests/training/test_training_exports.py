@@ -204,9 +204,13 @@ def _check_gradients(entry, artifacts):
         trainer.train_step(*(a[i:i + 1] for a in batch))
         rows.append(trainer.gradients())
     assert _digest(trainer) == hashlib.sha256(b"".join(v.tobytes() for _, v in sorted(params.items()))).hexdigest()
+    # A gradient that is zero in exact arithmetic (GPT-2's dynamo export has a scalar "zeros"
+    # parameter) comes out as float32 rounding of the sums it passes through: no comparison can
+    # resolve it below float32's epsilon times the largest gradient of the model.
+    floor = float(np.finfo(np.float32).eps) * max(float(np.abs(g).max()) for g in grads.values())
     for name, grad in grads.items():
         mean = np.mean([r[name] for r in rows], axis=0)
-        np.testing.assert_allclose(grad, mean, rtol=1e-3, atol=1e-4 * float(np.abs(mean).max()) + 1e-9,
+        np.testing.assert_allclose(grad, mean, rtol=1e-3, atol=1e-4 * float(np.abs(mean).max()) + floor,
                                    err_msg=name)
     # Central differences along each large gradient (float32 rounding drowns the small ones).
     model = _model(entry)

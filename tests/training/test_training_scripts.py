@@ -75,8 +75,13 @@ def test_check_cuda_builds_one_entry(tmp_path):
                cwd=tmp_path)
     build = json.loads(out)["resnet.torchscript14/bfloat16"]
     graphs = build["graphs"]
-    assert set(graphs) == {"training_model.onnx", "eval_model.onnx", "optimizer_model.onnx"}
+    kinds = ("training_model", "eval_model", "optimizer_model")
+    assert set(graphs) == {f"{k}.onnx" for k in kinds} | {f"{k}.portable.onnx" for k in kinds}
     assert all(g["ok"] for g in graphs.values())
+    # The portable form is what plain onnxruntime's CUDA EP runs: nothing in it may lack a kernel there.
+    for kind in kinds:
+        assert graphs[f"{kind}.portable.onnx"]["without_cuda_kernel"] == {}, kind
+        assert graphs[f"{kind}.portable.onnx"]["not_onnx"] == {}, kind
     assert graphs["training_model.onnx"]["not_onnx"] == {"MaxPoolGrad": 1}  # onnxruntime-training's own
     assert "ConvGrad" in graphs["training_model.onnx"]["without_cuda_kernel"]
 
