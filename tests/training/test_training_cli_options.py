@@ -7,22 +7,12 @@ import pytest
 
 from onnxmp.cli import main
 from onnxmp.training import Trainer
-from onnxmp.training.models import mlp
+from mlp_cli import train_args, write_mlp_job
 
 
 @pytest.fixture()
 def files(tmp_path):
-    onnx.save(mlp((8, 16, 4), seed=3), tmp_path / "model.onnx")
-    rng = np.random.default_rng(0)
-    x = rng.normal(size=(96, 8)).astype(np.float32)
-    np.savez(tmp_path / "train.npz", feat=x, lab=x[:, :4].argmax(axis=1))
-    return tmp_path
-
-
-def _args(files, out, epochs, *extra):
-    return ["train", str(files / "model.onnx"), "--data", str(files / "train.npz"), "--inputs", "feat",
-            "--labels", "lab", "--epochs", str(epochs), "--batch-size", "16", "--lr", "0.01", "--out", str(out),
-            "--no-progress", "--precision", "float32", *extra]
+    return write_mlp_job(tmp_path, rows=96)
 
 
 def _state(out):
@@ -59,7 +49,7 @@ def test_list_params_shows_shapes_and_the_readers_of_folded_names(tmp_path, caps
 
 def test_train_and_freeze_patterns_choose_the_parameters(files, capsys):
     out = files / "out"
-    assert main(_args(files, out, 1, "--train", r"^W", "--freeze", "W1")) == 0
+    assert main(train_args(files, out, 1, "--train", r"^W", "--freeze", "W1")) == 0
     manifest = json.loads((out / "state" / "manifest.json").read_text())
     assert manifest["requires_grad"] == ["W0"] and sorted(manifest["frozen"]) == ["W1", "b0", "b1"]
     before, after = _weights(files / "model.onnx"), _weights(out / "model.onnx")
@@ -67,17 +57,17 @@ def test_train_and_freeze_patterns_choose_the_parameters(files, capsys):
     assert not np.array_equal(before["W0"], after["W0"])
 
     capsys.readouterr()
-    assert main(_args(files, files / "never", 1, "--freeze", "decoder")) == 1
+    assert main(train_args(files, files / "never", 1, "--freeze", "decoder")) == 1
     err = capsys.readouterr().err
     assert "--freeze 'decoder' matches no parameter" in err and not (files / "never").exists()
-    assert main(_args(files, files / "never", 1, "--train", "W", "--freeze", ".")) == 1
+    assert main(train_args(files, files / "never", 1, "--train", "W", "--freeze", ".")) == 1
     assert "leave no parameter to train" in capsys.readouterr().err
 
 
 def test_schedule_warmup_scaler_and_threads_flags(files):
     out = files / "out"
     # 96 rows / 16 = 6 batches, 2 per update -> 3 updates an epoch, 6 in all.
-    assert main(_args(files, out, 2, "--schedule", "cosine", "--warmup-steps", "2", "--grad-accum-steps", "2",
+    assert main(train_args(files, out, 2, "--schedule", "cosine", "--warmup-steps", "2", "--grad-accum-steps", "2",
                       "--init-scale", "1024", "--growth-interval", "3", "--threads", "1")) == 0
     state = _state(out)
     assert state["schedule"] == {"name": "cosine", "warmup_steps": 2, "total_steps": 6, "num_cycles": 0.5}
@@ -87,7 +77,7 @@ def test_schedule_warmup_scaler_and_threads_flags(files):
     resumed = Trainer.resume(out / "state")
     assert resumed.schedule.name == "cosine" and resumed.base_lr == 0.01
 
-    assert main(_args(files, files / "static", 1, "--no-loss-scaling")) == 0
+    assert main(train_args(files, files / "static", 1, "--no-loss-scaling")) == 0
     assert _state(files / "static")["scaler"]["dynamic"] is False
 
 
@@ -97,14 +87,14 @@ def test_custom_loss_from_a_file_and_ignore_index(files, capsys):
         "def token_loss():\n"
         "    return losses.block('cross_entropy', ignore_index=3)\n")
     out = files / "custom"
-    assert main(_args(files, out, 1, "--loss", f"{files / 'myloss.py'}:token_loss")) == 0
+    assert main(train_args(files, out, 1, "--loss", f"{files / 'myloss.py'}:token_loss")) == 0
     manifest = json.loads((out / "state" / "manifest.json").read_text())
     assert manifest["loss"] == "cross_entropy" and manifest["loss_options"] == {"ignore_index": 3}
 
-    assert main(_args(files, files / "ignore", 1, "--ignore-index", "0")) == 0
+    assert main(train_args(files, files / "ignore", 1, "--ignore-index", "0")) == 0
     manifest = json.loads((files / "ignore" / "state" / "manifest.json").read_text())
     assert manifest["loss_options"] == {"ignore_index": 0}
-    assert main(_args(files, files / "never", 1, "--loss", "nope")) == 1
+    assert main(train_args(files, files / "never", 1, "--loss", "nope")) == 1
     assert "unknown loss 'nope'" in capsys.readouterr().err
-    assert main(_args(files, files / "never", 1, "--pos-weight", "2")) == 1
+    assert main(train_args(files, files / "never", 1, "--pos-weight", "2")) == 1
     assert "has no option pos_weight" in capsys.readouterr().err

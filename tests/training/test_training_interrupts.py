@@ -7,29 +7,18 @@ import sys
 import time
 from pathlib import Path
 
-import numpy as np
-import onnx
 import pytest
 
 from onnxmp.cli import main
 from onnxmp.training import Trainer
-from onnxmp.training.models import mlp
+from mlp_cli import train_args, write_mlp_job
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture()
 def files(tmp_path):
-    onnx.save(mlp((8, 16, 4), seed=3), tmp_path / "model.onnx")
-    x = np.random.default_rng(0).normal(size=(64, 8)).astype(np.float32)
-    np.savez(tmp_path / "train.npz", feat=x, lab=x[:, :4].argmax(axis=1))
-    return tmp_path
-
-
-def _args(files, out, epochs, *extra):
-    return ["train", str(files / "model.onnx"), "--data", str(files / "train.npz"), "--inputs", "feat",
-            "--labels", "lab", "--epochs", str(epochs), "--batch-size", "16", "--lr", "0.01", "--out", str(out),
-            "--no-progress", "--precision", "float32", *extra]
+    return write_mlp_job(tmp_path, rows=64)
 
 
 @pytest.fixture()
@@ -39,7 +28,7 @@ def start():
     def run(files, out):
         env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
         # Enough epochs that the run is still going when the signal comes.
-        started.append(subprocess.Popen([sys.executable, "-m", "onnxmp", *_args(files, out, 100000)], cwd=files,
+        started.append(subprocess.Popen([sys.executable, "-m", "onnxmp", *train_args(files, out, 100000)], cwd=files,
                                         env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
         return started[-1]
 
@@ -81,7 +70,7 @@ def test_a_signal_stops_the_run_and_keeps_the_last_state(files, start, signum, c
     trainer = Trainer.resume(out / "state")
     assert trainer.epoch == saved >= 2
     # The log named this path: the CLI continues from it, into the same folder.
-    assert main(_args(files, out, saved + 1, "--resume", str(out / "state"))) == 0
+    assert main(train_args(files, out, saved + 1, "--resume", str(out / "state"))) == 0
     history = json.loads((out / "history.json").read_text())
     assert [e["epoch"] for e in history["epochs"]] == [saved + 1]
 
