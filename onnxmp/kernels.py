@@ -412,18 +412,3 @@ class ContribSchemas:
             if allowed is not None and type_str not in allowed:
                 return False
         return True
-
-
-@functools.cache  # importlib.metadata leaves reference cycles behind; the answer does not change
-def installed_ort_version() -> str | None:
-    """The version of the onnxruntime distribution installed (any of its packagings), without
-    importing it; None when none is."""
-    from importlib import metadata
-
-    for dist in ("onnxruntime", "onnxruntime-gpu", "onnxruntime-training", "onnxruntime-training-cpu",
-                 "onnxruntime-directml", "onnxruntime-openvino"):
-        try:
-            return metadata.version(dist)
-        except metadata.PackageNotFoundError:
-            continue
-    return None
