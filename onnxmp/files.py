@@ -9,14 +9,27 @@ work.  Every write then goes through :func:`atomic_write` (or
 the destination and is renamed into place, so readers see the old file or the
 new one, never half of one, and an error leaves nothing behind.  Files get the
 mode the user's umask gives (0644 under umask 022), not ``mkstemp``'s 0600.
+
+A folder cannot be renamed over a non-empty one.  On Linux the finished folder
+and the old one swap names in one step (``renameat2`` with ``RENAME_EXCHANGE``);
+elsewhere the old one is moved aside first, and a run killed between those two
+renames leaves no folder at the destination: :func:`recover_folder`, run by the
+guard and the writer before any work, puts the one that run completed in place.
 """
 from __future__ import annotations
 
 import contextlib
 import contextvars
+import ctypes
+import errno
+import functools
+import logging
 import mmap
 import os
+import platform
+import re
 import shutil
+import sys
 import tempfile
 import threading
 from collections.abc import Callable, Iterable, Iterator, Mapping
@@ -24,6 +37,13 @@ from pathlib import Path
 from typing import Union
 
 from onnxmp.errors import OnnxMPError
+
+try:
+    import fcntl
+except ImportError:  # Windows: no advisory locks (see _in_use)
+    fcntl = None
+
+log = logging.getLogger("onnxmp.files")
 
 PathLike = Union[str, os.PathLike]
 # An input may be one path or several (``--calibrate a.npz b.npz``).
@@ -154,6 +174,7 @@ def guard_outputs(outputs: Mapping[str, PathLike | None], inputs: Inputs = {},  
                                   hint="give each output its own path")
         seen.append((label, path))
         if label in folders:
+            recover_folder(path)  # a killed run's folder is put back before anything reads or replaces it
             if path.exists() and not path.is_dir():
                 raise OnnxMPError(f"{label} {path} exists and is not a folder", hint=f"choose another {label}")
         elif path.is_dir():
@@ -267,24 +288,36 @@ def atomic_directory(path: PathLike) -> Iterator[Path]:
 
     An existing ``path`` folder is replaced whole, only once the new one is
     complete, so a failed run never leaves a partial output folder and a
-    rerun never mixes old and new files.
+    rerun never mixes old and new files.  What a killed run left beside
+    ``path`` is recovered or removed first (:func:`recover_folder`).
     """
     path = Path(path)
     folder = _folder(path)
+    recover_folder(path)
     try:
-        tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.", suffix=".tmp", dir=folder))
+        tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.", suffix=_FILLING, dir=folder))
         os.chmod(tmp, 0o777 & ~umask())
     except OSError as exc:
         raise _temp_name_error(path, exc) from None
+    lock = _lock(tmp)
     token = _FOLDERS.set((*_FOLDERS.get(), (tmp, path)))
     try:
         yield tmp
+        _reached("filled", path)
         try:
+            # The name says the folder is complete: only such a folder may take the place of ``path``
+            # when a killed run's leftovers are recovered.
+            done = tmp.with_name(tmp.name[:-len(_FILLING)] + _COMPLETE)
+            os.rename(tmp, done)
+            tmp = done
+            _reached("complete", path)
             _replace_folder(tmp, path)
         except OSError as exc:
             raise _temp_name_error(path, exc) from None
     finally:
         _FOLDERS.reset(token)
+        if lock is not None:
+            os.close(lock)
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
 
@@ -304,16 +337,177 @@ def destination(path: PathLike) -> Path:
 
 
 def _replace_folder(new: Path, path: Path) -> None:
+    """Put the complete folder ``new`` at ``path`` and remove the folder it replaces."""
     if not (path.is_dir() and not path.is_symlink()):
         os.replace(new, path)
         return
+    if _exchange(new, path):
+        _reached("swapped", path)
+        shutil.rmtree(new, ignore_errors=True)  # ``new`` now names the old folder
+        return
     # rename() cannot replace a non-empty folder: move the old one aside first, and back on failure.
-    aside = Path(tempfile.mkdtemp(prefix=f".{path.name}.old.", dir=_folder(path)))
+    # A kill between the two renames leaves no ``path``; the next recover_folder() puts ``new`` there.
+    aside = Path(tempfile.mkdtemp(prefix=f".{path.name}{_ASIDE}", dir=_folder(path)))
     os.replace(path, aside / path.name)
+    _reached("aside", path)
     try:
         os.replace(new, path)
     except OSError:
         os.replace(aside / path.name, path)
         os.rmdir(aside)
         raise
+    _reached("swapped", path)
     shutil.rmtree(aside, ignore_errors=True)
+
+
+def _reached(point: str, path: Path) -> None:
+    """A named step of writing ``path``: ``filled``, ``complete``, ``aside``, ``swapped``.
+
+    Does nothing.  The crash tests (tests/test_files_crash.py) replace it in a child process that
+    SIGKILLs itself at one step, to show that every step leaves a state the next run recovers.
+    """
+
+
+# A writer's temporary folder is ``.NAME.<random>.tmp`` while it fills, ``.NAME.<random>.new`` once
+# complete; the fallback moves the old folder to ``.NAME.old.<random>/NAME``.
+_FILLING, _COMPLETE, _ASIDE = ".tmp", ".new", ".old."
+_RENAME_EXCHANGE = 2
+_AT_FDCWD = -100
+# renameat2's number where glibc (before 2.28) has no wrapper: x86_64's own table, aarch64's the generic one.
+_SYS_RENAMEAT2 = {"x86_64": 316, "amd64": 316, "aarch64": 276, "arm64": 276}
+# What renameat2 answers where the kernel (ENOSYS), the file system (EINVAL, EOPNOTSUPP) or a
+# container's seccomp filter (EPERM, ENOSYS) cannot exchange: the two-rename fallback then runs,
+# and reports a real permission error itself.
+_NO_EXCHANGE = {errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP, errno.ENOTSUP, errno.EPERM}
+
+
+def _libc_renameat2() -> Callable[..., int] | None:
+    try:
+        function = ctypes.CDLL(None, use_errno=True).renameat2
+    except (OSError, AttributeError):
+        return None
+    function.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
+    function.restype = ctypes.c_int
+    return function
+
+
+def _syscall_renameat2() -> Callable[..., int] | None:
+    number = _SYS_RENAMEAT2.get(platform.machine().lower())
+    if number is None or ctypes.sizeof(ctypes.c_void_p) != 8:  # a 32-bit process has other numbers
+        return None
+    try:
+        syscall = ctypes.CDLL(None, use_errno=True).syscall
+    except (OSError, AttributeError):
+        return None
+    syscall.restype = ctypes.c_long
+
+    def renameat2(olddirfd: int, old: bytes, newdirfd: int, new: bytes, flags: int) -> int:
+        return syscall(ctypes.c_long(number), ctypes.c_long(olddirfd), ctypes.c_char_p(old),
+                       ctypes.c_long(newdirfd), ctypes.c_char_p(new), ctypes.c_ulong(flags))
+
+    return renameat2
+
+
+@functools.lru_cache(maxsize=None)
+def _renameat2() -> Callable[..., int] | None:
+    if not sys.platform.startswith("linux"):
+        return None
+    return _libc_renameat2() or _syscall_renameat2()
+
+
+def _exchange(new: Path, path: Path) -> bool:
+    """Swap the two folders' names in one step; False where this system or file system cannot."""
+    renameat2 = _renameat2()
+    if renameat2 is None:
+        return False
+    if renameat2(_AT_FDCWD, os.fsencode(new), _AT_FDCWD, os.fsencode(path), _RENAME_EXCHANGE) == 0:
+        return True
+    code = ctypes.get_errno()
+    if code in _NO_EXCHANGE:
+        log.debug("cannot swap %s and %s in one step (%s): moving the old folder aside", new, path,
+                  os.strerror(code))
+        return False
+    raise OSError(code, os.strerror(code), str(path))
+
+
+def _lock(folder: Path) -> int | None:
+    """Hold an advisory lock on the writer's temporary folder while it lives: another run's
+    :func:`recover_folder` then leaves it alone.  The kernel drops it when the writer dies."""
+    if fcntl is None:
+        return None
+    try:
+        fd = os.open(folder, os.O_RDONLY)
+    except OSError:
+        return None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:  # a file system without locks: the folder is still written, only unguarded
+        pass
+    return fd
+
+
+def _in_use(folder: Path) -> bool:
+    """Whether a live writer holds ``folder``'s lock (on a system without locks: assumed not)."""
+    if fcntl is None:
+        return False
+    try:
+        fd = os.open(folder, os.O_RDONLY)
+    except OSError:
+        return True  # gone or unreadable: not ours to touch
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return True
+    except OSError:
+        return False
+    finally:
+        os.close(fd)
+    return False
+
+
+def _leftovers(path: Path) -> list[Path]:
+    """The folders writers of ``path`` left beside it (temporary folders and aside folders)."""
+    pattern = re.compile(rf"\.{re.escape(path.name)}\.(?:old\.[^.]+|[^.]+\.(?:tmp|new))")
+    try:
+        entries = list(os.scandir(_folder(path)))
+    except OSError:  # no folder, so nothing beside path
+        return []
+    return sorted(_folder(path) / e.name for e in entries
+                  if pattern.fullmatch(e.name) and e.is_dir(follow_symlinks=False))
+
+
+def recover_folder(path: PathLike) -> Path | None:
+    """Put back a folder that a killed :func:`atomic_directory` run was replacing, and remove what
+    killed runs left beside it; returns the folder ``path`` was restored from (None: none was).
+
+    ``path`` is missing only where a run was killed between moving the old folder aside and
+    renaming the new one in (systems without a one-step swap).  The new folder, complete (its name
+    ends in ``.new``), is then put in place; the old one where there is no such folder.  Any other
+    leftover (a half-filled ``.tmp`` folder, a complete one whose run died before the swap, an old
+    folder the swap had replaced) is removed: ``path`` is the last complete state, and the log says
+    so.  Folders a live writer holds are left alone, and then nothing is done.
+    """
+    path = Path(path)
+    if path.name in ("", ".", ".."):
+        return None
+    leftovers = _leftovers(path)
+    if not leftovers or any(_in_use(folder) for folder in leftovers):
+        return None
+    restored = None
+    if not os.path.lexists(path):
+        asides = [folder / path.name for folder in leftovers
+                  if folder.name.startswith(f".{path.name}{_ASIDE}") and (folder / path.name).is_dir()]
+        complete = [folder for folder in leftovers if folder.name.endswith(_COMPLETE)]
+        if asides:  # the swap was under way: its new folder was complete, else the old one stays
+            restored = complete[0] if len(complete) == 1 else max(asides, key=lambda p: p.parent.stat().st_mtime)
+            os.rename(restored, path)
+            log.warning("%s was missing: a run was killed while replacing it; restored the %s folder from %s",
+                        path, "new (complete)" if restored in complete else "previous", restored)
+    removed = [folder for folder in leftovers if folder != restored]
+    for folder in removed:
+        shutil.rmtree(folder, ignore_errors=True)
+    if removed:
+        state = f"{path} is the last complete state" if os.path.isdir(path) else f"there is no {path}"
+        log.warning("removed %s, left beside %s by an interrupted run; %s",
+                    ", ".join(folder.name for folder in removed), path, state)
+    return restored
