@@ -150,7 +150,7 @@ def _train(args) -> int:
 
 def _train_on(args, comm) -> int:
     from onnxmp.cli import interrupts
-    from onnxmp.files import atomic_directory, guard_outputs
+    from onnxmp.files import atomic_directory, guard_outputs, recover_folder
     from onnxmp.training import Trainer, build_artifacts
     from onnxmp.training.artifacts import Artifacts, check_replaceable
 
@@ -172,6 +172,7 @@ def _train_on(args, comm) -> int:
         inputs["--resume"] = resume
     if root:  # only rank 0 writes; on another host --out's folder need not exist
         guard_outputs({"--out": out}, inputs, folders=["--out"])
+        recover_folder(out / "state")  # a killed run's DIR/state, before the check reads DIR
         if not (out / "state" / "manifest.json").is_file():  # an interrupted run leaves only DIR/state
             check_replaceable(out, marker="history.json", what="train output folder")
 
@@ -412,6 +413,10 @@ def _fit_and_export(trainer, train, evaluation, args, folder: Path, saved: _Save
 
 
 def _state_folder(path: Path) -> Path:
+    from onnxmp.files import recover_folder
+
+    for folder in (path, path / "state"):  # what a killed run was replacing is put back first
+        recover_folder(folder)
     if (path / "state" / "manifest.json").is_file():
         return path / "state"
     return path

@@ -54,6 +54,12 @@ class Artifacts:
         directory = Path(directory)
         path = directory / MANIFEST
         if not path.is_file():
+            from onnxmp.files import recover_folder
+
+            # A run killed while replacing the folder (or DIR, for DIR/state) left it beside.
+            for folder in (directory.parent, directory):
+                recover_folder(folder)
+        if not path.is_file():
             raise OnnxMPError(f"{directory} is not an onnxmp training folder (no {MANIFEST})",
                               "build one with onnxmp.training.build_artifacts or `onnxmp train`")
         try:
