@@ -1,5 +1,6 @@
 """`onnxmp train` stopped by a real signal keeps the last completed epoch's state at the logged path."""
 import json
+import logging
 import os
 import signal
 import subprocess
@@ -102,3 +103,45 @@ def test_a_signal_during_a_save_waits_for_its_end():
     with interrupts.stop_on_signals():  # no signal: nothing raised, a started Deferral included
         with interrupts.Deferral() as hold:
             hold.start()
+
+
+# `onnxmp train` SIGKILLed at one step of the first save that replaces DIR/state (epoch 2's; epoch 1's
+# creates it) (onnxmp.files._reached);
+# "fallback" takes the one-step swap away, as a file system without RENAME_EXCHANGE does.
+KILLED_SAVE = """
+import os, signal, sys
+from onnxmp import files
+from onnxmp.cli import main
+
+point, swap, *argv = sys.argv[1:]
+if swap == "fallback":
+    files._exchange = lambda new, path: False
+
+def reached(name, path):
+    if name == point and path.name == "state":
+        os.kill(os.getpid(), signal.SIGKILL)
+
+files._reached = reached
+sys.exit(main(argv))
+"""
+
+
+@pytest.mark.parametrize("swap, point", [("fallback", "aside"), ("exchange", "swapped")])
+def test_a_run_killed_while_replacing_its_state_resumes_from_it(files, caplog, swap, point):
+    """Between the fallback's two renames DIR/state is missing: the resume puts it back, and says so."""
+    out = files / "out"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    process = subprocess.run([sys.executable, "-c", KILLED_SAVE, point, swap, *train_args(files, out, 100000)],
+                             cwd=files, env=env, capture_output=True, text=True, timeout=300)
+    assert process.returncode == -signal.SIGKILL, process.stderr
+    assert (out / "state").is_dir() == (swap == "exchange")
+
+    caplog.set_level(logging.WARNING, logger="onnxmp.files")
+    assert main(train_args(files, out, 3, "--resume", str(out / "state"))) == 0
+    said = [r.getMessage() for r in caplog.records if r.name == "onnxmp.files"]
+    if swap == "fallback":
+        assert f"{out / 'state'} was missing" in said[0] and "restored the new (complete) folder" in said[0]
+    assert any(f"left beside {out / 'state'}" in line for line in said)
+    history = json.loads((out / "history.json").read_text())
+    assert [e["epoch"] for e in history["epochs"]] == [3]  # the state the kill was putting in place: epoch 2
+    assert not [p for p in [*files.iterdir(), *out.iterdir()] if p.name.startswith(".")]
