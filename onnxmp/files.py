@@ -148,7 +148,8 @@ def guard_outputs(outputs: Mapping[str, PathLike | None], inputs: Inputs = {},  
     input with it (an output folder holding one), is a device or pipe, or
     its folder is missing or not writable.  An existing folder is refused as a
     destination unless its label is in ``folders`` (outputs written with
-    :func:`atomic_directory`, which replaces a folder whole).
+    :func:`atomic_directory`, which replaces a folder whole); such a folder is
+    first recovered from what a killed run left beside it (:func:`recover_folder`).
     """
     folders = set(folders)
     given_inputs = [(label, path) for label, value in inputs.items() for path in _paths(value)]
