@@ -75,7 +75,9 @@ def _in_range(ranges, opset: int):
 
 
 def _version_key(version: str) -> tuple[int, ...]:
-    return tuple(int(p) for p in re.findall(r"\d+", version)[:3])
+    """``"1.32"`` -> (1, 32, 0): a release named without its patch is its .0."""
+    parts = [int(p) for p in re.findall(r"\d+", version)[:3]]
+    return tuple(parts + [0] * (3 - len(parts)))
 
 
 def known_version(versions: tuple[str, ...], version: str | None) -> str:
@@ -181,9 +183,9 @@ class KernelTable:
         """This table answering for onnxruntime ``spec`` (see :meth:`versions_of`): a fact holds for
         several versions only where it holds in each.  The same object for the same versions."""
         versions = self.versions_of(spec)
-        if versions == self.ort_versions:
-            return self
-        base = self._base if hasattr(self, "_base") else self
+        base = getattr(self, "_base", self)
+        if versions == base.ort_versions:
+            return base
         if versions not in base._views:
             view = copy.copy(base)
             view.ort_versions, view._base = versions, base
