@@ -286,7 +286,8 @@ class KernelTable:
         (float16 ``X`` with float32 ``scale`` on CUDA BatchNormalization-15)
         has no kernel, so its tensors must change precision together.
         """
-        groups = [g for found in self._per_version(self._ties, provider, domain, op_type, opset) if found for g in found[2]]
+        found = self._per_version(self._ties, provider, domain, op_type, opset)
+        groups = [group for entry in found if entry is not None for group in entry[2]]
         return tuple(dict.fromkeys(groups))
 
     def float32_params(self, provider: str, domain: str, op_type: str, opset: int) -> frozenset[str]:
