@@ -187,19 +187,6 @@ def _installed(table):
     return onnxruntime
 
 
-def test_cpu_registry_of_installed_onnxruntime(table):
-    onnxruntime = _installed(table)
-    from onnxruntime.capi import _pybind_state
-
-    if not hasattr(_pybind_state, "get_all_opkernel_def"):
-        pytest.skip(f"this onnxruntime {onnxruntime.__version__} build (onnxruntime-training) lists no kernels; "
-                    "test_cpu_kernels_load_in_installed_onnxruntime checks it through its sessions")
-    rows = gen.registry_rows(_pybind_state)
-    assert rows == _dump_rows(onnxruntime.__version__)
-    assert _table_cpu(onnxruntime.__version__) == gen.kernels_of(rows)
-    _check_ties(table, onnxruntime.__version__, rows)
-
-
 _ELEM = {"float": onnx.TensorProto.FLOAT, "double": onnx.TensorProto.DOUBLE,
          "float16": onnx.TensorProto.FLOAT16, "bfloat16": onnx.TensorProto.BFLOAT16}
 
@@ -221,17 +208,16 @@ def _one_type_schema(op: str, opset: int):
     return (schema, set(constraint[0].allowed_type_strs)) if constraint else None
 
 
-def _loads(ort, schema, opset: int, dtype: str, saved: Path) -> bool | None:
-    """Whether onnxruntime's CPU EP runs a one-node ``dtype`` model of ``schema`` with a kernel of
-    that type: False when no kernel takes it (refused, or float16 run through inserted Casts);
-    None when the session fails for another reason."""
+def _loads(ort, schema, opset: int, types: dict[str, str], saved: Path) -> bool | None:
+    """Whether onnxruntime's CPU EP runs a one-node model of ``schema`` whose tensors of each type
+    parameter hold ``types[param]`` with a kernel of those types: False when no kernel takes them
+    (refused, or float16 run through inserted Casts); None when the session fails for another reason."""
     Option = onnx.defs.OpSchema.FormalParameterOption
-    inputs = [f"x{i}" for i, f in enumerate(schema.inputs) if f.option != Option.Optional]
-    outputs = [f"y{i}" for i, f in enumerate(schema.outputs) if f.option != Option.Optional]
-    elem = _ELEM[dtype]
-    graph = oh.make_graph([oh.make_node(schema.name, inputs, outputs)], "probe",
-                          [oh.make_tensor_value_info(n, elem, None) for n in inputs],
-                          [oh.make_tensor_value_info(n, elem, None) for n in outputs])
+    inputs = [(f"x{i}", f.type_str) for i, f in enumerate(schema.inputs) if f.option != Option.Optional]
+    outputs = [(f"y{i}", f.type_str) for i, f in enumerate(schema.outputs) if f.option != Option.Optional]
+    graph = oh.make_graph([oh.make_node(schema.name, [n for n, _ in inputs], [n for n, _ in outputs])], "probe",
+                          [oh.make_tensor_value_info(n, _ELEM[types[t]], None) for n, t in inputs],
+                          [oh.make_tensor_value_info(n, _ELEM[types[t]], None) for n, t in outputs])
     opsets = [oh.make_opsetid("", opset)]
     model = oh.make_model(graph, opset_imports=opsets, ir_version=min(10, oh.find_min_ir_version_for(opsets)))
     options = ort.SessionOptions()
@@ -246,12 +232,9 @@ def _loads(ort, schema, opset: int, dtype: str, saved: Path) -> bool | None:
     return [n.op_type for n in onnx.load(str(saved)).graph.node] == [schema.name]
 
 
-def test_cpu_kernels_load_in_installed_onnxruntime(table, tmp_path):
-    """The runtime is the judge: every one-type op of the installed version's CPU table loads in
-    each float type exactly when the table says its kernel takes that type (the only check the
-    training build allows, which lists no registry)."""
-    ort = _installed(table)
-    view = table.for_version(ort.__version__)
+def _probe_kernels(ort, view: KernelTable, saved: Path) -> tuple[int, list]:
+    """(answers, mismatches): every one-type op of the installed version's CPU table, loaded in
+    each float type its schema allows, against whether the table says its kernel takes it."""
     newest = max(s.since_version for s in onnx.defs.get_all_schemas_with_history() if s.domain == "")
     answers, mismatches = 0, []
     for op, ranges in sorted(_table_cpu(ort.__version__)["ai.onnx"].items()):
@@ -259,14 +242,98 @@ def test_cpu_kernels_load_in_installed_onnxruntime(table, tmp_path):
             if not 7 <= since <= newest or (found := _one_type_schema(op, since)) is None:
                 continue
             schema, allowed = found
+            param = schema.inputs[0].type_str if schema.inputs else schema.outputs[0].type_str
             for dtype in view.float_types:
                 if f"tensor({dtype})" not in allowed:
                     continue
-                loaded = _loads(ort, schema, since, dtype, tmp_path / "probe.onnx")
+                loaded = _loads(ort, schema, since, {param: dtype}, saved)
                 if loaded is None:
                     continue  # refused for another reason (an opset newer than this onnxruntime's)
                 answers += 1
                 if loaded != bool(view.supports("cpu", "", op, since, None, dtype)):
                     mismatches.append((op, since, dtype, loaded))
+    return answers, mismatches
+
+
+def _probe_ties(ort, view: KernelTable, saved: Path) -> int:
+    """Load each CPU tie of the installed version that onnx's schema can state (ai.onnx ops):
+    float on every member loads, another float type on one member with float on the others does not."""
+    probed = 0
+    for entry in json.loads(TIES.read_text())["ties"]:
+        if entry["provider"] != "CPUExecutionProvider" or ort.__version__ not in entry["ort"] or (
+                entry["domain"] != "ai.onnx"):
+            continue
+        try:
+            schema = onnx.defs.get_schema(entry["op"], entry["since"], "")
+        except onnx.defs.SchemaError:
+            continue  # onnxruntime's own op in the ONNX domain (LayerNormalization-1): no onnx schema
+        if schema.since_version != entry["since"] or any(a.required for a in schema.attributes.values()):
+            continue
+        params = view.kernel_params("cpu", "", entry["op"], entry["since"])
+        for group in entry["groups"]:
+            other = [t for t in params[group[0]] if t != "float"]
+            if not other:
+                continue  # one float type: nothing to mix
+            types = dict.fromkeys({f.type_str for f in [*schema.inputs, *schema.outputs]}, "float")
+            assert _loads(ort, schema, entry["since"], types, saved) is True, entry
+            assert view.accepts("cpu", "", entry["op"], entry["since"], {p: "float" for p in group})
+            mixed = {**types, group[0]: other[0]}
+            # Refused either way: no kernel, or (RMSNormalization, a function op) its expansion fails.
+            assert _loads(ort, schema, entry["since"], mixed, saved) is not True, (entry, mixed)
+            assert not view.accepts("cpu", "", entry["op"], entry["since"], {p: mixed[p] for p in group})
+            probed += 1
+    return probed
+
+
+def test_cpu_kernels_of_installed_onnxruntime(table, tmp_path):
+    """The installed version's CPU facts equal what it registers: its registry where the build
+    lists it (plain onnxruntime), else (onnxruntime-training) what its sessions load, the runtime
+    being the judge: every one-type op in each float type loads with a kernel of that type exactly
+    when the table says it has one."""
+    ort = _installed(table)
+    from onnxruntime.capi import _pybind_state
+
+    if hasattr(_pybind_state, "get_all_opkernel_def"):
+        rows = gen.registry_rows(_pybind_state)
+        assert rows == _dump_rows(ort.__version__)
+        assert _table_cpu(ort.__version__) == gen.kernels_of(rows)
+        return
+    answers, mismatches = _probe_kernels(ort, table.for_version(ort.__version__), tmp_path / "probe.onnx")
     assert answers > 300, answers
     assert not mismatches, mismatches[:10]
+
+
+def test_cpu_ties_of_installed_onnxruntime(table, tmp_path):
+    """The installed version's CPU ties: those its registry shows, else (onnxruntime-training)
+    those onnx's schemas can state, through sessions."""
+    ort = _installed(table)
+    from onnxruntime.capi import _pybind_state
+
+    if hasattr(_pybind_state, "get_all_opkernel_def"):
+        _check_ties(table, ort.__version__, gen.registry_rows(_pybind_state))
+        return
+    assert _probe_ties(ort, table.for_version(ort.__version__), tmp_path / "probe.onnx") >= 3
+
+
+def test_session_probe_agrees_with_a_registry(table, tmp_path):
+    """The probes the training build is checked by give the registry's answers where a build
+    lists it (a probe that could not fail would check nothing)."""
+    ort = _installed(table)
+    from onnxruntime.capi import _pybind_state
+
+    if not hasattr(_pybind_state, "get_all_opkernel_def"):
+        pytest.skip("this build lists no registry to hold the probes to: test_cpu_kernels_of_installed_onnxruntime "
+                    "probes it")
+    view = table.for_version(ort.__version__)
+    answers, mismatches = _probe_kernels(ort, view, tmp_path / "probe.onnx")
+    assert answers > 300 and not mismatches, (answers, mismatches[:10])
+    assert _probe_ties(ort, view, tmp_path / "probe.onnx") >= 3
+    other = table.for_version(table.versions[0] if ort.__version__ != table.versions[0] else table.versions[-1])
+    assert _probe_kernels(ort, other, tmp_path / "probe.onnx")[1], "another version's facts pass the probe"
+
+
+def test_an_unknown_installed_version_skips_naming_the_commands(table, monkeypatch):
+    ort = pytest.importorskip("onnxruntime")
+    monkeypatch.setattr(ort, "__version__", "1.25.0")
+    with pytest.raises(pytest.skip.Exception, match="not the installed 1.25.0: add it with python scripts/gen_kernel"):
+        _installed(table)
