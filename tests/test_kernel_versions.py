@@ -337,3 +337,24 @@ def test_an_unknown_installed_version_skips_naming_the_commands(table, monkeypat
     monkeypatch.setattr(ort, "__version__", "1.25.0")
     with pytest.raises(pytest.skip.Exception, match="not the installed 1.25.0: add it with python scripts/gen_kernel"):
         _installed(table)
+
+
+def test_numerics_and_combos_per_version():
+    """Entries with "ort" hold for those versions only; a fact for several holds where it holds in each."""
+    row = [1, None, {"T": ["float", "float16"], "U": ["float", "float16"]}, ["1.0.0", "2.0.0"]]
+    data = {"versions": {"1.0.0": {}, "2.0.0": {}}, "float_types": ["float", "double", "float16", "bfloat16"],
+            "providers": {"CUDAExecutionProvider": {"ai.onnx": {"Op": [row]}}}}
+    where = {"provider": "CUDAExecutionProvider", "domain": "ai.onnx", "op": "Op", "since": 1, "until": None}
+    ties = {"combos": [{**where, "params": ["T", "U"], "types": [["float", "float"], ["float16", "float"]],
+                        "ort": ["1.0.0"]},
+                       {**where, "params": ["T", "U"], "types": [["float", "float"], ["float16", "float16"]],
+                        "ort": ["2.0.0"]}]}
+    numerics = {"kernels": [{**where, "types": ["float16"], "compute": "float32", "ort": ["2.0.0"]}]}
+    table = KernelTable(data, ties, numerics)
+    mixed = {"T": "float16", "U": "float"}
+    assert table.for_version("1.0.0").accepts("cuda", "", "Op", 1, mixed) is True
+    assert table.for_version("2.0.0").accepts("cuda", "", "Op", 1, mixed) is False
+    assert table.float_combos("cuda", "", "Op", 1) == ({"T": "float", "U": "float"},)
+    assert table.for_version("2.0.0").computes_in_float32("cuda", "", "Op", 1, "float16") is True
+    assert table.for_version("1.0.0").numerics("cuda", "", "Op", 1, "float16") is None
+    assert table.computes_in_float32("cuda", "", "Op", 1, "float16") is False
