@@ -77,7 +77,8 @@ class Load(PassBase[Conversion]):
         if isinstance(state.options, Options):
             state.options = state.options.resolve(state.model)
         options = state.options
-        state.retargeted = retarget(state.model, KernelTable.default(), options.target.provider, options.precision.name)
+        state.retargeted = retarget(state.model, KernelTable.default(options.ort_version), options.target.provider,
+                                    options.precision.name)
         return PassResult(state.retargeted is not None)
 
 

@@ -33,6 +33,11 @@ log = logging.getLogger("onnxmp.color")
 _ALLOW_OK = (allow_only_where_ok, "every ALLOW vertex is processed, float32 and low-precision capable")
 
 
+def _for(kernels: KernelTable | None, options: Resolved) -> KernelTable:
+    """The kernel facts of the onnxruntime versions converted for (a model must load in each)."""
+    return (kernels or KernelTable.default()).for_version(options.ort_version)
+
+
 def _float32_compute(index: ModelIndex, options: Resolved, kernels: KernelTable):
     """op key (``Op`` or ``domain:Op``) -> whether its low kernel on the target computes in float32."""
     def computes_in_float32(key: str) -> bool:
@@ -62,7 +67,7 @@ def color_passes(index: ModelIndex, options: Resolved, kernels: KernelTable | No
         FunctionPass(propagate_allow_through_clear),
         FunctionPass(remove_allow_set_with_fp32, ensures=_ALLOW_OK),
         FunctionPass(take_low_inputs_of_float32_kernels,
-                     _float32_compute(index, options, kernels or KernelTable.default()), ensures=_ALLOW_OK),
+                     _float32_compute(index, options, _for(kernels, options)), ensures=_ALLOW_OK),
         FunctionPass(follow_input_in_fused_normalizations, ensures=_ALLOW_OK),
         FunctionPass(force_color_match),
         FunctionPass(make_casts_allow_if_all_outputs_allow),
@@ -74,7 +79,7 @@ def color(index: ModelIndex, options: Resolved, *, kernels: KernelTable | None =
           timings: dict[str, float] | None = None) -> Coloring:
     """Color every (node, type parameter) vertex of ``index``'s graphs for ``options``."""
     view = build_type_view(index, options.lists, low=options.precision, provider=options.target.provider,
-                           kernels=kernels or KernelTable.default(), block_nodes=options.block_nodes,
+                           kernels=_for(kernels, options), block_nodes=options.block_nodes,
                            keep_io_types=options.keep_io_types, initializer_inputs=index.initializer_inputs,
                            ort_version=options.ort_version)
     state = Coloring(view, low_name=options.precision.name, mask_fills=mask_fills(index, options.precision))
