@@ -66,20 +66,24 @@ def version() -> str:
 # --- errors -------------------------------------------------------------------------------------
 
 
-def reason(exc: BaseException | str) -> str:
-    """onnxruntime's reason on one line: the node that failed, if one did, and the words that matter,
-    without the ``[ONNXRuntimeError] : 2 : INVALID_ARGUMENT :`` status prefix, the C++ source location
-    and signature, or an ``ORT_ENFORCE``'s condition (which can run to hundreds of characters)."""
+def reason(exc: BaseException | str, *, node: bool = True) -> str:
+    """onnxruntime's reason on one line: the node that failed, if one did (unless ``node`` is False:
+    a caller that names it itself), and the words that matter, without the
+    ``[ONNXRuntimeError] : 2 : INVALID_ARGUMENT :`` status prefix, the C++ source location and
+    signature, or an ``ORT_ENFORCE``'s condition (which can run to hundreds of characters)."""
     text = re.sub(r"^\[ONNXRuntimeError\] : \d+ : [A-Z_]+ : ", "", str(exc).strip())
-    node = re.search(r"while running (\S+) node\. Name:'([^']*)' Status Message: ", text)
+    failed = re.search(r"while running (\S+) node\. Name:'([^']*)' Status Message: ", text)
     where = ""
-    if node is not None:
-        op_type, name = node.groups()
-        where = f"{op_type} node {name!r}: " if name else f"a {op_type} node: "
-        text = text[node.end():]
+    if failed is not None:
+        op_type, name = failed.groups()
+        if node:
+            where = f"{op_type} node {name!r}: " if name else f"a {op_type} node: "
+        text = text[failed.end():]
     if " was false. " in text:
         text = text.split(" was false. ", 1)[1]
-    return where + first_line(text, 800) if text else type(exc).__name__
+    if not text:
+        return type(exc).__name__ if isinstance(exc, BaseException) else ""
+    return where + first_line(text, 800)
 
 
 def hint_for(text: str, action: str = "load") -> str:
@@ -253,12 +257,31 @@ def resolve(model: onnx.ModelProto | bytes, *, initialize: bool = False) -> str 
 
 
 def run(sess, feeds: Mapping[str, Any], what: str, outputs: Sequence[str] | None = None,
-        hint: str | None = None) -> list:
-    """``sess.run`` with onnxruntime's errors translated (``cannot run the WHAT``)."""
+        hint: str | None = None) -> list[np.ndarray]:
+    """``sess.run`` with onnxruntime's errors translated (``cannot run the WHAT``); each output as
+    :func:`as_output_array` makes it."""
     try:
-        return sess.run(None if outputs is None else list(outputs), dict(feeds))
+        values = sess.run(None if outputs is None else list(outputs), dict(feeds))
     except Exception as exc:  # noqa: BLE001
         raise translate(exc, what, action="run", hint=hint) from None
+    return [as_output_array(v) for v in values]
+
+
+def as_output_array(value) -> np.ndarray:
+    """One onnxruntime output as an array: a sequence output arrives as a list of arrays, an empty
+    optional as None.  Same-shaped elements are stacked; ragged ones are flattened end to end."""
+    if isinstance(value, np.ndarray):
+        return value
+    if value is None:
+        return np.zeros(0, np.float32)
+    if isinstance(value, (list, tuple)):
+        arrays = [np.asarray(v) for v in value]
+        if not arrays:
+            return np.zeros(0, np.float32)
+        if len({a.shape for a in arrays}) == 1:
+            return np.stack(arrays)
+        return np.concatenate([a.ravel() for a in arrays])
+    return np.asarray(value)
 
 
 # --- OrtValues and I/O binding ------------------------------------------------------------------

@@ -207,3 +207,14 @@ def test_resolve():
                   [helper.make_tensor_value_info("c", TensorProto.BFLOAT16, [2, 2])])
     assert runtime.resolve(bf16, initialize=True) is None
     assert runtime.resolve(_add(y_type=TensorProto.FLOAT16), initialize=True) is not None
+
+
+def test_reason_names_the_node_unless_the_caller_does():
+    text = ("[ONNXRuntimeError] : 6 : RUNTIME_EXCEPTION : Non-zero status code returned while running Gemm node. "
+            "Name:'head/Gemm' Status Message: /onnxruntime_src/onnxruntime/core/providers/cpu/math/gemm_helper.h:14 "
+            "onnxruntime::GemmHelper::GemmHelper(const onnxruntime::TensorShape&, bool, const onnxruntime::TensorShape&, "
+            "bool, const onnxruntime::TensorShape&) left.NumDimensions() == 2 || left.NumDimensions() == 1 was false. "
+            "Gemm: Invalid A shape")
+    assert runtime.reason(text) == "Gemm node 'head/Gemm': Gemm: Invalid A shape"
+    assert runtime.reason(text, node=False) == "Gemm: Invalid A shape"
+    assert runtime.reason("") == "" and runtime.reason(RuntimeError()) == "RuntimeError"

@@ -17,7 +17,6 @@ import onnx
 from onnxmp.compat._convert import CompatError, io_names
 from onnxmp import runtime
 from onnxmp.inputs import check_inputs
-from onnxmp.parity.metrics import as_output_array
 
 log = logging.getLogger("onnxmp.compat")
 
@@ -47,7 +46,7 @@ def run(model: onnx.ModelProto | str, feed: Mapping[str, np.ndarray], providers:
     feeds = check_inputs(proto, {k: v for k, v in feed.items()}, flag="feed_dict")
     # The providers as the original's caller names them; onnxruntime falls back to the CPU EP.
     session = runtime.session(model, what=what, provider_list=list(providers) if providers else None)
-    return [as_output_array(v) for v in runtime.run(session, feeds, what)]
+    return runtime.run(session, feeds, what)
 
 
 def search(model: onnx.ModelProto, feed: Mapping[str, np.ndarray], validate: Check, keep_io_types,

@@ -58,7 +58,6 @@ from onnxmp.parity.emulate import emulate, low_precision_types
 from onnxmp.errors import OnnxMPError
 from onnxmp.external import discard_spilled
 from onnxmp.inputs import Sample, as_samples, check_inputs, drop_extra_inputs, generate_inputs
-from onnxmp.parity.metrics import as_output_array
 from onnxmp.naming import json_safe
 from onnxmp.precision import BFLOAT16, FLOAT16, FLOAT32
 from onnxmp.targets import CPU, target
@@ -315,8 +314,7 @@ def _run(session, model: onnx.ModelProto, sample: Sample, role: str) -> dict[str
         if array.dtype.name == "bfloat16":
             raise OnnxMPError(f"{role} model input {name!r} is bfloat16, which onnxruntime's Python API "
                               "cannot feed", "convert with keep_io_types=True, or use --provider cpu")
-    values = runtime.run(session, feeds, f"{role} model")
-    return {o.name: as_output_array(v) for o, v in zip(session.get_outputs(), values)}
+    return dict(zip((o.name for o in session.get_outputs()), runtime.run(session, feeds, f"{role} model")))
 
 
 def _outputs(model: onnx.ModelProto, given: onnx.ModelProto, provider: str, role: str,
