@@ -204,7 +204,8 @@ def session(model: onnx.ModelProto | bytes | str | os.PathLike, *, what: str, de
     options = options if options is not None else session_options()
     try:
         if isinstance(model, onnx.ModelProto):
-            with session_source(model, what.replace(" ", "_")) as source:
+            # ``what`` names the runtime file a large model is written to: a file name, not a path.
+            with session_source(model, re.sub(r"[^\w.-]+", "_", what)[:64]) as source:
                 sess = rt.InferenceSession(source, options, providers=chosen)
         else:
             sess = rt.InferenceSession(model if isinstance(model, bytes) else os.fspath(model), options,
