@@ -405,3 +405,17 @@ def test_cli_validate_swapped_models_warn_but_still_compare(mlp_files, capsys, c
     main(["validate", str(cand), str(ref), "--inputs", str(folder / "a.npz")])
     assert "logits" in capsys.readouterr().out
     assert len(_swap_warnings(caplog)) == 1
+
+
+def test_a_candidate_that_fails_to_run_is_one_line_with_a_hint():
+    # Both load; the candidate's Reshape asks for a size the input does not have, which only running finds.
+    x = helper.make_tensor_value_info("x", TP.FLOAT, ["n"])
+    y = helper.make_tensor_value_info("y", TP.FLOAT, ["m"])
+    shape = numpy_helper.from_array(np.array([3], dtype=np.int64), "shape")
+    reference = make_model([helper.make_node("Relu", ["x"], ["y"])], [x], [y])
+    candidate = make_model([helper.make_node("Reshape", ["x", "shape"], ["y"])], [x], [y], [shape])
+    with pytest.raises(OnnxMPError) as caught:
+        validate(reference, candidate, {"x": np.ones(4, np.float32)})
+    message = caught.value.message
+    assert message.startswith(f"onnxruntime {ort.__version__} cannot run the candidate model: a Reshape node: ")
+    assert "\n" not in message and "onnxruntime_src" not in message and caught.value.hint

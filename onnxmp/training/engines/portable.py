@@ -15,7 +15,7 @@ from typing import Mapping
 
 import numpy as np
 
-from onnxmp.errors import OnnxMPError, first_line
+from onnxmp import runtime
 from onnxmp.training.artifacts import Artifacts, write_parameters
 from onnxmp.training.engines.base import Engine, check_device, placement, session_options
 from onnxmp.training.engines.update import Update
@@ -31,35 +31,26 @@ class PortableEngine(Engine):
 
     def __init__(self, artifacts: Artifacts, device: str, *, threads: int = 0,
                  clip_global_norm: float | None = None):
-        import onnxruntime as ort
-
         super().__init__(artifacts, device, threads=threads, clip_global_norm=clip_global_norm)
         check_device(device, artifacts, "install onnxruntime-gpu (pip install onnxmp[gpu]) or train on the cpu")
-        self._ort = ort
         self._where, providers = placement(device)
         manifest = artifacts.manifest
         pairs = manifest["portable"]["state_pairs"] if artifacts.has_portable else {}
         self._grad_pairs: dict[str, str] = pairs.get("training_model", {})
         options = session_options(artifacts, threads)
-        try:
-            self._train_session = ort.InferenceSession(str(artifacts.portable_path("training_model")), options,
-                                                       providers=providers)
-            self._eval_session = ort.InferenceSession(str(artifacts.portable_path("eval_model")), options,
-                                                      providers=providers)
-        except OnnxMPError:
-            raise
-        except Exception as exc:
-            raise OnnxMPError(f"onnxruntime {ort.__version__} cannot load the portable graphs in "
-                              f"{artifacts.directory}: {first_line(exc)}",
-                              "rebuild the artifacts with this onnxmp version") from None
+        self._train_session, self._eval_session = (
+            runtime.session(artifacts.portable_path(graph), what=f"portable graphs in {artifacts.directory}",
+                            device=device, options=options, hint="rebuild the artifacts with this onnxmp version")
+            for graph in ("training_model", "eval_model"))
         self._train_inputs = [i.name for i in self._train_session.get_inputs()]
         self._train_outputs = [o.name for o in self._train_session.get_outputs()]
         self._eval_inputs = [i.name for i in self._eval_session.get_inputs()]
         self._eval_outputs = [o.name for o in self._eval_session.get_outputs()]
 
         initial = artifacts.parameters()
-        self._update = Update(ort, artifacts, self.requires_grad, {p: initial[p].shape for p in self.requires_grad},
-                              self._where, options, providers, clip_global_norm)
+        self._update = Update(runtime.ort(), artifacts, self.requires_grad,
+                              {p: initial[p].shape for p in self.requires_grad}, self._where, options, providers,
+                              clip_global_norm)
         self._update.restore(artifacts)
         self._params = {name: self._on_device(value) for name, value in initial.items()}
         self._grads = {p: self._zeros(initial[p]) for p in self.requires_grad}
@@ -71,16 +62,13 @@ class PortableEngine(Engine):
     # --- device memory ----------------------------------------------------------------------
 
     def _on_device(self, value: np.ndarray):
-        value = np.asarray(value, order="C")
-        ortvalue = self._ort.OrtValue.ortvalue_from_shape_and_type(value.shape, value.dtype, *self._where)
-        ortvalue.update_inplace(value)
-        return ortvalue
+        return runtime.to_ortvalue(value, self._where)
 
     def _zeros(self, like: np.ndarray):
         return self._on_device(np.zeros(like.shape, dtype=np.float32))
 
     def _empty_like(self, ortvalue):
-        return self._ort.OrtValue.ortvalue_from_shape_and_type(ortvalue.shape(), np.float32, *self._where)
+        return runtime.empty_like(ortvalue, self._where)
 
     # --- graphs ---------------------------------------------------------------------------
 

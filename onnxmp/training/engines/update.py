@@ -15,7 +15,8 @@ from typing import Mapping, Sequence
 
 import numpy as np
 
-from onnxmp.errors import OnnxMPError, first_line
+from onnxmp import runtime
+from onnxmp.errors import OnnxMPError
 from onnxmp.training.artifacts import Artifacts, read_parameters, write_parameters
 
 OPTIMIZER_STATE = "optimizer_state.npz"
@@ -52,16 +53,11 @@ class Update:
     def __init__(self, ort, artifacts: Artifacts, requires_grad: Sequence[str],
                  shapes: Mapping[str, Sequence[int]], where: tuple[str, int], options, providers,
                  clip_global_norm: float | None = None):
-        self._ort, self._where = ort, where
+        self._where = where  # ort: unused since runtime.py; the engines drop it when they move (issue 37)
         self.requires_grad = list(requires_grad)
-        try:
-            self._session = ort.InferenceSession(optimizer_model(artifacts, requires_grad, shapes, clip_global_norm),
-                                                 options, providers=providers)
-        except OnnxMPError:
-            raise
-        except Exception as exc:
-            raise OnnxMPError(f"onnxruntime {ort.__version__} cannot load the optimizer graph of "
-                              f"{artifacts.directory}: {first_line(exc)}", _REBUILD) from None
+        self._session = runtime.session(optimizer_model(artifacts, requires_grad, shapes, clip_global_norm),
+                                        what=f"optimizer graph of {artifacts.directory}", options=options,
+                                        provider_list=providers, hint=_REBUILD)
         self._inputs = [i.name for i in self._session.get_inputs()]
         self._outputs = [o.name for o in self._session.get_outputs()]
         first = self.requires_grad[0]
@@ -74,13 +70,10 @@ class Update:
         self.lr = default_learning_rate(artifacts)
 
     def on_device(self, value: np.ndarray):
-        value = np.asarray(value, order="C")
-        ortvalue = self._ort.OrtValue.ortvalue_from_shape_and_type(value.shape, value.dtype, *self._where)
-        ortvalue.update_inplace(value)
-        return ortvalue
+        return runtime.to_ortvalue(value, self._where)
 
     def empty_like(self, ortvalue):
-        return self._ort.OrtValue.ortvalue_from_shape_and_type(ortvalue.shape(), np.float32, *self._where)
+        return runtime.empty_like(ortvalue, self._where)
 
     def run(self, params: Mapping[str, object], grads: Mapping[str, object], into: Mapping[str, object]) -> None:
         """One update: reads ``params`` and ``grads`` (OrtValues by parameter name), writes the new
