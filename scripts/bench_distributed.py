@@ -30,7 +30,8 @@ from onnxmp.files import guard_arguments, write_text_atomic
 
 def worker(args) -> None:
     """One rank (or the one process): time ``--steps`` updates after a warm-up."""
-    from onnxmp.training import DynamicLossScaler, Trainer, build_artifacts, distributed
+    from onnxmp.training import DynamicLossScaler, Trainer, build_artifacts
+    from onnxmp.training.run import distributed
     from onnxmp.training.models import mlp, trainable
 
     comm = distributed.from_environment()

@@ -3,7 +3,7 @@ that the portable engine's tests run where onnxruntime-training does not (Python
 
 The model is linear regression, ``y = x @ W + b`` with the mean squared error; its portable
 training graph is written here in standard ops to the contract of
-:mod:`onnxmp.training.portable` (scaled loss, gradients unscaled and weighted by
+:mod:`onnxmp.training.contract` (scaled loss, gradients unscaled and weighted by
 ``grad_weight``, ``all_finite``, the accumulation ``Where(reset, grad, buffer + grad)``).
 The native files are copies of the portable graphs and an empty checkpoint: the folder is for
 the portable engine only.
@@ -19,9 +19,9 @@ import onnx
 from onnx import TensorProto, helper, numpy_helper
 
 from onnxmp.training.artifacts import FILES, FORMAT, MANIFEST, PORTABLE_FILES, write_parameters
-from onnxmp.training.optim import optimizer_named
-from onnxmp.training.optimizer import build_portable_optimizer
-from onnxmp.training.portable import optimizer_slots, state_pairs
+from onnxmp.training.optimizer_settings import optimizer_named
+from onnxmp.training.update_graph import build_portable_optimizer
+from onnxmp.training.contract import optimizer_slots, state_pairs
 
 
 OPSET = 17

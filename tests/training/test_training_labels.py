@@ -42,7 +42,7 @@ def test_targets_must_have_the_output_shape(loss):
 
 
 def test_ort_run_errors_lead_with_ort_reason(fp32_artifacts, monkeypatch):
-    import onnxmp.training.trainer as trainer_module
+    import onnxmp.training.run.trainer as trainer_module
 
     trainer = Trainer(fp32_artifacts)
     monkeypatch.setattr(trainer_module, "check_labels", lambda loss, labels, **_: np.asarray(labels))

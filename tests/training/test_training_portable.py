@@ -13,7 +13,7 @@ import pytest
 
 from onnxmp.errors import OnnxMPError
 from onnxmp.training import DynamicLossScaler, Trainer
-from onnxmp.training import engines
+from onnxmp.training.run import engines
 from onnxmp.training.artifacts import Artifacts
 
 from linear_artifacts import linear_data, write_linear_artifacts

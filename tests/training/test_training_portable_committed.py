@@ -11,7 +11,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from onnxmp.training import Trainer, engines
+from onnxmp.training import Trainer
+from onnxmp.training.run import engines
 from onnxmp.training.artifacts import FORMAT, Artifacts
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -1,4 +1,4 @@
-"""The engine interface: what a :class:`~onnxmp.training.trainer.Trainer` asks of a runtime.
+"""The engine interface: what a :class:`~onnxmp.training.run.trainer.Trainer` asks of a runtime.
 
 An engine holds the runtime state (parameters, accumulated gradients, optimizer state and
 its step count) and runs the three graphs; the Trainer holds the loop (loss scaling decisions,

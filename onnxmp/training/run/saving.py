@@ -23,10 +23,10 @@ from onnx import numpy_helper
 
 from onnxmp.errors import OnnxMPError
 from onnxmp.training.artifacts import MANIFEST, Artifacts, check_replaceable
-from onnxmp.training.scaler import DynamicLossScaler
+from onnxmp.training.run.loss_scaler import DynamicLossScaler
 
 if TYPE_CHECKING:
-    from onnxmp.training.trainer import Trainer
+    from onnxmp.training.run.trainer import Trainer
 
 log = logging.getLogger("onnxmp.training")
 
@@ -111,7 +111,7 @@ def resume_settings(path: str | os.PathLike, lr_schedule: Callable[[int], float]
     settings = {"scaler": scaler, "grad_accum_steps": per_rank,
                 "clip_global_norm": saved["clip_global_norm"], "lr": saved["learning_rate"]}
     if saved.get("schedule") and lr_schedule is None:
-        from onnxmp.training.schedules import Schedule
+        from onnxmp.training.run.schedules import Schedule
 
         settings["schedule"] = Schedule.from_dict(saved["schedule"])
         settings["base_lr"] = float(saved["base_learning_rate"])

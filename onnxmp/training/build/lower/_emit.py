@@ -9,7 +9,7 @@ from onnx import TensorProto, helper, numpy_helper
 from onnxmp.errors import OnnxMPError
 from onnxmp.naming import FreshNames
 from onnxmp.precision import LOW
-from onnxmp.training.prepare import Builder, attribute
+from onnxmp.training.build.prepare import Builder, attribute
 
 LOW_TYPES = frozenset(p.onnx_type for p in LOW.values())
 # Opset of ScatterElements/ScatterND with reduction="add", which the scatter lowerings need.

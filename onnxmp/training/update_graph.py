@@ -2,7 +2,7 @@
 
 * ``build_optimizer_model``: onnxblock's AdamW / SGD over sequences, for onnxruntime-training's
   ``Optimizer`` (the native engine).  Its update is onnxruntime's, not torch's.
-* ``build_portable_optimizer``: :mod:`onnxmp.training.optim`'s AdamW / SGD written in standard ONNX
+* ``build_portable_optimizer``: :mod:`onnxmp.training.optimizer_settings`'s AdamW / SGD written in standard ONNX
   ops, one subgraph per parameter (no sequences), equal to ``torch.optim`` step for step; any
   onnxruntime runs it with a plain ``InferenceSession``.
 """
@@ -18,11 +18,11 @@ from onnx import TensorProto, helper, numpy_helper
 from onnxmp.errors import OnnxMPError
 from onnxmp.naming import FreshNames, proto_names
 from onnxmp.training import _ort
-from onnxmp.training.optim import OPTIMIZERS, SGD, AdamW, Optimizer, optimizer_named
+from onnxmp.training.optimizer_settings import OPTIMIZERS, SGD, AdamW, Optimizer, optimizer_named
 
 __all__ = ["OPTIMIZERS", "build_optimizer_model", "build_portable_optimizer", "clip_by_global_norm"]
 
-log = logging.getLogger("onnxmp.training.optimizer")
+log = logging.getLogger("onnxmp.training.update_graph")
 
 # onnxruntime-training 1.19.2, the last training build, loads nothing newer.
 MAX_IR_VERSION = 10

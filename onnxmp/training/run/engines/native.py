@@ -2,7 +2,7 @@
 
 It runs the artifacts' training and eval graphs as built (InPlaceAccumulatorV2, the gradient
 ops...), with ORT's CheckpointState holding parameters and gradients.  Its update is the
-portable engine's (:mod:`onnxmp.training.engines.update`: torch's AdamW / SGD in standard ops,
+portable engine's (:mod:`onnxmp.training.run.engines.update`: torch's AdamW / SGD in standard ops,
 on an ``InferenceSession`` over the Module's own gradient and parameter buffers), not
 onnxruntime's AdamWOptimizer, whose formula is Hugging Face's: the two engines then differ
 only in the training graph's kernels, and the native one is the lowering's oracle.
@@ -18,9 +18,9 @@ import numpy as np
 from onnxmp.errors import OnnxMPError, first_line
 from onnxmp.training import _ort
 from onnxmp.training.artifacts import Artifacts, write_parameters
-from onnxmp.training.engines.base import Engine, check_device, placement, session_options
-from onnxmp.training.engines.update import Update
-from onnxmp.training.loss_scale import ALL_FINITE, LOSS
+from onnxmp.training.run.engines.base import Engine, check_device, placement, session_options
+from onnxmp.training.run.engines.update import Update
+from onnxmp.training.build.unscale import ALL_FINITE, LOSS
 
 log = logging.getLogger("onnxmp.training")
 

@@ -1,8 +1,8 @@
 """The portable form of the training artifacts: what plain ``onnxruntime.InferenceSession`` runs.
 
 The build's ``lower`` stage lowers the training and eval graphs to standard ops
-(:func:`onnxmp.training.lower.lower_model`) and its ``optimizer`` stage writes torch's update as
-a graph (:func:`onnxmp.training.optimizer.build_portable_optimizer`); the write stage calls
+(:func:`onnxmp.training.build.lower.lower_model`) and its ``optimizer`` stage writes torch's update as
+a graph (:func:`onnxmp.training.update_graph.build_portable_optimizer`); the write stage calls
 :func:`portable_form` to describe them in the manifest: ``manifest["portable"]`` names the
 files and, per graph, the state pairs (input name -> the output holding its next value) that
 the engines feed back between runs.

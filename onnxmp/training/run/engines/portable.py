@@ -1,5 +1,5 @@
 """The portable engine: plain ``onnxruntime.InferenceSession`` (CPU or CUDA EP, any onnxruntime
->= 1.19, Python 3.10-3.13), on the artifacts' portable graphs (:mod:`onnxmp.training.portable`).
+>= 1.19, Python 3.10-3.13), on the artifacts' portable graphs (:mod:`onnxmp.training.contract`).
 
 Parameters, accumulation buffers and optimizer state live on the device as OrtValues for the
 whole run.  Each graph run binds them as inputs through I/O binding and writes their next values
@@ -17,9 +17,9 @@ import numpy as np
 
 from onnxmp.errors import OnnxMPError, first_line
 from onnxmp.training.artifacts import Artifacts, write_parameters
-from onnxmp.training.engines.base import Engine, check_device, placement, session_options
-from onnxmp.training.engines.update import Update
-from onnxmp.training.loss_scale import ALL_FINITE, LOSS
+from onnxmp.training.run.engines.base import Engine, check_device, placement, session_options
+from onnxmp.training.run.engines.update import Update
+from onnxmp.training.build.unscale import ALL_FINITE, LOSS
 
 log = logging.getLogger("onnxmp.training")
 

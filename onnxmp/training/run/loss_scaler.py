@@ -26,7 +26,7 @@ from typing import Any, Iterable
 
 from onnxmp.errors import OnnxMPError
 
-log = logging.getLogger("onnxmp.training.scaler")
+log = logging.getLogger("onnxmp.training.run.loss_scaler")
 
 MAX_SCALE = 2.0**24
 # 2**24 down to 2**4 is 20 halvings: a streak that long is no longer the scale finding its level.

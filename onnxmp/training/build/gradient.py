@@ -15,10 +15,10 @@ from onnx import TensorProto, helper
 
 from onnxmp.errors import OnnxMPError
 from onnxmp.training import _ort
-from onnxmp.training.loss_scale import LOSS, LOSS_SCALE, LOSS_SCALED
-from onnxmp.training.prepare import RUNTIME_SHAPE
+from onnxmp.training.build.unscale import LOSS, LOSS_SCALE, LOSS_SCALED
+from onnxmp.training.build.prepare import RUNTIME_SHAPE
 
-log = logging.getLogger("onnxmp.training.gradient")
+log = logging.getLogger("onnxmp.training.build.gradient")
 
 
 def gradient_graph(forward: onnx.ModelProto, loss_block, label_name: str, requires_grad, frozen):

@@ -52,7 +52,7 @@ from onnxmp.domains import is_onnx_domain
 from onnxmp.errors import OnnxMPError
 from onnxmp.naming import FreshNames, proto_names
 
-log = logging.getLogger("onnxmp.training.prepare")
+log = logging.getLogger("onnxmp.training.build.prepare")
 
 # Op types of the default domain with no gradient builder in onnxruntime-training
 # 1.19.2, each confirmed by building the gradient of MatMul -> op -> loss (ORT: "The

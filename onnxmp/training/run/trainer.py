@@ -1,4 +1,4 @@
-"""Mixed-precision training loop; an engine (:mod:`onnxmp.training.engines`) runs the graphs.
+"""Mixed-precision training loop; an engine (:mod:`onnxmp.training.run.engines`) runs the graphs.
 
 One :meth:`Trainer.train_step` runs one micro-batch through the training
 graph, which accumulates its unscaled gradients and reports ``all_finite``.
@@ -12,7 +12,7 @@ effective batch (the AND of the micro-steps' ``all_finite``):
 
 Either way the accumulation buffers are reset (lazily, at the next micro-batch).
 
-With a ``communicator`` (data-parallel, :mod:`onnxmp.training.distributed`)
+With a ``communicator`` (data-parallel, :mod:`onnxmp.training.run.distributed`)
 the decision is the same on every rank: the finite flag is all-reduced with
 MIN, and a finite effective batch's gradients are all-reduced (summed) and
 written back into the engine's buffers before the optimizer step, so the clipping
@@ -31,16 +31,17 @@ from typing import Any, Callable, Iterable, Mapping, Sequence
 import numpy as np
 
 from onnxmp.errors import OnnxMPError
-from onnxmp.training import _ort, saving
+from onnxmp.training import _ort
+from onnxmp.training.run import saving
 from onnxmp.training.artifacts import Artifacts
-from onnxmp.training.distributed import Communicator
-from onnxmp.training.engines import make_engine
+from onnxmp.training.run.distributed import Communicator
+from onnxmp.training.run.engines import make_engine
 from onnxmp.training.labels import check_labels, label_run_error
-from onnxmp.training.loss_scale import GRAD_SHAPE, GRAD_WEIGHT, LOSS, LOSS_SCALE
+from onnxmp.training.build.unscale import GRAD_SHAPE, GRAD_WEIGHT, LOSS, LOSS_SCALE
 from onnxmp.training.losses import IGNORE_INDEX, LOSSES
-from onnxmp.training.metrics import METRICS, History, Metric, StepResult, metric_functions
-from onnxmp.training.scaler import DynamicLossScaler
-from onnxmp.training.schedules import Schedule
+from onnxmp.training.run.metrics import METRICS, History, Metric, StepResult, metric_functions
+from onnxmp.training.run.loss_scaler import DynamicLossScaler
+from onnxmp.training.run.schedules import Schedule
 
 log = logging.getLogger("onnxmp.training")
 
@@ -59,7 +60,7 @@ class Trainer:
     stops learning.
 
     ``lr`` sets the optimizer's (base) learning rate (``None``: the lr the artifacts' optimizer was built with).
-    ``schedule`` (a :class:`~onnxmp.training.schedules.Schedule`, or one of its names with
+    ``schedule`` (a :class:`~onnxmp.training.run.schedules.Schedule`, or one of its names with
     ``warmup_steps`` and ``total_steps``) sets it to ``schedule.lr_at(updates, lr)`` before
     each applied update, as Hugging Face's ``get_*_schedule_with_warmup`` steps (per
     effective batch; a skipped update does not advance it); it is saved with the state.
@@ -68,14 +69,14 @@ class Trainer:
     global L2 norm.  ``threads`` sets the sessions' intra-op threads (0: onnxruntime's
     default, all cores; data-parallel ranks share a host's cores unless given).
 
-    ``communicator`` (a :class:`~onnxmp.training.distributed.Communicator` of
+    ``communicator`` (a :class:`~onnxmp.training.run.distributed.Communicator` of
     ``W`` ranks) trains data-parallel: each rank runs ``grad_accum_steps``
     micro-batches of its shard per effective batch, and the run equals one
     process with ``grad_accum_steps * W``.  Parameters are broadcast from rank 0
     here; every rank must then make the same calls (``fit``, ``flush``, ``save``,
     ``evaluate``) with the same number of micro-batches (``None`` pads a shard,
-    see :func:`~onnxmp.training.distributed.shard`).  Wrap the calls in
-    :func:`~onnxmp.training.distributed.abort_on_error` so that an error on one
+    see :func:`~onnxmp.training.run.distributed.shard`).  Wrap the calls in
+    :func:`~onnxmp.training.run.distributed.abort_on_error` so that an error on one
     rank ends the job instead of leaving the others waiting.
 
     ``engine`` runs the graphs: ``native`` (onnxruntime-training 1.19.2, Python <= 3.11),
@@ -190,7 +191,7 @@ class Trainer:
         """A micro-step with no batch: it counts towards the effective batch and adds no gradient.
 
         Data-parallel ranks pad a short last group with it, so that all run the same
-        number of micro-steps (:func:`~onnxmp.training.distributed.shard` marks them ``None``).
+        number of micro-steps (:func:`~onnxmp.training.run.distributed.shard` marks them ``None``).
         """
         return self._count_micro_step(None, True, self.scaler.scale)
 
@@ -249,7 +250,7 @@ class Trainer:
         if low != high:
             raise OnnxMPError(f"the ranks ran different numbers of micro-batches in one effective batch "
                               f"({low} to {high})", "give every rank the same number of batches per epoch: "
-                              "onnxmp.training.distributed.shard pads the last group with None")
+                              "onnxmp.training.run.distributed.shard pads the last group with None")
         if high == 0:
             return None
         finite = bool(meta[0])
@@ -382,7 +383,7 @@ class Trainer:
         predictions are the model's first output.
 
         Data-parallel, each rank passes its block of the batches (rank 0's first,
-        :func:`~onnxmp.training.distributed.contiguous_shard`); the per-batch sums are
+        :func:`~onnxmp.training.run.distributed.contiguous_shard`); the per-batch sums are
         gathered and added in that global order, so the result equals one process's.
         """
         metric_fns = self._metric_functions(metrics)

@@ -18,7 +18,7 @@ from onnxmp.domains import is_onnx_domain
 from onnxmp.naming import FreshNames, proto_names
 from onnxmp.precision import LOW
 
-log = logging.getLogger("onnxmp.training.determinism")
+log = logging.getLogger("onnxmp.training.build.determinism")
 
 
 # ORT 1.19's CPU gradient kernels that take float and double only: op -> index of the gradient input.
@@ -100,8 +100,8 @@ def deterministic_gather_grads(training: onnx.ModelProto) -> int:
         return 0
     default.version = max(default.version, _SCATTER_REDUCTION_OPSET)
     # The lowering's GatherGrad is the deterministic one: the native graph takes it as it is.
-    from onnxmp.training.lower import shapes
-    from onnxmp.training.lower._emit import Emit
+    from onnxmp.training.build.lower import shapes
+    from onnxmp.training.build.lower._emit import Emit
 
     names = FreshNames(proto_names(graph))
     # On the emulated target every gradient is float32 here (float32_cpu_grad_kernels ran first).

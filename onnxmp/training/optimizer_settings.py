@@ -1,6 +1,6 @@
 """torch's optimizers, as settings: ``AdamW`` and ``SGD`` with ``torch.optim``'s arguments and defaults.
 
-These objects only describe the update; :func:`onnxmp.training.optimizer.build_portable_optimizer`
+These objects only describe the update; :func:`onnxmp.training.update_graph.build_portable_optimizer`
 writes it as a graph of standard ONNX ops that equals ``torch.optim.AdamW`` / ``torch.optim.SGD``
 (``torch.optim``'s single-tensor path, the CPU default) step for step.  ``optimizer_named`` is the one
 place that turns what a caller passes (an object, ``"adamw"``/``"sgd"``, or a manifest's entry) into
@@ -19,7 +19,7 @@ from typing import Any, Callable, ClassVar, Iterable, Sequence, Union
 
 from onnxmp.errors import OnnxMPError
 
-log = logging.getLogger("onnxmp.training.optim")
+log = logging.getLogger("onnxmp.training.optimizer_settings")
 
 NoDecay = Union[str, Sequence[str], Callable[[str], bool]]
 

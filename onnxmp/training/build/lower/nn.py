@@ -6,7 +6,7 @@ from __future__ import annotations
 from onnx import TensorProto, helper
 
 from onnxmp.errors import OnnxMPError
-from onnxmp.training.lower._emit import Emit, int64_fill
+from onnxmp.training.build.lower._emit import Emit, int64_fill
 
 
 def _axis_start(e: Emit, axis: int, rank: str) -> str:

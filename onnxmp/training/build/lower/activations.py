@@ -6,7 +6,7 @@ import math
 
 from onnx import TensorProto
 
-from onnxmp.training.lower._emit import Emit
+from onnxmp.training.build.lower._emit import Emit
 
 
 def _dy_times(e: Emit, derivative: str) -> None:
@@ -131,7 +131,7 @@ def scale(e: Emit) -> None:
 def div_grad(e: Emit) -> None:
     """DivGrad(dY, A, B) -> dA = dY / B, dB = -dY * A / B^2, each summed back over the axes
     its input was broadcast along (ORT's kernel does the same reduction)."""
-    from onnxmp.training.lower.shapes import sum_to
+    from onnxmp.training.build.lower.shapes import sum_to
 
     dy, a, b = e.wide(e.input(0)), e.wide(e.input(1)), e.wide(e.input(2))
     shape_a, shape_b = e.op("Shape", [e.input(1)]), e.op("Shape", [e.input(2)])

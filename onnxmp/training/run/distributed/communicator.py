@@ -33,7 +33,7 @@ import numpy as np
 
 from onnxmp.errors import OnnxMPError
 
-log = logging.getLogger("onnxmp.training.distributed")
+log = logging.getLogger("onnxmp.training.run.distributed")
 
 ABORT_DRAIN_S = 0.5  # how long a failing rank waits for its last stderr line to reach mpiexec
 

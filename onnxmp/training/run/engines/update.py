@@ -1,5 +1,5 @@
 """The optimizer update both engines run: the artifacts' portable optimizer graph (torch's
-AdamW / SGD in standard ops, :func:`onnxmp.training.optimizer.build_portable_optimizer`) on a
+AdamW / SGD in standard ops, :func:`onnxmp.training.update_graph.build_portable_optimizer`) on a
 plain ``InferenceSession``.
 
 One home for the update, so the native and the portable engine step with the same algorithm
@@ -35,7 +35,7 @@ def optimizer_model(artifacts: Artifacts, requires_grad: Sequence[str], shapes: 
     clip is asked for (a constant in the graph) or the folder has no portable graphs."""
     if clip_global_norm is None and artifacts.has_portable:
         return str(artifacts.portable_path("optimizer_model"))
-    from onnxmp.training.optimizer import build_portable_optimizer
+    from onnxmp.training.update_graph import build_portable_optimizer
 
     entry = artifacts.manifest.get("optimizer")
     if not isinstance(entry, dict):

@@ -9,7 +9,7 @@ from __future__ import annotations
 from onnx import TensorProto
 
 from onnxmp.errors import OnnxMPError
-from onnxmp.training.lower._emit import SCATTER_ADD_OPSET, Emit, int64_fill
+from onnxmp.training.build.lower._emit import SCATTER_ADD_OPSET, Emit, int64_fill
 
 
 def _padded(e: Emit, shape: str, rank: str) -> str:

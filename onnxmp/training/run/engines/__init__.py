@@ -1,4 +1,4 @@
-"""Training engines: one interface (:class:`~onnxmp.training.engines.base.Engine`), two runtimes.
+"""Training engines: one interface (:class:`~onnxmp.training.run.engines.base.Engine`), two runtimes.
 
 * ``native``: onnxruntime-training 1.19.2's Module/Optimizer API (Python <= 3.11);
 * ``portable``: plain ``onnxruntime.InferenceSession`` on the artifacts' lowered graphs, CPU
@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from onnxmp.errors import OnnxMPError
 from onnxmp.training.artifacts import Artifacts
-from onnxmp.training.engines.base import Engine
+from onnxmp.training.run.engines.base import Engine
 
 ENGINES = ("auto", "native", "portable")
 
@@ -46,10 +46,10 @@ def make_engine(engine: str, artifacts: Artifacts, device: str, **kwargs) -> Eng
     """An engine on ``artifacts``: ``engine`` is ``auto``, ``native`` or ``portable``."""
     name = resolve(engine, artifacts)
     if name == "native":
-        from onnxmp.training.engines.native import NativeEngine
+        from onnxmp.training.run.engines.native import NativeEngine
 
         return NativeEngine(artifacts, device, **kwargs)
-    from onnxmp.training.engines.portable import PortableEngine
+    from onnxmp.training.run.engines.portable import PortableEngine
 
     if not artifacts.has_portable:
         raise OnnxMPError(f"the artifacts in {artifacts.directory} have no portable graphs, which the portable "

@@ -24,8 +24,8 @@ from onnxmp.errors import OnnxMPError
 from onnxmp.kernels import KernelTable
 from onnxmp.naming import FreshNames, proto_names
 from onnxmp.subgraphs import iter_proto_graphs
-from onnxmp.training.lower import activations, nn, shapes
-from onnxmp.training.lower._emit import Emit
+from onnxmp.training.build.lower import activations, nn, shapes
+from onnxmp.training.build.lower._emit import Emit
 
 MS_DOMAIN = "com.microsoft"
 ML_DOMAIN = "ai.onnx.ml"

@@ -5,20 +5,20 @@ The build is a pipeline of stages (``docs/training.md``), each a pass over one
 
 1. ``load``: the model, at an opset and IR version onnxruntime-training 1.19 loads, with
    Constant-node weights promoted to initializers; the parameters and names checked;
-2. ``prepare``: a copy the gradient builder can differentiate (:mod:`~onnxmp.training.prepare`);
+2. ``prepare``: a copy the gradient builder can differentiate (:mod:`~onnxmp.training.build.prepare`);
 3. ``convert``: the mixed-precision forward graph (trainable parameters stay float32 master
    weights, Cast at each low-precision use); emulated on ``target="cpu"``;
 4. ``gradient``: ORT's gradient graph of the scaled loss, and the eval graph
-   (:mod:`~onnxmp.training.gradient`);
-5. ``loss_scale``: unscale / finite check (:mod:`~onnxmp.training.loss_scale`);
+   (:mod:`~onnxmp.training.build.gradient`);
+5. ``loss_scale``: unscale / finite check (:mod:`~onnxmp.training.build.unscale`);
 6. ``determinism``: on the CPU, kernels that run exactly and deterministically
-   (:mod:`~onnxmp.training.determinism`);
+   (:mod:`~onnxmp.training.build.determinism`);
 7. ``lower``: the training and eval models in ops plain onnxruntime runs, for the portable
-   engine (:mod:`~onnxmp.training.lower`); an op it cannot lower stops the build, named;
-8. ``optimizer``: the optimizer models (:mod:`~onnxmp.training.optimizer`): onnxblock's, and
+   engine (:mod:`~onnxmp.training.build.lower`); an op it cannot lower stops the build, named;
+8. ``optimizer``: the optimizer models (:mod:`~onnxmp.training.update_graph`): onnxblock's, and
    torch's update in standard ops, which both engines step with;
 9. ``write``: the folder, whole or not at all (:mod:`~onnxmp.training.artifacts`), with the
-   portable form of the graphs (:mod:`~onnxmp.training.portable`) and the parameters in
+   portable form of the graphs (:mod:`~onnxmp.training.contract`) and the parameters in
    ``parameters.npz``.
 """
 from __future__ import annotations
@@ -44,18 +44,18 @@ from onnxmp.precision import BY_ONNX_TYPE, FLOAT32, PRECISIONS as LOW_PRECISIONS
 from onnxmp.targets import target as target_named
 from onnxmp.training import _ort
 from onnxmp.training.artifacts import FILES, FORMAT, Artifacts, write_artifacts
-from onnxmp.training.determinism import deterministic_gather_grads, float32_cpu_grad_kernels
-from onnxmp.training.gradient import gradient_graph, make_eval_outputs
+from onnxmp.training.build.determinism import deterministic_gather_grads, float32_cpu_grad_kernels
+from onnxmp.training.build.gradient import gradient_graph, make_eval_outputs
 from onnxmp.training.labels import check_output, output_shape
-from onnxmp.training.loss_scale import GRAD_WEIGHT, LOSS_SCALE, RESERVED, add_loss_scaling
+from onnxmp.training.build.unscale import GRAD_WEIGHT, LOSS_SCALE, RESERVED, add_loss_scaling
 from onnxmp.training.losses import LOSSES
 from onnxmp.training.losses import loss as loss_named
-from onnxmp.training.lower import check_lowered, lower_model
-from onnxmp.training.optim import Optimizer as OptimizerSpec
-from onnxmp.training.optim import optimizer_named
-from onnxmp.training.optimizer import MAX_OPSET, build_optimizer_model, build_portable_optimizer, cap_ir_version
-from onnxmp.training.portable import portable_form
-from onnxmp.training.prepare import Preparation, describe, prepare_for_gradient, promote_constants
+from onnxmp.training.build.lower import check_lowered, lower_model
+from onnxmp.training.optimizer_settings import Optimizer as OptimizerSpec
+from onnxmp.training.optimizer_settings import optimizer_named
+from onnxmp.training.update_graph import MAX_OPSET, build_optimizer_model, build_portable_optimizer, cap_ir_version
+from onnxmp.training.contract import portable_form
+from onnxmp.training.build.prepare import Preparation, describe, prepare_for_gradient, promote_constants
 
 log = logging.getLogger("onnxmp.training")
 
@@ -236,7 +236,7 @@ def build_artifacts(
     ``labels`` for cross entropy, ``target`` otherwise) names the new label input.
     ``optimizer`` is ``onnxmp.training.AdamW(...)`` / ``SGD(...)`` (torch.optim's arguments; its
     ``lr`` is the default learning rate) or ``"adamw"`` / ``"sgd"`` (torch's defaults); the
-    manifest records it (:mod:`~onnxmp.training.optim`).
+    manifest records it (:mod:`~onnxmp.training.optimizer_settings`).
     ``precision="float32"`` builds the fp32 baseline (no conversion).  Models over 2 GB are
     refused before any work (see :func:`check_trainable_size`).
 
