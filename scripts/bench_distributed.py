@@ -48,14 +48,14 @@ def worker(args) -> None:
             trainer.train_step(x, y)
         if comm is not None:
             comm.barrier()
-        trainer.communication_seconds = 0.0
+        trainer.sync.communication_seconds = 0.0
         start = time.perf_counter()
         for _ in range(args.steps * args.k):
             trainer.train_step(x, y)
         if comm is not None:
             comm.barrier()
         seconds = time.perf_counter() - start
-        share = np.array([trainer.communication_seconds / seconds])
+        share = np.array([trainer.sync.communication_seconds / seconds])
         if comm is not None:
             comm.allreduce_max(share)
         if comm is None or comm.is_root:

@@ -49,7 +49,7 @@ def register(sub) -> None:
     from onnxmp.training.losses import LOSSES
     from onnxmp.targets import NAMES as TARGETS
     from onnxmp.training.run.engines import ENGINES
-    from onnxmp.training.update_graph import OPTIMIZERS
+    from onnxmp.training.optimizer_settings import OPTIMIZERS
     from onnxmp.training.run.schedules import SCHEDULES
 
     p = sub.add_parser("train", help="train an ONNX model with mixed precision and dynamic loss scaling",

@@ -1,71 +1,30 @@
-"""Training stage: the optimizer models, with an optional global-norm clip.
+"""torch's optimizer update (:mod:`onnxmp.training.optimizer_settings`' AdamW / SGD) written as a graph
+of standard ONNX ops, with an optional global-norm clip: equal to ``torch.optim`` step for step, and any
+onnxruntime runs it with a plain ``InferenceSession``.
 
-* ``build_optimizer_model``: onnxblock's AdamW / SGD over sequences, for onnxruntime-training's
-  ``Optimizer`` (the native engine).  Its update is onnxruntime's, not torch's.
-* ``build_portable_optimizer``: :mod:`onnxmp.training.optimizer_settings`'s AdamW / SGD written in standard ONNX
-  ops, one subgraph per parameter (no sequences), equal to ``torch.optim`` step for step; any
-  onnxruntime runs it with a plain ``InferenceSession``.
+Neither a build stage nor a run: the build writes it into the artifacts
+(:mod:`onnxmp.training.build.optimizer_graphs`), and a run that asks for another clip norm than
+the built graph's rebuilds it from the manifest's ``optimizer`` entry
+(:mod:`onnxmp.training.run.engines.update`).  Its inputs and outputs are the contract's
+(:mod:`onnxmp.training.contract`).
 """
 from __future__ import annotations
 
-import logging
 from typing import Callable, Sequence
 
 import numpy as np
 import onnx
-from onnx import TensorProto, helper, numpy_helper
+from onnx import TensorProto, helper
 
 from onnxmp.errors import OnnxMPError
-from onnxmp.naming import FreshNames, proto_names
-from onnxmp.training import _ort
-from onnxmp.training.optimizer_settings import OPTIMIZERS, SGD, AdamW, Optimizer, optimizer_named
+from onnxmp.naming import FreshNames
+from onnxmp.training._ort import MAX_OPSET, cap_ir_version
+from onnxmp.training.contract import LEARNING_RATE, STEP, grad_input, next_value, slot_input
+from onnxmp.training.nodes import Nodes, Writer
+from onnxmp.training.optimizer_settings import SGD, AdamW, Optimizer, optimizer_named
 
-__all__ = ["OPTIMIZERS", "build_optimizer_model", "build_portable_optimizer", "clip_by_global_norm"]
+__all__ = ["build_portable_optimizer", "clip_by_global_norm"]
 
-log = logging.getLogger("onnxmp.training.update_graph")
-
-# onnxruntime-training 1.19.2, the last training build, loads nothing newer.
-MAX_IR_VERSION = 10
-MAX_OPSET = 21
-
-
-def cap_ir_version(model: onnx.ModelProto) -> None:
-    """onnx 1.23 stamps new models IR 14 and ORT 1.19 refuses anything over 10; nothing onnxmp or
-    onnxblock writes needs a newer IR feature."""
-    model.ir_version = min(model.ir_version or MAX_IR_VERSION, MAX_IR_VERSION)
-
-
-def build_optimizer_model(kind: str | Optimizer | dict, *, opset: int, clip_global_norm: float | None = None,
-                          parameters: int | None = None) -> onnx.ModelProto:
-    """The optimizer graph; with ``clip_global_norm`` the unscaled gradients are first
-    scaled by ``min(1, c / (norm + 1e-6))``, ``norm`` their global L2 norm (as torch's
-    ``clip_grad_norm_``).
-
-    The norm is computed in the graph in a fixed order (one ReduceSumSquare per
-    gradient, the squares summed sorted by value), not by ORT's CPU ``InplaceClipGradNorm``,
-    whose threads add partial sums in whatever order they finish: identical runs
-    would drift apart.  ``parameters`` (how many gradients the sequence holds) is
-    required with clipping.
-    """
-    kind = optimizer_named(kind).name  # as before: onnxblock's own defaults, onnxruntime's update
-    ob = _ort.onnxblock()
-    block = ob.optim.AdamW() if kind == "adamw" else ob.optim.SGD()
-    # onnxblock only reads the element type of the first trainable parameter.
-    params = ([helper.make_tensor("parameter", TensorProto.FLOAT, [1], [0.0])], [])
-    with _ort.native_stderr_to_log(log), ob.empty_base(opset_version=opset):
-        block(params)
-        model = block.to_model_proto()
-    if clip_global_norm is not None:
-        if not clip_global_norm > 0:
-            raise OnnxMPError(f"clip_global_norm must be positive, got {clip_global_norm}")
-        if not parameters:
-            raise OnnxMPError("clipping needs the number of trainable parameters")
-        _add_global_norm_clip(model, float(clip_global_norm), parameters)
-    cap_ir_version(model)
-    return model
-
-
-LEARNING_RATE, STEP = "learning_rate", "step"
 DOUBLE, FLOAT = TensorProto.DOUBLE, TensorProto.FLOAT
 
 
@@ -98,16 +57,17 @@ def build_portable_optimizer(optimizer, parameters: Sequence[tuple[str, Sequence
               helper.make_tensor_value_info(STEP, TensorProto.INT64, [])]
     outputs = []
     for name, shape in parameters:
-        for suffix in ("", ".grad", *(f".{slot}" for slot in optimizer.slots)):
-            inputs.append(helper.make_tensor_value_info(name + suffix, FLOAT, shape))
-        for suffix in ("", *(f".{slot}" for slot in optimizer.slots)):
-            outputs.append(helper.make_tensor_value_info(f"{name}{suffix}.out", FLOAT, shape))
+        state = [name, *(slot_input(name, slot) for slot in optimizer.slots)]
+        for value in (name, grad_input(name), *state[1:]):
+            inputs.append(helper.make_tensor_value_info(value, FLOAT, shape))
+        for value in state:
+            outputs.append(helper.make_tensor_value_info(next_value(value), FLOAT, shape))
     io = [v.name for v in [*inputs, *outputs]]
     if len(set(io)) != len(io):
         raise OnnxMPError("parameter names clash with the optimizer graph's input/output names "
                           "(a parameter named like another's '.grad' or slot)", "rename the initializer")
     g = _Graph(set(io))
-    grads = [f"{name}.grad" for name, _ in parameters]
+    grads = [grad_input(name) for name, _ in parameters]
     if clip_global_norm is not None:
         grads = clip_by_global_norm(g.nodes, g.names, grads, float(clip_global_norm))
     if optimizer.maximize:
@@ -124,24 +84,16 @@ def build_portable_optimizer(optimizer, parameters: Sequence[tuple[str, Sequence
     return model
 
 
-class _Graph:
+class _Graph(Writer):
     def __init__(self, used: set[str]):
-        self.nodes: list = []
-        self.names = FreshNames(used)
-        self.constant = _constants(self.nodes, self.names, "onnxmp/optim")
-
-    def op(self, op_type: str, *inputs: str, out: str | None = None, **attrs) -> str:
-        out = out or self.names(f"onnxmp/optim/{op_type}_out")
-        self.nodes.append(helper.make_node(op_type, list(inputs), [out], name=self.names(f"onnxmp/optim/{op_type}"),
-                                           **attrs))
-        return out
+        super().__init__(FreshNames(used), "onnxmp/optim")
 
     def f32(self, value: float) -> str:
         """A float32 constant, rounded from a Python float as torch rounds a scalar argument."""
-        return self.constant(value, np.float32)
+        return self.constant(np.array(value, np.float32))
 
     def f64(self, value: float) -> str:
-        return self.constant(value, np.float64)
+        return self.constant(np.array(value, np.float64))
 
     def to_float(self, name: str) -> str:
         return self.op("Cast", name, to=FLOAT)
@@ -168,34 +120,39 @@ def _flat_groups(g: _Graph, opt: Optimizer, parameters: list[tuple[str, list[int
     groups: dict[bool, list[tuple[str, list[int], str]]] = {}
     for (name, shape), grad in zip(parameters, grads):
         groups.setdefault(opt.decays(name), []).append((name, shape, grad))
-    flat_shape = g.constant([-1], np.int64)
+    flat_shape = g.constant(np.array([-1], np.int64))
     tensors, flats = [], []
     for decays, members in groups.items():
         if len(members) == 1:
             name, _, grad = members[0]
-            tensors.append(_Tensors(name, grad, {s: f"{name}.{s}" for s in opt.slots},
-                                    {k: f"{name}{'.' + k if k else ''}.out" for k in ("", *opt.slots)}, decays))
+            tensors.append(_Tensors(name, grad, {s: slot_input(name, s) for s in opt.slots},
+                                    {k: _out(name, k) for k in ("", *opt.slots)}, decays))
             continue
 
         def concat(names: list[str]) -> str:
             return g.op("Concat", *[g.op("Reshape", n, flat_shape) for n in names], axis=0)
 
         flat = _Tensors(concat([name for name, _, _ in members]), concat([grad for _, _, grad in members]),
-                        {s: concat([f"{name}.{s}" for name, _, _ in members]) for s in opt.slots},
+                        {s: concat([slot_input(name, s) for name, _, _ in members]) for s in opt.slots},
                         {k: g.names(f"onnxmp/optim/flat{'_' + k if k else ''}") for k in ("", *opt.slots)}, decays)
         tensors.append(flat)
         flats.append((flat, members))
 
     def split() -> None:
         for flat, members in flats:
-            sizes = g.constant([int(np.prod(shape, dtype=np.int64)) for _, shape, _ in members], np.int64)
+            sizes = g.constant(np.array([int(np.prod(shape, dtype=np.int64)) for _, shape, _ in members], np.int64))
             for key, flat_out in flat.outs.items():
                 parts = [g.names("onnxmp/optim/part") for _ in members]
                 g.nodes.append(helper.make_node("Split", [flat_out, sizes], parts, axis=0,
                                                 name=g.names("onnxmp/optim/Split")))
                 for part, (name, shape, _) in zip(parts, members):
-                    g.op("Reshape", part, g.constant(shape, np.int64), out=f"{name}{'.' + key if key else ''}.out")
+                    g.op("Reshape", part, g.constant(np.array(shape, np.int64)), out=_out(name, key))
     return tensors, split
+
+
+def _out(parameter: str, slot: str) -> str:
+    """The output with the next value of ``parameter`` ("" slot) or of its ``slot``."""
+    return next_value(slot_input(parameter, slot) if slot else parameter)
 
 
 def _adamw(g: _Graph, opt: AdamW, parameters: list[_Tensors]) -> None:
@@ -237,7 +194,7 @@ def _adamw(g: _Graph, opt: AdamW, parameters: list[_Tensors]) -> None:
 
 def _sgd(g: _Graph, opt: SGD, parameters: list[_Tensors]) -> None:
     neg_lr = g.op("Neg", LEARNING_RATE)  # exact in float32: alpha=-lr
-    first = g.op("Equal", STEP, g.constant(1, np.int64)) if opt.momentum != 0 else None
+    first = g.op("Equal", STEP, g.constant(np.array(1, np.int64))) if opt.momentum != 0 else None
     wd = g.f32(opt.weight_decay) if any(t.decays for t in parameters) else None
     mu = g.f32(opt.momentum) if first is not None else None
     rest = g.f32(1.0 - opt.dampening) if first is not None and opt.dampening != 0 else None
@@ -255,36 +212,6 @@ def _sgd(g: _Graph, opt: SGD, parameters: list[_Tensors]) -> None:
         g.op("Add", t.param, g.op("Mul", grad, neg_lr), out=t.outs[""])
 
 
-def _add_global_norm_clip(model: onnx.ModelProto, max_norm: float, count: int) -> None:
-    graph = model.graph
-    names = FreshNames(proto_names(graph))
-    step = next(n for n in graph.node if n.op_type in ("AdamWOptimizer", "SGDOptimizerV2"))
-    position = list(step.input).index("gradients")
-    nodes, grads = [], []
-    constant = _constants(nodes, names, "onnxmp/clip")
-    for i in range(count):
-        grad = names(f"onnxmp/clip/grad_{i}")
-        nodes.append(helper.make_node("SequenceAt", ["gradients", constant(i, np.int64)], [grad],
-                                      name=names(f"onnxmp/clip/SequenceAt_{i}")))
-        grads.append(grad)
-    scaled = clip_by_global_norm(nodes, names, grads, max_norm)
-    clipped = names("onnxmp/clip/gradients")
-    nodes.append(helper.make_node("SequenceConstruct", scaled, [clipped], name=names("onnxmp/clip/SequenceConstruct")))
-    step.input[position] = clipped
-    rest = list(graph.node)
-    graph.ClearField("node")
-    graph.node.extend([*nodes, *rest])
-
-
-def _constants(nodes: list, names: FreshNames, prefix: str):
-    def constant(value, dtype) -> str:
-        out = names(f"{prefix}/const")
-        nodes.append(helper.make_node("Constant", [], [out], name=names(f"{prefix}/Constant"),
-                                      value=numpy_helper.from_array(np.array(value, dtype), out)))
-        return out
-    return constant
-
-
 def clip_by_global_norm(nodes: list, names: FreshNames, grads: list[str], max_norm: float) -> list[str]:
     """Append to ``nodes`` torch's ``clip_grad_norm_`` of ``grads`` (float32 tensors): each scaled by
     ``min(1, max_norm / (norm + 1e-6))``, ``norm`` the global L2 norm; returns the clipped names.
@@ -294,7 +221,7 @@ def clip_by_global_norm(nodes: list, names: FreshNames, grads: list[str], max_no
     portable optimizer graphs compute the same factor."""
     if not max_norm > 0:
         raise OnnxMPError(f"clip_global_norm must be positive, got {max_norm}")
-    constant = _constants(nodes, names, "onnxmp/clip")
+    constant = _constant(nodes, names)
     sums = []
     for i, grad in enumerate(grads):
         squares, total = names(f"onnxmp/clip/sumsq_{i}_kept"), names(f"onnxmp/clip/sumsq_{i}")
@@ -324,3 +251,8 @@ def clip_by_global_norm(nodes: list, names: FreshNames, grads: list[str], max_no
         nodes.append(helper.make_node("Mul", [grad, factor], [out], name=names("onnxmp/clip/Mul")))
         scaled.append(out)
     return scaled
+
+
+def _constant(nodes: list, names: FreshNames):
+    clip = Nodes(names, "onnxmp/clip", nodes)
+    return lambda value, dtype: clip.constant(np.array(value, dtype))

@@ -112,7 +112,7 @@ def test_clipping_rebuilds_the_optimizer_graph(sgd_linear, data):
     lr, clip = 0.5, 0.01
     probe = Trainer(sgd_linear, engine="portable", lr=lr)
     before = probe.parameters()
-    probe.engine.train({**probe._feeds(data[0]), "loss_scale": np.array(1.0, np.float32),
+    probe.engine.train({**probe.feeds(data[0]), "loss_scale": np.array(1.0, np.float32),
                         "grad_weight": np.array(1.0, np.float32)})
     grads = probe.gradients()
     norm = np.sqrt(sum(float(np.sum(g.astype(np.float64) ** 2)) for g in grads.values()))

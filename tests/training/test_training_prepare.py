@@ -339,7 +339,8 @@ def test_dynamo_style_scalar_initializers_all_train_in_float16(tmp_path):
     from models import zoo
     from onnxmp.training import Trainer
     from onnxmp.training.models import trainable
-    from onnxmp.training.build.prepare import promote_constants, without_gradient
+    from onnxmp.training.build.load import promote_constants
+    from onnxmp.training.build.prepare import without_gradient
 
     base = zoo.transformer_classifier(mask_fill="where")
     floats = [n.output[0] for n in base.graph.node

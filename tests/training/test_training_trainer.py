@@ -172,7 +172,7 @@ def test_global_norm_clipping_on_unscaled_gradients(sgd_artifacts, batches):
 
 
 def _feeds(trainer, batch):
-    feeds = trainer._feeds(batch)
+    feeds = trainer.feeds(batch)
     feeds["loss_scale"] = np.array(trainer.scaler.scale, np.float32)
     feeds["grad_weight"] = np.array(1.0 / trainer.grad_accum_steps, np.float32)
     return feeds

@@ -15,7 +15,7 @@ from onnx import TensorProto, helper
 
 from onnxmp.errors import OnnxMPError
 from onnxmp.training import _ort
-from onnxmp.training.build.unscale import LOSS, LOSS_SCALE, LOSS_SCALED
+from onnxmp.training.contract import LOSS, LOSS_SCALE, LOSS_SCALED
 from onnxmp.training.build.prepare import RUNTIME_SHAPE
 
 log = logging.getLogger("onnxmp.training.build.gradient")

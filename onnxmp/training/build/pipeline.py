@@ -31,31 +31,33 @@ from typing import Any, Iterable, Sequence
 
 import numpy as np
 import onnx
-import onnx.version_converter
 from onnx import TensorProto, helper, numpy_helper
 
-from onnxmp.domains import is_onnx_domain, onnx_opset
-from onnxmp.errors import OnnxMPError, first_line
+from onnxmp.domains import is_onnx_domain
+from onnxmp.errors import OnnxMPError
 from onnxmp.files import destination
 from onnxmp.naming import FreshNames, proto_names
 from onnxmp.parity.emulate import infer_tensor_types
 from onnxmp.passes import PassBase, PassManager, PassResult
 from onnxmp.precision import BY_ONNX_TYPE, FLOAT32, PRECISIONS as LOW_PRECISIONS
 from onnxmp.targets import target as target_named
-from onnxmp.training import _ort
-from onnxmp.training.artifacts import FILES, FORMAT, Artifacts, write_artifacts
+from onnxmp.training import _ort, contract
+from onnxmp.training._ort import cap_ir_version
+from onnxmp.training.artifacts import Artifacts, write_artifacts
 from onnxmp.training.build.determinism import deterministic_gather_grads, float32_cpu_grad_kernels
 from onnxmp.training.build.gradient import gradient_graph, make_eval_outputs
+from onnxmp.training.build.load import (check_trainable_size, model_opset, ort_version, promote_constants,
+                                        supported_versions)
+from onnxmp.training.build.lower import check_lowered, lower_model
+from onnxmp.training.build.optimizer_graphs import build_optimizer_model, build_portable_optimizer
+from onnxmp.training.build.prepare import Preparation, describe, prepare_for_gradient
+from onnxmp.training.build.unscale import add_loss_scaling
+from onnxmp.training.contract import RESERVED
 from onnxmp.training.labels import check_output, output_shape
-from onnxmp.training.build.unscale import GRAD_WEIGHT, LOSS_SCALE, RESERVED, add_loss_scaling
 from onnxmp.training.losses import LOSSES
 from onnxmp.training.losses import loss as loss_named
-from onnxmp.training.build.lower import check_lowered, lower_model
 from onnxmp.training.optimizer_settings import Optimizer as OptimizerSpec
 from onnxmp.training.optimizer_settings import optimizer_named
-from onnxmp.training.update_graph import MAX_OPSET, build_optimizer_model, build_portable_optimizer, cap_ir_version
-from onnxmp.training.contract import portable_form
-from onnxmp.training.build.prepare import Preparation, describe, prepare_for_gradient, promote_constants
 
 log = logging.getLogger("onnxmp.training")
 
@@ -188,10 +190,10 @@ class Optimizer(PassBase[TrainingBuild]):
     name = "optimizer"
 
     def call(self, state: TrainingBuild) -> PassResult:
-        state.optimizer_model = build_optimizer_model(state.optimizer, opset=_opset(state.forward))
+        state.optimizer_model = build_optimizer_model(state.optimizer, opset=model_opset(state.forward))
         shapes = {t.name: list(t.dims) for t in state.trainable.graph.initializer}
         state.portable_optimizer = build_portable_optimizer(
-            state.optimizer, [(name, shapes[name]) for name in state.requires_grad], _opset(state.forward))
+            state.optimizer, [(name, shapes[name]) for name in state.requires_grad], model_opset(state.forward))
         for proto in (state.training, state.evaluation):
             cap_ir_version(proto)
         return PassResult(True)
@@ -201,10 +203,16 @@ class Write(PassBase[TrainingBuild]):
     name = "write"
 
     def call(self, state: TrainingBuild) -> PassResult:
-        manifest = _manifest(state)
-        models, manifest["portable"] = portable_form(state.lowered_training, state.lowered_evaluation,
-                                                     state.portable_optimizer, state.requires_grad)
-        manifest["optimizer"]["slots"] = manifest["portable"]["slots"]
+        manifest = contract.manifest(
+            training=state.training, evaluation=state.evaluation, forward=state.forward,
+            portable_optimizer=state.portable_optimizer, requires_grad=state.requires_grad, frozen=state.frozen,
+            label_input=state.label_name, loss=state.loss_name, loss_options=state.loss_options,
+            optimizer=state.optimizer.manifest_entry(state.requires_grad), precision=state.precision,
+            target=state.target, opset=model_opset(state.forward), output_shape=output_shape(state.forward),
+            prepared_for_gradient=describe(state.preparations),
+            versions={"onnxmp_version": _onnxmp_version(), "onnxruntime_version": ort_version()})
+        models = {"training_model": state.lowered_training, "eval_model": state.lowered_evaluation,
+                  "optimizer_model": state.portable_optimizer}
         write_artifacts(state.out, manifest, training=state.training, evaluation=state.evaluation,
                         optimizer_model=state.optimizer_model, forward=state.forward, parameters=state.parameters,
                         portable=models)
@@ -264,26 +272,6 @@ def build_artifacts(
     return state.artifacts
 
 
-def check_trainable_size(model: onnx.ModelProto | str | os.PathLike) -> None:
-    """Refuse a model whose weights and graph exceed protobuf's 2 GB limit, before reading any weight.
-
-    onnxruntime-training 1.19.2 cannot differentiate it: onnxblock hands the forward model, weights
-    included, to the C++ gradient builder as ONE serialized ModelProto
-    (``onnxblock/_training_graph_utils.py``: ``GradientGraphBuilder(model.SerializeToString(), ...)``),
-    and the training model it returns holds every weight again.  No external-data path exists there.
-    """
-    from onnxmp.external import PROTOBUF_LIMIT, data_bytes
-    from onnxmp.load import load
-
-    size = data_bytes(model if isinstance(model, onnx.ModelProto) else load(model, lazy_external=True))
-    if size > PROTOBUF_LIMIT:
-        raise OnnxMPError(
-            f"the model is {size / 1e9:.2f} GB; onnxruntime-training {_ort_version()} cannot build training "
-            f"artifacts over 2 GB (its gradient builder takes the whole model, weights included, as one "
-            f"serialized protobuf, which is limited to 2 GB)",
-            "train a model under 2 GB; convert, emulate and validate handle this one")
-
-
 def training_forward(forward: onnx.ModelProto, precision: str, target: str,
                      master: Sequence[str]) -> tuple[onnx.ModelProto, list[Preparation]]:
     """The mixed-precision forward graph: trainable parameters stay float32 master weights, Cast at
@@ -334,7 +322,7 @@ def pow_exponents_like_bases(model: onnx.ModelProto) -> list[Preparation]:
     names = FreshNames(proto_names(graph))
     # Pow-13's exponent takes float16 but not bfloat16 (Pow-15 added it).
     exponent_types = {c.type_param_str: set(c.allowed_type_strs)
-                      for c in onnx.defs.get_schema("Pow", _opset(model)).type_constraints}.get("T1", set())
+                      for c in onnx.defs.get_schema("Pow", model_opset(model)).type_constraints}.get("T1", set())
     retyped: dict[tuple[str, int], str] = {}
     done: list[Preparation] = []
     nodes: list[onnx.NodeProto] = []
@@ -364,7 +352,7 @@ def pow_exponents_like_bases(model: onnx.ModelProto) -> list[Preparation]:
             result = node.output[0]
             node.input[0], node.output[0] = wide, out
             nodes.append(helper.make_node("Cast", [out], [result], names(f"{scope}/Cast_{low.suffix}"), to=base))
-            why = ("its exponent is computed" if value is None else f"Pow-{_opset(model)} takes no {low.name} exponent"
+            why = ("its exponent is computed" if value is None else f"Pow-{model_opset(model)} takes no {low.name} exponent"
                    if low.type_str not in exponent_types else f"its exponent is not exact in {low.name}")
             done.append(Preparation("Pow", node.name, f"run in float32 ({why})"))
     if done:
@@ -398,58 +386,6 @@ def _exactly(value: np.ndarray, dtype: np.dtype) -> np.ndarray | None:
     return cast if np.array_equal(cast.astype(value.dtype), value) else None
 
 
-def supported_versions(model: onnx.ModelProto) -> onnx.ModelProto:
-    """``model`` at an opset and IR version onnxruntime-training 1.19 loads."""
-    opset = _opset(model)
-    if opset > MAX_OPSET:
-        log.info("converting the model from opset %d to %d for onnxruntime-training 1.19", opset, MAX_OPSET)
-        try:
-            model = onnx.version_converter.convert_version(model, MAX_OPSET)
-        except Exception as exc:
-            raise OnnxMPError(f"the model uses opset {opset}; onnxruntime-training 1.19 loads at most {MAX_OPSET} "
-                              f"and the conversion failed: {first_line(exc, 300)}",
-                              f"export the model at opset <= {MAX_OPSET}") from None
-    cap_ir_version(model)
-    return model
-
-
-def _opset(model: onnx.ModelProto) -> int:
-    opset = onnx_opset(model)
-    if opset is None:
-        raise OnnxMPError("the model imports no default-domain opset", "re-export it with an opset")
-    return opset
-
-
-def _manifest(state: TrainingBuild) -> dict:
-    inputs = _user_inputs(state.training, set(state.parameter_names))
-    return {
-        "format": FORMAT,
-        "onnxmp_version": _onnxmp_version(),
-        "onnxruntime_version": _ort_version(),
-        "precision": state.precision,
-        "target": state.target,
-        "loss": state.loss_name,
-        "optimizer": state.optimizer.manifest_entry(state.requires_grad),
-        "opset": _opset(state.forward),
-        "inputs": [name for name, _ in inputs],
-        "input_dtypes": dict(inputs),
-        "model_inputs": [name for name, _ in inputs if name != state.label_name],
-        "label_input": state.label_name,
-        "loss_options": state.loss_options,
-        "forward_outputs": [v.name for v in state.forward.graph.output],
-        "output_shape": output_shape(state.forward),
-        "training_outputs": [v.name for v in state.training.graph.output
-                             if not v.name.endswith(".accumulation.out")],
-        "eval_outputs": [v.name for v in state.evaluation.graph.output],
-        "loss_scale_input": LOSS_SCALE,
-        "grad_weight_input": GRAD_WEIGHT,
-        "requires_grad": state.requires_grad,
-        "frozen": state.frozen,
-        "prepared_for_gradient": describe(state.preparations),
-        "files": dict(FILES),
-    }
-
-
 def _check_parameters(model: onnx.ModelProto, requires_grad: list[str], frozen: list[str]) -> None:
     initializers = {t.name: t for t in model.graph.initializer}
     missing = [n for n in [*requires_grad, *frozen] if n not in initializers]
@@ -480,24 +416,7 @@ def _loss_block(loss, label_name: str | None):
                       f"use one of {', '.join(LOSSES)} or an onnxruntime.training.onnxblock.Block")
 
 
-def _user_inputs(training: onnx.ModelProto, parameters: set[str]) -> list[tuple[str, str]]:
-    skip = {*parameters, LOSS_SCALE, GRAD_WEIGHT, "lazy_reset_grad"}
-    result = []
-    for value in training.graph.input:
-        if value.name in skip or value.name.endswith(".accumulation.buffer"):
-            continue
-        dtype = helper.tensor_dtype_to_np_dtype(value.type.tensor_type.elem_type)
-        result.append((value.name, str(dtype)))
-    return result
-
-
 def _onnxmp_version() -> str:
     from onnxmp import __version__
 
     return __version__
-
-
-def _ort_version() -> str:
-    import onnxruntime
-
-    return onnxruntime.__version__

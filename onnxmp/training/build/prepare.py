@@ -45,12 +45,13 @@ from typing import Callable, Iterable
 
 import numpy as np
 import onnx
-from onnx import TensorProto, helper, numpy_helper
+from onnx import helper, numpy_helper
 
 from onnxmp.parity.emulate import infer_tensor_types
 from onnxmp.domains import is_onnx_domain
 from onnxmp.errors import OnnxMPError
 from onnxmp.naming import FreshNames, proto_names
+from onnxmp.training.nodes import FLOATS, Rewrite, attribute
 
 log = logging.getLogger("onnxmp.training.build.prepare")
 
@@ -72,7 +73,6 @@ NOT_DIFFERENTIATED = {"Clip": {1: "min", 2: "max"}, "Pow": {1: "exponent"}, "Pad
                       # the running statistics of an inference-mode BatchNormalization
                       "BatchNormalization": {3: "input_mean", 4: "input_var"}}
 
-_FLOATS = {TensorProto.FLOAT, TensorProto.FLOAT16, TensorProto.BFLOAT16, TensorProto.DOUBLE}
 
 
 @dataclass(frozen=True)
@@ -115,7 +115,7 @@ def _rewritten(model: onnx.ModelProto, requires_grad: list[str]) -> tuple[onnx.M
         if rewrite is None:
             nodes.append(node)
             continue
-        replacement = rewrite(node, Builder(names, node, types, trainable), types)
+        replacement = rewrite(node, Rewrite.of(names, node, types, trainable), types)
         if replacement is None:
             nodes.append(node)
             continue
@@ -127,74 +127,10 @@ def _rewritten(model: onnx.ModelProto, requires_grad: list[str]) -> tuple[onnx.M
     return result, done
 
 
-def promote_constants(model: onnx.ModelProto, names: Iterable[str]) -> tuple[onnx.ModelProto, list[str]]:
-    """A copy of ``model`` in which the ``Constant`` nodes producing ``names`` are initializers.
-
-    Some exporters write weights as Constant nodes; ORT trains initializers only.
-    The forward model keeps its Constant nodes, and :meth:`Trainer.export_inference`
-    writes the trained values back into them.  Returns the copy and the names promoted.
-    """
-    wanted = set(names)
-    initializers = {t.name for t in model.graph.initializer}
-    constants = {n.output[0]: n for n in model.graph.node
-                 if n.op_type == "Constant" and is_onnx_domain(n.domain) and n.output[0] in wanted
-                 and n.output[0] not in initializers and attribute(n, "value", None) is not None}
-    if not constants:
-        return model, []
-    result = onnx.ModelProto()
-    result.CopyFrom(model)
-    kept = [n for n in result.graph.node if not (n.op_type == "Constant" and n.output[0] in constants)]
-    result.graph.ClearField("node")
-    result.graph.node.extend(kept)
-    for name, node in constants.items():
-        tensor = onnx.TensorProto()
-        tensor.CopyFrom(attribute(node, "value", None))
-        tensor.name = name
-        result.graph.initializer.append(tensor)
-    log.info("training %d Constant-node weight(s) as initializers", len(constants))
-    return result, sorted(constants)
-
-
 # --- rewrites --------------------------------------------------------------------------
 
 
-class Builder:
-    """Emits the nodes replacing one node, with names derived from it."""
-
-    def __init__(self, names: FreshNames, node: onnx.NodeProto, types: dict[str, onnx.TypeProto],
-                 trainable: frozenset[str] = frozenset()):
-        self.names, self.node, self.nodes = names, node, []
-        self.trainable = trainable  # tensors that depend on a trainable parameter
-        self.scope = node.name or f"{node.op_type}_{node.output[0]}"
-        elem = types.get(node.input[0]) if node.input else None
-        self.elem = elem.tensor_type.elem_type if elem is not None and elem.HasField("tensor_type") else 0
-        if self.elem not in _FLOATS:
-            self.elem = TensorProto.FLOAT
-
-    def op(self, op_type: str, inputs: list[str], output: str | None = None, **attrs) -> str:
-        out = output or self.names(f"{self.scope}/{op_type}_output")
-        self.nodes.append(helper.make_node(op_type, inputs, [out], name=self.names(f"{self.scope}/{op_type}"),
-                                           **attrs))
-        return out
-
-    def const(self, value: float) -> str:
-        """A scalar Constant node of the input's float type."""
-        out = self.names(f"{self.scope}/const")
-        dtype = helper.tensor_dtype_to_np_dtype(self.elem)
-        tensor = numpy_helper.from_array(np.array(value, dtype=dtype), out)
-        self.nodes.append(helper.make_node("Constant", [], [out], name=self.names(f"{self.scope}/Constant"),
-                                           value=tensor))
-        return out
-
-
-def attribute(node: onnx.NodeProto, name: str, default):
-    for a in node.attribute:
-        if a.name == name:
-            return helper.get_attribute_value(a)
-    return default
-
-
-def _add_outputs(node: onnx.NodeProto, b: Builder, wanted: int, labels: list[str]) -> tuple[list, str] | None:
+def _add_outputs(node: onnx.NodeProto, b: Rewrite, wanted: int, labels: list[str]) -> tuple[list, str] | None:
     present = len(node.output)
     if present >= wanted and all(node.output[:wanted]):
         return None
@@ -273,7 +209,7 @@ def _gelu(node, b, types):
     return b.nodes, action
 
 
-def _softplus_of(b: Builder, x: str, output: str | None = None) -> str:
+def _softplus_of(b: Rewrite, x: str, output: str | None = None) -> str:
     # log(1 + exp(x)) = relu(x) + log(1 + exp(-|x|)): no overflow for large x.
     tail = b.op("Log", [b.op("Add", [b.op("Exp", [b.op("Neg", [b.op("Abs", [x])])]), b.const(1.0)])])
     return b.op("Add", [b.op("Relu", [x]), tail], output)
@@ -296,7 +232,7 @@ def _softsign(node, b, types):
     return b.nodes, "decomposed to x / (1 + |x|)"
 
 
-def _elu_of(b: Builder, x: str, alpha: float, output: str | None = None, *, divide: bool = False) -> str:
+def _elu_of(b: Rewrite, x: str, alpha: float, output: str | None = None, *, divide: bool = False) -> str:
     z = b.const(0.0)
     arg = b.op("Div", [x, b.const(alpha)]) if divide else x
     # Min(x, 0) inside Exp keeps the unused branch finite, so its gradient is too.
@@ -321,7 +257,7 @@ def _selu(node, b, types):
     return b.nodes, "decomposed to gamma * elu(x, alpha)"
 
 
-def _hard_sigmoid_of(b: Builder, x: str, alpha: float, beta: float, output: str | None = None) -> str:
+def _hard_sigmoid_of(b: Rewrite, x: str, alpha: float, beta: float, output: str | None = None) -> str:
     lin = b.op("Add", [b.op("Mul", [x, b.const(alpha)]), b.const(beta)])
     return b.op("Clip", [lin, b.const(0.0), b.const(1.0)], output)
 
@@ -409,7 +345,7 @@ def _hidden_broadcast(x: tuple | None, y: tuple | None) -> bool:
                for p, q in zip(reversed(x), reversed(y)))
 
 
-def _runtime_shaped(b: Builder, x: str, slot: int) -> str:
+def _runtime_shaped(b: Rewrite, x: str, slot: int) -> str:
     """``x`` through ``Reshape(x, Shape(x))``: an identity, named for :func:`unprove_symbolic_dims`."""
     return b.op("Reshape", [x, b.op("Shape", [x])], output=b.names(f"{RUNTIME_SHAPE}{b.scope}/{slot}"))
 
@@ -567,7 +503,7 @@ class _GradientPaths:
         tp = self.types.get(name)
         if tp is None or not tp.HasField("tensor_type"):
             return True  # unknown: let ORT decide
-        return tp.tensor_type.elem_type in _FLOATS
+        return tp.tensor_type.elem_type in FLOATS
 
     def walk(self, source: str) -> tuple[bool, dict[str, onnx.NodeProto], str]:
         """Whether ``source`` reaches the loss through differentiated float inputs; the nodes on

@@ -1,7 +1,7 @@
-"""Training stage: the loss-scale / unscale / finite-check subgraph (``docs/training.md``).
+"""Build stage ``loss_scale``: the unscale / finite-check subgraph (``docs/training.md``).
 
-The names below are the training graph's contract with the trainer: ``loss_scale`` (the scalar
-the loss is multiplied by before backpropagation), ``grad_weight`` (1/k for k accumulated
+The names it writes are the contract's (:mod:`onnxmp.training.contract`): ``loss_scale`` (the
+scalar the loss is multiplied by before backpropagation), ``grad_weight`` (1/k for k accumulated
 micro-batches), ``loss`` and ``all_finite`` (outputs).  :func:`add_loss_scaling` multiplies
 every gradient by ``grad_weight / loss_scale`` (computed once) before its accumulator, so the
 accumulation buffers hold true gradients, and outputs whether every gradient is finite, built
@@ -14,17 +14,8 @@ from onnx import TensorProto, helper
 
 from onnxmp.errors import OnnxMPError
 from onnxmp.naming import FreshNames, proto_names
-
-LOSS_SCALE = "loss_scale"
-GRAD_WEIGHT = "grad_weight"
-LOSS = "loss"
-LOSS_SCALED = "loss_scaled"
-ALL_FINITE = "all_finite"
-# ORT names each parameter's accumulation buffer <param>_grad.accumulation.buffer.
-ACCUMULATION_BUFFER = "_grad.accumulation.buffer"
-# Prefix of the node that checks a gradient has its parameter's shape.
-GRAD_SHAPE = "onnxmp/gradient_shape_of/"
-RESERVED = (LOSS_SCALE, GRAD_WEIGHT, LOSS, LOSS_SCALED, ALL_FINITE)
+from onnxmp.training.contract import (ALL_FINITE, GRAD_SHAPE, GRAD_WEIGHT, LOSS_SCALE, buffer_parameter,
+                                      is_accumulation_out)
 
 
 def add_loss_scaling(training: onnx.ModelProto) -> None:
@@ -57,7 +48,7 @@ def add_loss_scaling(training: onnx.ModelProto) -> None:
         # broadcast would be written past the end of the buffer (heap corruption).  The Reshape
         # to the buffer's shape fails cleanly instead, in the node GRAD_SHAPE names.
         shape, unscaled = names(f"{grad}.shape"), names(f"{grad}.unscaled")
-        param = buffer[:-len(ACCUMULATION_BUFFER)] if buffer.endswith(ACCUMULATION_BUFFER) else grad
+        param = buffer_parameter(buffer) or grad
         added += [helper.make_node("Shape", [buffer], [shape], name=names(f"onnxmp/Shape/{grad}")),
                   helper.make_node("Reshape", [scaled, shape], [unscaled], name=names(f"{GRAD_SHAPE}{param}"))]
         total = names(f"{grad}.unscaled.sum")
@@ -79,7 +70,7 @@ def add_loss_scaling(training: onnx.ModelProto) -> None:
     graph.node.extend([*rest, *added, *accumulators])
 
     outputs = list(graph.output)
-    n_user = next(i for i, v in enumerate(outputs) if v.name.endswith(".accumulation.out"))
+    n_user = next(i for i, v in enumerate(outputs) if is_accumulation_out(v.name))
     graph.ClearField("output")
     graph.output.extend([*outputs[:n_user], helper.make_tensor_value_info(ALL_FINITE, TensorProto.BOOL, []),
                          *outputs[n_user:]])

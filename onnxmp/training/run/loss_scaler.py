@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import logging
 import math
-from typing import Any, Iterable
+from typing import Any, Iterable, Mapping
 
 from onnxmp.errors import OnnxMPError
 
@@ -103,6 +103,14 @@ class DynamicLossScaler:
     @classmethod
     def static(cls, scale: float = 1.0) -> "DynamicLossScaler":
         return cls(scale, dynamic=False)
+
+    @classmethod
+    def of(cls, scaler: "DynamicLossScaler | Mapping | None", precision: str) -> "DynamicLossScaler":
+        """The Trainer's ``scaler`` argument: a scaler, a mapping of its settings, or None: dynamic for
+        float16, a static scale of 1 otherwise (bfloat16 and float32 have float32's range)."""
+        if scaler is None:
+            return cls() if precision == "float16" else cls.static(1.0)
+        return cls(**scaler) if isinstance(scaler, Mapping) else scaler
 
     def update(self, all_finite: bool) -> bool:
         """Record one effective batch; True when its update should be applied."""

@@ -2,17 +2,18 @@
 from __future__ import annotations
 
 import functools
+import math
 from dataclasses import asdict, dataclass, field
 from typing import Any, Callable, Sequence
 
 import numpy as np
 
 from onnxmp.errors import OnnxMPError
+from onnxmp.training.contract import IGNORE_INDEX
 
 Metric = Callable[[np.ndarray, np.ndarray], float]
 
 
-IGNORE_INDEX = -100  # torch's and Hugging Face's; losses.IGNORE_INDEX is the same
 
 
 def accuracy(labels: np.ndarray, predictions: np.ndarray, *, ignore_index: int | None = IGNORE_INDEX) -> float:
@@ -70,8 +71,45 @@ class History:
     step_skipped: list[bool] = field(default_factory=list)
     epochs: list[dict[str, Any]] = field(default_factory=list)
 
+    def record_batch(self, losses: Sequence[float], loss_scale: float, skipped: bool, full: bool) -> None:
+        """The micro-batches of one effective batch, in the global order: a skip is marked on the one
+        that ends a ``full`` effective batch (a short last one, decided by ``flush()``, records none)."""
+        for i, loss in enumerate(losses):
+            self.step_loss.append(loss)
+            self.step_loss_scale.append(loss_scale)
+            self.step_skipped.append(skipped and full and i == len(losses) - 1)
+
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
+
+
+class RunningMean:
+    """The running mean of the finite losses, added in the order they came."""
+
+    def __init__(self):
+        self.total, self.count = 0.0, 0
+
+    def add(self, losses: Sequence[float]) -> None:
+        for loss in losses:
+            if math.isfinite(loss):
+                self.total, self.count = self.total + loss, self.count + 1
+
+    @property
+    def value(self) -> float:
+        return self.total / self.count if self.count else math.nan
+
+
+def weighted_means(rows: Sequence[Sequence[float]], names: Sequence[str]) -> dict[str, float]:
+    """Per name, the sum of its column over the sum of the last (the rows each batch counts)."""
+    totals = dict.fromkeys(names, 0.0)
+    count = 0
+    for row in rows:
+        for name, value in zip(names, row):
+            totals[name] += value
+        count += row[-1]
+    if not count:
+        raise OnnxMPError("evaluate() got no batches")
+    return {name: value / count for name, value in totals.items()}
 
 
 def metric_functions(metrics: Sequence[str | tuple[str, Metric]], *,

@@ -15,49 +15,32 @@ import logging
 import os
 import shutil
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Mapping
+from typing import Any, Callable, Mapping
 
 import numpy as np
 import onnx
 from onnx import numpy_helper
 
 from onnxmp.errors import OnnxMPError
-from onnxmp.training.artifacts import MANIFEST, Artifacts, check_replaceable
+from onnxmp.training.artifacts import Artifacts, check_replaceable
+from onnxmp.training.contract import MANIFEST
+from onnxmp.training.run.engines.base import Engine
 from onnxmp.training.run.loss_scaler import DynamicLossScaler
-
-if TYPE_CHECKING:
-    from onnxmp.training.run.trainer import Trainer
+from onnxmp.training.run.schedules import Schedule
 
 log = logging.getLogger("onnxmp.training")
 
 TRAINER_STATE = "trainer_state.json"
 
 
-def save(trainer: "Trainer", path: str | os.PathLike) -> Path:
+def save(path: str | os.PathLike, artifacts: Artifacts, engine: Engine, trainer_state: Mapping[str, Any]) -> Path:
+    """A state folder at ``path``: ``artifacts``' files, ``engine``'s state (:meth:`Engine.save`) and
+    ``trainer_state`` (:meth:`Trainer.state_dict`) in ``trainer_state.json``, written whole."""
     from onnxmp.files import atomic_directory, atomic_write, destination, guard_outputs, write_text_atomic
 
     path = Path(path)
     check_replaceable(path)
     guard_outputs({"state folder": path}, folders=["state folder"])
-    state = {
-        "scaler": trainer.scaler.state_dict(),
-        "optimizer_steps": trainer.optimizer_steps, "skipped_steps": trainer.skipped_steps,
-        "micro_steps": trainer.micro_steps, "epoch": trainer.epoch,
-        "grad_accum_steps": trainer.grad_accum_steps, "clip_global_norm": trainer.clip_global_norm,
-        "learning_rate": trainer.learning_rate,
-        # A Schedule is settings, saved whole; the run continues on it from the saved update count.
-        "schedule": None if trainer.schedule is None else trainer.schedule.to_dict(),
-        "base_learning_rate": trainer.base_lr,
-        # A schedule is a Python function, which a state cannot hold: record that there was
-        # one, so resume() can refuse to continue silently without it.
-        "lr_schedule": trainer.lr_schedule is not None,
-        # grad_accum_steps is per rank: the effective batch is grad_accum_steps * world_size
-        # micro-batches, sharded by distributed.shard.
-        "world_size": trainer.world_size,
-        "sharding": "groups of grad_accum_steps * world_size micro-batches; rank r runs the r-th "
-                    "grad_accum_steps of each; the last group padded",
-    }
-    artifacts = trainer.artifacts
     manifest = {k: v for k, v in artifacts.manifest.items() if k != "state"}
     sources = [artifacts.path(kind) for kind in manifest["files"]]
     if artifacts.has_portable:
@@ -67,12 +50,12 @@ def save(trainer: "Trainer", path: str | os.PathLike) -> Path:
     with atomic_directory(path) as folder:
         for source in sources:
             atomic_write(folder / source.name, lambda tmp, source=source: shutil.copyfile(source, tmp))
-        entries = trainer.engine.save(folder)
-        write_text_atomic(folder / TRAINER_STATE, json.dumps(state, indent=2) + "\n")
-        manifest["state"] = {"engine": trainer.engine.name, "trainer": TRAINER_STATE, **entries}
+        entries = engine.save(folder)
+        write_text_atomic(folder / TRAINER_STATE, json.dumps(dict(trainer_state), indent=2) + "\n")
+        manifest["state"] = {"engine": engine.name, "trainer": TRAINER_STATE, **entries}
         write_text_atomic(folder / MANIFEST, json.dumps(manifest, indent=2) + "\n")
-    log.info("saved trainer state (%d updates, epoch %d) to %s", trainer.optimizer_steps, trainer.epoch,
-             destination(path))
+    log.info("saved trainer state (%d updates, epoch %d) to %s", trainer_state["optimizer_steps"],
+             trainer_state["epoch"], destination(path))
     return path
 
 
@@ -111,8 +94,6 @@ def resume_settings(path: str | os.PathLike, lr_schedule: Callable[[int], float]
     settings = {"scaler": scaler, "grad_accum_steps": per_rank,
                 "clip_global_norm": saved["clip_global_norm"], "lr": saved["learning_rate"]}
     if saved.get("schedule") and lr_schedule is None:
-        from onnxmp.training.run.schedules import Schedule
-
         settings["schedule"] = Schedule.from_dict(saved["schedule"])
         settings["base_lr"] = float(saved["base_learning_rate"])
     settings.update(overrides)

@@ -74,8 +74,31 @@ class Schedule:
         """The learning rate of update number ``step``."""
         return base_lr * self.multiplier(step)
 
+    @classmethod
+    def of(cls, schedule: "Schedule | str | None", warmup_steps: int = 0, total_steps: int | None = None,
+           function=None) -> "Schedule | None":
+        """The Trainer's ``schedule`` argument: a Schedule, one of its names, or None; ``function``
+        (an ``lr_schedule``) may not be given with it."""
+        if isinstance(schedule, str):
+            schedule = cls(schedule, warmup_steps, total_steps)
+        elif schedule is not None and not isinstance(schedule, Schedule):
+            raise OnnxMPError(f"schedule must be a Schedule or one of its names, got {type(schedule).__name__}",
+                              "pass schedule='linear' with warmup_steps and total_steps, or a Schedule")
+        if schedule is not None and function is not None:
+            raise OnnxMPError("schedule and lr_schedule both set the learning rate", "pass one of them")
+        return schedule
+
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
+
+    # A schedule's state is its settings (the update count it is called with is the trainer's), as
+    # torch's LambdaLR saves none of its function.
+    def state_dict(self) -> dict[str, Any]:
+        return self.to_dict()
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        for name, value in asdict(Schedule.from_dict(state)).items():
+            object.__setattr__(self, name, value)
 
     @classmethod
     def from_dict(cls, state: dict[str, Any]) -> "Schedule":

@@ -1,5 +1,5 @@
-"""The node builder every lowering writes with: names derived from the lowered node, constants,
-and the element types the lowered graph knows (low-precision math runs in float32)."""
+"""What the lowerings add to the node builder (:class:`onnxmp.training.nodes.Rewrite`): the element
+types the lowered graph knows (low-precision math runs in float32), and the opset the nodes need."""
 from __future__ import annotations
 
 import numpy as np
@@ -9,7 +9,7 @@ from onnx import TensorProto, helper, numpy_helper
 from onnxmp.errors import OnnxMPError
 from onnxmp.naming import FreshNames
 from onnxmp.precision import LOW
-from onnxmp.training.build.prepare import Builder, attribute
+from onnxmp.training.nodes import Rewrite
 
 LOW_TYPES = frozenset(p.onnx_type for p in LOW.values())
 # Opset of ScatterElements/ScatterND with reduction="add", which the scatter lowerings need.
@@ -21,21 +21,17 @@ def int64_fill(value: int) -> onnx.TensorProto:
     return numpy_helper.from_array(np.full(1, value, np.int64))
 
 
-class Emit(Builder):
+class Emit(Rewrite):
     """Emits the standard nodes replacing ``node``.  ``types`` maps value names to element types
     (extended as nodes are emitted); ``retyped`` collects outputs whose type the lowering changed
     (name -> TypeProto); ``min_opset`` the ai.onnx opset the emitted nodes need."""
 
     def __init__(self, names: FreshNames, node: onnx.NodeProto, types: dict[str, int],
                  shapes: dict[str, onnx.TypeProto]):
-        super().__init__(names, node, {})
+        super().__init__(names, node)
         self.types, self.shapes = types, shapes
         self.retyped: dict[str, onnx.TypeProto] = {}
         self.min_opset = 0
-
-    def attr(self, name: str, default):
-        value = attribute(self.node, name, default)
-        return value.decode() if isinstance(value, bytes) else value
 
     def input(self, i: int) -> str:
         """Input ``i``, or "" when absent."""
@@ -53,21 +49,9 @@ class Emit(Builder):
                               "the training graph lost its value types; rebuild the artifacts")
         return elem
 
-    def op(self, op_type: str, inputs: list[str], output: str | None = None, **attrs) -> str:
-        return self.ops(op_type, inputs, [output or ""], **attrs)[0]
-
-    def ops(self, op_type: str, inputs: list[str], outputs: list[str], **attrs) -> list[str]:
-        """A node with several outputs ("" in ``outputs``: a fresh name)."""
-        outs = [o or self.names(f"{self.scope}/{op_type}_output") for o in outputs]
-        self.nodes.append(helper.make_node(op_type, inputs, outs, name=self.names(f"{self.scope}/{op_type}"),
-                                           **attrs))
-        return outs
-
-    def constant(self, array: np.ndarray) -> str:
-        out = self.names(f"{self.scope}/const")
-        self.nodes.append(helper.make_node("Constant", [], [out], name=self.names(f"{self.scope}/Constant"),
-                                           value=numpy_helper.from_array(array, out)))
-        self.types[out] = helper.np_dtype_to_tensor_dtype(array.dtype)
+    def constant(self, array: np.ndarray, what: str = "const") -> str:
+        out = super().constant(array, what)
+        self.types[out] = helper.np_dtype_to_tensor_dtype(np.asarray(array).dtype)
         return out
 
     def ints(self, values) -> str:

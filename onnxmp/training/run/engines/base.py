@@ -94,6 +94,14 @@ class Engine(abc.ABC):
     def write_gradients(self, values: list[np.ndarray]) -> None:
         """Overwrite the accumulation buffers (``requires_grad`` order), before :meth:`step`."""
 
+    def state_dict(self) -> dict[str, dict[str, np.ndarray]]:
+        """The engine's state as arrays: the parameters and the optimizer's slots and step count."""
+        return {"parameters": self.parameters(), "optimizer": self._update.state_dict()}
+
+    def load_state_dict(self, state: Mapping[str, Mapping[str, np.ndarray]]) -> None:
+        self.set_parameters(state["parameters"])
+        self._update.load_state_dict(state["optimizer"])
+
     @abc.abstractmethod
     def save(self, folder: Path) -> dict:
         """Write the engine's state into ``folder`` (a state folder being built, the artifacts'

@@ -20,7 +20,7 @@ from onnxmp.training import _ort
 from onnxmp.training.artifacts import Artifacts, write_parameters
 from onnxmp.training.run.engines.base import Engine, check_device, placement, session_options
 from onnxmp.training.run.engines.update import Update
-from onnxmp.training.build.unscale import ALL_FINITE, LOSS
+from onnxmp.training.contract import ALL_FINITE, LOSS
 
 log = logging.getLogger("onnxmp.training")
 

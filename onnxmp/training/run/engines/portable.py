@@ -19,11 +19,9 @@ from onnxmp.errors import OnnxMPError, first_line
 from onnxmp.training.artifacts import Artifacts, write_parameters
 from onnxmp.training.run.engines.base import Engine, check_device, placement, session_options
 from onnxmp.training.run.engines.update import Update
-from onnxmp.training.build.unscale import ALL_FINITE, LOSS
+from onnxmp.training.contract import ALL_FINITE, LAZY_RESET_GRAD, LOSS, accumulation_buffer
 
 log = logging.getLogger("onnxmp.training")
-
-LAZY_RESET = "lazy_reset_grad"
 
 
 class PortableEngine(Engine):
@@ -61,40 +59,27 @@ class PortableEngine(Engine):
         self._update = Update(ort, artifacts, self.requires_grad, {p: initial[p].shape for p in self.requires_grad},
                               self._where, options, providers, clip_global_norm)
         self._update.restore(artifacts)
-        self._params = {name: self._on_device(value) for name, value in initial.items()}
-        self._grads = {p: self._zeros(initial[p]) for p in self.requires_grad}
+        self._params = {name: self._update.on_device(value) for name, value in initial.items()}
+        self._grads = {p: self._update.on_device(np.zeros(initial[p].shape, dtype=np.float32))
+                       for p in self.requires_grad}
         self._reset = True
         # The second set of state buffers, each run's outputs; made at first use.
         self._spare_grads: dict | None = None
         self._spare_params: dict | None = None
 
-    # --- device memory ----------------------------------------------------------------------
-
-    def _on_device(self, value: np.ndarray):
-        value = np.asarray(value, order="C")
-        ortvalue = self._ort.OrtValue.ortvalue_from_shape_and_type(value.shape, value.dtype, *self._where)
-        ortvalue.update_inplace(value)
-        return ortvalue
-
-    def _zeros(self, like: np.ndarray):
-        return self._on_device(np.zeros(like.shape, dtype=np.float32))
-
-    def _empty_like(self, ortvalue):
-        return self._ort.OrtValue.ortvalue_from_shape_and_type(ortvalue.shape(), np.float32, *self._where)
-
     # --- graphs ---------------------------------------------------------------------------
 
     def train(self, feeds: Mapping[str, np.ndarray]) -> tuple[float, bool]:
         if self._spare_grads is None:
-            self._spare_grads = {p: self._empty_like(v) for p, v in self._grads.items()}
+            self._spare_grads = {p: self._update.empty_like(v) for p, v in self._grads.items()}
         binding = self._train_session.io_binding()
-        buffers = {f"{p}_grad.accumulation.buffer": p for p in self.requires_grad}
+        buffers = {accumulation_buffer(p): p for p in self.requires_grad}
         for name in self._train_inputs:
             if name in self._params:
                 binding.bind_ortvalue_input(name, self._params[name])
             elif name in buffers:
                 binding.bind_ortvalue_input(name, self._grads[buffers[name]])
-            elif name == LAZY_RESET:
+            elif name == LAZY_RESET_GRAD:
                 binding.bind_cpu_input(name, np.array([self._reset]))
             else:
                 binding.bind_cpu_input(name, feeds[name])
@@ -128,7 +113,7 @@ class PortableEngine(Engine):
 
     def step(self) -> None:
         if self._spare_params is None:
-            self._spare_params = {p: self._empty_like(self._params[p]) for p in self.requires_grad}
+            self._spare_params = {p: self._update.empty_like(self._params[p]) for p in self.requires_grad}
         self._update.run(self._params, self._grads, self._spare_params)
         for p in self.requires_grad:
             self._params[p], self._spare_params[p] = self._spare_params[p], self._params[p]

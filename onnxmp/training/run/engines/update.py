@@ -17,6 +17,8 @@ import numpy as np
 
 from onnxmp.errors import OnnxMPError, first_line
 from onnxmp.training.artifacts import Artifacts, read_parameters, write_parameters
+from onnxmp.training.contract import LEARNING_RATE, STEP, grad_input, optimizer_slots, slot_input, updated
+from onnxmp.training.update_graph import build_portable_optimizer
 
 OPTIMIZER_STATE = "optimizer_state.npz"
 _STEP = "onnxmp.optimizer.step"  # the update count, beside the slots in OPTIMIZER_STATE
@@ -35,8 +37,6 @@ def optimizer_model(artifacts: Artifacts, requires_grad: Sequence[str], shapes: 
     clip is asked for (a constant in the graph) or the folder has no portable graphs."""
     if clip_global_norm is None and artifacts.has_portable:
         return str(artifacts.portable_path("optimizer_model"))
-    from onnxmp.training.update_graph import build_portable_optimizer
-
     entry = artifacts.manifest.get("optimizer")
     if not isinstance(entry, dict):
         raise OnnxMPError(f"the manifest in {artifacts.directory} records no optimizer entry", _REBUILD)
@@ -64,11 +64,9 @@ class Update:
                               f"{artifacts.directory}: {first_line(exc)}", _REBUILD) from None
         self._inputs = [i.name for i in self._session.get_inputs()]
         self._outputs = [o.name for o in self._session.get_outputs()]
-        first = self.requires_grad[0]
-        self.slots = [name[len(first) + 1:] for name in self._inputs
-                      if name.startswith(f"{first}.") and name != f"{first}.grad"]
+        self.slots = optimizer_slots(self._inputs, self.requires_grad)
         zeros = {p: np.zeros(shapes[p], dtype=np.float32) for p in self.requires_grad}
-        self._state = {f"{p}.{slot}": self.on_device(zeros[p]) for p in self.requires_grad for slot in self.slots}
+        self._state = {slot_input(p, slot): self.on_device(zeros[p]) for p in self.requires_grad for slot in self.slots}
         self._spare: dict | None = None
         self.step = 0  # applied updates
         self.lr = default_learning_rate(artifacts)
@@ -88,21 +86,22 @@ class Update:
         if self._spare is None:
             self._spare = {k: self.empty_like(v) for k, v in self._state.items()}
         binding = self._session.io_binding()
+        grad_of = {grad_input(p): p for p in grads}
         for name in self._inputs:
-            if name == "learning_rate":
+            if name == LEARNING_RATE:
                 binding.bind_cpu_input(name, np.array(self.lr, dtype=np.float32))
-            elif name == "step":
+            elif name == STEP:
                 binding.bind_cpu_input(name, np.array(self.step + 1, dtype=np.int64))
             elif name in params:
                 binding.bind_ortvalue_input(name, params[name])
-            elif name.endswith(".grad") and name[:-5] in grads:
-                binding.bind_ortvalue_input(name, grads[name[:-5]])
+            elif name in grad_of:
+                binding.bind_ortvalue_input(name, grads[grad_of[name]])
             elif name in self._state:
                 binding.bind_ortvalue_input(name, self._state[name])
             else:
                 raise OnnxMPError(f"the optimizer graph has an unknown input {name!r}", _REBUILD)
         for name in self._outputs:
-            source = name[:-4] if name.endswith(".out") else None
+            source = updated(name)
             if source in into:
                 binding.bind_ortvalue_output(name, into[source])
             elif source in self._spare:
@@ -113,23 +112,28 @@ class Update:
         self._state, self._spare = self._spare, self._state
         self.step += 1
 
-    def save(self, folder: Path) -> dict:
-        state = {name: value.numpy() for name, value in self._state.items()}
+    def state_dict(self) -> dict[str, np.ndarray]:
+        """The slots (``P.<slot>``) and the update count, as arrays."""
+        state = {name: value.numpy().copy() for name, value in self._state.items()}
         state[_STEP] = np.array(self.step, dtype=np.int64)
-        write_parameters(folder / OPTIMIZER_STATE, state)
+        return state
+
+    def load_state_dict(self, state: Mapping[str, np.ndarray], where: str = "the state") -> None:
+        missing = sorted(set(self._state) - set(state))
+        if missing or _STEP not in state:
+            raise OnnxMPError(f"{where} lacks the optimizer state {', '.join(missing[:5]) or _STEP}",
+                              "resume from a folder onnxmp saved with these artifacts")
+        for name, value in self._state.items():
+            value.update_inplace(np.asarray(state[name], dtype=np.float32, order="C"))
+        self.step = int(state[_STEP])
+
+    def save(self, folder: Path) -> dict:
+        write_parameters(folder / OPTIMIZER_STATE, self.state_dict())
         return {"optimizer_state": OPTIMIZER_STATE}
 
     def restore(self, artifacts: Artifacts) -> None:
         """Continue from the optimizer state a saved folder holds (nothing to do in a fresh one)."""
         saved_name = artifacts.manifest.get("state", {}).get("optimizer_state")
-        if not saved_name:
-            return
-        path = artifacts.directory / saved_name
-        saved = read_parameters(path)
-        missing = sorted(set(self._state) - set(saved))
-        if missing or _STEP not in saved:
-            raise OnnxMPError(f"{path} lacks the optimizer state {', '.join(missing[:5]) or _STEP}",
-                              "resume from a folder onnxmp saved with these artifacts")
-        for name, value in self._state.items():
-            value.update_inplace(np.asarray(saved[name], dtype=np.float32, order="C"))
-        self.step = int(saved[_STEP])
+        if saved_name:
+            path = artifacts.directory / saved_name
+            self.load_state_dict(read_parameters(path), str(path))
