@@ -18,7 +18,7 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper
 
-from onnxmp.parity.emulate import as_model
+from onnxmp.load import as_model
 from onnxmp.errors import OnnxMPError
 
 log = logging.getLogger("onnxmp.inputs")

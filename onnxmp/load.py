@@ -84,6 +84,22 @@ def _uses_external_data(proto: onnx.ModelProto) -> bool:
     return has_external_data(proto)
 
 
+def as_model(model: onnx.ModelProto | str | os.PathLike) -> onnx.ModelProto:
+    """Return ``model`` itself, or the model loaded from a path, its external data left in its files
+    (tensors point at them by absolute path; :mod:`onnxmp.external` reads them one at a time).
+
+    Unlike :func:`onnxmp.load.load` a ModelProto is not copied: every caller
+    here only reads it or copies it before changing anything.
+    """
+    if isinstance(model, onnx.ModelProto):
+        check_model(model)  # load's checks, without its copy
+        return model
+    if isinstance(model, (str, os.PathLike)) and not os.path.exists(model):
+        # The CLI and its users key on "not found" for a missing file.
+        raise OnnxMPError(f"model file not found: {os.fspath(model)}", "check the path")
+    return load(model, lazy_external=True)
+
+
 def check_model(proto: onnx.ModelProto) -> None:
     """Every embedded tensor holds what its dims declare, before anything reshapes or allocates it;
     and the graphs are ones a walk can finish (:func:`_check_structure`)."""

@@ -13,14 +13,15 @@ from itertools import chain, compress
 from operator import attrgetter
 
 import onnx
+from onnx import helper
 
 from onnxmp.errors import OnnxMPError, first_line
 from onnxmp.external import SKELETON_TENSOR_BYTES, skeleton
 from onnxmp.contrib_types import has_foreign_ops, type_foreign_outputs
-from onnxmp.domains import ONNX_DOMAINS, opsets
+from onnxmp.domains import ONNX_DOMAINS, is_onnx_domain, opsets
 from onnxmp.index import ModelIndex
 from onnxmp.passes import require
-from onnxmp.subgraphs import GRAPH, GRAPHS, holders, iter_graphs, iter_proto_graphs, may_hold_graphs
+from onnxmp.subgraphs import GRAPH, GRAPHS, bodies, holders, iter_graphs, iter_proto_graphs, may_hold_graphs
 
 log = logging.getLogger("onnxmp.normalize")
 _NAME = attrgetter("name")
@@ -89,6 +90,86 @@ def infer_types(model: onnx.ModelProto, nodes: NodeSummary | None = None
         return model, message
     _copy_value_info(inferred.graph, model.graph, holding=nodes.holding)
     return model, None
+
+
+def infer_tensor_types(model: onnx.ModelProto) -> dict[str, onnx.TypeProto]:
+    """Type of every tensor, from ONNX type inference on a weightless copy of the model.
+
+    Initializers are declared as graph inputs instead of copied, so models over
+    protobuf's 2 GB limit (or with external data) still infer; types never
+    depend on weight values.
+    """
+    weightless = onnx.ModelProto(ir_version=model.ir_version)
+    weightless.opset_import.extend(model.opset_import)
+    weightless.functions.extend(model.functions)
+    graph = weightless.graph
+    graph.node.extend(model.graph.node)
+    graph.input.extend(model.graph.input)
+    graph.output.extend(model.graph.output)
+    graph.value_info.extend(model.graph.value_info)
+    declared = {v.name for v in graph.input}
+    for init in model.graph.initializer:
+        if init.name not in declared:
+            graph.input.append(helper.make_tensor_value_info(init.name, init.data_type, init.dims))
+    for sparse in model.graph.sparse_initializer:
+        if sparse.values.name not in declared:
+            graph.input.append(helper.make_tensor_value_info(sparse.values.name, sparse.values.data_type,
+                                                             sparse.dims))
+    try:
+        inferred = onnx.shape_inference.infer_shapes(weightless, check_type=False, strict_mode=False)
+    except (onnx.shape_inference.InferenceError, onnx.checker.ValidationError) as exc:
+        log.warning("type inference failed (%s); using declared types only", exc)
+        inferred = weightless
+    inferred = _type_runtime_ops(inferred)
+
+    types: dict[str, onnx.TypeProto] = {}
+
+    def collect(g: onnx.GraphProto) -> None:
+        for v in [*g.input, *g.output, *g.value_info]:
+            if v.type.WhichOneof("value") is not None and v.name not in types:
+                types[v.name] = onnx.TypeProto()
+                types[v.name].CopyFrom(v.type)  # the rewrite retypes the originals in place
+        for t in g.initializer:
+            types.setdefault(t.name, helper.make_tensor_type_proto(t.data_type, None))
+        for node in g.node:
+            for sub in bodies(node):
+                collect(sub)
+
+    collect(model.graph)  # declared types win over inferred ones
+    collect(inferred.graph)
+    return types
+
+
+def _needs_runtime_schemas(model: onnx.ModelProto) -> bool:
+    ops = {(n.op_type, n.domain) for g in iter_proto_graphs(model.graph) for n in g.node}
+    return any(not is_onnx_domain(domain) or not onnx.defs.has(op, domain or "") for op, domain in ops)
+
+
+def _type_runtime_ops(inferred: onnx.ModelProto, rounds: int = 8) -> onnx.ModelProto:
+    """Type the outputs of onnxruntime's own ops (com.microsoft, SimplifiedLayerNormalization, ...).
+
+    onnx's inference leaves them, and everything computed from them, untyped; an untyped float16
+    tensor gets no rounding pair, so a model whose writer declared no value_info (onnxruntime's own
+    converter declares none) would be emulated as if most of it ran in float32.  Each round types the
+    runtime ops' outputs from their schemas and lets onnx's inference carry the types on.
+    """
+    if not _needs_runtime_schemas(inferred):
+        return inferred
+    for _ in range(rounds):
+        try:
+            added = type_foreign_outputs(inferred, opsets(inferred))
+        except OnnxMPError as exc:
+            log.warning("cannot type every op of onnxruntime's domains (%s); tensors they write "
+                        "are emulated at the precision declared, if any", first_line(str(exc)))
+            return inferred
+        if not added:
+            break
+        try:
+            inferred = onnx.shape_inference.infer_shapes(inferred, check_type=False, strict_mode=False)
+        except (onnx.shape_inference.InferenceError, onnx.checker.ValidationError) as exc:
+            log.warning("type inference failed after typing onnxruntime's ops (%s)", exc)
+            break
+    return inferred
 
 
 def data_propagation_matters(model: onnx.ModelProto, nodes: NodeSummary) -> bool:

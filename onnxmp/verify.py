@@ -13,6 +13,7 @@ from typing import Callable
 
 import onnx
 
+from onnxmp import runtime
 from onnxmp.contrib_types import binding_errors, has_foreign_ops
 from onnxmp.domains import is_onnx_domain, onnx_opset
 from onnxmp.errors import OnnxMPError, first_line
@@ -87,36 +88,15 @@ def verify(model: onnx.ModelProto | bytes, *, keep_io_types: bool = True,
     return model
 
 
-# What onnxruntime says when this build has no kernel for a node's types (a float16 model made for
-# the CUDA EP, on a CPU-only build): the graph resolved, its types are sound.  The last: the CPU EP's
-# own fallback (InsertCastTransformer) ran float16 nodes in float32 with Casts it inserted, after the
-# model resolved, and tripped over its own Casts (GPT-2, T5, DeBERTa exports in float16, 1.19.2).
-NO_KERNEL = ("Could not find an implementation for", "Kernel not found", "NOT_IMPLEMENTED",
-             "InsertedPrecisionFreeCast_")
-
-
 def runtime_load_error(model: onnx.ModelProto) -> str | None:
     """What the installed onnxruntime says when it refuses ``model`` at session creation (graph
-    resolution: types, structure); None when it resolves.  A missing CPU kernel (:data:`NO_KERNEL`)
-    is no fault of the model and counts as resolved; without onnxruntime, nothing can be proved."""
+    resolution: types, structure); None when it resolves.  A missing CPU kernel
+    (:data:`onnxmp.runtime.NO_KERNEL`) is no fault of the model and counts as resolved; without
+    onnxruntime, nothing can be proved."""
     try:
-        import onnxruntime as ort
-    except ImportError:
-        return "onnxruntime is not installed"
-    from onnxmp.external import session_source
-
-    options = ort.SessionOptions()
-    options.log_severity_level = 3
-    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
-    try:
-        with session_source(model, "converted") as source:
-            ort.InferenceSession(source, options, providers=["CPUExecutionProvider"])
-    except Exception as exc:  # onnxruntime's exceptions share no public base class
-        if any(words in str(exc) for words in NO_KERNEL):
-            log.debug("onnxruntime resolves the model; this build lacks kernels for some nodes: %s", first_line(exc))
-            return None
-        return first_line(exc)
-    return None
+        return runtime.resolve(model, initialize=True)
+    except OnnxMPError as exc:  # no onnxruntime, or no room for a large model's runtime file
+        return exc.message
 
 
 def input_error(original: onnx.ModelProto | None) -> str | None:

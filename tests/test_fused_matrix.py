@@ -246,7 +246,7 @@ def _written_casts(model: onnx.ModelProto) -> list[onnx.NodeProto]:
     Mul, layer_norm_fusion.cc, restated in onnxmp.fusions), which the CPU EP often leaves unfused
     (its fallback Casts around float16 nodes break the pattern)."""
     from onnxmp.fusions import inside_fused_kernels
-    from onnxmp.parity.emulate import infer_tensor_types
+    from onnxmp.normalize import infer_tensor_types
 
     types, fused = infer_tensor_types(model), inside_fused_kernels(model.graph)
     return [n for n in model.graph.node

@@ -13,7 +13,8 @@ from onnx import TensorProto, helper, numpy_helper
 
 import onnxmp
 from onnxmp.fusions import GraphFacts, fused_norms, gelus
-from onnxmp.parity.emulate import emulate, session_options
+from onnxmp.parity.emulate import emulate
+from onnxmp.runtime import session_options
 
 ROOT = Path(__file__).resolve().parent.parent
 FLOAT, FLOAT16 = TensorProto.FLOAT, TensorProto.FLOAT16
@@ -21,7 +22,8 @@ H = 16
 
 
 def _run(model: onnx.ModelProto, feeds: dict) -> list[np.ndarray]:
-    session = ort.InferenceSession(model.SerializeToString(), session_options(), providers=["CPUExecutionProvider"])
+    session = ort.InferenceSession(model.SerializeToString(), session_options(emulated=True),
+                                   providers=["CPUExecutionProvider"])
     return session.run(None, feeds)
 
 

@@ -56,7 +56,7 @@ from onnxmp.targets import CPU
 from onnxmp.errors import OnnxMPError, first_line
 from onnxmp.external import is_large, session_source
 from onnxmp.subgraphs import bodies
-from onnxmp.parity.metrics import as_output_array
+from onnxmp.runtime import as_output_array
 from onnxmp.naming import FreshNames, proto_names
 from onnxmp.precision import low_precision
 

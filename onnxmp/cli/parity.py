@@ -60,7 +60,8 @@ def _dim(text: str) -> tuple[str, int]:
 
 
 def run_emulate(args: argparse.Namespace) -> int:
-    from onnxmp.parity.emulate import as_model, emulate, emulated_precisions
+    from onnxmp.load import as_model
+    from onnxmp.parity.emulate import emulate, emulated_precisions
     from onnxmp.files import guard_outputs
     from onnxmp.save import save
 

@@ -15,10 +15,8 @@ import numpy as np
 import onnx
 
 from onnxmp.compat._convert import CompatError, io_names
-from onnxmp.targets import CPU
-from onnxmp.errors import OnnxMPError, first_line
+from onnxmp import runtime
 from onnxmp.inputs import check_inputs
-from onnxmp.parity.metrics import as_output_array
 
 log = logging.getLogger("onnxmp.compat")
 
@@ -44,18 +42,11 @@ def run(model: onnx.ModelProto | str, feed: Mapping[str, np.ndarray], providers:
         what: str = "model") -> list[np.ndarray]:
     """All outputs, in graph order, of ``model`` on onnxruntime; float feeds are cast to the width the
     model declares (the fp16 inputs of keep_io_types=False), as the caller of the original casts them."""
-    import onnxruntime as ort
-
     proto = model if isinstance(model, onnx.ModelProto) else onnx.load(model, load_external_data=False)
     feeds = check_inputs(proto, {k: v for k, v in feed.items()}, flag="feed_dict")
-    options = ort.SessionOptions()
-    options.log_severity_level = 3
-    source = model.SerializeToString() if isinstance(model, onnx.ModelProto) else str(model)
-    try:
-        session = ort.InferenceSession(source, options, providers=list(providers or [CPU.provider]))
-        return [as_output_array(v) for v in session.run(None, feeds)]
-    except Exception as exc:  # onnxruntime's exceptions share no public base class
-        raise OnnxMPError(f"onnxruntime cannot run the {what}: {first_line(exc)}") from None
+    # The providers as the original's caller names them; onnxruntime falls back to the CPU EP.
+    session = runtime.session(model, what=what, provider_list=list(providers) if providers else None)
+    return runtime.run(session, feeds, what)
 
 
 def search(model: onnx.ModelProto, feed: Mapping[str, np.ndarray], validate: Check, keep_io_types,

@@ -42,41 +42,21 @@ import os
 
 import numpy as np
 import onnx
-import onnx.checker
 import onnx.inliner
-import onnx.shape_inference
 from onnx import AttributeProto, TensorProto, helper, numpy_helper
 
-from onnxmp.contrib_types import type_foreign_outputs
-from onnxmp.domains import is_onnx_domain, opsets
-from onnxmp.errors import OnnxMPError, first_line
+from onnxmp.domains import is_onnx_domain
+from onnxmp.errors import OnnxMPError
 from onnxmp.fusions import inside_fused_kernels
-from onnxmp.subgraphs import bodies, iter_proto_graphs
+from onnxmp.subgraphs import bodies
 from onnxmp.external import SKELETON_TENSOR_BYTES, is_large, read_external, spilled
 from onnxmp.external import info as external_info
 from onnxmp.precision import BY_ONNX_TYPE, LOW, low_precision
 from onnxmp.naming import FreshNames, proto_names
-from onnxmp.load import check_model, load
+from onnxmp.load import as_model
+from onnxmp.normalize import infer_tensor_types
 
 log = logging.getLogger("onnxmp.emulate")
-
-
-def session_options():
-    """onnxruntime SessionOptions for running an emulated model on the CPU EP.
-
-    ORT's extended fusions (level 2) take a ``Cast`` from a low-precision type
-    in front of a decomposed LayerNorm into the fused ``LayerNormalization``, as
-    they would on a GPU; the CPU EP has no bfloat16 kernel for it and refuses the
-    model, and elsewhere such a fusion would compute past the rounding the
-    emulation exists for.  The basic level keeps constant folding and the
-    eliminations of redundant nodes, and leaves the emulated graph's arithmetic
-    as written.
-    """
-    import onnxruntime as ort
-
-    options = ort.SessionOptions()
-    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_BASIC
-    return options
 
 
 # Default-domain ops whose low-precision outputs only copy or select input
@@ -89,22 +69,6 @@ _EXACT_OPS = frozenset({
     "ReduceMax", "ReduceMin", "TopK", "Relu", "Max", "Min", "Abs", "Neg",
     "If", "Loop", "Scan", "SequenceAt",
 })
-
-
-def as_model(model: onnx.ModelProto | str | os.PathLike) -> onnx.ModelProto:
-    """Return ``model`` itself, or the model loaded from a path, its external data left in its files
-    (tensors point at them by absolute path; :mod:`onnxmp.external` reads them one at a time).
-
-    Unlike :func:`onnxmp.load.load` a ModelProto is not copied: every caller
-    here only reads it or copies it before changing anything.
-    """
-    if isinstance(model, onnx.ModelProto):
-        check_model(model)  # load's checks, without its copy
-        return model
-    if isinstance(model, (str, os.PathLike)) and not os.path.exists(model):
-        # The CLI and its users key on "not found" for a missing file.
-        raise OnnxMPError(f"model file not found: {os.fspath(model)}", "check the path")
-    return load(model, lazy_external=True)
 
 
 def low_precision_types(model: onnx.ModelProto | str | os.PathLike) -> list[str]:
@@ -212,89 +176,6 @@ def _uses_function(function: onnx.FunctionProto, elem: int) -> bool:
 
 def _uses(model: onnx.ModelProto, elem: int) -> bool:
     return _graph_uses(model.graph, elem) or any(_uses_function(f, elem) for f in model.functions)
-
-
-# --- types and names -----------------------------------------------------------
-
-
-def infer_tensor_types(model: onnx.ModelProto) -> dict[str, onnx.TypeProto]:
-    """Type of every tensor, from ONNX type inference on a weightless copy of the model.
-
-    Initializers are declared as graph inputs instead of copied, so models over
-    protobuf's 2 GB limit (or with external data) still infer; types never
-    depend on weight values.
-    """
-    skeleton = onnx.ModelProto(ir_version=model.ir_version)
-    skeleton.opset_import.extend(model.opset_import)
-    skeleton.functions.extend(model.functions)
-    graph = skeleton.graph
-    graph.node.extend(model.graph.node)
-    graph.input.extend(model.graph.input)
-    graph.output.extend(model.graph.output)
-    graph.value_info.extend(model.graph.value_info)
-    declared = {v.name for v in graph.input}
-    for init in model.graph.initializer:
-        if init.name not in declared:
-            graph.input.append(helper.make_tensor_value_info(init.name, init.data_type, init.dims))
-    for sparse in model.graph.sparse_initializer:
-        if sparse.values.name not in declared:
-            graph.input.append(helper.make_tensor_value_info(sparse.values.name, sparse.values.data_type,
-                                                             sparse.dims))
-    try:
-        inferred = onnx.shape_inference.infer_shapes(skeleton, check_type=False, strict_mode=False)
-    except (onnx.shape_inference.InferenceError, onnx.checker.ValidationError) as exc:
-        log.warning("type inference failed (%s); using declared types only", exc)
-        inferred = skeleton
-    inferred = _type_runtime_ops(inferred)
-
-    types: dict[str, onnx.TypeProto] = {}
-
-    def collect(g: onnx.GraphProto) -> None:
-        for v in [*g.input, *g.output, *g.value_info]:
-            if v.type.WhichOneof("value") is not None and v.name not in types:
-                types[v.name] = onnx.TypeProto()
-                types[v.name].CopyFrom(v.type)  # the rewrite retypes the originals in place
-        for t in g.initializer:
-            types.setdefault(t.name, helper.make_tensor_type_proto(t.data_type, None))
-        for node in g.node:
-            for sub in bodies(node):
-                collect(sub)
-
-    collect(model.graph)  # declared types win over inferred ones
-    collect(inferred.graph)
-    return types
-
-
-def _needs_runtime_schemas(model: onnx.ModelProto) -> bool:
-    ops = {(n.op_type, n.domain) for g in iter_proto_graphs(model.graph) for n in g.node}
-    return any(not is_onnx_domain(domain) or not onnx.defs.has(op, domain or "") for op, domain in ops)
-
-
-def _type_runtime_ops(inferred: onnx.ModelProto, rounds: int = 8) -> onnx.ModelProto:
-    """Type the outputs of onnxruntime's own ops (com.microsoft, SimplifiedLayerNormalization, ...).
-
-    onnx's inference leaves them, and everything computed from them, untyped; an untyped float16
-    tensor gets no rounding pair, so a model whose writer declared no value_info (onnxruntime's own
-    converter declares none) would be emulated as if most of it ran in float32.  Each round types the
-    runtime ops' outputs from their schemas and lets onnx's inference carry the types on.
-    """
-    if not _needs_runtime_schemas(inferred):
-        return inferred
-    for _ in range(rounds):
-        try:
-            added = type_foreign_outputs(inferred, opsets(inferred))
-        except OnnxMPError as exc:
-            log.warning("cannot type every op of onnxruntime's domains (%s); tensors they write "
-                        "are emulated at the precision declared, if any", first_line(str(exc)))
-            return inferred
-        if not added:
-            break
-        try:
-            inferred = onnx.shape_inference.infer_shapes(inferred, check_type=False, strict_mode=False)
-        except (onnx.shape_inference.InferenceError, onnx.checker.ValidationError) as exc:
-            log.warning("type inference failed after typing onnxruntime's ops (%s)", exc)
-            break
-    return inferred
 
 
 # --- rewriting -----------------------------------------------------------------

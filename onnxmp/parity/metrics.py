@@ -47,23 +47,6 @@ MODEL_LABEL = "<model>"  # the label of a whole-model callable's error
 Outputs = Mapping[str, np.ndarray]
 
 
-def as_output_array(value) -> np.ndarray:
-    """One onnxruntime output as an array: a sequence output arrives as a list of arrays, an empty
-    optional as None.  Same-shaped elements are stacked; ragged ones are flattened end to end."""
-    if isinstance(value, np.ndarray):
-        return value
-    if value is None:
-        return np.zeros(0, np.float32)
-    if isinstance(value, (list, tuple)):
-        arrays = [np.asarray(v) for v in value]
-        if not arrays:
-            return np.zeros(0, np.float32)
-        if len({a.shape for a in arrays}) == 1:
-            return np.stack(arrays)
-        return np.concatenate([a.ravel() for a in arrays])
-    return np.asarray(value)
-
-
 def _finite_pairs(ref: np.ndarray, cand: np.ndarray) -> tuple[np.ndarray, np.ndarray] | None:
     """The elements where ``ref`` is finite, flattened, as float64; None when shapes differ or
     ``cand`` is non-finite where ``ref`` is finite (the candidate then fails outright)."""

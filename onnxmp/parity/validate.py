@@ -52,12 +52,12 @@ from dataclasses import dataclass, field
 import numpy as np
 import onnx
 
-from onnxmp.parity.emulate import as_model, emulate, low_precision_types
-from onnxmp.parity.emulate import session_options as emulation_session_options
-from onnxmp.errors import OnnxMPError, first_line
-from onnxmp.external import discard_spilled, session_source
+from onnxmp import runtime
+from onnxmp.load import as_model
+from onnxmp.parity.emulate import emulate, low_precision_types
+from onnxmp.errors import OnnxMPError
+from onnxmp.external import discard_spilled
 from onnxmp.inputs import Sample, as_samples, check_inputs, drop_extra_inputs, generate_inputs
-from onnxmp.parity.metrics import as_output_array
 from onnxmp.naming import json_safe
 from onnxmp.precision import BFLOAT16, FLOAT16, FLOAT32
 from onnxmp.targets import CPU, target
@@ -280,31 +280,13 @@ def _warn_if_no_tensor_cores() -> None:
 
 
 def _session(model: onnx.ModelProto, provider: str, role: str):
-    import onnxruntime as ort
-
     chosen = target(provider, "provider")
-    ep = chosen.provider
-    if ep not in ort.get_available_providers():
-        raise OnnxMPError(f"this onnxruntime build has no {ep}",
-                          "install onnxruntime-gpu (onnxmp[gpu]), or use --provider cpu to emulate "
-                          "low precision")
+    runtime.check_device(provider, "install onnxruntime-gpu (onnxmp[gpu]), or use --provider cpu to emulate "
+                                   "low precision")
     # On the CPU the candidate is emulated; the reference runs the same way, so that
     # neither side's numbers depend on which fusions ORT picks.
-    options = emulation_session_options() if chosen.emulated else ort.SessionOptions()
-    options.log_severity_level = 3
-    providers = [ep] if ep == CPU.provider else [ep, CPU.provider]
-    try:
-        with session_source(model, role) as source:
-            session = ort.InferenceSession(source, options, providers=providers)
-    except OnnxMPError:
-        raise
-    except Exception as exc:  # onnxruntime's exceptions share no public base class
-        raise OnnxMPError(f"onnxruntime cannot load the {role} model: {first_line(exc)}",
-                          "check the model with onnx.checker.check_model") from None
-    if ep not in session.get_providers():
-        raise OnnxMPError(f"{ep} failed to initialize for the {role} model",
-                          "check the CUDA and cuDNN libraries onnxruntime needs")
-    return session
+    return runtime.session(model, what=f"{role} model", device=provider,
+                           options=runtime.session_options(emulated=chosen.emulated))
 
 
 def check_loads(model: onnx.ModelProto, role: str) -> None:
@@ -316,11 +298,9 @@ def check_loads(model: onnx.ModelProto, role: str) -> None:
     graph resolved (or "Failed to find kernel ... Kernel not found" for an op the CPU EP lacks in
     every type, com.microsoft GroupNorm).  That is no fault of the model and passes, logged.
     """
-    import onnxruntime as ort
-
     message = runtime_load_error(model)
     if message is not None:
-        raise OnnxMPError(f"onnxruntime {ort.__version__} cannot load the {role} model itself: {message}",
+        raise OnnxMPError(f"onnxruntime {runtime.version()} cannot load the {role} model itself: {message}",
                           "a model converted for another onnxruntime (convert's --ort-version) may not load in "
                           "this one; convert it for this one, or report it with the model")
 
@@ -334,11 +314,7 @@ def _run(session, model: onnx.ModelProto, sample: Sample, role: str) -> dict[str
         if array.dtype.name == "bfloat16":
             raise OnnxMPError(f"{role} model input {name!r} is bfloat16, which onnxruntime's Python API "
                               "cannot feed", "convert with keep_io_types=True, or use --provider cpu")
-    try:
-        values = session.run(None, feeds)
-    except Exception as exc:  # onnxruntime's exceptions share no public base class
-        raise OnnxMPError(f"the {role} model failed to run: {first_line(exc)}") from None
-    return {o.name: as_output_array(v) for o, v in zip(session.get_outputs(), values)}
+    return dict(zip((o.name for o in session.get_outputs()), runtime.run(session, feeds, f"{role} model")))
 
 
 def _outputs(model: onnx.ModelProto, given: onnx.ModelProto, provider: str, role: str,

@@ -18,7 +18,6 @@ import importlib
 import importlib.util
 import logging
 import os
-import re
 import sys
 import tempfile
 import types
@@ -106,15 +105,3 @@ def native_stderr_to_log(logger: logging.Logger):
             sink.seek(0)
             for line in sink.read().decode(errors="replace").splitlines():
                 logger.debug("onnxruntime: %s", line)
-
-
-def error_reason(text: str) -> str:
-    """The reason in an ORT error, without the C++ source location and signature in front of it
-    (which can run to hundreds of characters before the words that matter)."""
-    text = text.strip()
-    if " was false. " in text:
-        text = text.split(" was false. ", 1)[1]
-    elif "] : " in text:  # [ONNXRuntimeError] : 2 : INVALID_ARGUMENT : reason
-        text = text.rsplit("] : ", 1)[1]
-        text = re.sub(r"^\d+ : [A-Z_]+ : ", "", text)
-    return " ".join(line.strip() for line in text.splitlines())[:800]

@@ -13,6 +13,7 @@ import re
 import onnx
 from onnx import TensorProto, helper
 
+from onnxmp import runtime
 from onnxmp.errors import OnnxMPError
 from onnxmp.training import _ort
 from onnxmp.training.contract import LOSS, LOSS_SCALE, LOSS_SCALED
@@ -105,7 +106,7 @@ def gradient_error(exc: BaseException) -> OnnxMPError:
     if "couldn't find the consumer node" in text:
         return OnnxMPError("a trainable parameter does not reach the loss through differentiable ops",
                            "leave parameters the loss does not use out of requires_grad")
-    reason = _ort.error_reason(text) or type(exc).__name__
+    reason = runtime.reason(text) or type(exc).__name__
     return OnnxMPError(f"onnxruntime could not build the gradient graph: {reason}",
                        "run with -v -v to see onnxruntime's log")
 

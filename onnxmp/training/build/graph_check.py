@@ -7,7 +7,7 @@ without a GPU cannot run; these are the checks that machine can still make, one 
 1. **valid**: ``onnx.checker`` with strict type inference (:func:`onnxmp.verify.full_check`); the
    default-domain ops onnx has no schema for (onnxruntime-training's ``MaxPoolGrad``) are left to
    onnxruntime's resolution and listed;
-2. **resolved**: onnxruntime loads the graph and resolves it (:func:`resolve`), as a session does
+2. **resolved**: onnxruntime loads the graph and resolves it (:func:`onnxmp.runtime.resolve`), as a session does
    before it chooses kernels: every node against its schema (training and contrib ops included,
    on a training build), each type parameter bound to one type.  A gradient of mixed types fails
    here ("Type parameter (T) of Optype (Sub) bound to different types").  Kernels are not chosen:
@@ -28,10 +28,11 @@ from pathlib import Path
 import onnx
 from onnx import TensorProto
 
+from onnxmp import runtime
 from onnxmp.domains import is_onnx_domain
 from onnxmp.errors import first_line
 from onnxmp.kernels import KernelTable
-from onnxmp.parity.emulate import infer_tensor_types
+from onnxmp.normalize import infer_tensor_types
 from onnxmp.precision import BY_ONNX_TYPE
 from onnxmp.verify import full_check
 
@@ -84,7 +85,7 @@ def check_graph(model: onnx.ModelProto | str | os.PathLike, provider: str = "cud
     except Exception as exc:  # noqa: BLE001 (the checker's exception types vary)
         invalid = first_line(exc, 300)
     return GraphCheck(name or model.graph.name, len(model.graph.node), Counter(n.op_type for n in model.graph.node),
-                      invalid, resolve(model), without_kernel(model, provider), not_onnx)
+                      invalid, runtime.resolve(model), without_kernel(model, provider), not_onnx)
 
 
 UNCHECKED_DOMAIN = "onnxmp.unchecked"
@@ -112,28 +113,6 @@ def _without_onnx_schemas(model: onnx.ModelProto) -> tuple[onnx.ModelProto, Coun
             node.domain = UNCHECKED_DOMAIN
     copy.opset_import.append(onnx.helper.make_opsetid(UNCHECKED_DOMAIN, 1))
     return copy, unknown
-
-
-def resolve(model: onnx.ModelProto) -> str | None:
-    """None when onnxruntime loads and resolves ``model``, else its error's first line.
-
-    Resolution only: the session is made but not initialized, so no kernel is chosen or created.
-    The CPU EP has no kernel for many low-precision nodes, and onnxruntime-training 1.19.2 crashes
-    (SIGSEGV) initializing some float16 training graphs on the CPU (ResNet's), neither of which
-    says anything about the CUDA EP the graph is built for.
-    """
-    import onnxruntime as ort
-    from onnxruntime.capi import _pybind_state
-
-    options = ort.SessionOptions()
-    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
-    options.log_severity_level = 3
-    try:
-        # What InferenceSession does before initialize_session: load the model and resolve its graph.
-        _pybind_state.InferenceSession(options, model.SerializeToString(), False, False)
-    except Exception as exc:  # noqa: BLE001 (onnxruntime raises its own types per status)
-        return first_line(exc, 300)
-    return None
 
 
 def without_kernel(model: onnx.ModelProto, provider: str = "cuda") -> Counter:

@@ -37,7 +37,7 @@ from onnxmp.domains import is_onnx_domain
 from onnxmp.errors import OnnxMPError
 from onnxmp.files import destination
 from onnxmp.naming import FreshNames, proto_names
-from onnxmp.parity.emulate import infer_tensor_types
+from onnxmp.normalize import infer_tensor_types
 from onnxmp.passes import PassBase, PassManager, PassResult
 from onnxmp.precision import BY_ONNX_TYPE, FLOAT32, PRECISIONS as LOW_PRECISIONS
 from onnxmp.targets import target as target_named

@@ -47,7 +47,7 @@ import numpy as np
 import onnx
 from onnx import helper, numpy_helper
 
-from onnxmp.parity.emulate import infer_tensor_types
+from onnxmp.normalize import infer_tensor_types
 from onnxmp.domains import is_onnx_domain
 from onnxmp.errors import OnnxMPError
 from onnxmp.naming import FreshNames, proto_names

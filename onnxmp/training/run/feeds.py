@@ -12,8 +12,8 @@ from typing import Callable, Mapping, Sequence
 
 import numpy as np
 
+from onnxmp import runtime
 from onnxmp.errors import OnnxMPError
-from onnxmp.training import _ort
 from onnxmp.training.artifacts import Artifacts
 from onnxmp.training.contract import GRAD_SHAPE
 from onnxmp.training.labels import check_labels, label_run_error
@@ -64,15 +64,15 @@ class Feeds:
         inputs = f"inputs are {', '.join(self.names)} with dtypes {self.artifacts.manifest['input_dtypes']}"
         node = re.search(r"while running (\S+) node\. Name:'([^']*)'", text)
         if node is None:
-            return OnnxMPError(f"onnxruntime rejected the batch: {_ort.error_reason(text)}", inputs)
+            return OnnxMPError(f"onnxruntime rejected the batch: {runtime.reason(text, node=False)}", inputs)
         op_type, name = node.groups()
         if name.startswith(GRAD_SHAPE):
             param = name[len(GRAD_SHAPE):]
             return OnnxMPError(f"onnxruntime computed a gradient of the wrong shape for parameter {param!r}: "
-                               f"{_ort.error_reason(text)}",
+                               f"{runtime.reason(text, node=False)}",
                                f"one of its gradient builders did not sum it back over a broadcast; train without "
                                f"it (frozen=[{param!r}]) and report the model")
         where = f"{op_type} node {name!r}" if name else f"a {op_type} node onnxruntime added"
-        return OnnxMPError(f"onnxruntime failed in {where} of the {graph} graph: {_ort.error_reason(text)}",
+        return OnnxMPError(f"onnxruntime failed in {where} of the {graph} graph: {runtime.reason(text, node=False)}",
                            f"if the batch is right ({inputs}), the artifacts are at fault: rebuild them "
                            "with this onnxmp version, and report the model if it persists")

@@ -23,6 +23,7 @@ from typing import Mapping
 
 import numpy as np
 
+from onnxmp import runtime
 from onnxmp.errors import OnnxMPError
 from onnxmp.targets import CPU, TARGETS
 from onnxmp.training.artifacts import Artifacts
@@ -109,14 +110,7 @@ class Engine(abc.ABC):
 
 
 def check_device(device: str, artifacts: Artifacts, provider_hint: str) -> str:
-    import onnxruntime
-
-    kind = device.split(":")[0]
-    if kind not in TARGETS:
-        raise OnnxMPError(f"unknown device {device!r}", "use cpu or cuda (cuda:N for another GPU)")
-    chosen, built_for = TARGETS[kind], TARGETS.get(artifacts.target, CPU)
-    if chosen.provider not in onnxruntime.get_available_providers():
-        raise OnnxMPError(f"this onnxruntime build has no {chosen.provider}", provider_hint)
+    chosen, built_for = runtime.check_device(device, provider_hint), TARGETS.get(artifacts.target, CPU)
     if chosen.emulated and not built_for.emulated and artifacts.precision != "float32":
         raise OnnxMPError(f"these {artifacts.precision} artifacts hold real low-precision ops, "
                           "which the ORT CPU EP cannot run",
@@ -124,35 +118,14 @@ def check_device(device: str, artifacts: Artifacts, provider_hint: str) -> str:
     return device
 
 
-def device_index(device: str) -> int:
-    _, _, index = device.partition(":")
-    try:
-        return int(index) if index else 0
-    except ValueError:
-        raise OnnxMPError(f"bad device {device!r}", "use cpu, cuda or cuda:N") from None
-
-
 def placement(device: str) -> tuple[tuple[str, int], list]:
     """Where OrtValues of ``device`` live (``OrtValue``'s device type and id) and the providers
     of a session on it."""
-    if device.startswith("cuda"):
-        index = device_index(device)
-        return ("cuda", index), [("CUDAExecutionProvider", {"device_id": index})]
-    return ("cpu", 0), ["CPUExecutionProvider"]
+    return runtime.placement(device), runtime.providers(device)
 
 
 def session_options(artifacts: Artifacts, threads: int = 0):
-    from onnxmp.parity.emulate import session_options as emulation_options
-
-    emulated = TARGETS.get(artifacts.target, CPU).emulated and artifacts.precision != "float32"
-    if emulated:
-        options = emulation_options()
-    else:
-        import onnxruntime
-
-        options = onnxruntime.SessionOptions()
-    options.intra_op_num_threads = threads  # 0: ORT's default
     # Deterministic kernels where ORT has a choice (CUDA); on the CPU the nondeterministic
     # gradient kernels (GatherGrad, InplaceClipGradNorm) are kept out of the graphs instead.
-    options.use_deterministic_compute = True
-    return options
+    emulated = TARGETS.get(artifacts.target, CPU).emulated and artifacts.precision != "float32"
+    return runtime.session_options(threads=threads, quiet=False, emulated=emulated, deterministic=True)

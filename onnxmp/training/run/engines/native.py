@@ -15,7 +15,7 @@ from typing import Mapping
 
 import numpy as np
 
-from onnxmp.errors import OnnxMPError, first_line
+from onnxmp import runtime
 from onnxmp.training import _ort
 from onnxmp.training.artifacts import Artifacts, write_parameters
 from onnxmp.training.run.engines.base import Engine, check_device, placement, session_options
@@ -34,20 +34,18 @@ class NativeEngine(Engine):
         api = _ort.api()
         check_device(device, artifacts, "install onnxruntime-training==1.19.2 (CUDA 11.8), train on the cpu, "
                                         "or use engine='portable' with onnxruntime-gpu")
-        import onnxruntime as ort
-
-        self._ort = ort
+        self._ort = runtime.ort()
         where, providers = placement(device)
         options = session_options(artifacts, threads)
         try:
             self._state = api.CheckpointState.load_checkpoint(str(artifacts.checkpoint))
             self._module = api.Module(str(artifacts.training_model), self._state, str(artifacts.eval_model),
                                       device=device, session_options=options)
-        except Exception as exc:
-            raise OnnxMPError(f"onnxruntime cannot load the artifacts in {artifacts.directory}: "
-                              f"{first_line(exc)}", "rebuild them with this onnxmp version") from None
+        except Exception as exc:  # noqa: BLE001 (onnxruntime's exceptions share no public base class)
+            raise runtime.translate(exc, f"artifacts in {artifacts.directory}",
+                                    hint="rebuild them with this onnxmp version") from None
         shapes = {p: tuple(self._state.parameters[p]._parameter.data.shape()) for p in self.requires_grad}
-        self._update = Update(ort, artifacts, self.requires_grad, shapes, where, options, providers, clip_global_norm)
+        self._update = Update(artifacts, self.requires_grad, shapes, where, options, providers, clip_global_norm)
         self._update.restore(artifacts)
         self._new: dict | None = None  # the buffers each update writes the parameters into
         self._train_inputs = self._module.train().input_names()

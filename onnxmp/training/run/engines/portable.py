@@ -15,7 +15,7 @@ from typing import Mapping
 
 import numpy as np
 
-from onnxmp.errors import OnnxMPError, first_line
+from onnxmp import runtime
 from onnxmp.training.artifacts import Artifacts, write_parameters
 from onnxmp.training.run.engines.base import Engine, check_device, placement, session_options
 from onnxmp.training.run.engines.update import Update
@@ -29,38 +29,29 @@ class PortableEngine(Engine):
 
     def __init__(self, artifacts: Artifacts, device: str, *, threads: int = 0,
                  clip_global_norm: float | None = None):
-        import onnxruntime as ort
-
         super().__init__(artifacts, device, threads=threads, clip_global_norm=clip_global_norm)
         check_device(device, artifacts, "install onnxruntime-gpu (pip install onnxmp[gpu]) or train on the cpu")
-        self._ort = ort
         self._where, providers = placement(device)
         manifest = artifacts.manifest
         pairs = manifest["portable"]["state_pairs"] if artifacts.has_portable else {}
         self._grad_pairs: dict[str, str] = pairs.get("training_model", {})
         options = session_options(artifacts, threads)
-        try:
-            self._train_session = ort.InferenceSession(str(artifacts.portable_path("training_model")), options,
-                                                       providers=providers)
-            self._eval_session = ort.InferenceSession(str(artifacts.portable_path("eval_model")), options,
-                                                      providers=providers)
-        except OnnxMPError:
-            raise
-        except Exception as exc:
-            raise OnnxMPError(f"onnxruntime {ort.__version__} cannot load the portable graphs in "
-                              f"{artifacts.directory}: {first_line(exc)}",
-                              "rebuild the artifacts with this onnxmp version") from None
+        self._train_session, self._eval_session = (
+            runtime.session(artifacts.portable_path(graph), what=f"portable graphs in {artifacts.directory}",
+                            device=device, options=options, hint="rebuild the artifacts with this onnxmp version")
+            for graph in ("training_model", "eval_model"))
         self._train_inputs = [i.name for i in self._train_session.get_inputs()]
         self._train_outputs = [o.name for o in self._train_session.get_outputs()]
         self._eval_inputs = [i.name for i in self._eval_session.get_inputs()]
         self._eval_outputs = [o.name for o in self._eval_session.get_outputs()]
 
         initial = artifacts.parameters()
-        self._update = Update(ort, artifacts, self.requires_grad, {p: initial[p].shape for p in self.requires_grad},
-                              self._where, options, providers, clip_global_norm)
+        self._update = Update(artifacts, self.requires_grad,
+                              {p: initial[p].shape for p in self.requires_grad}, self._where, options, providers,
+                              clip_global_norm)
         self._update.restore(artifacts)
-        self._params = {name: self._update.on_device(value) for name, value in initial.items()}
-        self._grads = {p: self._update.on_device(np.zeros(initial[p].shape, dtype=np.float32))
+        self._params = {name: runtime.to_ortvalue(value, self._where) for name, value in initial.items()}
+        self._grads = {p: runtime.to_ortvalue(np.zeros(initial[p].shape, dtype=np.float32), self._where)
                        for p in self.requires_grad}
         self._reset = True
         # The second set of state buffers, each run's outputs; made at first use.
@@ -71,7 +62,7 @@ class PortableEngine(Engine):
 
     def train(self, feeds: Mapping[str, np.ndarray]) -> tuple[float, bool]:
         if self._spare_grads is None:
-            self._spare_grads = {p: self._update.empty_like(v) for p, v in self._grads.items()}
+            self._spare_grads = {p: runtime.empty_like(v, self._where) for p, v in self._grads.items()}
         binding = self._train_session.io_binding()
         buffers = {accumulation_buffer(p): p for p in self.requires_grad}
         for name in self._train_inputs:
@@ -113,7 +104,7 @@ class PortableEngine(Engine):
 
     def step(self) -> None:
         if self._spare_params is None:
-            self._spare_params = {p: self._update.empty_like(self._params[p]) for p in self.requires_grad}
+            self._spare_params = {p: runtime.empty_like(self._params[p], self._where) for p in self.requires_grad}
         self._update.run(self._params, self._grads, self._spare_params)
         for p in self.requires_grad:
             self._params[p], self._spare_params[p] = self._spare_params[p], self._params[p]

@@ -15,7 +15,8 @@ from typing import Mapping, Sequence
 
 import numpy as np
 
-from onnxmp.errors import OnnxMPError, first_line
+from onnxmp import runtime
+from onnxmp.errors import OnnxMPError
 from onnxmp.training.artifacts import Artifacts, read_parameters, write_parameters
 from onnxmp.training.contract import LEARNING_RATE, STEP, grad_input, optimizer_slots, slot_input, updated
 from onnxmp.training.update_graph import build_portable_optimizer
@@ -49,36 +50,26 @@ def optimizer_model(artifacts: Artifacts, requires_grad: Sequence[str], shapes: 
 class Update:
     """torch's optimizer over ``requires_grad``, with its slots and step count on ``where``."""
 
-    def __init__(self, ort, artifacts: Artifacts, requires_grad: Sequence[str],
+    def __init__(self, artifacts: Artifacts, requires_grad: Sequence[str],
                  shapes: Mapping[str, Sequence[int]], where: tuple[str, int], options, providers,
                  clip_global_norm: float | None = None):
-        self._ort, self._where = ort, where
+        self._where = where
         self.requires_grad = list(requires_grad)
-        try:
-            self._session = ort.InferenceSession(optimizer_model(artifacts, requires_grad, shapes, clip_global_norm),
-                                                 options, providers=providers)
-        except OnnxMPError:
-            raise
-        except Exception as exc:
-            raise OnnxMPError(f"onnxruntime {ort.__version__} cannot load the optimizer graph of "
-                              f"{artifacts.directory}: {first_line(exc)}", _REBUILD) from None
+        self._session = runtime.session(optimizer_model(artifacts, requires_grad, shapes, clip_global_norm),
+                                        what=f"optimizer graph of {artifacts.directory}", options=options,
+                                        provider_list=providers, hint=_REBUILD)
         self._inputs = [i.name for i in self._session.get_inputs()]
         self._outputs = [o.name for o in self._session.get_outputs()]
         self.slots = optimizer_slots(self._inputs, self.requires_grad)
         zeros = {p: np.zeros(shapes[p], dtype=np.float32) for p in self.requires_grad}
-        self._state = {slot_input(p, slot): self.on_device(zeros[p]) for p in self.requires_grad for slot in self.slots}
+        self._state = {slot_input(p, slot): runtime.to_ortvalue(zeros[p], where)
+                       for p in self.requires_grad for slot in self.slots}
         self._spare: dict | None = None
         self.step = 0  # applied updates
         self.lr = default_learning_rate(artifacts)
 
-    def on_device(self, value: np.ndarray):
-        value = np.asarray(value, order="C")
-        ortvalue = self._ort.OrtValue.ortvalue_from_shape_and_type(value.shape, value.dtype, *self._where)
-        ortvalue.update_inplace(value)
-        return ortvalue
-
     def empty_like(self, ortvalue):
-        return self._ort.OrtValue.ortvalue_from_shape_and_type(ortvalue.shape(), np.float32, *self._where)
+        return runtime.empty_like(ortvalue, self._where)
 
     def run(self, params: Mapping[str, object], grads: Mapping[str, object], into: Mapping[str, object]) -> None:
         """One update: reads ``params`` and ``grads`` (OrtValues by parameter name), writes the new
