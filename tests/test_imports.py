@@ -10,6 +10,9 @@ from __future__ import annotations
 
 import ast
 import functools
+import os
+import subprocess
+import sys
 from collections import Counter
 from pathlib import Path
 
@@ -150,3 +153,13 @@ def test_no_module_name_appears_twice_in_training():
     stems = Counter(path.stem for path in (PACKAGE / "training").rglob("*.py") if path.stem != "__init__")
     stems.update(path.name for path in (PACKAGE / "training").rglob("*") if path.is_dir() and path.name != "__pycache__")
     assert [stem for stem, n in stems.items() if n > 1] == []
+
+
+def test_a_run_loads_no_build_stage():
+    # What the AST walk cannot see: a package __init__ importing more than its module needs.
+    code = ("import sys; import onnxmp.training.run.trainer, onnxmp.training.run.engines.portable; "
+            "from onnxmp.training import Trainer, DynamicLossScaler; "
+            "print(sorted(m for m in sys.modules if m.startswith('onnxmp.training.build')))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, check=True,
+                         env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert out.stdout.strip() == "[]"

@@ -4,7 +4,8 @@ The build is a pipeline of stages (``docs/training.md``), each a pass over one
 :class:`TrainingBuild` state, run by :class:`~onnxmp.passes.PassManager`:
 
 1. ``load``: the model, at an opset and IR version onnxruntime-training 1.19 loads, with
-   Constant-node weights promoted to initializers; the parameters and names checked;
+   Constant-node weights promoted to initializers (:mod:`~onnxmp.training.build.load`); the
+   parameters and names checked;
 2. ``prepare``: a copy the gradient builder can differentiate (:mod:`~onnxmp.training.build.prepare`);
 3. ``convert``: the mixed-precision forward graph (trainable parameters stay float32 master
    weights, Cast at each low-precision use); emulated on ``target="cpu"``;
@@ -15,11 +16,12 @@ The build is a pipeline of stages (``docs/training.md``), each a pass over one
    (:mod:`~onnxmp.training.build.determinism`);
 7. ``lower``: the training and eval models in ops plain onnxruntime runs, for the portable
    engine (:mod:`~onnxmp.training.build.lower`); an op it cannot lower stops the build, named;
-8. ``optimizer``: the optimizer models (:mod:`~onnxmp.training.update_graph`): onnxblock's, and
-   torch's update in standard ops, which both engines step with;
+8. ``optimizer``: the optimizer models (:mod:`~onnxmp.training.build.optimizer_graphs`): onnxblock's,
+   and torch's update in standard ops (:mod:`~onnxmp.training.update_graph`), which both engines
+   step with;
 9. ``write``: the folder, whole or not at all (:mod:`~onnxmp.training.artifacts`), with the
-   portable form of the graphs (:mod:`~onnxmp.training.contract`) and the parameters in
-   ``parameters.npz``.
+   portable form of the graphs and the manifest the contract describes
+   (:func:`onnxmp.training.contract.manifest`), and the parameters in ``parameters.npz``.
 """
 from __future__ import annotations
 
