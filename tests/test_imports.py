@@ -151,7 +151,8 @@ def test_the_import_graph_sees_function_level_imports():
 
 def test_no_module_name_appears_twice_in_training():
     stems = Counter(path.stem for path in (PACKAGE / "training").rglob("*.py") if path.stem != "__init__")
-    stems.update(path.name for path in (PACKAGE / "training").rglob("*") if path.is_dir() and path.name != "__pycache__")
+    stems.update(path.name for path in (PACKAGE / "training").rglob("*")
+                 if path.is_dir() and path.name != "__pycache__")
     assert [stem for stem, n in stems.items() if n > 1] == []
 
 

@@ -83,7 +83,8 @@ def test_loss_graph_names_nodes_as_their_outputs_and_keeps_constants_as_initiali
     g = LossGraph(graph, "mse")
     diff = g.op("Sub", "x", g.const("zero", 0.0), what="diff")
     assert diff == "onnxmp/loss/mse/diff_1" and graph.node[-1].name == diff
-    assert [t.name for t in graph.initializer] == ["onnxmp/loss/mse/zero"] and g.name("diff") == "onnxmp/loss/mse/diff_2"
+    assert [t.name for t in graph.initializer] == ["onnxmp/loss/mse/zero"]
+    assert g.name("diff") == "onnxmp/loss/mse/diff_2"
 
 
 @pytest.mark.parametrize("optimizer", ["adamw", "sgd"])
