@@ -29,7 +29,7 @@ def build(entry: str, precision: str, out: Path):
     import onnx
 
     from onnxmp.training import build_artifacts
-    from onnxmp.training.prepare import without_gradient
+    from onnxmp.training.build.prepare import without_gradient
 
     matrix = json.loads((EXPORTS / "matrix.json").read_text())
     model = onnx.load(str(EXPORTS / matrix[entry]["file"]))

@@ -30,7 +30,8 @@ from onnxmp.files import guard_arguments, write_text_atomic
 
 def worker(args) -> None:
     """One rank (or the one process): time ``--steps`` updates after a warm-up."""
-    from onnxmp.training import DynamicLossScaler, Trainer, build_artifacts, distributed
+    from onnxmp.training import DynamicLossScaler, Trainer, build_artifacts
+    from onnxmp.training.run import distributed
     from onnxmp.training.models import mlp, trainable
 
     comm = distributed.from_environment()
@@ -47,14 +48,14 @@ def worker(args) -> None:
             trainer.train_step(x, y)
         if comm is not None:
             comm.barrier()
-        trainer.communication_seconds = 0.0
+        trainer.sync.communication_seconds = 0.0
         start = time.perf_counter()
         for _ in range(args.steps * args.k):
             trainer.train_step(x, y)
         if comm is not None:
             comm.barrier()
         seconds = time.perf_counter() - start
-        share = np.array([trainer.communication_seconds / seconds])
+        share = np.array([trainer.sync.communication_seconds / seconds])
         if comm is not None:
             comm.allreduce_max(share)
         if comm is None or comm.is_root:

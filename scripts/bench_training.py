@@ -100,7 +100,7 @@ def bench_engines(args) -> int:
     sys.path[:0] = [str(ROOT / "models" / "exports")]
     import tasks
     from onnxmp.errors import OnnxMPError
-    from onnxmp.training.prepare import without_gradient
+    from onnxmp.training.build.prepare import without_gradient
 
     matrix = json.loads((ROOT / "models" / "exports" / "matrix.json").read_text())
     names = list(matrix) if args.all else [n for n in matrix if any(w in n for w in args.entries or DEFAULT_ENTRIES)]

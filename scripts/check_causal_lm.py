@@ -77,7 +77,7 @@ def compare(out: Path, lr: float) -> int:
     import onnx
 
     from onnxmp.training import DynamicLossScaler, Trainer, build_artifacts
-    from onnxmp.training.prepare import without_gradient
+    from onnxmp.training.build.prepare import without_gradient
 
     expected = json.loads((out / "torch.json").read_text())["losses"]
     batch = np.load(out / "batch.npz")

@@ -9,7 +9,7 @@ each build's graphs, on a machine without a GPU.
 The target "cuda" build is the real low-precision training graph (not emulated), built as
 tests/training/test_training_cuda_builds.py builds it: every float initializer trained except those
 onnxruntime cannot differentiate.  Per build and graph (training, eval, optimizer, and the portable
-graphs when the build writes them), onnxmp.training.graph_check: "valid" (onnx.checker, strict type
+graphs when the build writes them), onnxmp.training.build.graph_check: "valid" (onnx.checker, strict type
 inference), "resolved" (onnxruntime loads and resolves the graph, types bound, as a session does before
 it chooses kernels), and the ops the CUDA EP of plain onnxruntime registers no kernel for.  ``--plain
 PYTHON`` repeats the resolution with another interpreter's onnxruntime (plain onnxruntime, which knows none
@@ -39,15 +39,15 @@ PRECISIONS = ("float16", "bfloat16")
 _PLAIN_LOAD = """
 import json, sys
 import onnx
-from onnxmp.training.graph_check import resolve
+from onnxmp.training.build.graph_check import resolve
 print(json.dumps({path: resolve(onnx.load(path)) for path in sys.argv[1:]}))
 """
 
 
 def build(entry: dict, precision: str, folder: Path) -> dict:
     from onnxmp.training import build_artifacts
-    from onnxmp.training.graph_check import check_graph
-    from onnxmp.training.prepare import without_gradient
+    from onnxmp.training.build.graph_check import check_graph
+    from onnxmp.training.build.prepare import without_gradient
 
     model = onnx.load(str(EXPORTS / entry["file"]))
     names = [t.name for t in model.graph.initializer if t.data_type == onnx.TensorProto.FLOAT]

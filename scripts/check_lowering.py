@@ -2,7 +2,7 @@
 
 For each entry of ``models/exports/matrix.json``, target and precision, builds the artifacts
 (onnxruntime-training 1.19.2, Python 3.11), lowers the training and eval models
-(:func:`onnxmp.training.lower.lower_model`) and runs both on one batch with onnxruntime-training's
+(:func:`onnxmp.training.build.lower.lower_model`) and runs both on one batch with onnxruntime-training's
 ``InferenceSession`` on the CPU (which registers ORT's training kernels: the native graph is the
 oracle).  The native ``InPlaceAccumulatorV2`` nodes are given their optional second output, the
 accumulated buffer, so that the new buffer values are the kernel's own.  Prints, per model, the
@@ -38,7 +38,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(EXPORTS))
 
 from onnxmp.domains import is_onnx_domain  # noqa: E402
-from onnxmp.training.lower import LOWERINGS, check_lowered, lower_model, standard  # noqa: E402
+from onnxmp.training.build.lower import LOWERINGS, check_lowered, lower_model, standard  # noqa: E402
 
 MATRIX = json.loads((EXPORTS / "matrix.json").read_text())
 ACCUMULATOR = "InPlaceAccumulatorV2"
@@ -50,7 +50,7 @@ TOLERANCE = {"float32": 1e-5, "float16": 2 * 2.0**-10, "bfloat16": 2 * 2.0**-7}
 
 def build(entry: str, target: str, precision: str, cache: Path) -> Path:
     from onnxmp.training import build_artifacts
-    from onnxmp.training.prepare import without_gradient
+    from onnxmp.training.build.prepare import without_gradient
 
     out = cache / f"{entry}.{target}.{precision}"
     if not (out / "manifest.json").exists():

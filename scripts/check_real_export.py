@@ -4,7 +4,7 @@
     python scripts/check_real_export.py DIR [--build-only] [--epochs 1] [--batch-size 16] [--lr 2e-4]
 
 Builds training artifacts with every float initializer trainable (but those
-:func:`onnxmp.training.prepare.without_gradient` names: constants some exporters
+:func:`onnxmp.training.build.prepare.without_gradient` names: constants some exporters
 store as initializers) for float32,
 float16 and bfloat16 (CPU target), then trains float32 and float16 (dynamic
 loss scaling) for the same steps on the same batches and prints loss, skipped
@@ -34,7 +34,7 @@ def train_one(folder: Path, precision: str, args) -> dict:
     model = onnx.load(folder / "minilm_cls.onnx")
     columns = [v.name for v in model.graph.input]
     start = time.perf_counter()
-    from onnxmp.training.prepare import without_gradient
+    from onnxmp.training.build.prepare import without_gradient
 
     # Constants an exporter stored as initializers (dynamo: a clamp minimum) cannot have a gradient.
     weights = trainable(model)

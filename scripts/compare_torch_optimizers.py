@@ -94,7 +94,7 @@ def onnxmp_losses(steps: int, folder: Path) -> dict:
     import onnxruntime as ort
 
     from onnxmp.training import SGD, AdamW, _ort, build_artifacts
-    from onnxmp.training.optimizer import build_portable_optimizer
+    from onnxmp.training.update_graph import build_portable_optimizer
 
     entry, batches = _batches(steps)
     model = onnx.load(str(EXPORTS / entry["file"]))

@@ -28,7 +28,7 @@ import onnx  # noqa: E402
 import tasks  # noqa: E402
 from onnxmp.errors import OnnxMPError  # noqa: E402
 from onnxmp.training import Trainer, build_artifacts  # noqa: E402
-from onnxmp.training.prepare import without_gradient  # noqa: E402
+from onnxmp.training.build.prepare import without_gradient  # noqa: E402
 
 PRECISIONS = ("float32", "float16", "bfloat16")
 

@@ -41,7 +41,7 @@ def build(entries, precisions, folder: Path) -> list[Path]:
     import onnx
 
     from onnxmp.training import build_artifacts
-    from onnxmp.training.prepare import without_gradient
+    from onnxmp.training.build.prepare import without_gradient
 
     matrix, built = _matrix(), []
     for entry in entries:

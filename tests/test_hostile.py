@@ -16,7 +16,7 @@ import pytest
 from models.hostile import CASES, NPZ_CASES, SECRET, W, write_model_cases, write_npz_cases
 from onnxmp.cli import EXIT_ERROR, main
 from onnxmp.errors import OnnxMPError
-from onnxmp.training.engines import native_available
+from onnxmp.training.run.engines import native_available
 
 ROOT = Path(__file__).resolve().parent.parent
 COMMANDS = ("convert", "calibrate", "explain", "emulate", "validate", "train", "compat")

@@ -48,9 +48,9 @@ def register(sub) -> None:
     from onnxmp.training.build import PRECISIONS
     from onnxmp.training.losses import LOSSES
     from onnxmp.targets import NAMES as TARGETS
-    from onnxmp.training.engines import ENGINES
-    from onnxmp.training.optimizer import OPTIMIZERS
-    from onnxmp.training.schedules import SCHEDULES
+    from onnxmp.training.run.engines import ENGINES
+    from onnxmp.training.optimizer_settings import OPTIMIZERS
+    from onnxmp.training.run.schedules import SCHEDULES
 
     p = sub.add_parser("train", help="train an ONNX model with mixed precision and dynamic loss scaling",
                        description="Build training artifacts (loss scaling, unscale, inf/NaN check), train on "
@@ -124,7 +124,7 @@ def register(sub) -> None:
 
 
 def _train(args) -> int:
-    from onnxmp.training.distributed import abort_on_error, from_environment
+    from onnxmp.training.run.distributed import abort_on_error, from_environment
 
     if args.list_params:
         return _list_params(args)
@@ -284,7 +284,7 @@ def _parameters(args, model) -> tuple[list[str], list[str]]:
     constants some exporters store as initializers (a clamp minimum...), which have no gradient."""
     from onnxmp.cli.train_params import select
     from onnxmp.training.models import trainable
-    from onnxmp.training.prepare import without_gradient
+    from onnxmp.training.build.prepare import without_gradient
 
     names = trainable(model)
     candidates = [n for n in names if n not in set(args.frozen)]
@@ -329,7 +329,7 @@ def _loss(args):
 
 def _scaler(args, precision: str):
     """The loss scaler the flags ask for; None for the Trainer's default."""
-    from onnxmp.training.scaler import DynamicLossScaler
+    from onnxmp.training.run.loss_scaler import DynamicLossScaler
 
     settings = {k: v for k, v in (("init_scale", args.init_scale), ("growth_interval", args.growth_interval),
                                   ("growth_factor", args.growth_factor), ("backoff_factor", args.backoff_factor))
@@ -362,7 +362,7 @@ def _private_folder(prefix: str):
 
 def _fit_and_export(trainer, train, evaluation, args, folder: Path, saved: _Saved) -> tuple[list[dict], list[str]]:
     from onnxmp.files import write_text_atomic
-    from onnxmp.training.distributed import contiguous_shard, shard
+    from onnxmp.training.run.distributed import contiguous_shard, shard
     from onnxmp.training.losses import LOSSES
 
     manifest = trainer.artifacts.manifest

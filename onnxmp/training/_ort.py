@@ -1,4 +1,7 @@
-"""Access to onnxruntime's training API without importing torch.
+"""onnxruntime-training 1.19.2, the last training build: its limits, and its API without importing torch.
+
+The limits (:data:`MAX_OPSET`, :data:`MAX_IR_VERSION`, :func:`cap_ir_version`) are what every
+graph the build writes respects, so that the native engine loads them.
 
 ``onnxruntime/training/__init__.py`` imports its torch-based optimizers, so a
 plain ``import onnxruntime.training`` fails (or costs seconds) without torch.
@@ -20,6 +23,16 @@ import tempfile
 import types
 
 from onnxmp.errors import OnnxMPError
+
+# onnxruntime-training 1.19.2, the last training build, loads nothing newer.
+MAX_IR_VERSION = 10
+MAX_OPSET = 21
+
+
+def cap_ir_version(model) -> None:
+    """onnx 1.23 stamps new models IR 14 and ORT 1.19 refuses anything over 10; nothing onnxmp or
+    onnxblock writes needs a newer IR feature."""
+    model.ir_version = min(model.ir_version or MAX_IR_VERSION, MAX_IR_VERSION)
 
 _INSTALL_HINT = ("install the training build: pip install onnxruntime-training-cpu==1.19.2 "
                  "(or onnxruntime-training==1.19.2 for CUDA); it exists for Python <= 3.11 only")

@@ -21,23 +21,8 @@ from typing import Any, Mapping
 import numpy as np
 
 from onnxmp.errors import OnnxMPError
+from onnxmp.training.contract import FORMAT, MANIFEST, OLD_FORMATS
 
-MANIFEST = "manifest.json"
-FORMAT = "onnxmp-training/2"
-OLD_FORMATS = ("onnxmp-training/1",)
-FILES = {
-    "training_model": "training_model.onnx",
-    "eval_model": "eval_model.onnx",
-    "optimizer_model": "optimizer_model.onnx",
-    "forward_model": "forward_model.onnx",
-    "checkpoint": "checkpoint",
-    "parameters": "parameters.npz",
-}
-PORTABLE_FILES = {
-    "training_model": "training_model.portable.onnx",
-    "eval_model": "eval_model.portable.onnx",
-    "optimizer_model": "optimizer_model.portable.onnx",
-}
 _REBUILD = ("rebuild the artifacts with this onnxmp version (on Python 3.11 with the training build: "
             "onnxmp.training.build_artifacts or `onnxmp train MODEL ...`)")
 

@@ -35,41 +35,13 @@ from typing import Any, Callable
 
 import numpy as np
 import onnx
-from onnx import TensorProto, helper, numpy_helper
+from onnx import TensorProto
 
 from onnxmp.errors import OnnxMPError
-from onnxmp.naming import proto_names
+from onnxmp.training.contract import IGNORE_INDEX
+from onnxmp.training.nodes import LossGraph
 
-IGNORE_INDEX = -100  # torch's and Hugging Face's
 _INT64_MAX = np.iinfo(np.int64).max
-
-
-class LossGraph:
-    """What a loss writer adds to: nodes with unique ``onnxmp/loss/...`` names, constants as initializers."""
-
-    def __init__(self, graph: onnx.GraphProto, prefix: str):
-        self.graph = graph
-        self.prefix = prefix
-        self._taken = proto_names(graph)
-
-    def name(self, what: str) -> str:
-        base = f"onnxmp/loss/{self.prefix}/{what}"
-        name, i = base, 1
-        while name in self._taken:
-            name, i = f"{base}_{i}", i + 1
-        self._taken.add(name)
-        return name
-
-    def op(self, op_type: str, *inputs: str, what: str | None = None, **attrs) -> str:
-        what = what or op_type.lower()
-        out = self.name(what)
-        self.graph.node.append(helper.make_node(op_type, list(inputs), [out], name=out, **attrs))
-        return out
-
-    def const(self, what: str, value, dtype=np.float32) -> str:
-        name = self.name(what)
-        self.graph.initializer.append(numpy_helper.from_array(np.asarray(value, dtype=dtype), name))
-        return name
 
 
 def _float_output(g: LossGraph, output: str, elem_type: int) -> str:

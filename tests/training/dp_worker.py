@@ -36,7 +36,7 @@ def batches(count: int, poison: int | None = None) -> list[tuple[np.ndarray, np.
 def run(config: dict, comm, folder: Path) -> dict[str, np.ndarray]:
     """Train as ``config`` says on this rank (``comm`` None: alone); the results as arrays."""
     from onnxmp.training import DynamicLossScaler, Trainer, build_artifacts
-    from onnxmp.training import distributed
+    from onnxmp.training.run import distributed
     from onnxmp.training.models import mlp, trainable
 
     rank, size = (0, 1) if comm is None else (comm.rank, comm.size)
@@ -85,7 +85,7 @@ def run(config: dict, comm, folder: Path) -> dict[str, np.ndarray]:
 
 
 def _api(configs_path: str, out: str) -> None:
-    from onnxmp.training import distributed
+    from onnxmp.training.run import distributed
 
     comm = distributed.from_environment()
     configs = json.loads(Path(configs_path).read_text())
@@ -98,7 +98,7 @@ def _cli(fault: str, argv: list[str]) -> int:
     """The real ``onnxmp train``; on rank 1, ``raise`` fails the 5th micro-step with an
     exception, ``kill`` kills the process there in the second epoch (after the first save)."""
     from onnxmp.cli import main
-    from onnxmp.training import trainer as trainer_module
+    from onnxmp.training.run import trainer as trainer_module
 
     rank = int(os.environ.get("PMI_RANK", "0"))
     if rank == 1 and fault != "none":

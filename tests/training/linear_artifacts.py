@@ -3,7 +3,7 @@ that the portable engine's tests run where onnxruntime-training does not (Python
 
 The model is linear regression, ``y = x @ W + b`` with the mean squared error; its portable
 training graph is written here in standard ops to the contract of
-:mod:`onnxmp.training.portable` (scaled loss, gradients unscaled and weighted by
+:mod:`onnxmp.training.contract` (scaled loss, gradients unscaled and weighted by
 ``grad_weight``, ``all_finite``, the accumulation ``Where(reset, grad, buffer + grad)``).
 The native files are copies of the portable graphs and an empty checkpoint: the folder is for
 the portable engine only.
@@ -18,10 +18,11 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
-from onnxmp.training.artifacts import FILES, FORMAT, MANIFEST, PORTABLE_FILES, write_parameters
-from onnxmp.training.optim import optimizer_named
-from onnxmp.training.optimizer import build_portable_optimizer
-from onnxmp.training.portable import optimizer_slots, state_pairs
+from onnxmp.training.artifacts import write_parameters
+from onnxmp.training.contract import FILES, FORMAT, MANIFEST, PORTABLE_FILES
+from onnxmp.training.optimizer_settings import optimizer_named
+from onnxmp.training.update_graph import build_portable_optimizer
+from onnxmp.training.contract import portable_entry
 
 
 OPSET = 17
@@ -104,7 +105,6 @@ def write_linear_artifacts(out: Path, *, optimizer: str = "sgd", n_in: int = 6, 
               "b": np.zeros(n_out, np.float32)}
     requires_grad = ["W", "b"]
     optimizer_model = build_portable_optimizer(optimizer, [(p, list(params[p].shape)) for p in requires_grad], OPSET)
-    slots = optimizer_slots(optimizer_model, requires_grad)
     models = {"training_model": training_model(n_in, n_out), "eval_model": eval_model(n_in, n_out),
               "optimizer_model": optimizer_model}
     for kind, model in models.items():
@@ -121,7 +121,7 @@ def write_linear_artifacts(out: Path, *, optimizer: str = "sgd", n_in: int = 6, 
         "training_outputs": ["loss_scaled", "loss", "all_finite"], "eval_outputs": ["loss", "y"],
         "loss_scale_input": "loss_scale", "grad_weight_input": "grad_weight",
         "requires_grad": requires_grad, "frozen": [], "files": dict(FILES),
-        "portable": {"files": dict(PORTABLE_FILES), "state_pairs": state_pairs(requires_grad, slots), "slots": slots},
+        "portable": portable_entry(optimizer_model, requires_grad),
     }
     (out / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
     return out

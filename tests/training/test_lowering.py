@@ -16,7 +16,7 @@ import pytest
 from onnx import TensorProto, helper
 
 from onnxmp.errors import OnnxMPError
-from onnxmp.training.lower import LOWERINGS, check_lowered, lower_model
+from onnxmp.training.build.lower import LOWERINGS, check_lowered, lower_model
 
 MS = "com.microsoft"
 RNG = np.random.default_rng(0)

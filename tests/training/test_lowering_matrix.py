@@ -16,8 +16,8 @@ import onnx
 import pytest
 
 from onnxmp.passes import PassManager
-from onnxmp.training.build import STAGES, TrainingBuild, Write
-from onnxmp.training.lower import check_lowered
+from onnxmp.training.build.pipeline import STAGES, TrainingBuild, Write
+from onnxmp.training.build.lower import check_lowered
 
 ROOT = Path(__file__).resolve().parents[2]
 _spec = importlib.util.spec_from_file_location("check_lowering", ROOT / "scripts" / "check_lowering.py")

@@ -3,7 +3,7 @@
 Every export of the matrix (models/exports/) builds for the GPU in float16 and bfloat16, and each
 graph of each build is valid (onnx.checker, strict types) and resolved by onnxruntime (types bound
 as a session binds them before choosing kernels), with every standard op it holds registered by
-plain onnxruntime's CUDA EP for its types (onnxmp.training.graph_check); the portable (lowered)
+plain onnxruntime's CUDA EP for its types (onnxmp.training.build.graph_check); the portable (lowered)
 graphs, where a build writes them, with every op so registered.  A build and its checks take about a
 second: the whole matrix is built, artifacts written.
 """
@@ -19,18 +19,18 @@ import pytest
 from onnx import TensorProto, helper, numpy_helper
 
 from onnxmp.errors import OnnxMPError
-from onnxmp.training import build as build_module
+from onnxmp.training.build import pipeline as build_module
 from onnxmp.training import build_artifacts
-from onnxmp.training.build import pow_exponents_like_bases
-from onnxmp.training.graph_check import check_graph
-from onnxmp.training.prepare import without_gradient
+from onnxmp.training.build.pipeline import pow_exponents_like_bases
+from onnxmp.training.build.graph_check import check_graph
+from onnxmp.training.build.prepare import without_gradient
 
 EXPORTS = Path(__file__).resolve().parents[2] / "models" / "exports"
 MATRIX = json.loads((EXPORTS / "matrix.json").read_text())
 ENTRIES = sorted(k for k, e in MATRIX.items() if "file" in e)
 GRAPHS = ("training_model.onnx", "eval_model.onnx", "optimizer_model.onnx")
 # Standard ONNX ops the training graph holds that plain onnxruntime's CUDA EP has no kernel for: the
-# lowering's (onnxmp.training.lower) to replace.  Every other standard op must have a CUDA kernel.
+# lowering's (onnxmp.training.build.lower) to replace.  Every other standard op must have a CUDA kernel.
 NO_PLAIN_CUDA_KERNEL = {"SoftmaxCrossEntropyLoss"}
 
 

@@ -19,8 +19,8 @@ import numpy as np
 import onnx
 import pytest
 
-from onnxmp.training import distributed
-from onnxmp.training.distributed import contiguous_shard, launched_world_size, shard
+from onnxmp.training.run import distributed
+from onnxmp.training.run.distributed import contiguous_shard, launched_world_size, shard
 
 HERE = Path(__file__).parent
 ROOT = HERE.parent.parent
@@ -127,7 +127,7 @@ def test_launched_world_size_reads_the_launchers_variables(environ, size):
 
 
 def test_alone_nothing_of_mpi_is_imported():
-    code = ("import sys; from onnxmp.training import distributed as d; "
+    code = ("import sys; from onnxmp.training.run import distributed as d; "
             "assert d.from_environment() is None and d.from_environment('none') is None; "
             "assert 'mpi4py' not in sys.modules")
     env = {k: v for k, v in os.environ.items() if k not in ("PMI_SIZE", "OMPI_COMM_WORLD_SIZE")}

@@ -27,7 +27,7 @@ import onnxruntime as ort
 import pytest
 
 from onnxmp.training import DynamicLossScaler, Trainer, build_artifacts
-from onnxmp.training.prepare import without_gradient
+from onnxmp.training.build.prepare import without_gradient
 
 EXPORTS = Path(__file__).resolve().parents[2] / "models" / "exports"
 sys.path.insert(0, str(EXPORTS))

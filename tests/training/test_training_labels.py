@@ -42,10 +42,10 @@ def test_targets_must_have_the_output_shape(loss):
 
 
 def test_ort_run_errors_lead_with_ort_reason(fp32_artifacts, monkeypatch):
-    import onnxmp.training.trainer as trainer_module
+    import onnxmp.training.run.feeds as feeds_module
 
     trainer = Trainer(fp32_artifacts)
-    monkeypatch.setattr(trainer_module, "check_labels", lambda loss, labels, **_: np.asarray(labels))
+    monkeypatch.setattr(feeds_module, "check_labels", lambda loss, labels, **_: np.asarray(labels))
     with pytest.raises(OnnxMPError) as info:
         trainer.train_step(X, np.array([0, 1, 2]))
     first = str(info.value).splitlines()[0]
@@ -61,9 +61,9 @@ def test_ort_errors_inside_the_graph_are_not_blamed_on_the_batch(fp32_artifacts)
             "onnxruntime::ReshapeHelper::ReshapeHelper(const onnxruntime::TensorShape&, "
             "onnxruntime::TensorShapeVector&, bool) input_shape_size == size was false. The input tensor cannot "
             "be reshaped to the requested shape. Input shape:{1,32,1536}, requested shape:{}")
-    error = Trainer(fp32_artifacts)._run_error(text, "training")
+    error = Trainer(fp32_artifacts).feeds.run_error(text, "training")
     first = str(error).splitlines()[0]
     assert "rejected the batch" not in first and "Reshape node" in first and "training graph" in first
     assert "cannot be reshaped" in first and "onnxruntime_src" not in first and "rebuild" in error.hint
-    named = Trainer(fp32_artifacts)._run_error(text.replace("Name:''", "Name:'head/Gemm'"), "eval")
+    named = Trainer(fp32_artifacts).feeds.run_error(text.replace("Name:''", "Name:'head/Gemm'"), "eval")
     assert "Reshape node 'head/Gemm' of the eval graph" in str(named)

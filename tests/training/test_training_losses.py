@@ -70,7 +70,7 @@ def run_portable_graph(artifacts, x, labels, state):
     """The same micro-step through the portable form (issue 28's lowering, where this onnxmp has it) on a
     plain InferenceSession: the loss and the new accumulation buffers, which hold the gradients after a reset."""
     try:
-        from onnxmp.training.lower import lower_model
+        from onnxmp.training.build.lower import lower_model
     except ImportError:
         return None
     import onnxruntime
@@ -281,7 +281,7 @@ def test_a_batch_with_every_label_ignored_trains_on_as_torch_does(tmp_path):
 
 def test_causal_lm_evaluates_a_token_accuracy_on_the_shifted_labelled_positions(tmp_path):
     from onnxmp.training import Trainer
-    from onnxmp.training.metrics import token_accuracy
+    from onnxmp.training.run.metrics import token_accuracy
 
     data = case("causal_lm_tokens_ignored")
     artifacts = build_artifacts(tiny_model(data["x"], data["W"], data["b"]), requires_grad=["W", "b"],

@@ -24,8 +24,8 @@ import pytest
 
 from onnxmp.errors import OnnxMPError
 from onnxmp.training import SGD, AdamW
-from onnxmp.training.optim import ByName, optimizer_named
-from onnxmp.training.optimizer import build_optimizer_model, build_portable_optimizer
+from onnxmp.training.optimizer_settings import ByName, optimizer_named
+from onnxmp.training.build.optimizer_graphs import build_optimizer_model, build_portable_optimizer
 
 def _training_build() -> bool:
     from onnxmp.training import _ort

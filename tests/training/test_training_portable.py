@@ -13,7 +13,7 @@ import pytest
 
 from onnxmp.errors import OnnxMPError
 from onnxmp.training import DynamicLossScaler, Trainer
-from onnxmp.training import engines
+from onnxmp.training.run import engines
 from onnxmp.training.artifacts import Artifacts
 
 from linear_artifacts import linear_data, write_linear_artifacts
@@ -108,11 +108,39 @@ def test_save_and_resume_continue_bit_for_bit(adamw_linear, data, tmp_path):
         Trainer.resume(tmp_path / "state", engine="native")
 
 
+def test_state_dicts_carry_a_run_in_memory_bit_for_bit(adamw_linear, data):
+    # torch's pattern: trainer, scaler, schedule and engine each give and take their state.
+    settings = dict(engine="portable", lr=1e-2, grad_accum_steps=2, schedule="linear", total_steps=8,
+                    scaler={"init_scale": 2.0**10, "growth_interval": 1})
+    straight = Trainer(adamw_linear, **settings)
+    for batch in data:
+        straight.train_step(*batch)
+
+    first = Trainer(adamw_linear, **settings)
+    for batch in data[:4]:
+        first.train_step(*batch)
+    trainer_state, engine_state = first.state_dict(), first.engine.state_dict()
+    assert trainer_state["optimizer_steps"] == 2 and trainer_state["scaler"]["scale"] == 2.0**12
+    assert engine_state["optimizer"]["onnxmp.optimizer.step"] == 2
+    second = Trainer(adamw_linear, **{**settings, "schedule": "constant"})
+    second.load_state_dict(trainer_state)
+    second.engine.load_state_dict(engine_state)
+    assert second.schedule == first.schedule and second.scaler.scale == 2.0**12
+    for batch in data[4:]:
+        second.train_step(*batch)
+    assert _digest(second) == _digest(straight)
+
+    with pytest.raises(OnnxMPError, match="not a trainer state"):
+        second.load_state_dict({"epoch": 1})
+    with pytest.raises(OnnxMPError, match="lacks the optimizer state"):
+        second.engine.load_state_dict({"parameters": {}, "optimizer": {}})
+
+
 def test_clipping_rebuilds_the_optimizer_graph(sgd_linear, data):
     lr, clip = 0.5, 0.01
     probe = Trainer(sgd_linear, engine="portable", lr=lr)
     before = probe.parameters()
-    probe.engine.train({**probe._feeds(data[0]), "loss_scale": np.array(1.0, np.float32),
+    probe.engine.train({**probe.feeds(data[0]), "loss_scale": np.array(1.0, np.float32),
                         "grad_weight": np.array(1.0, np.float32)})
     grads = probe.gradients()
     norm = np.sqrt(sum(float(np.sum(g.astype(np.float64) ** 2)) for g in grads.values()))

@@ -11,8 +11,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from onnxmp.training import Trainer, engines
-from onnxmp.training.artifacts import FORMAT, Artifacts
+from onnxmp.training import Trainer
+from onnxmp.training.run import engines
+from onnxmp.training.artifacts import Artifacts
+from onnxmp.training.contract import FORMAT
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path[:0] = [str(ROOT / "models"), str(ROOT / "models" / "exports")]

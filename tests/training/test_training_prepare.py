@@ -7,8 +7,8 @@ from onnx import helper, numpy_helper
 
 from onnxmp.errors import OnnxMPError
 from onnxmp.training import build_artifacts
-from onnxmp.training.gradient import gradient_error
-from onnxmp.training.prepare import prepare_for_gradient
+from onnxmp.training.build.gradient import gradient_error
+from onnxmp.training.build.prepare import prepare_for_gradient
 
 
 def _model(body: str, *, opset: int = 17, out: str = "[2,4]", extra: str = "") -> onnx.ModelProto:
@@ -74,7 +74,7 @@ def test_ort_builds_the_gradient_only_after_preparation(case, tmp_path, monkeypa
     build_artifacts(model, requires_grad=["W", "V"] if "MatMul(x, V)" in body else ["W"], loss="mse",
                     precision="float32", out_dir=tmp_path / "ok")
     # The same model without preparation is what ORT refused.
-    import onnxmp.training.build as build
+    import onnxmp.training.build.pipeline as build
 
     monkeypatch.setattr(build, "prepare_for_gradient", lambda m, r: (m, []))
     with pytest.raises(OnnxMPError):
@@ -184,7 +184,7 @@ g (float[N,4] x) => (float[N,4] y) {
 ])
 def test_parameter_read_only_where_ort_does_not_differentiate(body, slot, tmp_path):
     # torch's dynamo exporter stores constants such as a clamp's minimum as initializers.
-    from onnxmp.training.prepare import without_gradient
+    from onnxmp.training.build.prepare import without_gradient
 
     model = _model(body)
     model.graph.initializer.append(numpy_helper.from_array(np.array(0.1, np.float32), "P"))
@@ -321,7 +321,7 @@ def test_gradient_of_a_broadcast_where_branch_has_the_parameter_shape(precision,
 def test_a_gradient_of_the_wrong_shape_fails_cleanly(tmp_path, monkeypatch):
     # Without the Where preparation ORT hands the 0-d parameters a [N, 1, 3] gradient: the
     # training graph must refuse it, never let InPlaceAccumulatorV2 write it past the buffer.
-    import onnxmp.training.build as build
+    import onnxmp.training.build.pipeline as build
     from onnxmp.training import Trainer
 
     monkeypatch.setattr(build, "prepare_for_gradient", lambda m, r: (m, []))
@@ -339,7 +339,8 @@ def test_dynamo_style_scalar_initializers_all_train_in_float16(tmp_path):
     from models import zoo
     from onnxmp.training import Trainer
     from onnxmp.training.models import trainable
-    from onnxmp.training.prepare import promote_constants, without_gradient
+    from onnxmp.training.build.load import promote_constants
+    from onnxmp.training.build.prepare import without_gradient
 
     base = zoo.transformer_classifier(mask_fill="where")
     floats = [n.output[0] for n in base.graph.node
@@ -496,7 +497,7 @@ def test_broadcast_position_embedding_gradient(batch, target, tmp_path):
 
 def test_without_unproving_dims_the_broadcast_gradient_fails(tmp_path, monkeypatch):
     # The failure the rule prevents, kept visible: ORT's builder skips the sum over the batch.
-    import onnxmp.training.gradient as gradient
+    import onnxmp.training.build.gradient as gradient
     from onnxmp.training import Trainer
 
     monkeypatch.setattr(gradient, "unprove_symbolic_dims", lambda graph: 0)
@@ -507,8 +508,8 @@ def test_without_unproving_dims_the_broadcast_gradient_fails(tmp_path, monkeypat
 
 
 def test_only_a_hidden_broadcast_is_left_to_runtime_shapes():
-    from onnxmp.training.gradient import unprove_symbolic_dims
-    from onnxmp.training.prepare import RUNTIME_SHAPE
+    from onnxmp.training.build.gradient import unprove_symbolic_dims
+    from onnxmp.training.build.prepare import RUNTIME_SHAPE
 
     # [N, S, 4] + [unk, unk, 4]: ORT would take unk for N and never sum over the batch.
     prepared, done = prepare_for_gradient(_position_embedding_model(), ["E", "P", "W"])
@@ -540,7 +541,7 @@ GATHER_GRAD_CASES = {  # name -> (data shape, indices, axis)
 
 @pytest.mark.parametrize("case", sorted(GATHER_GRAD_CASES))
 def test_deterministic_gather_grad_equals_orts_gather_grad(case):
-    from onnxmp.training.determinism import deterministic_gather_grads
+    from onnxmp.training.build.determinism import deterministic_gather_grads
 
     shape, indices, axis = GATHER_GRAD_CASES[case]
     dy_shape = shape[:axis] + indices.shape + shape[axis + 1:]
@@ -571,7 +572,7 @@ def test_deterministic_gather_grad_equals_orts_gather_grad(case):
 def test_batch_norm_running_statistics_are_not_trained(tmp_path):
     # Eval-mode BatchNormalization trains with its running statistics (ORT would switch it to
     # batch statistics and never write them back); the statistics themselves are no parameters.
-    from onnxmp.training.prepare import without_gradient
+    from onnxmp.training.build.prepare import without_gradient
 
     model = _model("y = BatchNormalization(h, S, B, M, Q)")
     rng = np.random.default_rng(3)

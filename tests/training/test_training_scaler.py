@@ -110,7 +110,7 @@ def test_a_large_initial_scale_is_accepted_as_torch_does():
 
 def test_warning_after_n_skipped_updates_in_a_row(caplog):
     s = DynamicLossScaler(2.0**10, warn_after_skips=3)
-    with caplog.at_level(logging.WARNING, logger="onnxmp.training.scaler"):
+    with caplog.at_level(logging.WARNING, logger="onnxmp.training.run.loss_scaler"):
         s.update(False)
         s.update(False)
         s.update(True)  # the streak restarts
@@ -123,7 +123,7 @@ def test_warning_after_n_skipped_updates_in_a_row(caplog):
             s.update(False)
         assert len(caplog.records) == 2 and "6 updates in a row" in caplog.records[1].getMessage()
     never = DynamicLossScaler(2.0**10, warn_after_skips=0)
-    with caplog.at_level(logging.WARNING, logger="onnxmp.training.scaler"):
+    with caplog.at_level(logging.WARNING, logger="onnxmp.training.run.loss_scaler"):
         for _ in range(30):
             never.update(False)
     assert len(caplog.records) == 2

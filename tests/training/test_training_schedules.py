@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from onnxmp.errors import OnnxMPError
-from onnxmp.training.schedules import Schedule
+from onnxmp.training.run.schedules import Schedule
 
 REFERENCES = json.loads((Path(__file__).parent / "data" / "schedule_references.json").read_text())["schedules"]
 

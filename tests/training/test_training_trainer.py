@@ -172,7 +172,7 @@ def test_global_norm_clipping_on_unscaled_gradients(sgd_artifacts, batches):
 
 
 def _feeds(trainer, batch):
-    feeds = trainer._feeds(batch)
+    feeds = trainer.feeds(batch)
     feeds["loss_scale"] = np.array(trainer.scaler.scale, np.float32)
     feeds["grad_weight"] = np.array(1.0 / trainer.grad_accum_steps, np.float32)
     return feeds
@@ -294,7 +294,7 @@ def skip_through_gradients(trainer, batch):
 def test_named_schedule_sets_lr_per_applied_update_and_resumes(fp32_artifacts, batches, tmp_path):
     """Hugging Face's warmup: the first update runs at lr 0 (weights unchanged), then linear decay;
     a skipped update does not advance it; the schedule and base lr are saved with the state."""
-    from onnxmp.training.schedules import Schedule
+    from onnxmp.training.run.schedules import Schedule
 
     trainer = Trainer(fp32_artifacts, lr=0.1, schedule="linear", warmup_steps=2, total_steps=6)
     before = trainer.parameters()
@@ -334,7 +334,7 @@ def test_scaler_settings_and_threads(fp16_artifacts, batches):
 
 
 def test_accuracy_skips_ignored_labels():
-    from onnxmp.training.metrics import accuracy, metric_functions, token_accuracy
+    from onnxmp.training.run.metrics import accuracy, metric_functions, token_accuracy
 
     logits = np.eye(3, dtype=np.float32)[None].repeat(2, 0)  # position t predicts class t
     labels = np.array([[0, 1, -100], [0, 2, 2]])

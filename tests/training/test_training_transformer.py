@@ -140,7 +140,7 @@ def test_resume_refuses_to_drop_an_lr_schedule(artifacts, task, tmp_path):
 
 
 def test_deterministic_embedding_gradient_equals_ort_gather_grad(classifier, task, tmp_path, monkeypatch):
-    import onnxmp.training.build as module
+    import onnxmp.training.build.pipeline as module
 
     def one_sgd_step(folder):
         trainer = Trainer(folder, lr=1.0)
