@@ -124,7 +124,7 @@ def graph_loss(loss: onnx.GraphProto | onnx.ModelProto,
     tensor = result.type.tensor_type
     if tensor.elem_type not in (0, TensorProto.FLOAT):
         raise OnnxMPError(f"the loss graph {name}'s output {result.name!r} is "
-                          f"{helper.tensor_dtype_to_string(tensor.elem_type)}, not a float32 scalar",
+                          f"{TensorProto.DataType.Name(tensor.elem_type)}, not a float32 scalar",
                           "end the loss in float32 (Cast to FLOAT)")
     if tensor.HasField("shape") and len(tensor.shape.dim):
         raise OnnxMPError(f"the loss graph {name}'s output {result.name!r} has rank {len(tensor.shape.dim)}, "
