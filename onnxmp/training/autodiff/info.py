@@ -1,0 +1,142 @@
+"""What the gradient rules know about the forward graph at build time: element types, symbolic
+shapes (onnx's shape inference with data propagation) and constant values.
+
+A dim is an ``int`` (known), a ``str`` (a symbol: two equal symbols are equal at run time) or
+``None`` (unknown).  A shape is a tuple of dims, or ``None`` when even the rank is unknown.
+"""
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+import onnx
+from onnx import TensorProto, helper, numpy_helper
+
+from onnxmp.domains import is_onnx_domain, onnx_opset
+
+log = logging.getLogger("onnxmp.training.autodiff")
+
+Dim = int | str | None
+Shape = tuple[Dim, ...] | None
+
+# Small integer initializers stay in the skeleton that onnx's inference reads (shapes, axes,
+# pads feed data propagation); weights become inputs (a model over 2 GB still infers).
+_SMALL = 64
+_INT_OUT = {"Shape": TensorProto.INT64, "Size": TensorProto.INT64, "NonZero": TensorProto.INT64,
+            "ArgMax": TensorProto.INT64, "ArgMin": TensorProto.INT64}
+_BOOL_OUT = frozenset({"Equal", "Greater", "Less", "GreaterOrEqual", "LessOrEqual", "Not", "And", "Or", "Xor",
+                       "IsInf", "IsNaN"})
+
+
+class GraphInfo:
+    def __init__(self, model: onnx.ModelProto):
+        graph = model.graph
+        self.opset = onnx_opset(model) or 1
+        self.initializers = {t.name: t for t in graph.initializer}
+        self.constant_nodes = {n.output[0]: n for n in graph.node
+                               if n.op_type == "Constant" and is_onnx_domain(n.domain)}
+        self.types: dict[str, int] = {}
+        self.shapes: dict[str, Shape] = {}
+        self._values: dict[str, np.ndarray | None] = {}
+        inferred = _infer(model)
+        for value in (*inferred.graph.input, *inferred.graph.value_info, *inferred.graph.output,
+                      *graph.input, *graph.output, *graph.value_info):
+            if not value.type.HasField("tensor_type"):
+                continue
+            tensor = value.type.tensor_type
+            if tensor.elem_type and not self.types.get(value.name):
+                self.types[value.name] = tensor.elem_type
+            if tensor.HasField("shape") and self.shapes.get(value.name) is None:
+                self.shapes[value.name] = tuple(_dim(d) for d in tensor.shape.dim)
+        for t in graph.initializer:
+            self.types[t.name] = t.data_type
+            self.shapes[t.name] = tuple(int(d) for d in t.dims)
+        self._propagate(graph)
+
+    def _propagate(self, graph: onnx.GraphProto) -> None:
+        """Element types onnx's inference left out (after an op it has no schema for)."""
+        for node in graph.node:
+            for i, out in enumerate(node.output):
+                if not out or self.types.get(out):
+                    continue
+                if node.op_type == "Cast":
+                    elem = next((a.i for a in node.attribute if a.name == "to"), 0)
+                elif node.op_type in _INT_OUT:
+                    elem = _INT_OUT[node.op_type]
+                elif node.op_type in _BOOL_OUT and i == 0:
+                    elem = TensorProto.BOOL
+                else:
+                    elem = next((self.types[x] for x in node.input if x and self.types.get(x)), 0)
+                if elem:
+                    self.types[out] = elem
+
+    def shape(self, name: str) -> Shape:
+        return self.shapes.get(name)
+
+    def rank(self, name: str) -> int | None:
+        shape = self.shapes.get(name)
+        return None if shape is None else len(shape)
+
+    def static_shape(self, name: str) -> list[int] | None:
+        shape = self.shapes.get(name)
+        if shape is None or not all(isinstance(d, int) for d in shape):
+            return None
+        return list(shape)
+
+    def value(self, name: str) -> np.ndarray | None:
+        """The value of ``name`` when an initializer or a Constant node holds it."""
+        if not name:
+            return None
+        if name not in self._values:
+            self._values[name] = self._read(name)
+        return self._values[name]
+
+    def _read(self, name: str) -> np.ndarray | None:
+        if name in self.initializers:
+            return numpy_helper.to_array(self.initializers[name])
+        node = self.constant_nodes.get(name)
+        if node is None:
+            return None
+        for a in node.attribute:
+            if a.name == "value":
+                return numpy_helper.to_array(a.t)
+            if a.name in ("value_int", "value_ints"):
+                return np.asarray(helper.get_attribute_value(a), np.int64)
+            if a.name in ("value_float", "value_floats"):
+                return np.asarray(helper.get_attribute_value(a), np.float32)
+        return None
+
+    def ints(self, name: str) -> list[int] | None:
+        value = self.value(name)
+        return None if value is None else [int(v) for v in np.asarray(value).ravel()]
+
+
+def _dim(d) -> Dim:
+    if d.HasField("dim_value"):
+        return int(d.dim_value)
+    if d.HasField("dim_param") and d.dim_param:
+        return d.dim_param
+    return None
+
+
+def _infer(model: onnx.ModelProto) -> onnx.ModelProto:
+    skeleton = onnx.ModelProto(ir_version=model.ir_version)
+    skeleton.opset_import.extend(model.opset_import)
+    skeleton.functions.extend(model.functions)
+    graph = skeleton.graph
+    graph.node.extend(model.graph.node)
+    graph.input.extend(model.graph.input)
+    graph.output.extend(model.graph.output)
+    graph.value_info.extend(model.graph.value_info)
+    declared = {v.name for v in graph.input}
+    for t in model.graph.initializer:
+        small = t.data_type in (TensorProto.INT64, TensorProto.INT32) and np.prod(t.dims, dtype=np.int64) <= _SMALL
+        if small:
+            graph.initializer.append(t)
+        elif t.name not in declared:
+            graph.input.append(helper.make_tensor_value_info(t.name, t.data_type, t.dims))
+    try:
+        return onnx.shape_inference.infer_shapes(skeleton, check_type=False, strict_mode=False, data_prop=True)
+    except Exception as exc:  # onnx raises assorted types; the declared shapes remain
+        log.warning("shape inference failed (%s); the gradient uses the declared shapes only", exc)
+        return skeleton
