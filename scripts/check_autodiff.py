@@ -53,13 +53,13 @@ def forward_of(entry: str, precision: str):
 def both(entry: str, precision: str):
     from onnxmp.training import autodiff
     from onnxmp.training.gradient import gradient_graph as ort_gradient_graph
-    from onnxmp.training.losses import block
+    from onnxmp.training.losses import table_loss
 
     forward, requires_grad, frozen = forward_of(entry, precision)
     started = time.perf_counter()
     ours = autodiff.gradient_graph(forward, autodiff.table_loss("cross_entropy"), "labels", requires_grad, frozen)
     seconds = time.perf_counter() - started
-    theirs = ort_gradient_graph(forward, block("cross_entropy"), "labels", requires_grad, frozen)
+    theirs = ort_gradient_graph(forward, table_loss("cross_entropy"), "labels", requires_grad, frozen)
     return forward, requires_grad, ours, theirs, seconds
 
 

@@ -11,6 +11,11 @@ if _ROOT not in sys.path:
 # above). There, onnxmp's gradient builder builds the artifacts (builder="auto") and the portable engine
 # trains them, so the training tests run; the files below need the training build throughout (the
 # native engine, ORT's builder as the reference, MPI ranks from the train-cpu extra) and are left out.
-NEEDS_TRAINING_BUILD = {"test_training_distributed.py", "test_lowering.py", "test_lowering_matrix.py"}
+NEEDS_TRAINING_BUILD = {
+    "test_training_distributed.py",  # MPI ranks: mpi4py comes with train-cpu on Python <= 3.11
+    "test_lowering.py", "test_lowering_matrix.py",  # the lowering of ORT's gradient ops, against ORT's kernels
+    "test_training_engines.py",  # the native engine against the portable one
+    "test_training_prepare.py",  # what ORT's gradient builder needs prepared, checked on its graphs
+}
 collect_ignore = ([f"training/{name}" for name in sorted(NEEDS_TRAINING_BUILD)]
                   if sys.version_info >= (3, 12) else [])

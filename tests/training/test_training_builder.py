@@ -56,7 +56,8 @@ def _without_native_files(source: Artifacts, folder):
     shutil.copytree(source.directory, folder)
     manifest = json.loads((folder / "manifest.json").read_text())
     for kind in NATIVE_FILES:
-        (folder / manifest["files"].pop(kind)).unlink()
+        if kind in manifest["files"]:  # ORT's builder made the session's folders (Python 3.11)
+            (folder / manifest["files"].pop(kind)).unlink()
     manifest["builder"] = "onnxmp"
     (folder / "manifest.json").write_text(json.dumps(manifest))
     return Artifacts.load(folder)
@@ -73,7 +74,7 @@ def test_folders_without_native_files_train_on_the_portable_engine_and_refuse_th
     assert "engine='portable'" in info.value.hint
     with pytest.raises(OnnxMPError, match="no native-engine files \\(no checkpoint\\)"):
         portable_only.checkpoint
-    assert fp32_artifacts.has_native and fp32_artifacts.builder == "ort"
+    assert fp32_artifacts.has_native == (fp32_artifacts.builder == "ort") == training_build()
 
 
 @pytest.mark.parametrize("builder", HERE)
