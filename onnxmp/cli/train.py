@@ -193,6 +193,10 @@ def _train_on(args, comm) -> int:
         from onnxmp.training.build import check_trainable_size, resolve_builder
 
         builder = resolve_builder(args.builder)  # the builder asked for is there: say so before any work
+        if builder == "onnxmp" and args.engine == "native":
+            raise OnnxMPError("--engine native runs the files ORT's gradient builder writes, and onnxmp's builder "
+                              "builds this run", "use --engine portable (or auto), or --builder ort on Python 3.11 "
+                              "with the training build")
         check_trainable_size(args.model)  # before the weights are read into memory
         model = load(args.model)
         loss, loss_options = _loss(args)
