@@ -73,7 +73,9 @@ def loss_writer(loss: Any, opset_import: Sequence[onnx.OperatorSetIdProto] = ())
     if isinstance(loss, str):
         loss = losses.table_loss(loss)
     table = getattr(loss, "loss_name", None)
-    if isinstance(loss, TableLoss) or (is_block(loss) and table in LOSSES):  # losses.block(...) too
+    # A table loss however it was made: table_loss(...), losses.block(...) (an onnxblock Block), or any
+    # object naming a table entry and its options.
+    if isinstance(loss, TableLoss) or (table in LOSSES and isinstance(getattr(loss, "loss_options", None), dict)):
         table_writer = loss if isinstance(loss, TableLoss) else losses.table_loss(table, **loss.loss_options)
         return LossWriter(table, table_writer, losses.loss(table).label, dict(table_writer.loss_options), table=True)
     if isinstance(loss, (onnx.ModelProto, onnx.GraphProto)):
