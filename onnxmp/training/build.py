@@ -25,6 +25,7 @@ The build is a pipeline of stages (``docs/training.md``), each a pass over one
 """
 from __future__ import annotations
 
+import functools
 import logging
 import os
 from dataclasses import dataclass, field
@@ -113,8 +114,10 @@ class Load(PassBase[TrainingBuild]):
 
         check_trainable_size(state.source)
         state.forward = load(state.source)
-        # ORT 1.19's caps only where its builder and native engine read the graphs.
-        state.forward = supported_versions(state.forward) if state.native else state.forward
+        # ORT 1.19's opset cap where its builder and native engine read the graphs, or where the installed
+        # onnxruntime (which the portable engine runs on) cannot load the model's opset either.
+        if state.native or not runtime_loads_opset(_opset(state.forward)):
+            state.forward = supported_versions(state.forward)
         cap_ir_version(state.forward)  # the portable engine runs on onnxruntime >= 1.19 too
         state.trainable, promoted = promote_constants(state.forward, state.parameter_names)
         _check_parameters(state.trainable, state.requires_grad, state.frozen)
@@ -462,6 +465,25 @@ def supported_versions(model: onnx.ModelProto) -> onnx.ModelProto:
                               f"export the model at opset <= {MAX_OPSET}") from None
     cap_ir_version(model)
     return model
+
+
+@functools.lru_cache(maxsize=None)
+def runtime_loads_opset(opset: int) -> bool:
+    """Whether the installed onnxruntime loads a model of default-domain ``opset`` (asked of it: an
+    Identity model at that opset, the runtime being the judge)."""
+    import onnxruntime
+
+    probe = helper.make_model(
+        helper.make_graph([helper.make_node("Identity", ["x"], ["y"])], "opset_probe",
+                          [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1])],
+                          [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1])]),
+        opset_imports=[helper.make_opsetid("", opset)])
+    cap_ir_version(probe)
+    try:
+        onnxruntime.InferenceSession(probe.SerializeToString(), providers=["CPUExecutionProvider"])
+    except Exception:  # onnxruntime's "opset N is under development / not supported" failures
+        return False
+    return True
 
 
 def _opset(model: onnx.ModelProto) -> int:
