@@ -7,7 +7,8 @@ build, where both builders exist):
 - ``nodes``: the float32 CPU training graph's node count after onnxruntime's optimizations (the
   session options the engines use, saved through ``optimized_model_filepath``): onnxmp's graph (what
   the portable engine runs) against ORT's native training graph (what the native engine runs, loaded
-  by the training build's session, which has its gradient kernels);
+  by the training build's session, which has its gradient kernels; ``ratio`` is onnxmp/native) and
+  against its lowering to standard ops (``lowered``, what the portable engine ran before);
 - ``int64``: the nodes with an int64 output (shape arithmetic) left in the CUDA-target float16
   training graph after onnxruntime's EP-independent (basic) optimizations: before, ORT's builder and
   the lowering to standard ops (the portable graph of its folder); after, onnxmp's builder.  Where
@@ -168,7 +169,7 @@ def bench_builders(args) -> int:
     print(f"{args.optimizer}, float32 steps on the CPU (median of {args.steps} after {args.warmup} of warm-up, an "
           f"update every step, one process per variant, in turn); nodes after onnxruntime's optimizations "
           f"(the engines' session options); int64: the CUDA float16 graph after basic optimizations")
-    head = (f"{'export':<22}{'nodes ort':>10}{'onnxmp':>8}{'ratio':>7}{'int64 before':>13}{'after':>7}"
+    head = (f"{'export':<22}{'nodes ort':>10}{'lowered':>8}{'onnxmp':>8}{'ratio':>7}{'int64 before':>13}{'after':>7}"
             + "".join(f"{f'ms ort/{t}':>11}{f'onnxmp/{t}':>10}{f'torch/{t}':>9}{f'o/ort':>7}{f'o/torch':>8}"
                       for t in THREADS)
             + f"{'RSS MiB ort':>12}{'onnxmp':>8}{'torch':>7}{'max rel loss':>14}{'build s ort':>12}{'onnxmp':>8}")
@@ -186,7 +187,10 @@ def bench_builders(args) -> int:
                 ort_graph = optimized_model(cpu["ort"].training_model, session_options(cpu["ort"]), tmp / "ort")
                 ours_graph = optimized_model(cpu["onnxmp"].portable_path("training_model"),
                                              session_options(cpu["onnxmp"]), tmp / "onnxmp")
+                lowered = optimized_model(cpu["ort"].portable_path("training_model"), session_options(cpu["ort"]),
+                                          tmp / "ort-lowered")
                 row["nodes_ort"] = len(ort_graph.graph.node) if ort_graph is not None else None
+                row["nodes_ort_lowered"] = len(lowered.graph.node) if lowered is not None else None
                 row["nodes_onnxmp"] = len(ours_graph.graph.node) if ours_graph is not None else None
                 for builder, when in (("ort", "before"), ("onnxmp", "after")):
                     cuda, _ = build(key, builder, "float16", "cuda", args.optimizer, tmp / f"{key}.{builder}.cuda")
@@ -223,7 +227,7 @@ def _line(key: str, row: dict) -> str:
         value = row.get(name)
         return "-" if value is None else f"{value}{' raw' if row.get(name + '_raw') else ''}"
 
-    nodes = (f"{count('nodes_ort'):>10}{count('nodes_onnxmp'):>8}"
+    nodes = (f"{count('nodes_ort'):>10}{count('nodes_ort_lowered'):>8}{count('nodes_onnxmp'):>8}"
              f"{(row['nodes_onnxmp'] / row['nodes_ort']) if row.get('nodes_ort') and row.get('nodes_onnxmp') else 0:>7.2f}")
     text = f"{key:<22}{nodes}{count('int64_before'):>13}{count('int64_after'):>7}"
     for t in THREADS:
