@@ -97,16 +97,15 @@ def _weight_grad(c, x, w_shape, dy, kernel, strides, dilations, begin, end, grou
         return c.op("Reshape", grad, c.ints([cout, 1, *kernel]))
     # Grouped: x as [cin_group, G*N, *S], dy as [G*cout_group, N, *O], a conv of G groups.
     cout_group = cout // group
-    xs = _regroup(c, x, group, cin_group, n)
-    dys = _regroup(c, dy, group, cout_group, n, kernel_layout=True)
+    xs = _regroup(c, x, c.shape(x), group, cin_group, n)
+    dys = _regroup(c, dy, c.shape(c.y(0)), group, cout_group, n, kernel_layout=True)
     grad = c.op("Conv", xs, dys, group=group, **attrs)  # [cin_group, G*cout_group, *K']
     grad = _crop(c, grad, x, kernel, strides, dilations, begin, end)
     return c.transpose(grad, swap)
 
 
-def _regroup(c: Vjp, t: str, group: int, per_group: int, n: int, kernel_layout: bool = False) -> str:
-    """[N, G*P, *S] -> [P, G*N, *S] (or, for the kernel, [G*P, N, *S])."""
-    shape = c.shape(t)
+def _regroup(c: Vjp, t: str, shape, group: int, per_group: int, n: int, kernel_layout: bool = False) -> str:
+    """``t`` (shaped ``shape``): [N, G*P, *S] -> [P, G*N, *S] (or, for the kernel, [G*P, N, *S])."""
     rest = list(range(3, 3 + n))
     perm = [1, 2, 0, *rest] if kernel_layout else [2, 1, 0, *rest]
     if shape is not None and all(isinstance(d, int) for d in shape):

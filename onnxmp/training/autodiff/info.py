@@ -52,6 +52,35 @@ class GraphInfo:
             self.types[t.name] = t.data_type
             self.shapes[t.name] = tuple(int(d) for d in t.dims)
         self._propagate(graph)
+        self._fill_shapes(graph)
+
+    def _fill_shapes(self, graph: onnx.GraphProto) -> None:
+        """Shapes onnx's inference left out (an op whose inference it skipped): ops whose output is
+        shaped like their first input, and numpy broadcasting."""
+        for node in graph.node:
+            out = node.output[0] if node.output else ""
+            if not out or self.shapes.get(out) is not None:
+                continue
+            if node.op_type in _SAME_SHAPE:
+                self.shapes[out] = self.shapes.get(node.input[0])
+            elif node.op_type in _BROADCAST:
+                shapes = [self.shapes.get(x) for x in node.input if x]
+                if node.op_type == "Where":
+                    shapes = shapes[1:] + shapes[:1]
+                if shapes and all(s is not None for s in shapes):
+                    self.shapes[out] = broadcast_shapes(shapes)
+            elif node.op_type.startswith("Reduce") and self.shapes.get(node.input[0]) is not None:
+                shape = self.shapes[node.input[0]]
+                attrs = {a.name: helper.get_attribute_value(a) for a in node.attribute}
+                axes = attrs.get("axes") or (self.ints(node.input[1]) if len(node.input) > 1 else None)
+                if axes is None and len(node.input) > 1 and node.input[1]:
+                    continue  # computed axes
+                if not axes and attrs.get("noop_with_empty_axes", 0):
+                    self.shapes[out] = shape
+                    continue
+                axes = {a % len(shape) for a in axes} if axes else set(range(len(shape)))
+                keep = attrs.get("keepdims", 1)
+                self.shapes[out] = tuple(1 if i in axes else d for i, d in enumerate(shape) if keep or i not in axes)
 
     def _propagate(self, graph: onnx.GraphProto) -> None:
         """Element types onnx's inference left out (after an op it has no schema for)."""
@@ -111,6 +140,26 @@ class GraphInfo:
         return None if value is None else [int(v) for v in np.asarray(value).ravel()]
 
 
+_SAME_SHAPE = frozenset({
+    "BatchNormalization", "InstanceNormalization", "GroupNormalization", "LayerNormalization", "Softmax",
+    "LogSoftmax", "Dropout", "Cast", "Identity", "Relu", "Sigmoid", "Tanh", "Erf", "Exp", "Log", "Sqrt", "Neg",
+    "Abs", "Reciprocal", "Gelu", "FastGelu", "QuickGelu", "BiasGelu", "Clip", "LeakyRelu", "Elu", "Softplus",
+    "CumSum", "HardSigmoid", "HardSwish", "Mish", "Selu", "Celu", "Sign", "Floor", "Ceil", "Round", "Not",
+})
+_BROADCAST = frozenset({"Add", "Sub", "Mul", "Div", "Pow", "Where", "Sum", "Max", "Min", "Mean", "And", "Or",
+                        "Equal", "Greater", "Less", "GreaterOrEqual", "LessOrEqual", "PRelu"})
+
+
+def broadcast_shapes(shapes: list[tuple]) -> tuple:
+    """numpy broadcasting of symbolic shapes (None where two different symbols meet)."""
+    rank = max(len(s) for s in shapes)
+    result = []
+    for i in range(rank):
+        dims = {s[i - rank + len(s)] for s in shapes if i - rank + len(s) >= 0} - {1}
+        result.append(dims.pop() if len(dims) == 1 else (1 if not dims else None))
+    return tuple(result)
+
+
 def _dim(d) -> Dim:
     if d.HasField("dim_value"):
         return int(d.dim_value)
@@ -119,12 +168,34 @@ def _dim(d) -> Dim:
     return None
 
 
+def _standins(node: onnx.NodeProto) -> list[onnx.NodeProto]:
+    """``node``, or standard nodes producing outputs of its shapes and types for onnx's inference
+    (which has no schema for com.microsoft ops, and would leave everything after them unshaped)."""
+    if node.domain != "com.microsoft":
+        return [node]
+    ins, out = list(node.input), node.output[0]
+    if node.op_type in ("Gelu", "QuickGelu", "FastGelu", "BiasGelu"):
+        bias = ins[1] if len(ins) > 1 and ins[1] else ""
+        return [helper.make_node("Add", [ins[0], bias], [out]) if bias else helper.make_node("Identity", [ins[0]], [out])]
+    if node.op_type == "FusedMatMul":
+        attrs = {a.name: a.i for a in node.attribute if a.type == onnx.AttributeProto.INT}
+        nodes, operands = [], []
+        for x, flag in zip(ins[:2], ("transA", "transB")):
+            if attrs.get(flag):
+                nodes.append(helper.make_node("Einsum", [x], [f"{out}/standin/{flag}"], equation="...ij->...ji"))
+                x = f"{out}/standin/{flag}"
+            operands.append(x)
+        return nodes + [helper.make_node("MatMul", operands, [out])]
+    return [node]
+
+
 def _infer(model: onnx.ModelProto) -> onnx.ModelProto:
     skeleton = onnx.ModelProto(ir_version=model.ir_version)
     skeleton.opset_import.extend(model.opset_import)
     skeleton.functions.extend(model.functions)
     graph = skeleton.graph
-    graph.node.extend(model.graph.node)
+    for node in model.graph.node:
+        graph.node.extend(_standins(node))
     graph.input.extend(model.graph.input)
     graph.output.extend(model.graph.output)
     graph.value_info.extend(model.graph.value_info)
