@@ -16,6 +16,8 @@ from onnxmp.naming import FreshNames
 MS_DOMAIN = "com.microsoft"
 FLOATS = frozenset({TensorProto.FLOAT, TensorProto.FLOAT16, TensorProto.BFLOAT16, TensorProto.DOUBLE})
 INT64_MAX = np.iinfo(np.int64).max
+# Ops whose output takes its type from a later input than the first (Where's condition is bool).
+_VALUE_INPUT = {"Where": 1}
 
 
 class Emitter:
@@ -47,7 +49,8 @@ class Emitter:
         if domain:
             self.domains.add(domain)
         if elem is None:
-            elem = next((self.types[x] for x in inputs if x and self.types.get(x)), 0)
+            typed = inputs[_VALUE_INPUT.get(op_type, 0):]
+            elem = next((self.types[x] for x in typed if x and self.types.get(x)), 0)
         for o in outs:
             self.types[o] = elem
         return outs

@@ -150,7 +150,8 @@ def slice_(c: Vjp) -> None:
         c.fail("its axes or steps are computed", "export the slice with constant axes and steps")
     axes = normalize_axes(axes, rank)
     if any(s != 1 for s in steps):
-        c.fail("a step other than 1")
+        c.set(0, _strided(c, dy, shape, starts, ends, axes, steps))
+        return
     if starts is not None and ends is not None and all(isinstance(shape[a], int) for a in axes):
         pads = [0] * (2 * rank)
         for a, s, e in zip(axes, starts, ends):
@@ -181,6 +182,45 @@ def slice_(c: Vjp) -> None:
     c.set(0, grad)
 
 
+def _strided(c: Vjp, dy: str, shape: tuple, starts, ends, axes: list[int], steps) -> str:
+    """A strided slice's gradient, axis by axis: each kept element followed by step - 1 zeros (an
+    Unsqueeze, a Pad and a Reshape), then padded to the input's extent.  Static extents only."""
+    if starts is None or ends is None or any(s <= 0 for s in steps):
+        c.fail("a strided slice with computed bounds or a negative step")
+    rank = len(shape)
+    current = list(c.shape(c.y(0)) or shape)
+    grad = dy
+    for a, start, end, step in zip(axes, starts, ends, steps):
+        d = shape[a]
+        if not isinstance(d, int):
+            c.fail("a strided slice along a symbolic dim", "export the model with static extents there")
+        s0 = min(max(start + d if start < 0 else start, 0), d)
+        e0 = min(max(end + d if end < 0 else end, 0), d)
+        m = len(range(s0, e0, step))
+        if step != 1:
+            spread = c.unsqueeze(grad, [a + 1])
+            pads = [0] * (2 * (rank + 1))
+            pads[rank + 1 + a + 1] = step - 1
+            spread = c.op("Pad", spread, c.ints(pads), mode="constant")
+            spec, free = [], 0
+            for i, dim in enumerate(current):
+                if i == a:
+                    spec.append(m * step)
+                elif isinstance(dim, int):
+                    spec.append(dim)
+                elif i < a:
+                    spec.append(0)
+                else:
+                    spec.append(-1)
+                    free += 1
+            if free > 1:
+                c.fail("a strided slice of a tensor with several symbolic dims after the sliced axis")
+            grad, m = c.op("Reshape", spread, c.ints(spec)), m * step
+        grad = pad_crop(c, grad, rank, {a: (s0, d - s0 - m)})
+        current[a] = d
+    return grad
+
+
 def _pick(c: Vjp, name: str, values, idx: list[int]) -> str:
     if values is not None:
         return c.ints([values[i] for i in idx])
@@ -194,28 +234,23 @@ def expand(c: Vjp) -> None:
 def tile(c: Vjp) -> None:
     x, dy = c.x(0), c.dy()
     shape = c.shape(x)
+    if shape is None:
+        c.fail(f"the rank of {x!r} is unknown", "export the model with static ranks")
     repeats = c.const_ints(c.x(1))
-    if shape is None or repeats is None:
-        c.fail("its repeats are computed or its input's rank is unknown")
-    if all(r == 1 for r in repeats):
+    if repeats is not None and all(r == 1 for r in repeats):
         c.set(0, dy)
         return
     # [r0*d0, r1*d1, ...] -> [r0, d0, r1, d1, ...], summed over the r axes.
-    spec, symbolic = [], 0
-    for r, d in zip(repeats, shape):
-        if isinstance(d, int):
-            spec += [r, d]
-        else:
-            spec += [r, -1]
-            symbolic += 1
-    if symbolic > 1:
-        c.runtime(f"Tile of {x} with symbolic dims")
-        xs = c.op("Shape", x, elem=7)
-        pairs = c.op("Concat", c.ints([[r] for r in repeats]), c.unsqueeze(xs, [1]), axis=1, elem=7)
-        blocks = c.op("Reshape", dy, c.op("Reshape", pairs, c.ints([-1]), elem=7))
-    else:
+    rank = len(shape)
+    if repeats is not None and sum(not isinstance(d, int) for d in shape) <= 1:
+        spec = [v for r, d in zip(repeats, shape) for v in (r, d if isinstance(d, int) else -1)]
         blocks = c.op("Reshape", dy, c.ints(spec))
-    c.set(0, c.reduce("ReduceSum", blocks, list(range(0, 2 * len(repeats), 2)), 0))
+    else:
+        c.runtime(f"Tile of {x} (computed repeats or symbolic dims)")
+        times = c.ints(repeats) if repeats is not None else c.x(1)
+        pairs = c.op("Concat", c.unsqueeze(times, [1]), c.unsqueeze(c.op("Shape", x, elem=7), [1]), axis=1, elem=7)
+        blocks = c.op("Reshape", dy, c.op("Reshape", pairs, c.ints([-1]), elem=7))
+    c.set(0, c.reduce("ReduceSum", blocks, list(range(0, 2 * rank, 2)), 0))
 
 
 def pad(c: Vjp) -> None:
@@ -234,22 +269,27 @@ def pad(c: Vjp) -> None:
             extra = ["", c.x(3)] if len(c.node.input) > 3 and c.x(3) else []
             c.set(0, c.op("Pad", dy, c.op("Neg", c.x(1), elem=7), *extra, mode="constant"))
             return
-    # Cropping by the negated pads undoes the padding (and a negative pad's crop by zeros).
-    negated = c.ints([-p for p in pads])
-    if axes is not None:
-        c.emit.needs_opset(18)
-        c.set(0, c.op("Pad", dy, negated, "", c.ints(normalize_axes(axes, rank)), mode="constant"))
-    elif all(p >= 0 for p in pads):
-        starts, ends, kept = [], [], []
-        for a in range(rank):
-            begin, end = pads[a], pads[rank + a]
-            if begin or end:
-                kept.append(a)
-                starts.append(begin)
-                ends.append(-end if end else INT64_MAX)
-        c.set(0, c.op("Slice", dy, c.ints(starts), c.ints(ends), c.ints(kept)) if kept else dy)
-    else:
-        c.set(0, c.op("Pad", dy, negated, mode="constant"))
+    # The gradient of padding is cropping (and of a negative pad's crop, zeros around it).
+    listed = normalize_axes(axes, rank) if axes is not None else list(range(rank))
+    n = len(listed)
+    c.set(0, pad_crop(c, dy, rank, {a: (-pads[k], -pads[n + k]) for k, a in enumerate(listed)}))
+
+
+def pad_crop(c: Vjp, x: str, rank: int, edges: dict[int, tuple[int, int]]) -> str:
+    """``x`` (of rank ``rank``) with, per axis, (begin, end) elements added as zeros (positive) or cut off (negative):
+    a Slice for the cuts, then a Pad for the zeros (no negative pads: not every runtime takes them)."""
+    cuts = {a: (b, e) for a, (b, e) in edges.items() if b < 0 or e < 0}
+    if cuts:
+        axes = sorted(cuts)
+        x = c.op("Slice", x, c.ints([max(-cuts[a][0], 0) for a in axes]),
+                 c.ints([min(cuts[a][1], 0) or INT64_MAX for a in axes]), c.ints(axes))
+    grow = {a: (max(b, 0), max(e, 0)) for a, (b, e) in edges.items() if b > 0 or e > 0}
+    if grow:
+        pads = [0] * (2 * rank)
+        for a, (b, e) in grow.items():
+            pads[a], pads[rank + a] = b, e
+        x = c.op("Pad", x, c.ints(pads), mode="constant")
+    return x
 
 
 RULES = {
