@@ -36,7 +36,8 @@ def build(entry: str, precision: str, out: Path):
     names = [t.name for t in model.graph.initializer if t.data_type == onnx.TensorProto.FLOAT]
     frozen = without_gradient(model, names)
     return build_artifacts(model, requires_grad=[n for n in names if n not in frozen], frozen=list(frozen),
-                           loss="cross_entropy", optimizer="adamw", precision=precision, target="cpu", out_dir=out)
+                           loss="cross_entropy", optimizer="adamw", precision=precision, target="cpu", out_dir=out,
+                           builder="ort")  # the reference builder, whose folders both engines run
 
 
 UNCOMPARED = {"optimizer_model.onnx"}  # onnxblock's: no engine runs it, its names vary (below)

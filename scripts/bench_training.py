@@ -8,6 +8,12 @@ batches and settings, ``--steps`` timed micro-steps each (an update every step) 
 it prints the per-step time of each, the portable/native ratio, and how far the two runs'
 per-step losses are apart.  Ratios, not timed tests: the machine's load moves them.
 
+``--builders`` sets onnxmp's gradient builder against onnxruntime-training's (Python 3.11 with the
+training build), side by side in one run, per export (:mod:`bench_builders`): the training graph's
+node count after onnxruntime's optimizations, the int64 nodes left in the CUDA-target float16 graph,
+the step time of onnxmp's builder on the portable engine, ORT's builder on the native engine and
+PyTorch (``--torch-python``) on 1 and 2 threads, and each one's peak RSS.
+
 Builds an MLP (``--sizes``, default 1024-4096-4096-1024-10, ~25M parameters),
 training artifacts for float32 and for mixed precision, then times
 ``Trainer.train_step`` (forward, backward, unscale, finite check, optimizer
@@ -153,6 +159,9 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--engines", action="store_true",
                         help="portable vs native step time on exports of the matrix (CPU)")
+    parser.add_argument("--builders", action="store_true",
+                        help="onnxmp's gradient builder vs ORT's (and PyTorch): graph sizes, int64 nodes of the "
+                             "CUDA graph, step time on 1 and 2 threads, peak RSS (scripts/bench_builders.py)")
     parser.add_argument("--optimizer", choices=["adamw", "sgd"], default="adamw", help="with --engines (default adamw)")
     parser.add_argument("--all", action="store_true", help="with --engines: every entry of the matrix")
     parser.add_argument("--entries", nargs="+", metavar="NAME",
@@ -170,9 +179,18 @@ def main(argv=None) -> int:
     parser.add_argument("--torch-python", metavar="PYTHON",
                         help="with --engines: an interpreter with torch and transformers (e.g. "
                              "/work/scratch/torchenv/bin/python) that times PyTorch on the same models and batches")
+    parser.add_argument("--repeat", type=int, default=1,
+                        help="with --builders: runs of each variant, in turn; the fastest counts (default 1)")
     parser.add_argument("--json", type=Path, help="write the figures here")
     args = parser.parse_args(argv)
     guard_arguments(parser, {"--json": args.json})
+    if args.builders:
+        if "--steps" not in (argv or sys.argv):
+            args.steps = 20
+        sys.path.insert(0, str(ROOT / "scripts"))
+        from bench_builders import bench_builders
+
+        return bench_builders(args)
     if args.engines:
         args.precision = args.precision or "float32"
         if "--steps" not in (argv or sys.argv):

@@ -125,7 +125,9 @@ def compact_table(results: dict, plain: bool) -> str:
             lines.append(_failed_row(entry, precision, r, len(head)))
             continue
         graphs = r["graphs"]
-        training = graphs.get("training_model.onnx", {"nodes": 0, "op_types": 0})
+        # ORT's native graph where its builder made the folder, else onnxmp's (the portable one).
+        training = graphs.get("training_model.onnx", graphs.get("training_model.portable.onnx",
+                                                                {"nodes": 0, "op_types": 0}))
 
         def passed(key):
             good = [n.removesuffix("_model.onnx") for n, g in graphs.items() if g[key] is None]

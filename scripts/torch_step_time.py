@@ -5,12 +5,14 @@ Runs in a scratch environment with torch and transformers (not onnxmp dependenci
 entry's architecture as ``models/exports/export.py`` does (same config, seed and weight noise, eval
 mode as exported: no dropout), and times forward, cross-entropy, backward, ``torch.optim.AdamW`` /
 ``SGD`` step and ``zero_grad`` on the same batches the ONNX engines train on.  Prints one JSON
-line per entry: ``{"entry", "torch_s"}`` (median seconds per step), or ``{"entry", "error"}``.
+line per entry: ``{"entry", "torch_s", "peak_rss_mib"}`` (median seconds per step; the process's peak
+resident set so far), or ``{"entry", "error"}``.
 """
 from __future__ import annotations
 
 import argparse
 import json
+import resource
 import statistics
 import sys
 import time
@@ -63,7 +65,9 @@ def main(argv=None) -> int:
                 optimizer.zero_grad()
                 if i >= args.warmup:
                     times.append(time.perf_counter() - start)
-            print(json.dumps({"entry": key, "torch_s": statistics.median(times)}), flush=True)
+            print(json.dumps({"entry": key, "torch_s": statistics.median(times),
+                              # the process's peak so far: run one entry per process for each one's own
+                              "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}), flush=True)
         except Exception as exc:  # one entry's failure is reported in its row, the others still run
             print(json.dumps({"entry": key, "error": f"{type(exc).__name__}: {exc}"[:200]}), flush=True)
     return 0

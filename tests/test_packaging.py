@@ -63,10 +63,12 @@ def test_training_on_python_3_12_says_it_needs_3_11(monkeypatch):
     monkeypatch.delitem(sys.modules, "onnxruntime.training", raising=False)
     monkeypatch.setattr(importlib.util, "find_spec",
                         lambda name, *a: None if name == "onnxruntime.training" else real_find_spec(name, *a))
-    with pytest.raises(onnxmp.OnnxMPError, match=r"building training artifacts .*no wheels for Python 3\.12") \
+    with pytest.raises(onnxmp.OnnxMPError,
+                       match=r"building training artifacts with ORT.s gradient builder .*no wheels for Python 3\.12") \
             as caught:
         _ort.onnxblock()
     assert "python3.11" in caught.value.hint and "--artifacts" in caught.value.hint
+    assert "--builder onnxmp" in caught.value.hint  # what builds there without the training build
 
 
 def test_a_missing_runtime_is_one_line_naming_the_extra(capsys):

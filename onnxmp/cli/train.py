@@ -45,7 +45,7 @@ log = logging.getLogger("onnxmp.cli.train")
 
 def register(sub) -> None:
     from onnxmp.cli import add_trust_flag, add_verbosity_flags, at_least, positive_float
-    from onnxmp.training.build import PRECISIONS
+    from onnxmp.training.build import BUILDERS, PRECISIONS
     from onnxmp.training.losses import LOSSES
     from onnxmp.targets import NAMES as TARGETS
     from onnxmp.training.run.engines import ENGINES
@@ -58,8 +58,8 @@ def register(sub) -> None:
                                    "trained model. On --device cpu mixed precision is emulated in float32.")
     p.add_argument("model", nargs="?", help="float32 .onnx model to train (not with --artifacts or --resume)")
     p.add_argument("--artifacts", metavar="DIR",
-                   help="train artifacts built before (on Python 3.11 with the training build) instead of a model: "
-                        "with --engine portable they train on any Python and onnxruntime")
+                   help="train artifacts built before instead of a model (with --engine portable they train on "
+                        "any Python and onnxruntime)")
     p.add_argument("--data", help=".npz file with the training arrays")
     p.add_argument("--eval", dest="eval_data", help=".npz file with evaluation arrays (same keys)")
     p.add_argument("--inputs", nargs="+", metavar="KEY",
@@ -67,7 +67,8 @@ def register(sub) -> None:
     p.add_argument("--labels", metavar="KEY", help="npz key holding the labels/targets")
     p.add_argument("--loss", default="cross_entropy", metavar="LOSS",
                    help=f"a built-in loss ({', '.join(LOSSES)}; default cross_entropy) or a custom one: "
-                        "module:function or path/to/file.py:function returning an onnxblock Block")
+                        "module:function or path/to/file.py:function: a function (builder, output, label) -> "
+                        "loss name, an ONNX graph or function, or an onnxblock Block (docs/training.md)")
     p.add_argument("--ignore-index", type=int, default=None, metavar="I",
                    help="cross_entropy / causal_lm: the label of positions without one (default -100)")
     p.add_argument("--pos-weight", type=float, nargs="+", default=None, metavar="W",
@@ -110,6 +111,10 @@ def register(sub) -> None:
     p.add_argument("--grad-accum-steps", type=at_least(1), default=1, metavar="K")
     p.add_argument("--clip-global-norm", type=positive_float, default=None, metavar="C")
     p.add_argument("--seed", type=at_least(0), default=0, help="shuffling seed (default 0)")
+    p.add_argument("--builder", choices=list(BUILDERS), default="auto",
+                   help="who builds the gradient graph: onnxmp (any Python, plain onnxruntime), ort "
+                        "(onnxruntime-training 1.19.2, Python <= 3.11; adds the native engine's files) or auto "
+                        "(ort where the training build imports, else onnxmp)")
     p.add_argument("--engine", choices=list(ENGINES), default="auto",
                    help="what runs the steps: native (onnxruntime-training, Python <= 3.11), portable (plain "
                         "onnxruntime, CPU or CUDA) or auto (native where the training build imports, else portable)")
@@ -185,12 +190,14 @@ def _train_on(args, comm) -> int:
         artifacts = Artifacts.load(prebuilt)
         spec = _DataSpec.of_manifest(artifacts.manifest)
     else:
-        from onnxmp.training import _ort
-
-        _ort.onnxblock()  # building needs the training build: say so before any work
         from onnxmp.load import load
-        from onnxmp.training.build import check_trainable_size
+        from onnxmp.training.build import check_trainable_size, resolve_builder
 
+        builder = resolve_builder(args.builder)  # the builder asked for is there: say so before any work
+        if builder == "onnxmp" and args.engine == "native":
+            raise OnnxMPError("--engine native runs the files ORT's gradient builder writes, and onnxmp's builder "
+                              "builds this run", "use --engine portable (or auto), or --builder ort on Python 3.11 "
+                              "with the training build")
         check_trainable_size(args.model)  # before the weights are read into memory
         model = load(args.model)
         loss, loss_options = _loss(args)
@@ -225,7 +232,8 @@ def _train_on(args, comm) -> int:
                     trained, frozen = _parameters(args, model)
                     artifacts = build_artifacts(model, requires_grad=trained, frozen=frozen, loss=loss,
                                                 optimizer=args.optimizer, precision=args.precision,
-                                                target=args.device, out_dir=folder / "artifacts")
+                                                target=args.device, out_dir=folder / "artifacts",
+                                                builder=builder)
                 if resume is None:
                     trainer = Trainer(artifacts, device=args.device, communicator=comm, **settings)
                 summaries, exported = _fit_and_export(trainer, train, evaluation, args, folder, saved)
@@ -323,7 +331,7 @@ def _loss(args):
             raise UsageError("--ignore-index and --pos-weight are options of the built-in losses, "
                              f"not of {args.loss!r}",
                              prog="onnxmp train")
-        return losses.block(args.loss, **options), options
+        return losses.table_loss(args.loss, **options), options
     return losses.resolve_loss(args.loss), {}
 
 

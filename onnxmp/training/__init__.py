@@ -1,5 +1,6 @@
-"""Mixed-precision training: artifacts built on onnxruntime-training (1.19.2, the last training
-build), trained there or on plain onnxruntime.
+"""Mixed-precision training on plain onnxruntime: artifacts built by onnxmp's gradient builder (any
+Python) or onnxruntime-training's (1.19.2, the last training build, the reference), trained on
+either engine.
 
 ``build_artifacts`` (:mod:`onnxmp.training.build`) turns an fp32 ONNX model into training
 artifacts whose graph scales the loss, unscales the gradients and checks them for inf/NaN;

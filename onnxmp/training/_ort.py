@@ -69,8 +69,10 @@ def _no_training(reason: str) -> OnnxMPError:
     if sys.version_info >= (3, 12):
         # onnxruntime-training 1.19.2 (the last training build) has wheels up to Python 3.11 only.
         return OnnxMPError(
-            f"building training artifacts (and the native engine) needs onnxruntime-training 1.19.2, which has "
-            f"no wheels for Python {sys.version_info[0]}.{sys.version_info[1]}", _BUILD_ON_311)
+            f"building training artifacts with ORT's gradient builder (and the native engine) needs "
+            f"onnxruntime-training 1.19.2, which has no wheels for Python {sys.version_info[0]}.{sys.version_info[1]}",
+            f"onnxmp's own builder needs none: builder='onnxmp' / --builder onnxmp (what auto picks here); "
+            f"or {_BUILD_ON_311}")
     return OnnxMPError(reason, f"{_INSTALL_HINT}; or {_BUILD_ON_311}")
 
 

@@ -1,12 +1,13 @@
 """The training artifacts folder: written whole (the last stage of the training build), read back
 by the trainer.
 
-A folder holds the training, eval and optimizer models, the forward model, onnxruntime's
-checkpoint, ``parameters.npz`` (the float32 parameters, readable without the training build)
-and ``manifest.json`` (what the trainer needs to know: inputs, loss, precision...).  When the
-build could lower its graphs, the folder also holds their portable form, which plain
-``onnxruntime.InferenceSession`` runs (``manifest["portable"]``: its files and the state pairs
-the portable engine feeds back between runs).  It is filled in a temporary folder beside its
+A folder holds the forward model, ``parameters.npz`` (the float32 parameters, readable without
+the training build), ``manifest.json`` (what the trainer needs to know: inputs, loss, precision,
+the gradient builder...) and the portable form of the training, eval and optimizer graphs, which
+plain ``onnxruntime.InferenceSession`` runs (``manifest["portable"]``: its files and the state pairs
+the portable engine feeds back between runs).  Built by ORT's builder, it also holds the native
+engine's files (:data:`NATIVE_FILES`: onnxruntime-training's graphs, onnxblock's optimizer model
+and ORT's checkpoint); ``manifest["files"]`` lists the files there are.  It is filled in a temporary folder beside its
 destination and renamed into place only once complete, and it replaces only an empty folder or
 one onnxmp wrote.
 """
@@ -21,7 +22,7 @@ from typing import Any, Mapping
 import numpy as np
 
 from onnxmp.errors import OnnxMPError
-from onnxmp.training.contract import FORMAT, MANIFEST, OLD_FORMATS
+from onnxmp.training.contract import FILES, FORMAT, MANIFEST, NATIVE_FILES, OLD_FORMATS
 
 _REBUILD = ("rebuild the artifacts with this onnxmp version (on Python 3.11 with the training build: "
             "onnxmp.training.build_artifacts or `onnxmp train MODEL ...`)")
@@ -65,7 +66,24 @@ class Artifacts:
     def path(self, kind: str) -> Path:
         """Path of one file: ``training_model``, ``eval_model``, ``optimizer_model``,
         ``forward_model``, ``checkpoint`` or ``parameters``."""
-        return self.directory / self.manifest["files"][kind]
+        files = self.manifest["files"]
+        if kind not in files and kind in NATIVE_FILES:
+            raise OnnxMPError(f"the artifacts in {self.directory} have no native-engine files (no {FILES[kind]}): "
+                              f"onnxmp's gradient builder made them, for the portable engine",
+                              "train them with engine='portable' (or 'auto'), or rebuild them with builder='ort' "
+                              "on Python 3.11 with the training build for the native engine")
+        return self.directory / files[kind]
+
+    @property
+    def has_native(self) -> bool:
+        """Whether the native engine (onnxruntime-training) can run the folder: ORT's builder made it."""
+        return all(kind in self.manifest["files"] for kind in NATIVE_FILES)
+
+    @property
+    def builder(self) -> str:
+        """The gradient builder that made the graphs: ``onnxmp`` or ``ort`` (folders from before the
+        switch: ``ort``)."""
+        return self.manifest.get("builder", "ort")
 
     def portable_path(self, kind: str) -> Path:
         """Path of one portable model (``training_model``, ``eval_model``, ``optimizer_model``)."""
@@ -147,28 +165,31 @@ def write_parameters(path: Path, parameters: Mapping[str, np.ndarray]) -> None:
     atomic_write(path, write)
 
 
-def write_artifacts(out: Path, manifest: dict, *, training, evaluation, optimizer_model, forward,
+def write_artifacts(out: Path, manifest: dict, *, native: Mapping[str, Any] | None, forward,
                     parameters, portable: Mapping[str, Any] | None = None) -> None:
     """Write every file into a temporary folder beside ``out``, renamed into place once complete:
     a folder with a manifest is always whole, and a failure leaves nothing behind.
 
-    ``parameters`` is onnxblock's (trainable, frozen) pair of TensorProto lists; ``portable``
-    maps ``PORTABLE_FILES``' kinds to their models (None: the folder has no portable form)."""
+    ``parameters`` is the builder's (trainable, frozen) pair of TensorProto lists; ``native`` maps
+    ``training_model``, ``eval_model`` and ``optimizer_model`` to onnxruntime-training's models,
+    written with ORT's checkpoint (None: no native-engine files); ``portable`` maps
+    ``PORTABLE_FILES``' kinds to their models (None: the folder has no portable form)."""
     from onnx import numpy_helper
 
     from onnxmp.files import atomic_directory, guard_outputs, write_text_atomic
     from onnxmp.save import save
-    from onnxmp.training import _ort
 
     check_replaceable(out)
     guard_outputs({"out_dir": out}, folders=["out_dir"])
     files = manifest["files"]
     with atomic_directory(out) as folder:
-        save(training, folder / files["training_model"])
-        save(evaluation, folder / files["eval_model"])
-        save(optimizer_model, folder / files["optimizer_model"])
+        for kind, model in (native or {}).items():
+            save(model, folder / files[kind])
+        if native is not None:
+            from onnxmp.training import _ort
+
+            _ort.onnxblock().save_checkpoint(parameters, str(folder / files["checkpoint"]))
         save(forward, folder / files["forward_model"])
-        _ort.onnxblock().save_checkpoint(parameters, str(folder / files["checkpoint"]))
         write_parameters(folder / files["parameters"],
                          {t.name: numpy_helper.to_array(t) for group in parameters for t in group})
         for kind, model in (portable or {}).items():

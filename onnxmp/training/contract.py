@@ -39,6 +39,7 @@ FILES = {
     "checkpoint": "checkpoint",
     "parameters": "parameters.npz",
 }
+NATIVE_FILES = ("training_model", "eval_model", "optimizer_model", "checkpoint")  # onnxruntime-training's
 PORTABLE_FILES = {
     "training_model": "training_model.portable.onnx",
     "eval_model": "eval_model.portable.onnx",
@@ -148,12 +149,14 @@ def manifest(*, training: onnx.ModelProto, evaluation: onnx.ModelProto, forward:
              portable_optimizer: onnx.ModelProto | None, requires_grad: Sequence[str], frozen: Sequence[str],
              label_input: str, loss: str, loss_options: Mapping[str, Any], optimizer: dict, precision: str,
              target: str, opset: int, output_shape: list, prepared_for_gradient: list,
-             versions: Mapping[str, str]) -> dict[str, Any]:
-    """The manifest of a built folder (``versions``: ``onnxmp_version`` and ``onnxruntime_version``)."""
+             versions: Mapping[str, str], builder: str, native: bool) -> dict[str, Any]:
+    """The manifest of a built folder (``versions``: ``onnxmp_version`` and ``onnxruntime_version``;
+    ``builder``: who differentiated; ``native``: whether the native engine's files are written)."""
     inputs = user_inputs(training, [*requires_grad, *frozen])
     entry = {
         "format": FORMAT,
         **versions,
+        "builder": builder,
         "precision": precision,
         "target": target,
         "loss": loss,
@@ -173,7 +176,7 @@ def manifest(*, training: onnx.ModelProto, evaluation: onnx.ModelProto, forward:
         "requires_grad": list(requires_grad),
         "frozen": list(frozen),
         "prepared_for_gradient": prepared_for_gradient,
-        "files": dict(FILES),
+        "files": {kind: name for kind, name in FILES.items() if native or kind not in NATIVE_FILES},
     }
     if portable_optimizer is not None:
         entry["portable"] = portable_entry(portable_optimizer, requires_grad)

@@ -21,8 +21,10 @@ The semantics are those of the torch / Hugging Face originals, defaults included
   ``sigmoid(x) - y`` everywhere, ``x = 0`` included).
 - ``mse``, ``l1``: ``torch.nn.MSELoss()``, ``torch.nn.L1Loss()`` (means).
 
-A custom loss is an ``onnxruntime.training.onnxblock.Block``; see ``docs/training.md`` (custom
-losses) for the contract, and :func:`resolve_loss` for ``--loss module:function``.
+A custom loss is a function ``(builder, output, label) -> loss name`` writing nodes with
+:class:`LossGraph`, an ONNX graph or function, or (with onnxruntime-training) an onnxblock
+``Block``: :mod:`onnxmp.training.build.loss_forms` turns each into the callable the gradient builders
+take; see ``docs/training.md`` (custom losses), and :func:`resolve_loss` for ``--loss module:function``.
 """
 from __future__ import annotations
 
@@ -175,30 +177,50 @@ def loss(name: str) -> Loss:
                                                     "or a custom loss (module:function or file.py:function)") from None
 
 
-def block(name: str, **options):
-    """The table's loss ``name`` as an onnxblock ``Block``, e.g. ``block("cross_entropy", ignore_index=0)``.
+class TableLoss:
+    """The table's loss ``name`` with its options, as the callable both gradient builders take:
+    ``loss(graph, output, label)`` declares the label input, appends the loss nodes to ``graph``
+    and returns the loss's name (a float32 scalar).  Needs no onnxruntime-training."""
 
-    ``build_artifacts(loss=...)`` takes it like the plain name, and records its options in the
-    manifest (``loss_options``) so that the labels are checked against them.
-    """
+    def __init__(self, name: str, **options):
+        self.spec = loss(name)
+        self.loss_name = self.spec.name
+        self.loss_options = self.spec.resolve(options)
+
+    def __call__(self, graph: onnx.GraphProto, output: str, label: str) -> str:
+        declare_label(graph, output, label, classes=self.spec.classes)
+        g = LossGraph(graph, self.spec.name)
+        return self.spec.write(g, _float_output(g, output, _elem_type(graph, output)), label, **self.loss_options)
+
+    def __repr__(self) -> str:
+        return f"table_loss({self.loss_name!r}, **{self.loss_options!r})"
+
+
+def table_loss(name: str, **options) -> TableLoss:
+    """The table's loss ``name`` with options other than the defaults, e.g.
+    ``table_loss("cross_entropy", ignore_index=0)``: ``build_artifacts(loss=...)`` takes it like
+    the plain name, and records its options in the manifest (``loss_options``) so that the labels
+    are checked against them."""
+    return TableLoss(name, **options)
+
+
+def block(name: str, **options):
+    """The table's loss ``name`` as an onnxblock ``Block`` (onnxruntime-training only; for code
+    written before :func:`table_loss`, which needs no training build and is what to use now)."""
     from onnxmp.training import _ort
 
-    spec = loss(name)
-    resolved = spec.resolve(options)
+    table = TableLoss(name, **options)
     ob = _ort.onnxblock()
 
-    class TableLoss(ob.Block):
-        loss_name = spec.name
-        loss_options = resolved
+    class TableLossBlock(ob.Block):
+        loss_name = table.loss_name
+        loss_options = table.loss_options
 
         def build(self, output: str, label: str) -> str:
-            graph = self.base.graph
-            declare_label(graph, output, label, classes=spec.classes)
-            g = LossGraph(graph, spec.name)
-            return spec.write(g, _float_output(g, output, _elem_type(graph, output)), label, **resolved)
+            return table(self.base.graph, output, label)
 
-    TableLoss.__name__ = TableLoss.__qualname__ = f"{spec.name}_loss"
-    return TableLoss()
+    TableLossBlock.__name__ = TableLossBlock.__qualname__ = f"{table.loss_name}_loss"
+    return TableLossBlock()
 
 
 def onnxblock():
@@ -241,10 +263,11 @@ def resolve_loss(spec: Any):
     """What ``build_artifacts(loss=...)`` takes, from a CLI or API spelling.
 
     - a name of :data:`LOSSES` (``"cross_entropy"``): returned as it is;
-    - ``"module:function"`` (an importable module) or ``"path/to/file.py:function"``: the function
-      is called with no arguments and must return an onnxblock ``Block`` (a ``Block`` instance or
-      subclass there is taken as well);
-    - a ``Block``: returned as it is.
+    - ``"module:function"`` (an importable module) or ``"path/to/file.py:function"``: the
+      attribute is the loss when it is one (a function ``(builder, output, label) -> loss name``,
+      an ONNX graph, model or function, an onnxblock ``Block`` or ``Block`` subclass); a function
+      taking no arguments is called and must return one of those;
+    - anything else: returned as it is (:func:`onnxmp.training.build.loss_forms.loss_writer` checks it).
     """
     if not isinstance(spec, str):
         return spec
@@ -258,22 +281,32 @@ def resolve_loss(spec: Any):
     module = _load_module(where)
     target = getattr(module, attr, None)
     if target is None:
-        raise OnnxMPError(f"{where} has no {attr!r}", f"define {attr}() returning an onnxblock Block there")
-    from onnxmp.training import _ort
+        raise OnnxMPError(f"{where} has no {attr!r}", f"define {attr}(builder, output, label) there "
+                                                      "(docs/training.md, custom losses)")
+    if isinstance(target, type):  # a Block subclass
+        return target()
+    if callable(target) and not _takes_loss_arguments(target):
+        try:
+            return target()
+        except Exception as exc:
+            raise OnnxMPError(f"{spec}() failed: {type(exc).__name__}: {exc}") from exc
+    return target
 
-    ob = _ort.onnxblock()
-    if isinstance(target, type) and issubclass(target, ob.Block):
-        made = target()
-    elif isinstance(target, ob.Block):
-        made = target
-    elif callable(target):
-        made = target()
-    else:
-        made = target
-    if not isinstance(made, ob.Block):
-        raise OnnxMPError(f"{spec} gave {type(made).__name__}, not an onnxruntime.training.onnxblock.Block",
-                          "the function must return a Block whose build(output, label) returns the loss's name")
-    return made
+
+def _takes_loss_arguments(function) -> bool:
+    """Whether ``function`` is a loss itself (three positional arguments: builder, output, label)
+    rather than a factory of one (no required argument)."""
+    import inspect
+
+    try:
+        parameters = inspect.signature(function).parameters.values()
+    except (TypeError, ValueError):
+        return True
+    if any(p.kind is p.VAR_POSITIONAL for p in parameters):
+        return True
+    required = [p for p in parameters if p.default is p.empty
+                and p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    return len(required) >= 3
 
 
 def _load_module(where: str):

@@ -46,24 +46,15 @@ def trainable(model: onnx.ModelProto) -> list[str]:
 
 
 def scaled_cross_entropy(multiplier: float):
-    """An onnxblock loss for ``build_artifacts(loss=...)``: cross entropy times ``multiplier``.
+    """A custom loss for ``build_artifacts(loss=...)``: cross entropy times ``multiplier``.
 
-    A custom loss block as users write one; a small ``multiplier`` makes float16
-    gradients underflow without loss scaling.  Needs onnxruntime-training.
+    A custom loss function as users write one (``(builder, output, label) -> loss name``); a
+    small ``multiplier`` makes float16 gradients underflow without loss scaling.
     """
-    from onnxmp.training import _ort, losses
+    from onnxmp.training import losses
 
-    ob = _ort.onnxblock()
+    def scaled_cross_entropy(g: losses.LossGraph, output: str, labels: str) -> str:
+        loss = losses.table_loss("cross_entropy")(g.graph, output, labels)  # the table's, in standard ops
+        return g.op("Mul", loss, g.const("multiplier", multiplier), what="scaled")
 
-    class ScaledCrossEntropy(ob.Block):
-        def __init__(self):
-            super().__init__()
-            self.cross_entropy = losses.block("cross_entropy")  # the table's, in standard ops
-            self.mul = ob.blocks.Mul()
-
-        def build(self, output, labels):
-            self.base.graph.initializer.append(
-                helper.make_tensor("loss_multiplier", TensorProto.FLOAT, [], [multiplier]))
-            return self.mul(self.cross_entropy(output, labels), "loss_multiplier")
-
-    return ScaledCrossEntropy()
+    return scaled_cross_entropy

@@ -1,4 +1,7 @@
-"""What build_artifacts writes: the loss-scaling contract inside training_model.onnx."""
+"""What build_artifacts writes: the loss-scaling contract inside training_model.onnx.
+
+The fixtures' builder is ``auto``: ORT's on Python 3.11 with the training build, onnxmp's elsewhere
+(whose folders hold the portable graphs only, which :func:`_graph` reads then)."""
 import json
 
 import numpy as np
@@ -8,7 +11,15 @@ from onnx import TensorProto
 
 from onnxmp.errors import OnnxMPError
 from onnxmp.training import Artifacts, Trainer, build_artifacts
+from onnxmp.training.build.load import runtime_loads_opset
 from onnxmp.training.models import mlp, scaled_cross_entropy, trainable
+
+from builders import HERE, needs_training_build
+
+
+def _graph(artifacts, kind="training_model"):
+    """The native graph where the folder has one (ORT's builder), else the portable one."""
+    return onnx.load(artifacts.path(kind) if artifacts.has_native else artifacts.portable_path(kind))
 
 
 def _producers(graph):
@@ -23,6 +34,7 @@ def _check_topological(graph):
         known.update(node.output)
 
 
+@needs_training_build  # ORT's InPlaceAccumulatorV2 (the portable graph's contract: test_training_portable)
 @pytest.mark.parametrize("which", ["fp32_artifacts", "fp16_artifacts", "cuda16_artifacts"])
 def test_training_model_holds_the_loss_scaling_contract(which, request):
     artifacts = request.getfixturevalue(which)
@@ -69,6 +81,7 @@ def test_training_model_holds_the_loss_scaling_contract(which, request):
     _check_topological(graph)
 
 
+@needs_training_build  # the native engine's files
 @pytest.mark.parametrize("which", ["fp32_artifacts", "fp16_artifacts", "sgd_artifacts", "cuda16_artifacts"])
 def test_versions_load_in_ort_1_19(which, request):
     artifacts = request.getfixturevalue(which)
@@ -83,7 +96,7 @@ def test_versions_load_in_ort_1_19(which, request):
 
 
 def test_cuda_artifacts_hold_real_float16(cuda16_artifacts):
-    model = onnx.load(cuda16_artifacts.training_model)
+    model = _graph(cuda16_artifacts)
     types = {v.name: v.type.tensor_type.elem_type for v in onnx.shape_inference.infer_shapes(model).graph.value_info}
     matmuls = [n for n in model.graph.node if n.op_type == "MatMul"]
     assert matmuls and all(types.get(n.output[0]) == TensorProto.FLOAT16 for n in matmuls)
@@ -92,7 +105,7 @@ def test_cuda_artifacts_hold_real_float16(cuda16_artifacts):
 
 
 def test_fp16_forward_is_emulated_with_fp32_master_weights(fp16_artifacts):
-    model = onnx.load(fp16_artifacts.training_model)
+    model = _graph(fp16_artifacts)
     casts = [n for n in model.graph.node if n.op_type == "Cast"]
     to_half = [n for n in casts if n.attribute[0].i == TensorProto.FLOAT16]
     assert to_half, "emulation rounds through float16 Casts"
@@ -107,7 +120,7 @@ def test_fp16_forward_is_emulated_with_fp32_master_weights(fp16_artifacts):
 
 
 def test_eval_model_and_manifest(fp16_artifacts):
-    evaluation = onnx.load(fp16_artifacts.eval_model)
+    evaluation = _graph(fp16_artifacts, "eval_model")
     assert [v.name for v in evaluation.graph.output] == ["loss", "logits"]
     assert "loss_scale" not in {v.name for v in evaluation.graph.input}
     manifest = json.loads((fp16_artifacts.directory / "manifest.json").read_text())
@@ -156,11 +169,16 @@ def test_frozen_parameters_do_not_change(tmp_path, model, batches):
     assert np.array_equal(before["W1"], after["W1"]) and not np.array_equal(before["W0"], after["W0"])
 
 
-def test_high_opset_and_ir_are_brought_down(tmp_path, batches):
+@pytest.mark.parametrize("builder", HERE)
+def test_high_opset_and_ir_are_brought_down_for_ort_only(tmp_path, batches, builder):
     model = mlp((8, 16, 4), opset=22, ir_version=11)
-    artifacts = build_artifacts(model, requires_grad=trainable(model), precision="float32", out_dir=tmp_path)
+    artifacts = build_artifacts(model, requires_grad=trainable(model), precision="float32", out_dir=tmp_path,
+                                builder=builder)
     forward = onnx.load(artifacts.path("forward_model"))
-    assert forward.opset_import[0].version == 21 and forward.ir_version == 10
+    # ORT 1.19 loads opset <= 21; onnxmp's graphs keep the model's opset where the installed onnxruntime
+    # (the portable engine's) loads it. Both IR <= 10 (onnxruntime 1.19+).
+    kept = builder == "onnxmp" and runtime_loads_opset(22)
+    assert forward.opset_import[0].version == (22 if kept else 21) and forward.ir_version == 10
     assert np.isfinite(Trainer(artifacts).train_step(*batches[0]).loss)
 
 

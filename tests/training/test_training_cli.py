@@ -9,6 +9,8 @@ import pytest
 from onnxmp.cli import main
 from onnxmp.training.models import mlp
 
+from builders import needs_training_build
+
 
 @pytest.fixture()
 def files(tmp_path):
@@ -177,7 +179,7 @@ def test_log_names_the_final_paths_not_the_temporary_folder(files, capsys, caplo
     assert main(_args(files, out, 1)) == 0
     messages = [r.getMessage() for r in caplog.records]
     assert not [m for m in messages if ".tmp" in m], messages
-    assert f"saved {out / 'artifacts' / 'training_model.onnx'}" in messages
+    assert f"saved {out / 'artifacts' / 'forward_model.onnx'}" in messages
     assert any(m.endswith(f"written to {out / 'artifacts'}") for m in messages)
     assert any(m.endswith(f"to {out / 'state'}") and "trainer state" in m for m in messages)
     assert f"saved {out / 'model.onnx'}" in messages
@@ -195,6 +197,7 @@ def test_a_model_over_2gb_is_refused_before_its_weights_or_data_are_read(files, 
     assert not (files / "never").exists()
 
 
+@needs_training_build  # the native engine, on a folder ORT's builder made (builder auto there)
 def test_train_prebuilt_artifacts_on_either_engine(files, capsys):
     """A run's artifacts/ trained again with --artifacts: natively, and on the portable engine
     (its graphs lowered) with the same losses."""

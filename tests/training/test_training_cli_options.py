@@ -85,7 +85,7 @@ def test_custom_loss_from_a_file_and_ignore_index(files, capsys):
     (files / "myloss.py").write_text(
         "from onnxmp.training import losses\n\n"
         "def token_loss():\n"
-        "    return losses.block('cross_entropy', ignore_index=3)\n")
+        "    return losses.table_loss('cross_entropy', ignore_index=3)\n")
     out = files / "custom"
     assert main(train_args(files, out, 1, "--loss", f"{files / 'myloss.py'}:token_loss")) == 0
     manifest = json.loads((out / "state" / "manifest.json").read_text())

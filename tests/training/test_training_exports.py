@@ -184,7 +184,7 @@ def test_export_gradients_are_right(entry, artifacts):
     try:
         _check_gradients(entry, artifacts)
     except AssertionError as exc:
-        if MATRIX[entry]["arch"] not in HEAP_DEPENDENT:
+        if MATRIX[entry]["arch"] not in HEAP_DEPENDENT or artifacts(entry, "float32").builder != "ort":
             raise
         # Right in a fresh process at batch 1 to 4 (against finite differences); wrong once the
         # heap holds what earlier sessions left.  The bug stays visible here, not hidden.

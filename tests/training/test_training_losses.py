@@ -2,7 +2,8 @@
 
 The references (tests/training/data/loss_references.npz) are torch's and Hugging Face's, written by
 scripts/make_training_references.py; each loss has a case where its special path fires (ignored
-labels, confident or zero logits, pos_weight) and one where it does not.
+labels, confident or zero logits, pos_weight) and one where it does not.  Each runs through both
+gradient builders where onnxruntime-training installs, through onnxmp's elsewhere.
 """
 from __future__ import annotations
 
@@ -18,6 +19,8 @@ from onnxmp.errors import OnnxMPError
 from onnxmp.training import build_artifacts
 from onnxmp.training import losses as losses_module
 from onnxmp.training.labels import check_labels
+
+from builders import HERE, needs_training_build
 
 REFERENCES = np.load(Path(__file__).parent / "data" / "loss_references.npz")
 CASES = sorted({key.split("/")[0] for key in REFERENCES.files} - {"custom_token_loss"})
@@ -43,7 +46,7 @@ def case(name: str) -> dict[str, np.ndarray]:
 def loss_of(name: str, data: dict):
     table = next(loss for loss in losses_module.LOSSES if name.startswith(loss))
     options = {"pos_weight": data["pos_weight"]} if "pos_weight" in data else {}
-    return table, losses_module.block(table, **options) if options else table
+    return table, losses_module.table_loss(table, **options) if options else table
 
 
 def run_training_graph(artifacts, x, labels):
@@ -67,16 +70,12 @@ def run_training_graph(artifacts, x, labels):
 
 
 def run_portable_graph(artifacts, x, labels, state):
-    """The same micro-step through the portable form (issue 28's lowering, where this onnxmp has it) on a
-    plain InferenceSession: the loss and the new accumulation buffers, which hold the gradients after a reset."""
-    try:
-        from onnxmp.training.build.lower import lower_model
-    except ImportError:
-        return None
+    """The same micro-step through the artifacts' portable training graph on a plain InferenceSession:
+    the loss and the new accumulation buffers, which hold the gradients after a reset."""
     import onnxruntime
 
-    model = lower_model(onnx.load(artifacts.training_model))
-    session = onnxruntime.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+    session = onnxruntime.InferenceSession(str(artifacts.portable_path("training_model")),
+                                           providers=["CPUExecutionProvider"])
     label = artifacts.manifest["label_input"]
     feeds = {"x": x, label: np.asarray(labels, dtype=artifacts.manifest["input_dtypes"][label]),
              "loss_scale": np.array(1.0, np.float32), "grad_weight": np.array(1.0, np.float32),
@@ -87,29 +86,36 @@ def run_portable_graph(artifacts, x, labels, state):
     return float(outputs["loss"]), {p: outputs[f"{p}_grad.accumulation.out"] for p in state}
 
 
+def one_step(artifacts, data, labels):
+    """(loss, gradients) of one micro-step: always the portable graph, and where ORT's builder made the
+    folder the native one too (its eval loss checked equal), which the portable one must agree with."""
+    loss, grads = run_portable_graph(artifacts, data["x"], labels, {"W": data["W"], "b": data["b"]})
+    if artifacts.has_native:
+        native_loss, native_grads, eval_loss = run_training_graph(artifacts, data["x"], labels)
+        assert (math.isnan(native_loss) and math.isnan(eval_loss)) or eval_loss == pytest.approx(native_loss, rel=1e-6)
+        assert (math.isnan(loss) and math.isnan(native_loss)) or loss == pytest.approx(native_loss, rel=1e-5)
+        for param in ("W", "b"):
+            np.testing.assert_allclose(grads[param], native_grads[param], rtol=1e-4, atol=1e-6, err_msg=param)
+    return loss, grads
+
+
+@pytest.mark.parametrize("builder", HERE)
 @pytest.mark.parametrize("name", CASES)
-def test_loss_value_and_gradients_equal_torch(tmp_path, name):
+def test_loss_value_and_gradients_equal_torch(tmp_path, name, builder):
     data = case(name)
     table, loss = loss_of(name, data)
     artifacts = build_artifacts(tiny_model(data["x"], data["W"], data["b"]), requires_grad=["W", "b"], loss=loss,
-                                precision="float32", optimizer="sgd", out_dir=tmp_path / "a")
-    assert artifacts.manifest["loss"] == table
+                                precision="float32", optimizer="sgd", out_dir=tmp_path / "a", builder=builder)
+    assert artifacts.manifest["loss"] == table and artifacts.builder == builder
     labels = check_labels(table, data["labels"], rows=len(data["x"]), shape=artifacts.manifest["output_shape"],
                           options=artifacts.manifest["loss_options"])
-    loss_value, grads, eval_loss = run_training_graph(artifacts, data["x"], labels)
+    loss_value, grads = one_step(artifacts, data, labels)
     if math.isnan(float(data["loss"])):  # every label ignored: torch's NaN, and zero gradients
-        assert math.isnan(loss_value) and math.isnan(eval_loss)
+        assert math.isnan(loss_value)
     else:
         assert loss_value == pytest.approx(float(data["loss"]), rel=1e-5, abs=1e-6)
-        assert eval_loss == pytest.approx(loss_value, rel=1e-6)
     for param in ("W", "b"):
         np.testing.assert_allclose(grads[param], data[f"grad_{param}"], rtol=1e-4, atol=1e-6, err_msg=param)
-    portable = run_portable_graph(artifacts, data["x"], labels, {"W": data["W"], "b": data["b"]})
-    if portable is not None:
-        value, grads = portable
-        assert (math.isnan(value) and math.isnan(loss_value)) or value == pytest.approx(loss_value, rel=1e-5)
-        for param in ("W", "b"):
-            np.testing.assert_allclose(grads[param], data[f"grad_{param}"], rtol=1e-4, atol=1e-6, err_msg=param)
 
 
 def test_the_references_exercise_what_they_claim():
@@ -124,29 +130,47 @@ def test_the_references_exercise_what_they_claim():
     assert not np.any(zero["W"]) and not np.any(zero["b"]) and np.any(zero["grad_b"])
 
 
-def test_worked_custom_loss_equals_torch_and_loads_like_the_cli(tmp_path):
+@pytest.mark.parametrize("builder", HERE)
+def test_worked_custom_loss_equals_torch_and_loads_like_the_cli(tmp_path, builder):
     data = case("custom_token_loss")
-    block = losses_module.resolve_loss(f"{EXAMPLE}:token_loss")
-    artifacts = build_artifacts(tiny_model(data["x"], data["W"], data["b"]), requires_grad=["W", "b"], loss=block,
-                                precision="float32", optimizer="sgd", out_dir=tmp_path / "a")
-    assert artifacts.manifest["loss"] == "SmoothedTokenLoss" and artifacts.inputs == ["x", "labels"]
-    loss_value, grads, _ = run_training_graph(artifacts, data["x"], data["labels"])
+    function = losses_module.resolve_loss(f"{EXAMPLE}:token_loss")
+    artifacts = build_artifacts(tiny_model(data["x"], data["W"], data["b"]), requires_grad=["W", "b"],
+                                loss=function, precision="float32", optimizer="sgd", out_dir=tmp_path / "a",
+                                builder=builder)
+    assert artifacts.manifest["loss"] == "token_loss" and artifacts.inputs == ["x", "labels"]
+    loss_value, grads = one_step(artifacts, data, data["labels"])
     assert loss_value == pytest.approx(float(data["loss"]), rel=1e-5)
     np.testing.assert_allclose(grads["W"], data["grad_W"], rtol=1e-4, atol=1e-6)
     # The string spelling works in build_artifacts too, and custom losses get the generic label checks.
     again = build_artifacts(tiny_model(data["x"], data["W"], data["b"]), requires_grad=["W", "b"],
-                            loss=f"{EXAMPLE}:token_loss", precision="float32", out_dir=tmp_path / "b")
-    assert again.manifest["loss"] == "SmoothedTokenLoss"
+                            loss=f"{EXAMPLE}:token_loss", precision="float32", out_dir=tmp_path / "b",
+                            builder=builder)
+    assert again.manifest["loss"] == "token_loss"
     assert check_labels(f"{EXAMPLE}:token_loss", data["labels"], rows=2, shape=[None, 5, 6]) is not None
+
+
+@needs_training_build
+def test_the_block_form_of_the_worked_loss_still_builds(tmp_path):
+    data = case("custom_token_loss")
+    block = losses_module.resolve_loss(f"{EXAMPLE}:token_loss_block")
+    assert type(block).__name__ == "SmoothedTokenLoss"
+    for builder in HERE:  # onnxmp's builder runs a Block too, where onnxblock installs
+        artifacts = build_artifacts(tiny_model(data["x"], data["W"], data["b"]), requires_grad=["W", "b"],
+                                    loss=block, precision="float32", optimizer="sgd", out_dir=tmp_path / builder,
+                                    builder=builder)
+        assert artifacts.manifest["loss"] == "SmoothedTokenLoss"
+        loss_value, grads = one_step(artifacts, data, data["labels"])
+        assert loss_value == pytest.approx(float(data["loss"]), rel=1e-5)
+        np.testing.assert_allclose(grads["W"], data["grad_W"], rtol=1e-4, atol=1e-6)
 
 
 def test_resolve_loss_spellings_and_errors(tmp_path, monkeypatch):
     assert losses_module.resolve_loss("causal_lm") == "causal_lm"
     (tmp_path / "i29_my_losses.py").write_text(EXAMPLE.read_text())
     monkeypatch.syspath_prepend(str(tmp_path))
-    block = losses_module.resolve_loss("i29_my_losses:token_loss")  # module:function
-    assert type(block).__name__ == "SmoothedTokenLoss"
-    assert losses_module.resolve_loss(block) is block
+    function = losses_module.resolve_loss("i29_my_losses:token_loss")  # module:function: the loss itself
+    assert function.__name__ == "token_loss"
+    assert losses_module.resolve_loss(function) is function
     with pytest.raises(OnnxMPError, match="unknown loss 'crossentropy'"):
         losses_module.resolve_loss("crossentropy")
     with pytest.raises(OnnxMPError, match="no loss file"):
@@ -156,11 +180,14 @@ def test_resolve_loss_spellings_and_errors(tmp_path, monkeypatch):
     with pytest.raises(OnnxMPError, match="has no 'nothing'"):
         losses_module.resolve_loss(f"{EXAMPLE}:nothing")
     bad = tmp_path / "bad.py"
-    bad.write_text("def not_a_block():\n    return 3\n")
-    with pytest.raises(OnnxMPError, match="gave int, not an onnxruntime.training.onnxblock.Block"):
-        losses_module.resolve_loss(f"{bad}:not_a_block")
+    bad.write_text("def not_a_loss():\n    return 3\n")  # a factory (no arguments) of something else
+    from onnxmp.training.build.loss_forms import loss_writer
+
+    with pytest.raises(OnnxMPError, match="unsupported loss 3"):
+        loss_writer(f"{bad}:not_a_loss")
 
 
+@needs_training_build
 def test_a_custom_block_must_declare_its_label(tmp_path):
     ob = losses_module.onnxblock()
 
@@ -254,9 +281,19 @@ def test_causal_lm_and_confident_bce_train_in_low_precision(tmp_path, precision)
 
 def test_loss_options_are_checked_and_recorded(tmp_path):
     with pytest.raises(OnnxMPError, match="the mse loss has no option ignore_index"):
-        losses_module.block("mse", ignore_index=1)
+        losses_module.table_loss("mse", ignore_index=1)
     with pytest.raises(OnnxMPError, match="pos_weight must be"):
-        losses_module.block("bce_with_logits", pos_weight=[[1.0]])
+        losses_module.table_loss("bce_with_logits", pos_weight=[[1.0]])
+    data = case("cross_entropy_rows")
+    artifacts = build_artifacts(tiny_model(data["x"], data["W"], data["b"]), requires_grad=["W", "b"],
+                                loss=losses_module.table_loss("cross_entropy", ignore_index=3), precision="float32",
+                                out_dir=tmp_path / "a")
+    assert artifacts.manifest["loss"] == "cross_entropy"
+    assert artifacts.manifest["loss_options"] == {"ignore_index": 3}
+
+
+@needs_training_build
+def test_the_table_block_of_before_is_still_taken(tmp_path):
     data = case("cross_entropy_rows")
     artifacts = build_artifacts(tiny_model(data["x"], data["W"], data["b"]), requires_grad=["W", "b"],
                                 loss=losses_module.block("cross_entropy", ignore_index=3), precision="float32",

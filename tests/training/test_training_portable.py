@@ -203,26 +203,31 @@ def test_native_without_the_training_build_names_the_python_311_step(sgd_linear)
 
 
 @pytest.mark.skipif(engines.native_available(), reason="the training build is installed here")
-def test_a_build_without_the_training_build_names_the_python_311_step(tmp_path):
+def test_ort_builder_without_the_training_build_names_the_python_311_step(tmp_path):
     from onnxmp.training import build_artifacts
     from onnxmp.training.models import mlp, trainable
 
     model = mlp((4, 3), seed=0)
     with pytest.raises(OnnxMPError) as info:
-        build_artifacts(model, requires_grad=trainable(model), out_dir=tmp_path / "a")
+        build_artifacts(model, requires_grad=trainable(model), out_dir=tmp_path / "a", builder="ort")
     assert "Python 3.11" in info.value.hint and "--artifacts" in info.value.hint
     assert not (tmp_path / "a").exists()
-    x, y = linear_data()
+    x, y = linear_data(n_in=4, n_out=3)
     np.savez(tmp_path / "data.npz", x=x, y=y)
     import onnx
 
     onnx.save(model, tmp_path / "m.onnx")
-    done = subprocess.run([sys.executable, "-m", "onnxmp", "train", str(tmp_path / "m.onnx"), "--data",
-                           str(tmp_path / "data.npz"), "--inputs", "x", "--labels", "y", "--epochs", "1",
-                           "--batch-size", "8", "--out", str(tmp_path / "run")], capture_output=True, text=True,
-                          timeout=300)
+    command = [sys.executable, "-m", "onnxmp", "train", str(tmp_path / "m.onnx"), "--data", str(tmp_path / "data.npz"),
+               "--inputs", "x", "--labels", "y", "--epochs", "1", "--batch-size", "8", "--out", str(tmp_path / "run"),
+               "--loss", "mse"]
+    done = subprocess.run([*command, "--builder", "ort"], capture_output=True, text=True, timeout=300)
     assert done.returncode == 1 and len(done.stderr.splitlines()) == 2, done.stderr
     assert "building training artifacts" in done.stderr and "Python 3.11" in done.stderr
+    assert not (tmp_path / "run").exists()
+    # The default builder (auto) is onnxmp's here: the same command builds and trains.
+    done = subprocess.run(command, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert json.loads((tmp_path / "run" / "artifacts" / "manifest.json").read_text())["builder"] == "onnxmp"
 
 
 def test_cli_trains_prebuilt_artifacts(sgd_linear, tmp_path):

@@ -4,6 +4,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from builders import needs_training_build
+
 SCRIPTS = Path(__file__).resolve().parents[2] / "scripts"
 
 
@@ -38,12 +40,26 @@ def test_bench_training_small(tmp_path):
     assert "steps/s" in out
 
 
+@needs_training_build  # the native engine
 def test_bench_training_engines_one_entry(tmp_path):
     out = _run(SCRIPTS / "bench_training.py", "--engines", "--entries", "resnet.torchscript17-bn", "--steps", "3",
                "--warmup", "1", "--optimizer", "sgd", "--json", tmp_path / "e.json", cwd=tmp_path)
     row = json.loads((tmp_path / "e.json").read_text())["rows"]["resnet.torchscript17-bn"]
     assert row["ratio"] > 0 and row["same_skips_and_scales"] and row["max_rel_loss_diff"] < 1e-4
     assert "resnet.torchscript17-bn" in out and "ratio" in out
+
+
+@needs_training_build  # both builders, and the native engine
+def test_bench_training_builders_one_entry(tmp_path):
+    out = _run(SCRIPTS / "bench_training.py", "--builders", "--entries", "resnet.torchscript17", "--steps", "2",
+               "--warmup", "1", "--json", tmp_path / "b.json", cwd=tmp_path)
+    row = json.loads((tmp_path / "b.json").read_text())["rows"]["resnet.torchscript17"]
+    assert row["nodes_ort"] > 0 and row["nodes_onnxmp"] > 0 and row["int64_before"] > row["int64_after"] >= 0
+    for variant in ("ort", "onnxmp"):
+        for threads in (1, 2):
+            assert row[f"{variant}_{threads}"]["seconds"] > 0 and row[f"{variant}_{threads}"]["peak_rss_mib"] > 0
+    assert "torch" in row["torch_1"]["error"]  # no --torch-python: the row says so, the others still run
+    assert "resnet.torchscript17" in out and "int64 before" in out
 
 
 def test_bench_distributed_small(tmp_path):
@@ -70,6 +86,7 @@ def test_train_matrix_one_entry(tmp_path):
     assert row["float32"]["frozen"] == 12  # each BatchNormalization's running mean and variance
 
 
+@needs_training_build  # the native graphs of ORT's builder, checked beside the portable ones
 def test_check_cuda_builds_one_entry(tmp_path):
     out = _run(SCRIPTS / "check_cuda_builds.py", "resnet.torchscript14", "--precisions", "bfloat16", "--json",
                cwd=tmp_path)

@@ -22,21 +22,25 @@ from onnxmp.training.build.prepare import RUNTIME_SHAPE
 log = logging.getLogger("onnxmp.training.build.gradient")
 
 
-def gradient_graph(forward: onnx.ModelProto, loss_block, label_name: str, requires_grad, frozen):
+def gradient_graph(forward: onnx.ModelProto, loss, label_name: str, requires_grad, frozen):
+    """(training, evaluation, (trainable, frozen) parameters) by ORT's builder.  ``loss(graph,
+    output, label) -> name`` appends the loss to the forward graph (:mod:`~onnxmp.training.build.loss_forms`)."""
     ob = _ort.onnxblock()
 
     class LossScaledTraining(ob.TrainingBlock):
         def build(self, *outputs):
             graph = self.base.graph
             try:
-                loss = loss_block(outputs[0], label_name)
+                loss_value = loss(graph, outputs[0], label_name)
+            except OnnxMPError:
+                raise
             except Exception:
                 # onnxblock checks the model after build(): an undeclared label fails there, unnamed.
-                check_loss_block(graph, None, label_name, type(loss_block).__name__, label_only=True)
+                check_loss_block(graph, None, label_name, getattr(loss, "name", type(loss).__name__), label_only=True)
                 raise
-            check_loss_block(graph, loss, label_name, type(loss_block).__name__)
+            check_loss_block(graph, loss_value, label_name, getattr(loss, "name", type(loss).__name__))
             graph.input.append(helper.make_tensor_value_info(LOSS_SCALE, TensorProto.FLOAT, []))
-            graph.node.append(helper.make_node("Identity", [loss], [LOSS], name="onnxmp/loss"))
+            graph.node.append(helper.make_node("Identity", [loss_value], [LOSS], name="onnxmp/loss"))
             graph.node.append(helper.make_node("Mul", [LOSS, LOSS_SCALE], [LOSS_SCALED], name="onnxmp/loss_scale"))
             # The first output is where backpropagation starts: the scaled loss.
             return LOSS_SCALED, LOSS

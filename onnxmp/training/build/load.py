@@ -2,6 +2,7 @@
 small enough for its gradient builder, with its Constant-node weights as initializers."""
 from __future__ import annotations
 
+import functools
 import logging
 import os
 from typing import Iterable
@@ -91,3 +92,24 @@ def ort_version() -> str:
     import onnxruntime
 
     return onnxruntime.__version__
+
+
+@functools.lru_cache(maxsize=None)
+def runtime_loads_opset(opset: int) -> bool:
+    """Whether the installed onnxruntime loads a model of default-domain ``opset`` (asked of it: an
+    Identity model at that opset, the runtime being the judge)."""
+    from onnx import TensorProto, helper
+
+    from onnxmp import runtime
+
+    probe = helper.make_model(
+        helper.make_graph([helper.make_node("Identity", ["x"], ["y"])], "opset_probe",
+                          [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1])],
+                          [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1])]),
+        opset_imports=[helper.make_opsetid("", opset)])
+    cap_ir_version(probe)
+    try:
+        runtime.session(probe, what=f"opset {opset} probe")
+    except OnnxMPError:  # onnxruntime's "opset N is under development / not supported" failures
+        return False
+    return True

@@ -3,25 +3,27 @@
 The build is a pipeline of stages (``docs/training.md``), each a pass over one
 :class:`TrainingBuild` state, run by :class:`~onnxmp.passes.PassManager`:
 
-1. ``load``: the model, at an opset and IR version onnxruntime-training 1.19 loads, with
-   Constant-node weights promoted to initializers (:mod:`~onnxmp.training.build.load`); the
-   parameters and names checked;
+1. ``load``: the model (for ORT's builder at an opset and IR version onnxruntime-training 1.19
+   loads), with Constant-node weights promoted to initializers (:mod:`~onnxmp.training.build.load`);
+   the parameters, names and loss (:mod:`~onnxmp.training.build.loss_forms`) checked;
 2. ``prepare``: a copy the gradient builder can differentiate (:mod:`~onnxmp.training.build.prepare`);
 3. ``convert``: the mixed-precision forward graph (trainable parameters stay float32 master
    weights, Cast at each low-precision use); emulated on ``target="cpu"``;
-4. ``gradient``: ORT's gradient graph of the scaled loss, and the eval graph
-   (:mod:`~onnxmp.training.build.gradient`);
+4. ``gradient``: the gradient graph of the scaled loss, and the eval graph, by the builder
+   ``builder`` picks: onnxmp's (:mod:`~onnxmp.training.build.autodiff`, any Python) or ORT's
+   (:mod:`~onnxmp.training.build.gradient`, onnxruntime-training 1.19.2);
 5. ``loss_scale``: unscale / finite check (:mod:`~onnxmp.training.build.unscale`);
 6. ``determinism``: on the CPU, kernels that run exactly and deterministically
    (:mod:`~onnxmp.training.build.determinism`);
 7. ``lower``: the training and eval models in ops plain onnxruntime runs, for the portable
    engine (:mod:`~onnxmp.training.build.lower`); an op it cannot lower stops the build, named;
-8. ``optimizer``: the optimizer models (:mod:`~onnxmp.training.build.optimizer_graphs`): onnxblock's,
-   and torch's update in standard ops (:mod:`~onnxmp.training.update_graph`), which both engines
-   step with;
+8. ``optimizer``: the optimizer models (:mod:`~onnxmp.training.build.optimizer_graphs`): torch's
+   update in standard ops (:mod:`~onnxmp.training.update_graph`), which both engines step with, and
+   (ORT's builder) onnxblock's;
 9. ``write``: the folder, whole or not at all (:mod:`~onnxmp.training.artifacts`), with the
    portable form of the graphs and the manifest the contract describes
-   (:func:`onnxmp.training.contract.manifest`), and the parameters in ``parameters.npz``.
+   (:func:`onnxmp.training.contract.manifest`), and the parameters in ``parameters.npz``; with
+   ORT's builder, the native engine's files too.
 """
 from __future__ import annotations
 
@@ -49,21 +51,21 @@ from onnxmp.training.artifacts import Artifacts, write_artifacts
 from onnxmp.training.build.determinism import deterministic_gather_grads, float32_cpu_grad_kernels
 from onnxmp.training.build.gradient import gradient_graph, make_eval_outputs
 from onnxmp.training.build.load import (check_trainable_size, model_opset, ort_version, promote_constants,
-                                        supported_versions)
+                                        runtime_loads_opset, supported_versions)
 from onnxmp.training.build.lower import check_lowered, lower_model
 from onnxmp.training.build.optimizer_graphs import build_optimizer_model, build_portable_optimizer
 from onnxmp.training.build.prepare import Preparation, describe, prepare_for_gradient
 from onnxmp.training.build.unscale import add_loss_scaling
 from onnxmp.training.contract import RESERVED
+from onnxmp.training.build.loss_forms import loss_writer
 from onnxmp.training.labels import check_output, output_shape
-from onnxmp.training.losses import LOSSES
-from onnxmp.training.losses import loss as loss_named
 from onnxmp.training.optimizer_settings import Optimizer as OptimizerSpec
 from onnxmp.training.optimizer_settings import optimizer_named
 
 log = logging.getLogger("onnxmp.training")
 
 PRECISIONS = (*LOW_PRECISIONS, FLOAT32.name)  # float32: train without mixed precision
+BUILDERS = ("auto", "onnxmp", "ort")  # who differentiates: onnxmp's autodiff, or onnxruntime-training's builder
 
 
 @dataclass
@@ -79,9 +81,10 @@ class TrainingBuild:
     precision: str
     target: str
     out: Path
+    builder: str = "ort"                           # resolved: "onnxmp" or "ort" (resolve_builder)
     forward: onnx.ModelProto | None = None         # the model as loaded (what is exported again)
     trainable: onnx.ModelProto | None = None       # Constant-node weights promoted to initializers
-    loss_block: Any = None
+    loss_block: Any = None                         # loss(graph, output, label) -> name (loss_forms.LossWriter)
     loss_name: str = ""
     loss_options: dict = field(default_factory=dict)
     prepared: onnx.ModelProto | None = None
@@ -100,6 +103,11 @@ class TrainingBuild:
     def parameter_names(self) -> list[str]:
         return [*self.requires_grad, *self.frozen]
 
+    @property
+    def native(self) -> bool:
+        """Whether the folder gets the native engine's files (onnxblock's optimizer, ORT's checkpoint)."""
+        return self.builder == "ort"
+
 
 class Load(PassBase[TrainingBuild]):
     name = "load"
@@ -108,11 +116,16 @@ class Load(PassBase[TrainingBuild]):
         from onnxmp.load import load
 
         check_trainable_size(state.source)
-        state.forward = supported_versions(load(state.source))
+        state.forward = load(state.source)
+        # ORT 1.19's opset cap where its builder and native engine read the graphs, or where the installed
+        # onnxruntime (which the portable engine runs on) cannot load the model's opset either.
+        if state.native or not runtime_loads_opset(model_opset(state.forward)):
+            state.forward = supported_versions(state.forward)
+        cap_ir_version(state.forward)  # the portable engine runs on onnxruntime >= 1.19 too
         state.trainable, promoted = promote_constants(state.forward, state.parameter_names)
         _check_parameters(state.trainable, state.requires_grad, state.frozen)
         state.loss_block, state.loss_name, state.loss_options, state.label_name = _loss_block(
-            state.loss, state.label_name)
+            state.loss, state.label_name, state.forward)
         check_output(state.loss_name, output_shape(state.forward), repr(state.forward.graph.output[0].name))
         clashes = sorted(proto_names(state.forward.graph) & {*RESERVED, state.label_name})
         if clashes:
@@ -143,10 +156,16 @@ class Gradient(PassBase[TrainingBuild]):
     name = "gradient"
 
     def call(self, state: TrainingBuild) -> PassResult:
-        state.training, state.evaluation, state.parameters = gradient_graph(
+        if state.builder == "onnxmp":
+            from onnxmp.training.build.autodiff import gradient_graph as onnxmp_gradient_graph
+
+            build = onnxmp_gradient_graph
+        else:
+            build = gradient_graph
+        state.training, state.evaluation, state.parameters = build(
             state.train_forward, state.loss_block, state.label_name, state.requires_grad, state.frozen)
         make_eval_outputs(state.evaluation, state.train_forward)
-        return PassResult(True)
+        return PassResult(True, {"builder": state.builder})
 
 
 class LossScale(PassBase[TrainingBuild]):
@@ -192,7 +211,8 @@ class Optimizer(PassBase[TrainingBuild]):
     name = "optimizer"
 
     def call(self, state: TrainingBuild) -> PassResult:
-        state.optimizer_model = build_optimizer_model(state.optimizer, opset=model_opset(state.forward))
+        if state.native:
+            state.optimizer_model = build_optimizer_model(state.optimizer, opset=model_opset(state.forward))
         shapes = {t.name: list(t.dims) for t in state.trainable.graph.initializer}
         state.portable_optimizer = build_portable_optimizer(
             state.optimizer, [(name, shapes[name]) for name in state.requires_grad], model_opset(state.forward))
@@ -212,11 +232,13 @@ class Write(PassBase[TrainingBuild]):
             optimizer=state.optimizer.manifest_entry(state.requires_grad), precision=state.precision,
             target=state.target, opset=model_opset(state.forward), output_shape=output_shape(state.forward),
             prepared_for_gradient=describe(state.preparations),
-            versions={"onnxmp_version": _onnxmp_version(), "onnxruntime_version": ort_version()})
+            versions={"onnxmp_version": _onnxmp_version(), "onnxruntime_version": ort_version()},
+            builder=state.builder, native=state.native)
         models = {"training_model": state.lowered_training, "eval_model": state.lowered_evaluation,
                   "optimizer_model": state.portable_optimizer}
-        write_artifacts(state.out, manifest, training=state.training, evaluation=state.evaluation,
-                        optimizer_model=state.optimizer_model, forward=state.forward, parameters=state.parameters,
+        native = {"training_model": state.training, "eval_model": state.evaluation,
+                  "optimizer_model": state.optimizer_model} if state.native else None
+        write_artifacts(state.out, manifest, native=native, forward=state.forward, parameters=state.parameters,
                         portable=models)
         log.info("training artifacts (%s, %s) written to %s", state.precision, state.target, destination(state.out))
         state.artifacts = Artifacts(state.out, manifest)
@@ -237,12 +259,20 @@ def build_artifacts(
     target: str = "cpu",
     out_dir: str | os.PathLike,
     label_name: str | None = None,
+    builder: str = "auto",
 ) -> Artifacts:
     """Build mixed-precision training artifacts for ``model`` in ``out_dir``.
 
-    ``loss`` is one of :data:`~onnxmp.training.losses.LOSSES` or an ``onnxblock.Block``, which
-    is called as ``block(output_name, label_name)`` and must return the name of a float32
-    scalar.  The loss reads the model's first output; ``label_name`` (default: the loss's own,
+    ``builder`` differentiates the graph: ``"onnxmp"`` (onnxmp's own gradient builder, any Python,
+    plain onnxruntime; the folder holds the portable engine's files), ``"ort"`` (onnxruntime-training
+    1.19.2's, Python <= 3.11; the folder holds the native engine's files too) or ``"auto"`` (ORT's
+    where onnxruntime-training imports, onnxmp's elsewhere).  The manifest records which.
+
+    ``loss`` is one of :data:`~onnxmp.training.losses.LOSSES`, or a custom loss: a function
+    ``(builder, output, label) -> loss name`` adding nodes with ``losses.LossGraph``, an ONNX graph
+    or function of (output, label) with one float32 scalar output, or an ``onnxblock.Block``
+    (called as ``block(output_name, label_name)``) where onnxruntime-training installs
+    (:mod:`~onnxmp.training.build.loss_forms`).  The loss reads the model's first output; ``label_name`` (default: the loss's own,
     ``labels`` for cross entropy, ``target`` otherwise) names the new label input.
     ``optimizer`` is ``onnxmp.training.AdamW(...)`` / ``SGD(...)`` (torch.optim's arguments; its
     ``lr`` is the default learning rate) or ``"adamw"`` / ``"sgd"`` (torch's defaults); the
@@ -250,12 +280,12 @@ def build_artifacts(
     ``precision="float32"`` builds the fp32 baseline (no conversion).  Models over 2 GB are
     refused before any work (see :func:`check_trainable_size`).
 
-    ``loss`` may also be ``losses.block(name, **options)`` (a table loss with other options than
+    ``loss`` may also be ``losses.table_loss(name, **options)`` (a table loss with other options than
     the defaults, e.g. ``ignore_index``, ``pos_weight``) or ``"module:function"`` /
-    ``"file.py:function"`` (:func:`~onnxmp.training.losses.resolve_loss`); a custom block must
+    ``"file.py:function"`` (:func:`~onnxmp.training.losses.resolve_loss`); a custom loss must
     declare its label input (docs/training.md, custom losses).  ``causal_lm``'s label is ``labels``.
     """
-    _ort.onnxblock()  # no training build: one error naming the Python 3.11 step, before any work
+    builder = resolve_builder(builder)  # before any work: the builder asked for is there
     if precision not in PRECISIONS:
         raise OnnxMPError(f"unknown precision {precision!r}", f"use one of: {', '.join(PRECISIONS)}")
     target_named(target)
@@ -268,10 +298,34 @@ def build_artifacts(
     both = sorted(set(requires_grad) & set(frozen))
     if both:
         raise OnnxMPError(f"parameters both trainable and frozen: {', '.join(both)}")
-    state = TrainingBuild(model, requires_grad, frozen, loss, label_name, optimizer, precision, target, Path(out_dir))
+    state = TrainingBuild(model, requires_grad, frozen, loss, label_name, optimizer, precision, target, Path(out_dir),
+                          builder)
     PassManager([stage() for stage in STAGES], log=log,
                 hint="please report this model to onnxmp; run with -v for onnxruntime's log")(state)
     return state.artifacts
+
+
+def resolve_builder(builder: str) -> str:
+    """``"onnxmp"`` or ``"ort"`` for ``builder``; ``auto``: ORT's where onnxruntime-training imports
+    (the reference path), onnxmp's elsewhere.  ``"ort"`` without the training build is one error
+    naming the Python 3.11 step; ``"onnxmp"`` needs nothing but onnx and onnxruntime."""
+    if builder not in BUILDERS:
+        raise OnnxMPError(f"unknown gradient builder {builder!r}", f"use one of: {', '.join(BUILDERS)}")
+    if builder == "ort":
+        _ort.onnxblock()
+        return builder
+    if builder == "auto":
+        try:
+            _ort.onnxblock()
+            return "ort"
+        except (OnnxMPError, ImportError):
+            pass
+    try:
+        import onnxmp.training.build.autodiff  # noqa: F401
+    except ImportError as exc:
+        raise OnnxMPError(f"onnxmp's gradient builder is not available in this install ({exc})",
+                          "reinstall onnxmp, or build with builder='ort' on Python 3.11 with the training build") from None
+    return "onnxmp"
 
 
 def training_forward(forward: onnx.ModelProto, precision: str, target: str,
@@ -400,22 +454,10 @@ def _check_parameters(model: onnx.ModelProto, requires_grad: list[str], frozen: 
                           "train the float32 model; onnxmp converts it for mixed precision itself")
 
 
-def _loss_block(loss, label_name: str | None):
-    """(block, the manifest's loss name, its options, the label input's name) for ``loss``."""
-    from onnxmp.training.losses import block as table_loss_block
-    from onnxmp.training.losses import resolve_loss
-
-    ob = _ort.onnxblock()
-    loss = resolve_loss(loss)
-    if isinstance(loss, str):
-        loss = table_loss_block(loss)
-    if isinstance(loss, ob.Block):
-        table = getattr(loss, "loss_name", None)
-        if table in LOSSES:  # a table loss, perhaps with options (losses.block)
-            return loss, table, dict(loss.loss_options), label_name or loss_named(table).label
-        return loss, type(loss).__name__, {}, label_name or "labels"
-    raise OnnxMPError(f"unsupported loss {loss!r}",
-                      f"use one of {', '.join(LOSSES)} or an onnxruntime.training.onnxblock.Block")
+def _loss_block(loss, label_name: str | None, forward: onnx.ModelProto):
+    """(the loss writer, the manifest's loss name, its options, the label input's name) for ``loss``."""
+    writer = loss_writer(loss, forward.opset_import)
+    return writer, writer.name, dict(writer.options), label_name or writer.label
 
 
 def _onnxmp_version() -> str:

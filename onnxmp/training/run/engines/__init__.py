@@ -4,7 +4,8 @@
 * ``portable``: plain ``onnxruntime.InferenceSession`` on the artifacts' lowered graphs, CPU
   or CUDA EP, Python 3.10-3.13.
 
-``auto`` picks native where ``onnxruntime.training`` imports and portable elsewhere.
+``auto`` picks native where ``onnxruntime.training`` imports and the folder has the native files
+(ORT's builder made it), portable elsewhere.
 """
 from __future__ import annotations
 
@@ -33,8 +34,13 @@ def resolve(engine: str, artifacts: Artifacts) -> str:
     if engine == "auto":
         if saved is not None:  # a saved state continues on the engine that wrote it
             engine = saved
-        else:
-            engine = "native" if native_available() else "portable"
+        else:  # onnxmp's builder writes no native files: its folders train on the portable engine
+            engine = "native" if artifacts.has_native and native_available() else "portable"
+    if engine == "native" and not artifacts.has_native:
+        raise OnnxMPError(f"the artifacts in {artifacts.directory} were built by onnxmp's gradient builder and have "
+                          "no native-engine files (onnxruntime-training's checkpoint and optimizer model)",
+                          "train them with engine='portable' (or 'auto'), or rebuild them with builder='ort' on "
+                          "Python 3.11 with the training build")
     if saved is not None and engine != saved:
         raise OnnxMPError(f"{artifacts.directory} holds a state the {saved} engine saved (its optimizer state is "
                           f"in the {saved} engine's format); the {engine} engine cannot continue it",
