@@ -52,7 +52,7 @@ def forward_of(entry: str, precision: str):
 
 
 def both(entry: str, precision: str, ours: bool = True):
-    from onnxmp.training import autodiff
+    from onnxmp.training.build import autodiff
     from onnxmp.training.build.gradient import gradient_graph as ort_gradient_graph
     from onnxmp.training.losses import table_loss
 

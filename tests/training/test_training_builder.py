@@ -12,7 +12,8 @@ import sys
 import pytest
 
 from onnxmp.errors import OnnxMPError
-from onnxmp.training import Trainer, build_artifacts, engines
+from onnxmp.training import Trainer, build_artifacts
+from onnxmp.training.run import engines
 from onnxmp.training.artifacts import NATIVE_FILES, Artifacts
 from onnxmp.training.build import resolve_builder
 from onnxmp.training.models import mlp, trainable
