@@ -23,7 +23,7 @@ Shape = tuple[Dim, ...] | None
 # Small integer initializers stay in the skeleton that onnx's inference reads (shapes, axes,
 # pads feed data propagation); weights become inputs (a model over 2 GB still infers).
 _SMALL = 64
-_PASSES = 4
+_PASSES = 10
 _INT_OUT = {"Shape": TensorProto.INT64, "Size": TensorProto.INT64, "NonZero": TensorProto.INT64,
             "ArgMax": TensorProto.INT64, "ArgMin": TensorProto.INT64}
 _BOOL_OUT = frozenset({"Equal", "Greater", "Less", "GreaterOrEqual", "LessOrEqual", "Not", "And", "Or", "Xor",
