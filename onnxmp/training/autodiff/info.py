@@ -199,7 +199,9 @@ def _standins(node: onnx.NodeProto, producers: dict[str, onnx.NodeProto]) -> lis
     ins, out = list(node.input), node.output[0]
     if node.op_type in ("Gelu", "QuickGelu", "FastGelu", "BiasGelu"):
         bias = ins[1] if len(ins) > 1 and ins[1] else ""
-        return [helper.make_node("Add", [ins[0], bias], [out]) if bias else helper.make_node("Identity", [ins[0]], [out])]
+        if bias:
+            return [helper.make_node("Add", [ins[0], bias], [out])]
+        return [helper.make_node("Identity", [ins[0]], [out])]
     if node.op_type == "FusedMatMul":
         attrs = {a.name: a.i for a in node.attribute if a.type == onnx.AttributeProto.INT}
         nodes, operands = [], []
