@@ -231,10 +231,17 @@ def _infer(model: onnx.ModelProto, hints: dict[str, tuple], types: dict[str, int
         graph.node.extend(_standins(node, producers))
     graph.input.extend(model.graph.input)
     graph.output.extend(model.graph.output)
-    graph.value_info.extend(model.graph.value_info)
-    hinted = {v.name for v in graph.value_info}
+    # the model's own value_info (onnx's unk__ dims, which an earlier inference wrote, cleared: kept,
+    # they would pin dims this inference can name), and the hinted shapes instead of what it says
+    for v in model.graph.value_info:
+        if v.name not in hints:
+            graph.value_info.append(v)
+            if v.type.HasField("tensor_type"):
+                for dim in v.type.tensor_type.shape.dim:
+                    if dim.HasField("dim_param") and dim.dim_param.startswith("unk__"):
+                        dim.Clear()
     for name, dims in hints.items():
-        if name not in hinted and types.get(name):
+        if types.get(name):
             value = helper.make_tensor_value_info(name, types[name], [d if d is not None else "" for d in dims])
             for dim in value.type.tensor_type.shape.dim:
                 if dim.HasField("dim_param") and not dim.dim_param:
