@@ -20,10 +20,10 @@ log = logging.getLogger("onnxmp.training.autodiff")
 Dim = int | str | None
 Shape = tuple[Dim, ...] | None
 
-# Small integer initializers stay in the skeleton that onnx's inference reads (shapes, axes,
-# pads feed data propagation); weights become inputs (a model over 2 GB still infers).
+# Small initializers stay in the skeleton that onnx's inference reads (shapes, axes, pads and
+# scales feed data propagation); weights become inputs (a model over 2 GB still infers).
 _SMALL = 64
-_PASSES = 4
+_PASSES = 10
 _INT_OUT = {"Shape": TensorProto.INT64, "Size": TensorProto.INT64, "NonZero": TensorProto.INT64,
             "ArgMax": TensorProto.INT64, "ArgMin": TensorProto.INT64}
 _BOOL_OUT = frozenset({"Equal", "Greater", "Less", "GreaterOrEqual", "LessOrEqual", "Not", "And", "Or", "Xor",
@@ -199,7 +199,9 @@ def _standins(node: onnx.NodeProto, producers: dict[str, onnx.NodeProto]) -> lis
     ins, out = list(node.input), node.output[0]
     if node.op_type in ("Gelu", "QuickGelu", "FastGelu", "BiasGelu"):
         bias = ins[1] if len(ins) > 1 and ins[1] else ""
-        return [helper.make_node("Add", [ins[0], bias], [out]) if bias else helper.make_node("Identity", [ins[0]], [out])]
+        if bias:
+            return [helper.make_node("Add", [ins[0], bias], [out])]
+        return [helper.make_node("Identity", [ins[0]], [out])]
     if node.op_type == "FusedMatMul":
         attrs = {a.name: a.i for a in node.attribute if a.type == onnx.AttributeProto.INT}
         nodes, operands = [], []
@@ -229,10 +231,17 @@ def _infer(model: onnx.ModelProto, hints: dict[str, tuple], types: dict[str, int
         graph.node.extend(_standins(node, producers))
     graph.input.extend(model.graph.input)
     graph.output.extend(model.graph.output)
-    graph.value_info.extend(model.graph.value_info)
-    hinted = {v.name for v in graph.value_info}
+    # the model's own value_info (onnx's unk__ dims, which an earlier inference wrote, cleared: kept,
+    # they would pin dims this inference can name), and the hinted shapes instead of what it says
+    for v in model.graph.value_info:
+        if v.name not in hints:
+            graph.value_info.append(v)
+            if v.type.HasField("tensor_type"):
+                for dim in v.type.tensor_type.shape.dim:
+                    if dim.HasField("dim_param") and dim.dim_param.startswith("unk__"):
+                        dim.Clear()
     for name, dims in hints.items():
-        if name not in hinted and types.get(name):
+        if types.get(name):
             value = helper.make_tensor_value_info(name, types[name], [d if d is not None else "" for d in dims])
             for dim in value.type.tensor_type.shape.dim:
                 if dim.HasField("dim_param") and not dim.dim_param:
@@ -240,7 +249,7 @@ def _infer(model: onnx.ModelProto, hints: dict[str, tuple], types: dict[str, int
             graph.value_info.append(value)
     declared = {v.name for v in graph.input}
     for t in model.graph.initializer:
-        small = t.data_type in (TensorProto.INT64, TensorProto.INT32) and np.prod(t.dims, dtype=np.int64) <= _SMALL
+        small = np.prod(t.dims, dtype=np.int64) <= _SMALL  # shapes, axes, pads, scales: read by inference
         if small:
             graph.initializer.append(t)
         elif t.name not in declared:

@@ -112,6 +112,10 @@ def _arith(op: str):
             if op == "Div":
                 return x // y if y else None
             return {"Add": x + y, "Sub": x - y, "Mul": x * y}[op]
+        if op == "Sub" and x == y and x is not None:
+            return 0
+        if op == "Add" and 0 in (x, y) and not isinstance(x, bool):
+            return y if x == 0 else x
         if op == "Mul":
             return multiply(x, y)
         if op == "Div":
@@ -191,6 +195,12 @@ def _value(node: onnx.NodeProto, v: _Values, shapes: dict) -> None:
             v.set(out, v.get(ins[0]))
         elif target == [] and len(v.get(ins[0])) == 1:
             v.set(out, v.get(ins[0]), scalar=True)
+    elif op == "Expand" and v.get(ins[0]) is not None and v.get(ins[1]) is not None:
+        value, target = v.get(ins[0]), v.get(ins[1])
+        if target == [len(value)]:
+            v.set(out, value)
+        elif len(value) == 1 and len(target) == 1 and isinstance(target[0], int) and 0 < target[0] <= 64:
+            v.set(out, value * target[0])
     elif op == "ConstantOfShape" and v.get(ins[0]) is not None:
         size = v.get(ins[0])
         fill = attrs.get("value")
@@ -237,6 +247,29 @@ def _hint(node: onnx.NodeProto, v: _Values, shapes: dict) -> tuple | None:
             whole = product(shape) if shape is not None else None
             dims[dims.index(-1)] = divide(whole, product(known)) if whole is not None else None
         return tuple(dims)
+    if op == "Slice" and len(ins) >= 3:
+        shape = shapes.get(ins[0])
+        starts, ends = v.get(ins[1]), v.get(ins[2])
+        axes = v.get(ins[3]) if len(ins) > 3 and ins[3] else (list(range(len(starts))) if starts else None)
+        steps = v.get(ins[4]) if len(ins) > 4 and ins[4] else [1] * len(axes or [])
+        if shape is None or not starts or not ends or axes is None or steps is None or any(t != 1 for t in steps):
+            return None
+        dims = list(shape)
+        for axis, start, end in zip(axes, starts, ends):
+            if not isinstance(axis, int) or not -len(dims) <= axis < len(dims):
+                return None
+            # A slice [0:s] of a longer buffer by a symbolic extent s (a sequence length read with
+            # Shape) is taken as s long: a graph that adds it to a tensor s long runs only if it is.
+            if start == 0 and isinstance(end, str) and (dims[axis] is None or isinstance(dims[axis], int)):
+                dims[axis] = end
+            else:
+                return None
+        return tuple(dims)
+    if op == "Range" and all(v.get(i) is not None for i in ins):
+        start, limit, delta = (v.get(i)[0] for i in ins)
+        if start == 0 and delta == 1 and isinstance(limit, str):
+            return (limit,)
+        return None
     if op == "ConstantOfShape":
         target = v.get(ins[0])
         return tuple(target) if target is not None else None
