@@ -21,7 +21,6 @@ None of them but the ``Block`` needs onnxruntime-training.  Every form is held t
 from __future__ import annotations
 
 import inspect
-import logging
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
@@ -33,8 +32,6 @@ from onnxmp.errors import OnnxMPError, first_line
 from onnxmp.naming import FreshNames, proto_names
 from onnxmp.training import losses
 from onnxmp.training.losses import LOSSES, LossGraph, TableLoss
-
-log = logging.getLogger("onnxmp.training")
 
 _CUSTOM = "docs/training.md, custom losses"
 

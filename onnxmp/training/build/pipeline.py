@@ -156,16 +156,23 @@ class Gradient(PassBase[TrainingBuild]):
     name = "gradient"
 
     def call(self, state: TrainingBuild) -> PassResult:
+        details = {"builder": state.builder}
         if state.builder == "onnxmp":
             from onnxmp.training.build.autodiff import gradient_graph as onnxmp_gradient_graph
 
-            build = onnxmp_gradient_graph
+            reports: list = []
+            state.training, state.evaluation, state.parameters = onnxmp_gradient_graph(
+                state.train_forward, state.loss_block, state.label_name, state.requires_grad, state.frozen,
+                reports=reports)
+            places = sum(r.runtime_shapes for r in reports)
+            details.update(nodes_added=sum(r.nodes_added for r in reports), runtime_shapes=places)
+            log.info("onnxmp's gradient builder: %d node(s); %d place(s) read a shape at run time (the symbolic "
+                     "shapes could not decide them)", details["nodes_added"], places)
         else:
-            build = gradient_graph
-        state.training, state.evaluation, state.parameters = build(
-            state.train_forward, state.loss_block, state.label_name, state.requires_grad, state.frozen)
+            state.training, state.evaluation, state.parameters = gradient_graph(
+                state.train_forward, state.loss_block, state.label_name, state.requires_grad, state.frozen)
         make_eval_outputs(state.evaluation, state.train_forward)
-        return PassResult(True, {"builder": state.builder})
+        return PassResult(True, details)
 
 
 class LossScale(PassBase[TrainingBuild]):
