@@ -52,6 +52,19 @@ def test_a_tensor_read_by_several_nodes_gets_one_sum():
     assert added_ops(model, grad)["Add"] == 0
 
 
+def test_two_parameters_with_one_gradient_value_each_get_their_output():
+    model = parse("""g (float[N, 4] x) => (float l) {
+        s = Add(a, b)
+        h = Mul(x, s)
+        l = ReduceSum<keepdims=0>(h)
+    }""", {"a": W[0].copy(), "b": W[1].copy()})
+    grad, _ = backward(model, "l", ["a", "b"])
+    x = RNG.normal(size=(3, 4)).astype(np.float32)
+    ga, gb = run(grad, {"x": x}, ["a_grad", "b_grad"])
+    np.testing.assert_allclose(ga, x.sum(axis=0), rtol=1e-6)
+    np.testing.assert_allclose(gb, x.sum(axis=0), rtol=1e-6)
+
+
 def test_integer_paths_frozen_weights_and_dead_branches_get_no_gradient():
     # The loss reads x's shape (an int path), a frozen weight f, and w; a branch from w that does not
     # reach the loss (dead) is not differentiated.
@@ -330,3 +343,25 @@ def test_gradient_graph_matches_finite_differences_without_onnxruntime_training(
         fd = (losses[0] - losses[1]) / 2e-3
         # float32 losses: the difference quotient is good to about 1e-4 / 1e-3
         assert abs(fd - grads[name][index]) <= 1e-2 * abs(grads[name][index]) + 1e-3, name
+
+
+def test_gradient_graph_trains_dropout_and_evaluates_without_it():
+    model = parse("""g (float[N, 4] x) => (float[N, 4] y) {
+        h = MatMul(x, w)
+        y = Dropout(h, r, t)
+    }""", {"w": W, "r": np.array(0.5, np.float32), "t": np.array(True)})
+    training, evaluation, _ = gradient_graph(model, table_loss("mse"), "target", ["w"], [])
+    dropout = next(n for n in training.graph.node if n.op_type == "Dropout")
+    assert dropout.input[2] == "t" and dropout.output[1]  # training mode, its mask reused
+    assert next(n for n in evaluation.graph.node if n.op_type == "Dropout").input[2] == ""
+
+
+def test_a_custom_loss_must_declare_its_label():
+    model = _mlp()
+
+    def forgetful(graph, output, label):
+        graph.node.append(helper.make_node("ReduceMean", [output], ["l"], keepdims=0))
+        return "l"
+
+    with pytest.raises(OnnxMPError, match="did not declare its label input"):
+        gradient_graph(model, forgetful, "labels", _trainable(model), [])
