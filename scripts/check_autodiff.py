@@ -65,7 +65,7 @@ def both(entry: str, precision: str, ours: bool = True):
     forward, requires_grad, frozen = forward_of(entry, precision)
     started = time.perf_counter()
     if ours:
-        ours = autodiff.gradient_graph(forward, autodiff.table_loss("cross_entropy"), "labels", requires_grad, frozen)
+        ours = autodiff.gradient_graph(forward, table_loss("cross_entropy"), "labels", requires_grad, frozen)
     seconds = time.perf_counter() - started
     theirs = ort_gradient_graph(forward, table_loss("cross_entropy"), "labels", requires_grad, frozen)
     return forward, requires_grad, ours, theirs, seconds
@@ -188,16 +188,17 @@ def finite_difference(evaluation: onnx.ModelProto, inputs: dict, grad: str, mine
 
 
 def cuda_check(entry: str, precision: str) -> str:
-    """The target-"cuda" build's training graph, loss-scaled and lowered: onnxmp.training.graph_check's
+    """The target-"cuda" build's training graph, loss-scaled and lowered: onnxmp.training.build.graph_check's
     verdict (valid, resolved, every node a kernel of plain onnxruntime's CUDA EP)."""
-    from onnxmp.training import autodiff
-    from onnxmp.training.graph_check import check_graph
-    from onnxmp.training.loss_scale import add_loss_scaling
-    from onnxmp.training.lower import lower_model
+    from onnxmp.training.build import autodiff
+    from onnxmp.training.build.graph_check import check_graph
+    from onnxmp.training.build.unscale import add_loss_scaling
+    from onnxmp.training.build.lower import lower_model
+    from onnxmp.training.losses import table_loss
 
     forward, requires_grad, frozen = forward_of(entry, precision, "cuda")
     reports: list = []
-    training, _, _ = autodiff.gradient_graph(forward, autodiff.table_loss("cross_entropy"), "labels",
+    training, _, _ = autodiff.gradient_graph(forward, table_loss("cross_entropy"), "labels",
                                              requires_grad, frozen, reports=reports)
     add_loss_scaling(training)
     lowered = lower_model(training)

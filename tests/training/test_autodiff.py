@@ -14,7 +14,8 @@ import pytest
 from onnx import TensorProto, helper, numpy_helper
 
 from onnxmp.errors import OnnxMPError
-from onnxmp.training.build.autodiff import backward, gradient_graph, table_loss
+from onnxmp.training.build.autodiff import backward, gradient_graph
+from onnxmp.training.losses import table_loss
 
 
 def parse(text: str, weights: dict[str, np.ndarray] | None = None, opset: int = 17) -> onnx.ModelProto:
@@ -304,13 +305,11 @@ def _has_training_build() -> bool:
 @pytest.mark.skipif(not _has_training_build(), reason="onnxruntime-training (Python <= 3.11) is not installed")
 def test_gradient_graph_has_onnxblocks_contract():
     from onnxmp.training.build.gradient import gradient_graph as ort_gradient_graph
-    from onnxmp.training.losses import block
-
     model = _mlp()
     names = _trainable(model)
     requires_grad, frozen = names[:-1], names[-1:]
     ours = gradient_graph(model, table_loss("cross_entropy"), "labels", requires_grad, frozen)
-    theirs = ort_gradient_graph(model, block("cross_entropy"), "labels", requires_grad, frozen)
+    theirs = ort_gradient_graph(model, table_loss("cross_entropy"), "labels", requires_grad, frozen)
     for mine, want in zip(ours[:2], theirs[:2]):
         assert [(v.name, v.type.tensor_type.elem_type) for v in mine.graph.input] == \
                [(v.name, v.type.tensor_type.elem_type) for v in want.graph.input]

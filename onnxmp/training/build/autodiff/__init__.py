@@ -122,23 +122,4 @@ def _accumulators(training: onnx.ModelProto, requires_grad: list[str]) -> None:
         training.opset_import.append(helper.make_opsetid("com.microsoft", 1))
 
 
-def table_loss(name: str, **options) -> LossFn:
-    """The loss table's ``name`` (:data:`onnxmp.training.losses.LOSSES`) as a ``loss(graph, output,
-    label)`` callable for :func:`gradient_graph`, as ``losses.block`` makes it an onnxblock Block."""
-    from onnxmp.training import losses
-
-    spec = losses.loss(name)
-    resolved = spec.resolve(options)
-
-    def write(graph: onnx.GraphProto, output: str, label: str) -> str:
-        losses.declare_label(graph, output, label, classes=spec.classes)
-        g = losses.LossGraph(graph, spec.name)
-        return spec.write(g, losses._float_output(g, output, losses._elem_type(graph, output)), label, **resolved)
-
-    write.__name__ = f"{spec.name}_loss"
-    write.loss_name = spec.name
-    write.loss_options = resolved
-    return write
-
-
-__all__ = ["BackwardReport", "LossFn", "VJP_RULES", "backward", "gradient_graph", "table_loss"]
+__all__ = ["BackwardReport", "LossFn", "VJP_RULES", "backward", "gradient_graph"]
