@@ -103,3 +103,35 @@ def test_cli_refuses_the_native_engine_on_onnxmp_artifacts(tmp_path):
     assert done.returncode == 1 and "--engine native runs the files ORT's gradient builder writes" in done.stderr
     assert len(done.stderr.strip().splitlines()) == 2, done.stderr  # the error and its hint, before any work
     assert not (tmp_path / "run").exists()
+
+
+def _reduce_max_head(model):
+    """The MLP with a max over its logits' last axis added to them: ReduceMax lies between the
+    parameters and the loss (onnxruntime-training 1.19 has no gradient for it; onnxmp's builder has)."""
+    import onnx
+    from onnx import helper
+
+    graph = model.graph
+    out = graph.output[0].name
+    graph.node.extend([
+        helper.make_node("ReduceMax", [out], ["peak"], keepdims=1, axes=[-1]),
+        helper.make_node("Add", [out, "peak"], ["logits_peaked"])])
+    graph.output[0].name = "logits_peaked"
+    return onnx.shape_inference.infer_shapes(model)
+
+
+def test_onnxmp_builds_ops_ort_has_no_gradient_for(tmp_path, batches):
+    model = _reduce_max_head(mlp((8, 16, 4), seed=0))
+    artifacts = build_artifacts(model, requires_grad=trainable(model), precision="float32", out_dir=tmp_path / "a",
+                                builder="onnxmp")
+    trainer = Trainer(artifacts, lr=0.01)
+    losses = [trainer.train_step(*batch).loss for batch in batches for _ in range(2)]
+    assert losses[-1] < losses[0]
+
+
+@needs_training_build
+def test_ort_builder_still_refuses_what_it_cannot_differentiate(tmp_path):
+    model = _reduce_max_head(mlp((8, 16, 4), seed=0))
+    with pytest.raises(OnnxMPError, match="ReduceMax"):
+        build_artifacts(model, requires_grad=trainable(model), precision="float32", out_dir=tmp_path / "a",
+                        builder="ort")

@@ -84,15 +84,20 @@ class Preparation:
     action: str
 
 
-def prepare_for_gradient(model: onnx.ModelProto, requires_grad: Iterable[str]) -> tuple[onnx.ModelProto,
-                                                                                       list[Preparation]]:
-    """A copy of ``model`` that ORT 1.19 can differentiate, and the list of what changed."""
+def prepare_for_gradient(model: onnx.ModelProto, requires_grad: Iterable[str], *,
+                         ort_builder: bool = True) -> tuple[onnx.ModelProto, list[Preparation]]:
+    """A copy of ``model`` that ORT 1.19 can differentiate, and the list of what changed.
+
+    ``ort_builder=False`` (onnxmp's builder) skips the refusal of :data:`NO_GRADIENT` ops: onnxmp's
+    builder has rules for several of them (ReduceMax, Einsum, CumSum...) and names the op it lacks
+    itself, at build time."""
     requires_grad = list(requires_grad)
     result, done = _rewritten(model, requires_grad)
-    _check_differentiable(result, requires_grad, infer_tensor_types(result))
+    if ort_builder:
+        _check_differentiable(result, requires_grad, infer_tensor_types(result))
     counts = Counter(p.op_type for p in done)
     if counts:
-        log.info("prepared for onnxruntime's gradient builder: %s",
+        log.info("prepared for the gradient builder: %s",
                  ", ".join(f"{n} x{c}" for n, c in sorted(counts.items())))
     return result, done
 
