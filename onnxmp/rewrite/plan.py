@@ -1,8 +1,9 @@
 """The rewrite's plan: the edits that apply a coloring to the model (``docs/design.md``, the rewrite).
 
 * Output tensors of ALLOW vertices are retyped to the low-precision type.
-* At each boundary one Cast per (source tensor, target type, graph) is placed
-  after the producer and shared by every consumer that needs it.
+* At each boundary one Cast per (source tensor, target type) is shared by every
+  consumer that needs it, in any graph (:mod:`onnxmp.rewrite.casts` says where it stands);
+  pairs that cancel exactly are not added, and a Constant read only through it is retargeted.
 * Initializers read only by ALLOW vertices are stored in low precision; one
   read by both sides keeps its fp32 original and gets a low-precision twin.
   Master weights (training) always stay fp32 and are Cast at use.
@@ -19,6 +20,7 @@ normalized model.
 from __future__ import annotations
 
 import logging
+from itertools import chain
 from dataclasses import dataclass, field
 from typing import AbstractSet, Iterable, Iterator, Sequence
 
@@ -26,6 +28,7 @@ import onnx
 
 from onnxmp.color.rules import Coloring
 from onnxmp.color.layouts import RETARGETABLE
+from onnxmp.rewrite.casts import ScopeTree, float_cast_inputs, foldable_constant, homes_and_producers, read_counts
 from onnxmp.index import ModelIndex, Scope, TensorInfo, keeps_io
 from onnxmp.naming import FreshNames
 from onnxmp.passes import require
@@ -125,6 +128,7 @@ def plan(index: ModelIndex, state: Coloring, *, precision: Precision, master_wei
     rewriter.lower_main_inputs(keep_io_types)
     rewriter.convert_initializers()
     rewriter.fix_consumers()
+    rewriter.place_shared_casts()
     rewriter.lower_main_outputs(keep_io_types)
     for scope, nodes in zip(index.scopes, rewriter.nodes):
         rewriter.edits.graphs[scope.gid] = place_after_producers(nodes, rewriter.new_nodes[scope.gid])
@@ -186,6 +190,11 @@ class _Rewriter:
         self.fp32_read: set[str] = set()  # initializers some node reads in float32
         self.new_nodes: dict[str, list[NewCast]] = {s.gid: [] for s in graph.scopes}
         self.twin_of: dict[str, str] = {}  # initializer -> its low twin
+        # The Casts fix_consumers shares across graphs, (source, type, fused unit) -> the Cast, and
+        # the graphs (scope positions) reading each; place_shared_casts puts them in a graph.
+        self.shared: dict[tuple[str, int, int | None], NewCast] = {}
+        self.shared_readers: dict[str, set[int]] = {}
+        self._float_casts: dict[str, str] | None = None
 
     def masks(self) -> list[list[int]]:
         """``low_inputs`` cut into one list per graph, beside ``self.nodes``' lists (the view numbers
@@ -401,9 +410,8 @@ class _Rewriter:
         # Low readers read these as they are: tensors retyped in place and converted initializers
         # (a set of them: one issuperset call per node in a low region, which most nodes are).
         low_as_is = set(self.edits.dtypes)
-        for scope, nodes, masks in zip(self.graph.scopes, self.nodes, self.masks()):
+        for s, (scope, nodes, masks) in enumerate(zip(self.graph.scopes, self.nodes, self.masks())):
             graph_id, g = scope.gid, scope.graph
-            shared: dict[tuple[str, int], str] = {}
             for k, (node_name, inputs, mask) in enumerate(zip(nodes.names, nodes.inputs, masks)):
                 if mask == 0:
                     if low_as_is.isdisjoint(inputs):
@@ -419,16 +427,16 @@ class _Rewriter:
                         if name in constants:
                             if self.dtype(name) != FLOAT:
                                 continue
-                            new = self._low_constant(graph_id, shared, name)
+                            new = self._low_constant(s, name)
                         else:
-                            new = renamed.get(name) or self._low_variable(graph_id, shared, name)
+                            new = renamed.get(name) or self._low_variable(s, name)
                     elif name in low_as_is and name not in constants:
                         if nodes.items[k].op_type == "Cast" and type(nodes.items[k]) is not NewCast:
                             continue  # a Cast reads any float type: it converts the low value itself
                         # Low in place; this reader wants fp32.  The statistics of a fused
                         # normalization read it through a Cast of their own, which ORT's fusion
                         # absorbs only when nothing else reads it.
-                        new = self._cast(graph_id, shared, name, FLOAT, FLOAT32.suffix,
+                        new = self._cast(s, name, FLOAT, FLOAT32.suffix,
                                          self.fused_readers.get((node_name, name)))
                     else:
                         continue  # a float32 reader of a float32 value
@@ -443,33 +451,93 @@ class _Rewriter:
                         require(self.is_low(tensor.name), "rewrite",
                                 f"group member `{tensor.name}` is produced in low precision")
 
-    def _low_variable(self, graph_id: str, shared, name: str) -> str:
+    def _low_variable(self, reader: int, name: str) -> str:
         """What a low-precision reader reads for a tensor no low producer writes: a Cast of a
         float32 one, or the tensor itself (int64 shapes, bool masks...)."""
         if self.dtype(name) == FLOAT:
-            return self._cast(graph_id, shared, name, self.low_enum, self.low_sfx)
+            return self._cast(reader, name, self.low_enum, self.low_sfx)
         return name
 
-    def _cast(self, graph_id: str, shared, src: str, to_enum: int, sfx: str, unit: int | None = None) -> str:
+    def _cast(self, reader: int, src: str, to_enum: int, sfx: str, unit: int | None = None) -> str:
+        """What graph ``reader`` reads for ``src`` in type ``to_enum``: the one Cast of it the
+        whole model shares, or a tensor that holds that value already."""
         # A Cast of what an identity Cast passes through reads that Cast's input: no Cast pair.
         source = self.view.identity_casts.get(src)
         if source is not None and self.is_low(source) == self.is_low(src):
             src = source
+        if to_enum == self.low_enum:
+            # Cast(Cast(h, to=float32), to=low) of a low h is h, bit for bit (docs/design.md).
+            widened = self.float_casts.get(src)
+            if widened is not None:
+                low = self.renamed.get(widened) or (widened if self.dtype(widened) == self.low_enum else None)
+                if low is not None:
+                    return low
         key = (src, to_enum, unit)
-        if key not in shared:
+        node = self.shared.get(key)
+        if node is None:
             out = self.names(f"{src}_onnxmp_{sfx}")
             self.edits.new_tensors[out] = self._like(src, out, to_enum)
-            node = NewCast(self.names(f"{src}_onnxmp_cast_{sfx}"), src, out, to_enum)
-            self.new_nodes[graph_id].append(node)
+            node = self.shared[key] = NewCast(self.names(f"{src}_onnxmp_cast_{sfx}"), src, out, to_enum)
+            self.shared_readers[node.name] = set()
             self.stats.casts.append(node.name)
-            shared[key] = out
-        return shared[key]
+        self.shared_readers[node.name].add(reader)
+        return node.dst
 
-    def _low_constant(self, graph_id: str, shared, name: str) -> str:
+    @property
+    def float_casts(self) -> dict[str, str]:
+        """The model's own Cast(to=float32) nodes, output -> input (read once, when first asked)."""
+        if self._float_casts is None:
+            self._float_casts = float_cast_inputs(self.graph)
+        return self._float_casts
+
+    # -- phase 4b ------------------------------------------------------------------------------
+    def place_shared_casts(self) -> None:
+        """Put each shared Cast in its graph (:class:`onnxmp.rewrite.casts.ScopeTree`), after
+        retargeting the Constants read only through their Cast to the low type."""
+        if not self.shared:
+            return
+        casts = list(self.shared.values())
+        sources = {c.src for c in casts}
+        homes, producers = homes_and_producers(self.graph, [n.outputs for n in self.nodes],
+                                               [[c.dst for c in self.new_nodes[s.gid]] for s in self.graph.scopes],
+                                               sources)
+        casts = self._fold_constants(casts, producers)
+        tree = ScopeTree(self.graph)
+        for cast in casts:
+            site = tree.site(homes.get(cast.src), self.shared_readers[cast.name])
+            self.new_nodes[self.graph.scopes[site].gid].append(cast)
+
+    def _fold_constants(self, casts: list[NewCast], producers: dict[str, tuple[int, int]]) -> list[NewCast]:
+        """The Casts left once each float32 Constant/ConstantOfShape that nothing but its Cast to
+        the low type reads makes the low type itself (retargeted; its readers read it)."""
+        candidates = {c.src for c in casts if c.to == self.low_enum and c.src in producers
+                      and c.src not in self.edits.dtypes and self.dtype(c.src) == FLOAT
+                      and foldable_constant(self.nodes[producers[c.src][0]].items[producers[c.src][1]], c.src)}
+        if not candidates:
+            return casts
+        outputs = (t.name for scope in self.graph.scopes for t in scope.graph.output)
+        counts = read_counts((n.inputs for n in self.nodes),
+                             chain((c.src for c in casts), (c.src for cs in self.new_nodes.values() for c in cs),
+                                   outputs), candidates)
+        folded: dict[str, str] = {}
+        for cast in casts:
+            if cast.src in candidates and counts[cast.src] == 1:
+                s, k = producers[cast.src]
+                self.edits.retargeted.add(self.nodes[s].names[k])
+                self._retype_in_place((cast.src,))
+                folded[cast.dst] = cast.src
+        if not folded:
+            return casts
+        self._reread(folded)
+        gone = {c.name for c in casts if c.dst in folded}
+        self.stats.casts = [name for name in self.stats.casts if name not in gone]
+        return [c for c in casts if c.name not in gone]
+
+    def _low_constant(self, reader: int, name: str) -> str:
         """A low read of a float32 initializer that stays float32: master weights and initializers
         the outside world may feed are Cast at use; one also read in float32 gets a low twin."""
         if name in self.master or name in self.fixed:
-            return self._cast(graph_id, shared, name, self.low_enum, self.low_sfx)
+            return self._cast(reader, name, self.low_enum, self.low_sfx)
         twin = self.twin_of.get(name)
         if twin is None:
             twin = self.twin_of[name] = self.names(f"{name}_onnxmp_{self.low_sfx}")

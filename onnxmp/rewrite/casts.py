@@ -1,0 +1,134 @@
+"""The fewest Casts: where each Cast the rewrite shares stands, and the Casts it need not add
+(``docs/design.md``, the rewrite: the fewest Casts).
+
+* **One Cast per value.** A Cast of a tensor is shared by every reader of it in any graph: it
+  stands in the innermost graph holding all its readers (both branches of an If read one Cast
+  placed beside the If), but never inside a Loop/Scan body when its source comes from outside
+  that body (it would run once per iteration), and never above the graph defining its source.
+* **Pairs that cancel.** ``Cast(Cast(h, to=float32), to=low)`` of a tensor ``h`` that is of the
+  low type is ``h``, bit for bit (widening to float32 is exact, so narrowing back rounds
+  nothing): the low reader reads ``h``.  The other order, ``Cast(Cast(x, to=low), to=float32)``,
+  rounds ``x`` and is never removed.
+* **Constants.** A float32 Constant/ConstantOfShape read only through the one Cast to the low
+  type makes the low type itself: the value is the one the Cast would compute.
+
+This module decides only from names and scopes; :mod:`onnxmp.rewrite.plan` applies its answers.
+"""
+from __future__ import annotations
+
+from itertools import chain
+from typing import AbstractSet, Iterable, Sequence
+
+import onnx
+
+from onnxmp.index import ModelIndex
+
+FLOAT = onnx.TensorProto.FLOAT
+# Holders whose bodies run once per execution of the node; any other body (Loop, Scan,
+# SequenceMap, a custom op's) may run many times, so a Cast of an outer value is hoisted out.
+_RUN_ONCE = frozenset({"If"})
+_CONSTANT_OPS = frozenset({"Constant", "ConstantOfShape"})
+
+
+class ScopeTree:
+    """The graphs of a model as a tree: each body's parent graph, depth and whether it repeats."""
+
+    def __init__(self, index: ModelIndex):
+        scopes = index.scopes
+        self.parent: list[int | None] = [s.parent_scope for s in scopes]
+        self.depth: list[int] = []
+        for s in scopes:
+            self.depth.append(0 if s.parent_scope is None else self.depth[s.parent_scope] + 1)
+        self.repeats: list[bool] = [s.parent is not None and s.parent.op_type not in _RUN_ONCE for s in scopes]
+
+    def common(self, a: int, b: int) -> int:
+        """The innermost graph holding both ``a`` and ``b`` (each a graph of itself)."""
+        depth, parent = self.depth, self.parent
+        while depth[a] > depth[b]:
+            a = parent[a]
+        while depth[b] > depth[a]:
+            b = parent[b]
+        while a != b:
+            a, b = parent[a], parent[b]
+        return a
+
+    def site(self, home: int | None, readers: Iterable[int]) -> int:
+        """Where a Cast of a tensor defined in graph ``home`` stands for ``readers`` (graphs
+        within ``home``): their innermost common graph, moved out of every repeating body
+        between it and ``home``.  ``home`` None (unknown): the common graph itself."""
+        readers = iter(readers)
+        site = next(readers)
+        for r in readers:
+            site = self.common(site, r)
+        if home is None:
+            return site
+        place, s = site, site
+        while s != home and s is not None:
+            if self.repeats[s]:
+                place = self.parent[s]
+            s = self.parent[s]
+        return place if s == home else site
+
+
+def float_cast_inputs(index: ModelIndex) -> dict[str, str]:
+    """Output -> input of every Cast(to=float32) of the model, in any graph."""
+    found: dict[str, str] = {}
+    for scope in index.scopes:
+        for node, ins, outs in zip(scope.graph.node, scope.ins, scope.outs):
+            if node.op_type == "Cast" and len(ins) == 1 and len(outs) == 1 and outs[0] and \
+                    any(a.name == "to" and a.i == FLOAT for a in node.attribute):
+                found[outs[0]] = ins[0]
+    return found
+
+
+def homes_and_producers(index: ModelIndex, outputs: Sequence[Sequence[Sequence[str]]],
+                        cast_dsts: Sequence[Iterable[str]], names: AbstractSet[str]
+                        ) -> tuple[dict[str, int], dict[str, tuple[int, int]]]:
+    """For each tensor in ``names``: the graph defining it (an input, an initializer, a node's
+    output, or the output of a Cast placed in that graph already) and, for a node's output, that
+    node (graph, position).  ``outputs``: each graph's node outputs as the rewrite has them."""
+    homes: dict[str, int] = {}
+    producers: dict[str, tuple[int, int]] = {}
+    for s, scope in enumerate(index.scopes):
+        g = scope.graph
+        for t in chain(scope.inputs, (i.name for i in g.initializer), (i.values.name for i in g.sparse_initializer),
+                       cast_dsts[s]):
+            if t in names:
+                homes.setdefault(t, s)
+        for k, outs in enumerate(outputs[s]):
+            if not names.isdisjoint(outs):
+                for t in outs:
+                    if t in names:
+                        homes.setdefault(t, s)
+                        producers.setdefault(t, (s, k))
+    return homes, producers
+
+
+def foldable_constant(node, output: str) -> bool:
+    """A Constant/ConstantOfShape the writer can retarget (``write._retarget``) whose output is
+    ``output``: its value is then computed in the low type, as the Cast of it would be."""
+    if not isinstance(node, onnx.NodeProto) or node.op_type not in _CONSTANT_OPS or node.domain not in ("", "ai.onnx"):
+        return False
+    if list(node.output) != [output]:
+        return False
+    attrs = {a.name for a in node.attribute}
+    if node.op_type == "Constant":
+        return bool(attrs & {"value", "sparse_value", "value_float", "value_floats"})
+    return True
+
+
+def read_counts(inputs: Iterable[Sequence[Sequence[str]]], extra: Iterable[str], names: AbstractSet[str]
+                ) -> dict[str, int]:
+    """How often each tensor of ``names`` is read: by the nodes (each graph's input lists) and
+    by ``extra`` (Cast sources, graph outputs)."""
+    counts = dict.fromkeys(names, 0)
+    for graph_inputs in inputs:
+        for ins in graph_inputs:
+            if not names.isdisjoint(ins):
+                for t in ins:
+                    if t in counts:
+                        counts[t] += 1
+    for t in extra:
+        if t in counts:
+            counts[t] += 1
+    return counts
