@@ -16,18 +16,54 @@ This module decides only from names and scopes; :mod:`onnxmp.rewrite.plan` appli
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from itertools import chain
 from typing import AbstractSet, Iterable, Sequence
 
 import onnx
 
-from onnxmp.index import ModelIndex
+from onnxmp.index import ModelIndex, Scope
+from onnxmp.passes import require
 
 FLOAT = onnx.TensorProto.FLOAT
 # Holders whose bodies run once per execution of the node; any other body (Loop, Scan,
 # SequenceMap, a custom op's) may run many times, so a Cast of an outer value is hoisted out.
 _RUN_ONCE = frozenset({"If"})
 _CONSTANT_OPS = frozenset({"Constant", "ConstantOfShape"})
+
+
+@dataclass
+class NewCast:
+    """A Cast the rewrite adds: ``dst = Cast(src, to)``."""
+
+    name: str
+    src: str
+    dst: str
+    to: int
+
+
+@dataclass
+class GraphNodes:
+    """One graph's nodes in order, NodeProtos and the NewCasts placed among them, with each
+    one's name and its input and output names (the rewired ones where the rewrite changed them).
+    The names are the index's (read from the proto once): the rewrite and the emitter both walk
+    these lists.  The index's tuples are shared; a rewired node gets a list of its own."""
+
+    items: list                  # onnx.NodeProto | NewCast
+    names: list[str]
+    inputs: list[Sequence[str]]
+    outputs: list[Sequence[str]]
+
+    @classmethod
+    def of(cls, scope: Scope) -> GraphNodes:
+        return cls(list(scope.graph.node), list(scope.names), list(scope.ins), list(scope.outs))
+
+    def extend(self, other: GraphNodes, start: int, stop: int) -> None:
+        """Append ``other``'s nodes ``start:stop``."""
+        self.items.extend(other.items[start:stop])
+        self.names.extend(other.names[start:stop])
+        self.inputs.extend(other.inputs[start:stop])
+        self.outputs.extend(other.outputs[start:stop])
 
 
 class ScopeTree:
@@ -132,3 +168,53 @@ def read_counts(inputs: Iterable[Sequence[Sequence[str]]], extra: Iterable[str],
         if t in counts:
             counts[t] += 1
     return counts
+
+
+def place_after_producers(nodes: GraphNodes, casts: list[NewCast]) -> GraphNodes:
+    """Put each inserted Cast right after the node producing its input (docs/design.md, the rewrite).
+
+    Casts of graph inputs, initializers and outer-scope tensors go first.  A Cast may
+    read another inserted Cast (a restored output cast again), so placement follows
+    chains; this keeps the sorted order ``normalize`` established without a full sort.
+    Only the nodes that produce a Cast's input are looked at; the runs of nodes between
+    them are copied as slices.
+    """
+    if not casts:
+        return nodes
+    sources = {c.src for c in casts}
+    cast_outputs = {c.dst for c in casts}
+    producer: dict[str, int] = {}  # Cast source -> the first node writing it
+    for k, outs in enumerate(nodes.outputs):
+        if not sources.isdisjoint(outs):
+            for t in outs:
+                producer.setdefault(t, k)
+    after: dict[str, list[NewCast]] = {}
+    head: list[NewCast] = []
+    for cast in casts:
+        if cast.src in producer or cast.src in cast_outputs:
+            after.setdefault(cast.src, []).append(cast)
+        else:
+            head.append(cast)
+    placed = GraphNodes([], [], [], [])
+    _add_casts(placed, head, after)
+    start = 0
+    for k in sorted(set(producer.values())):
+        placed.extend(nodes, start, k + 1)
+        start = k + 1
+        _add_casts(placed, [f for out in nodes.outputs[k] for f in after.pop(out, ())], after)
+    placed.extend(nodes, start, len(nodes.items))
+    require(not after, "rewrite", "every inserted Cast found its producer")
+    return placed
+
+
+def _add_casts(placed: GraphNodes, first: list[NewCast], after: dict[str, list[NewCast]]) -> None:
+    """Depth first, each Cast then the Casts reading it.  A loop, not recursion: a long Cast
+    chain would hit the recursion limit."""
+    stack = list(reversed(first))
+    while stack:
+        cast = stack.pop()
+        placed.items.append(cast)
+        placed.names.append(cast.name)
+        placed.inputs.append([cast.src])
+        placed.outputs.append([cast.dst])
+        stack.extend(reversed(after.pop(cast.dst, ())))

@@ -28,8 +28,10 @@ import onnx
 
 from onnxmp.color.rules import Coloring
 from onnxmp.color.layouts import RETARGETABLE
-from onnxmp.rewrite.casts import ScopeTree, float_cast_inputs, foldable_constant, homes_and_producers, read_counts
-from onnxmp.index import ModelIndex, Scope, TensorInfo, keeps_io
+from onnxmp.rewrite.branches import lower_if_outputs
+from onnxmp.rewrite.casts import (GraphNodes, NewCast, ScopeTree, float_cast_inputs, foldable_constant,
+                                  homes_and_producers, place_after_producers, read_counts)
+from onnxmp.index import ModelIndex, TensorInfo, keeps_io
 from onnxmp.naming import FreshNames
 from onnxmp.passes import require
 from onnxmp.precision import FLOAT16, FLOAT32, Precision
@@ -52,40 +54,6 @@ class RewriteStats:
     @property
     def modified(self) -> bool:
         return bool(self.casts or self.retyped_tensors or self.converted_initializers or self.twin_initializers)
-
-
-@dataclass
-class NewCast:
-    """A Cast the rewrite adds: ``dst = Cast(src, to)``."""
-
-    name: str
-    src: str
-    dst: str
-    to: int
-
-
-@dataclass
-class GraphNodes:
-    """One graph's nodes in order, NodeProtos and the NewCasts placed among them, with each
-    one's name and its input and output names (the rewired ones where the rewrite changed them).
-    The names are the index's (read from the proto once): the rewrite and the emitter both walk
-    these lists.  The index's tuples are shared; a rewired node gets a list of its own."""
-
-    items: list                  # onnx.NodeProto | NewCast
-    names: list[str]
-    inputs: list[Sequence[str]]
-    outputs: list[Sequence[str]]
-
-    @classmethod
-    def of(cls, scope: Scope) -> GraphNodes:
-        return cls(list(scope.graph.node), list(scope.names), list(scope.ins), list(scope.outs))
-
-    def extend(self, other: GraphNodes, start: int, stop: int) -> None:
-        """Append ``other``'s nodes ``start:stop``."""
-        self.items.extend(other.items[start:stop])
-        self.names.extend(other.names[start:stop])
-        self.inputs.extend(other.inputs[start:stop])
-        self.outputs.extend(other.outputs[start:stop])
 
 
 @dataclass
@@ -128,6 +96,7 @@ def plan(index: ModelIndex, state: Coloring, *, precision: Precision, master_wei
     rewriter.lower_main_inputs(keep_io_types)
     rewriter.convert_initializers()
     rewriter.fix_consumers()
+    lower_if_outputs(rewriter)
     rewriter.place_shared_casts()
     rewriter.lower_main_outputs(keep_io_types)
     for scope, nodes in zip(index.scopes, rewriter.nodes):
@@ -376,9 +345,28 @@ class _Rewriter:
                 if not renames.keys().isdisjoint(inputs):
                     rewired = nodes.inputs[k] = [renames.get(t, t) for t in inputs]
                     self.edits.inputs[nodes.names[k]] = rewired
-        for graph_casts in self.new_nodes.values():
-            for cast in graph_casts:
-                cast.src = renames.get(cast.src, cast.src)
+        for cast in chain(self.shared.values(), *self.new_nodes.values()):
+            cast.src = renames.get(cast.src, cast.src)
+
+    # What rewrite/branches.py uses of the rewriter.
+    reread = _reread
+
+    def retype(self, names: Sequence[str]) -> None:
+        self._retype_in_place(names)
+
+    def like(self, src: str, name: str, dtype: int) -> TensorInfo:
+        return self._like(src, name, dtype)
+
+    def add_cast(self, graph_id: str, src: str, dst: str, to: int) -> None:
+        cast = NewCast(self.names(f"{dst}_onnxmp_cast_{self.low_sfx if to != FLOAT else FLOAT32.suffix}"), src, dst, to)
+        self.new_nodes[graph_id].append(cast)
+        self.stats.casts.append(cast.name)
+
+    def graph_depth(self, s: int) -> int:
+        depth, scopes = 0, self.graph.scopes
+        while scopes[s].parent_scope is not None:
+            s, depth = scopes[s].parent_scope, depth + 1
+        return depth
 
     # -- phase 3 -------------------------------------------------------------------------------
     def convert_initializers(self) -> None:
@@ -545,53 +533,3 @@ class _Rewriter:
             self.edits.new_tensors[twin] = self._like(name, twin, self.low_enum)
             self.stats.twin_initializers.append(name)
         return twin
-
-
-def place_after_producers(nodes: GraphNodes, casts: list[NewCast]) -> GraphNodes:
-    """Put each inserted Cast right after the node producing its input (docs/design.md, the rewrite).
-
-    Casts of graph inputs, initializers and outer-scope tensors go first.  A Cast may
-    read another inserted Cast (a restored output cast again), so placement follows
-    chains; this keeps the sorted order ``normalize`` established without a full sort.
-    Only the nodes that produce a Cast's input are looked at; the runs of nodes between
-    them are copied as slices.
-    """
-    if not casts:
-        return nodes
-    sources = {c.src for c in casts}
-    cast_outputs = {c.dst for c in casts}
-    producer: dict[str, int] = {}  # Cast source -> the first node writing it
-    for k, outs in enumerate(nodes.outputs):
-        if not sources.isdisjoint(outs):
-            for t in outs:
-                producer.setdefault(t, k)
-    after: dict[str, list[NewCast]] = {}
-    head: list[NewCast] = []
-    for cast in casts:
-        if cast.src in producer or cast.src in cast_outputs:
-            after.setdefault(cast.src, []).append(cast)
-        else:
-            head.append(cast)
-    placed = GraphNodes([], [], [], [])
-    _add_casts(placed, head, after)
-    start = 0
-    for k in sorted(set(producer.values())):
-        placed.extend(nodes, start, k + 1)
-        start = k + 1
-        _add_casts(placed, [f for out in nodes.outputs[k] for f in after.pop(out, ())], after)
-    placed.extend(nodes, start, len(nodes.items))
-    require(not after, "rewrite", "every inserted Cast found its producer")
-    return placed
-
-
-def _add_casts(placed: GraphNodes, first: list[NewCast], after: dict[str, list[NewCast]]) -> None:
-    """Depth first, each Cast then the Casts reading it.  A loop, not recursion: a long Cast
-    chain would hit the recursion limit."""
-    stack = list(reversed(first))
-    while stack:
-        cast = stack.pop()
-        placed.items.append(cast)
-        placed.names.append(cast.name)
-        placed.inputs.append([cast.src])
-        placed.outputs.append([cast.dst])
-        stack.extend(reversed(after.pop(cast.dst, ())))
