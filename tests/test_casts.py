@@ -199,3 +199,26 @@ def test_the_bundled_loop_if_model_casts_each_value_once():
     if_node = next(n for n in converted.graph.node if n.op_type == "If")
     per_branch = [len(_casts(a.g)) for a in if_node.attribute]
     assert per_branch == [1, 1] and len(_casts(converted.graph)) == 1
+
+
+GATHERS = """
+g (float[4,8] x, float[2,4,8] state, bool c) => (float[4,8] y) <""" + W + """, int64 zero = {0}, int64 one = {1}> {
+    a = Gather <axis = 0> (state, zero)
+    b = Gather <axis = 0> (state, one)
+    y = If(c) <then_branch = t () => (float[4,8] yt) { yt = MatMul(a, w) },
+               else_branch = f () => (float[4,8] yf) { yf = MatMul(b, w) }>
+}"""
+FEEDS_GATHERS = [{"x": X, "state": np.stack([X, -X]) * 0.5, "c": np.array(c)} for c in (True, False)]
+
+
+def test_gathers_of_one_float32_input_read_low_take_one_cast_of_the_input():
+    # A tensor a body reads keeps its type in the coloring (outer reads are pinned): the Gathers
+    # stay float32 and each output is Cast in its branch.  One Cast of `state` serves both.
+    out = _converted(_parse(GATHERS), FEEDS_GATHERS)
+    assert [(src, to) for src, to in _cast_sources(out.graph) if to == FLOAT16] == [("state", FLOAT16)]
+    assert {v.name: v.type.tensor_type.elem_type for v in out.graph.value_info}["a"] == FLOAT16
+
+
+def test_one_gather_keeps_its_cast_after_it():
+    out = _converted(_parse(GATHERS.replace("yf = MatMul(b, w)", "yf = Exp(x)")), FEEDS_GATHERS)
+    assert [(src, to) for src, to in _cast_sources(out.graph) if to == FLOAT16] == [("a", FLOAT16)]

@@ -16,8 +16,6 @@ more Casts.  It is done only where the whole model gets fewer.
 """
 from __future__ import annotations
 
-from itertools import chain
-
 import onnx
 
 FLOAT = onnx.TensorProto.FLOAT
@@ -43,7 +41,7 @@ def lower_if_outputs(rw) -> None:
             if not o or cast is None or o in graph_outputs or rw.dtype(o) != FLOAT or rw.is_low(o):
                 continue
             plans = [_branch_plan(rw, b, j, graph_outputs) for b in branches[nodes.names[k]]]
-            if any(p is None for p in plans) or _reads(rw, [o]) != {o: 1}:
+            if any(p is None for p in plans) or rw.read_counts({o}) != {o: 1}:
                 continue  # something other than its Cast to the low type reads o, or a branch can't
             restores = sum(kind == "low" for kind, _, _ in plans)
             narrowings = sum(kind == "float" for kind, _, _ in plans)
@@ -52,8 +50,7 @@ def lower_if_outputs(rw) -> None:
             for plan in plans:
                 _apply(rw, *plan)
             rw.retype((o,))
-            del rw.shared[(o, rw.low_enum, None)]
-            rw.stats.casts.remove(cast.name)
+            rw.drop_shared((o, rw.low_enum, None))
             rw.reread({cast.dst: o})
 
 
@@ -67,7 +64,7 @@ def _branch_plan(rw, s: int, j: int, graph_outputs: set[str]):
     name = scope.graph.output[j].name
     if sum(t.name == name for other in rw.graph.scopes for t in other.graph.output) > 1:
         return None  # the name is another graph output too
-    if any(_reads(rw, [name]).values()):
+    if any(rw.read_counts({name}).values()):
         return None  # a float32 reader of the output: it keeps its restore Cast
     if name in rw.renamed:
         at = next((i for i, c in enumerate(rw.new_nodes[scope.gid]) if c.dst == name), None)
@@ -106,19 +103,3 @@ def _apply(rw, kind: str, name: str, where) -> None:
     rw.edits.outputs[nodes.names[at]] = outputs
     rw.add_cast(scope.gid, fp32, name, rw.low_enum)
     rw.retype((name,))
-
-
-def _reads(rw, names) -> dict[str, int]:
-    """How often each of ``names`` is read: by nodes and Casts of any graph (graph outputs aside)."""
-    wanted = set(names)
-    counts = dict.fromkeys(wanted, 0)
-    for nodes in rw.nodes:
-        for ins in nodes.inputs:
-            if not wanted.isdisjoint(ins):
-                for t in ins:
-                    if t in counts:
-                        counts[t] += 1
-    for cast in chain(rw.shared.values(), chain.from_iterable(rw.new_nodes.values())):
-        if cast.src in counts:
-            counts[cast.src] += 1
-    return counts

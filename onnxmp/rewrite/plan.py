@@ -29,6 +29,7 @@ import onnx
 from onnxmp.color.rules import Coloring
 from onnxmp.color.layouts import RETARGETABLE
 from onnxmp.rewrite.branches import lower_if_outputs
+from onnxmp.rewrite.moves import move_casts_up
 from onnxmp.rewrite.casts import (GraphNodes, NewCast, ScopeTree, float_cast_inputs, foldable_constant,
                                   homes_and_producers, place_after_producers, read_counts)
 from onnxmp.index import ModelIndex, TensorInfo, keeps_io
@@ -97,6 +98,7 @@ def plan(index: ModelIndex, state: Coloring, *, precision: Precision, master_wei
     rewriter.convert_initializers()
     rewriter.fix_consumers()
     lower_if_outputs(rewriter)
+    move_casts_up(rewriter)
     rewriter.place_shared_casts()
     rewriter.lower_main_outputs(keep_io_types)
     for scope, nodes in zip(index.scopes, rewriter.nodes):
@@ -361,6 +363,20 @@ class _Rewriter:
         cast = NewCast(self.names(f"{dst}_onnxmp_cast_{self.low_sfx if to != FLOAT else FLOAT32.suffix}"), src, dst, to)
         self.new_nodes[graph_id].append(cast)
         self.stats.casts.append(cast.name)
+
+    def low_read(self, reader: int, name: str) -> str:
+        return self._cast(reader, name, self.low_enum, self.low_sfx)
+
+    def drop_shared(self, key: tuple[str, int, int | None]) -> NewCast:
+        cast = self.shared.pop(key)
+        self.shared_readers.pop(cast.name)
+        self.stats.casts.remove(cast.name)
+        return cast
+
+    def read_counts(self, names: AbstractSet[str]) -> dict[str, int]:
+        """How often each of ``names`` is read by the nodes and Casts of any graph (graph outputs aside)."""
+        return read_counts((n.inputs for n in self.nodes),
+                           (c.src for c in chain(self.shared.values(), *self.new_nodes.values())), names)
 
     def graph_depth(self, s: int) -> int:
         depth, scopes = 0, self.graph.scopes
