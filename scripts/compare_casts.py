@@ -3,7 +3,7 @@ onnxconverter-common, onnxruntime's converter and modelopt AutoCast, all float16
 inputs and outputs kept float32.
 
     python scripts/compare_casts.py [MODEL.onnx ...] [--bundled] [--fused] [--corpus DIR]
-        [--before CHECKOUT] [--modelopt-python PYTHON] [--parity all|onnxmp|none] [--json FILE]
+        [--before CHECKOUT] [--modelopt-python PYTHON] [--parity all|onnxmp|none] [--reuse JSON] [--json FILE]
 
 Per model and converter:
 
@@ -178,15 +178,19 @@ def convert(tool: str, path: Path, args) -> onnx.ModelProto:
 
 
 def tools(args) -> list[str]:
-    chosen = (["before"] if args.before else []) + ["after", "occ", "ort"]
-    return chosen + (["modelopt"] if args.modelopt_python else [])
+    earlier = {t for row in args.earlier.values() for t in row} if args.earlier else set()
+    chosen = (["before"] if args.before or "before" in earlier else []) + ["after", "occ", "ort"]
+    return chosen + (["modelopt"] if args.modelopt_python or "modelopt" in earlier else [])
 
 
-def measure(path: Path, args) -> dict:
+def measure(path: Path, args, earlier: dict) -> dict:
     original = onnx.load(str(path))
     row = {"model": path.name[: -len(".onnx")], "original": counts(original)}
     sample = None if args.parity == "none" else sample_for(path)
     for tool in tools(args):
+        if tool != "after" and tool in earlier.get(row["model"], {}):
+            row[tool] = earlier[row["model"]][tool]  # --reuse: only this checkout's column is measured again
+            continue
         try:
             model = convert(tool, path, args)
         except Exception as exc:  # a failing converter is a result
@@ -294,15 +298,17 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--parity", choices=("all", "onnxmp", "none"), default="all",
                     help="whose emulated error to measure: every converter's, onnxmp's before and after only, none")
     ap.add_argument("--timeout", type=float, default=600, help="seconds per subprocess conversion")
+    ap.add_argument("--reuse", type=Path, help="a --json of an earlier run: its columns but 'after' are taken as they are")
     ap.add_argument("--json", type=Path, help="write the rows as JSON here")
     args = ap.parse_args(argv)
+    args.earlier = {r["model"]: r for r in json.loads(args.reuse.read_text())["models"]} if args.reuse else {}
     paths = model_paths(args, ap)
     guard_arguments(ap, {"--json": args.json}, {"model": paths})
     names = tools(args)
     rows = []
     for path in paths:
         print(f"  {path.name} ...", file=sys.stderr, flush=True)
-        rows.append(measure(path, args))
+        rows.append(measure(path, args, args.earlier))
     print_table(rows, names)
     exceptions = [r for r in rows if r["fewer"]]
     print(f"\nonnxmp has more Casts than a valid anchor on {len(exceptions)} of {len(rows)} models"

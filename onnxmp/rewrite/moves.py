@@ -40,7 +40,7 @@ def move_casts_up(rw) -> None:
     reads = rw.read_counts({out for movers in candidates.values() for _, _, out in movers})
     for data, movers in candidates.items():
         movers = [m for m in movers if reads[m[2]] == 1]  # read by nothing but its Cast to the low type
-        if len(movers) - (0 if (data, low, None) in rw.shared else 1) <= 0:
+        if len(movers) - (0 if (data, low, None) in rw.shared or data in rw.renamed else 1) <= 0:
             continue  # no Cast saved
         for s, k, out in movers:
             nodes = rw.nodes[s]

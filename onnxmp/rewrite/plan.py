@@ -365,7 +365,8 @@ class _Rewriter:
         self.stats.casts.append(cast.name)
 
     def low_read(self, reader: int, name: str) -> str:
-        return self._cast(reader, name, self.low_enum, self.low_sfx)
+        """What a low reader in graph ``reader`` reads for float32 ``name`` (as fix_consumers decides)."""
+        return self.renamed.get(name) or self._cast(reader, name, self.low_enum, self.low_sfx)
 
     def drop_shared(self, key: tuple[str, int, int | None]) -> NewCast:
         cast = self.shared.pop(key)
