@@ -222,3 +222,4 @@ def test_gathers_of_one_float32_input_read_low_take_one_cast_of_the_input():
 def test_one_gather_keeps_its_cast_after_it():
     out = _converted(_parse(GATHERS.replace("yf = MatMul(b, w)", "yf = Exp(x)")), FEEDS_GATHERS)
     assert [(src, to) for src, to in _cast_sources(out.graph) if to == FLOAT16] == [("a", FLOAT16)]
+

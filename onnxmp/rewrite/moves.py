@@ -30,7 +30,8 @@ def move_casts_up(rw) -> None:
                 continue
             data, out = ins[at], outs[0]
             if (out, low, None) not in rw.shared or out in graph_outputs or rw.is_low(out) \
-                    or rw.dtype(out) != FLOAT or rw.dtype(data) != FLOAT or rw.is_low(data) \
+                    or rw.dtype(out) != FLOAT or rw.dtype(data) != FLOAT \
+                    or (rw.is_low(data) and data not in rw.renamed) \
                     or any(rw.dtype(t) in (FLOAT, low) for i, t in enumerate(ins) if i != at and t) \
                     or not _capable(rw, nodes.names[k], out):
                 continue
