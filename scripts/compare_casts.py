@@ -12,7 +12,9 @@ Per model and converter:
           path one run executes (an If counts its costlier branch, a Loop/Scan body once, i.e. per
           iteration);
 * fp16:   the share of Conv/MatMul/Gemm nodes with a float16 output, and of all nodes computing a
-          float tensor (Casts aside);
+          float tensor (Casts aside), from the types the model declares or onnx infers (a
+          contrib op's output in a model declaring no types, as onnxruntime's converter writes
+          them, counts as not float16: its shares are then lower bounds);
 * valid:  ``ok`` when onnxruntime builds a CPU session (a missing float16 CPU kernel is no fault:
           the model runs on the CUDA EP); else why not.  What onnx's full checker says besides is
           printed (onnxruntime's converter writes its input Casts after their readers);
@@ -218,9 +220,18 @@ def fewer(row: dict) -> list[str]:
     for tool in ANCHORS:
         other = row.get(tool, {})
         if other.get("valid") == "ok" and other["casts"] < ours["casts"]:
-            share, theirs = ours["heavy_fp16"], other["heavy_fp16"]
-            found.append(tool + ("" if share is None or theirs is None or theirs >= share else " (lower fp16 share)"))
+            found.append(tool + _why(ours, other))
     return found
+
+
+def _why(ours: dict, other: dict) -> str:
+    """The share that differs: an anchor with a lower Conv/MatMul/Gemm share is no counterexample;
+    one with more nodes in fp16 made another coloring (which ones: see docs/design.md)."""
+    if None not in (ours["heavy_fp16"], other["heavy_fp16"]) and other["heavy_fp16"] < ours["heavy_fp16"]:
+        return " (lower Conv/MatMul/Gemm share)"
+    if None not in (ours["all_fp16"], other["all_fp16"]) and other["all_fp16"] > ours["all_fp16"]:
+        return " (more nodes in fp16)"
+    return ""
 
 
 # -- output --------------------------------------------------------------------------------------
