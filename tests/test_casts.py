@@ -223,3 +223,25 @@ def test_one_gather_keeps_its_cast_after_it():
     out = _converted(_parse(GATHERS.replace("yf = MatMul(b, w)", "yf = Exp(x)")), FEEDS_GATHERS)
     assert [(src, to) for src, to in _cast_sources(out.graph) if to == FLOAT16] == [("a", FLOAT16)]
 
+
+
+SPLIT = """
+g (float[4,8] x) => (float[4,4] y) <""" + W + """> {
+    h = MatMul(x, w)
+    a, b = Split <axis = 1, num_outputs = 2> (h)
+    ea = Exp(a)
+    eb = Exp(b)
+    y = Add(ea, eb)
+}"""
+
+
+def test_a_low_split_whose_outputs_are_all_read_in_float32_splits_one_float32_copy():
+    out = _converted(onnx.parser.parse_model(header(18) + SPLIT), [{"x": X}])
+    assert [src for src, to in _cast_sources(out.graph) if to == FLOAT] == ["h"]
+
+
+def test_a_split_with_an_output_read_in_low_precision_keeps_its_casts():
+    text = SPLIT.replace("eb = Exp(b)", "eb = MatMul(b, v)").replace("float[4,4] y) <" + W,
+                                                                         "float[4,4] y) <" + W + ", float[4,4] v = {" + ",".join(["0.1"] * 16) + "}")
+    out = _converted(onnx.parser.parse_model(header(18) + text), [{"x": X}])
+    assert ("a", FLOAT) in _cast_sources(out.graph) and ("h", FLOAT) not in _cast_sources(out.graph)

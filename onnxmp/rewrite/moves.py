@@ -60,3 +60,38 @@ def _capable(rw, node: str, out: str) -> bool:
         if out in view.output_names(vid):
             return bool(view.ok[vid]) and view.lst[vid] != "deny"
     return False
+
+
+def move_casts_above_splits(rw) -> None:
+    """A Split whose every output is read only through its Cast to float32 (a low-precision Split
+    feeding float32 Sigmoids) reads one float32 copy of its input instead and runs in float32:
+    ``Cast(Split(h)[i]) == Split(Cast(h))[i]``, and k Casts become one (none when the input's
+    float32 copy exists already)."""
+    graph_outputs = {t.name for scope in rw.graph.scopes for t in scope.graph.output}
+    restored = {low: name for name, low in rw.renamed.items()}  # low tensor -> its float32 name
+    found = []
+    for s, nodes in enumerate(rw.nodes):
+        for k, (item, ins, outs) in enumerate(zip(nodes.items, nodes.inputs, nodes.outputs)):
+            if getattr(item, "op_type", None) != "Split" or item.domain not in ("", "ai.onnx") or not ins \
+                    or len(outs) < 2 or not all(outs) or not graph_outputs.isdisjoint(outs):
+                continue
+            data = ins[0]
+            if not (data in restored or (rw.is_low(data) and data not in rw.renamed and data not in rw.constants)):
+                continue
+            if all((o, FLOAT, None) in rw.shared and rw.is_low(o) and o not in rw.renamed for o in outs):
+                found.append((s, k))
+    if not found:
+        return
+    reads = rw.read_counts({o for s, k in found for o in rw.nodes[s].outputs[k]})
+    for s, k in found:
+        nodes = rw.nodes[s]
+        outs, data = nodes.outputs[k], nodes.inputs[k][0]
+        if any(reads[o] != 1 for o in outs):
+            continue  # an output is read in low precision too
+        for o in outs:
+            cast = rw.drop_shared((o, FLOAT, None))
+            rw.unretype(o)
+            rw.reread({cast.dst: o})
+        inputs = nodes.inputs[k] = list(nodes.inputs[k])
+        inputs[0] = restored.get(data) or rw.float_read(s, data)
+        rw.edits.inputs[nodes.names[k]] = inputs

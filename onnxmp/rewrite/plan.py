@@ -29,7 +29,7 @@ import onnx
 from onnxmp.color.rules import Coloring
 from onnxmp.color.layouts import RETARGETABLE
 from onnxmp.rewrite.branches import lower_if_outputs
-from onnxmp.rewrite.moves import move_casts_up
+from onnxmp.rewrite.moves import move_casts_above_splits, move_casts_up
 from onnxmp.rewrite.casts import (GraphNodes, NewCast, ScopeTree, float_cast_inputs, foldable_constant,
                                   homes_and_producers, place_after_producers, read_counts)
 from onnxmp.index import ModelIndex, TensorInfo, keeps_io
@@ -99,6 +99,7 @@ def plan(index: ModelIndex, state: Coloring, *, precision: Precision, master_wei
     rewriter.fix_consumers()
     lower_if_outputs(rewriter)
     move_casts_up(rewriter)
+    move_casts_above_splits(rewriter)
     rewriter.place_shared_casts()
     rewriter.lower_main_outputs(keep_io_types)
     for scope, nodes in zip(index.scopes, rewriter.nodes):
@@ -367,6 +368,14 @@ class _Rewriter:
     def low_read(self, reader: int, name: str) -> str:
         """What a low reader in graph ``reader`` reads for float32 ``name`` (as fix_consumers decides)."""
         return self.renamed.get(name) or self._cast(reader, name, self.low_enum, self.low_sfx)
+
+    def float_read(self, reader: int, name: str) -> str:
+        return self._cast(reader, name, FLOAT, FLOAT32.suffix)
+
+    def unretype(self, name: str) -> None:
+        """``name`` keeps its float32 type after all."""
+        del self.edits.dtypes[name]
+        self.stats.retyped_tensors -= 1
 
     def drop_shared(self, key: tuple[str, int, int | None]) -> NewCast:
         cast = self.shared.pop(key)
