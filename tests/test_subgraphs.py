@@ -79,14 +79,14 @@ def test_loop_carried_value_through_a_deny_op_stays_fp32():
     _check_parity(model, result.model, {"x": np.random.default_rng(0).standard_normal((4, 8)).astype(np.float32) * 0.1})
 
 
-def _if_model(then_op: str, else_op: str) -> onnx.ModelProto:
+def _if_model(then_op: str, else_op: str, post_op: str = "MatMul") -> onnx.ModelProto:
     then_g = onnx.helper.make_graph([onnx.helper.make_node(then_op, ["h", "wb"] if then_op == "MatMul" else ["h"],
                                                            ["t_out"], name="then_op")], "then", [], [_vi("t_out")])
     else_g = onnx.helper.make_graph([onnx.helper.make_node(else_op, ["h", "wb"] if else_op == "MatMul" else ["h"],
                                                            ["e_out"], name="else_op")], "else", [], [_vi("e_out")])
     nodes = [onnx.helper.make_node("MatMul", ["x", "w0"], ["h"], name="pre"),
              onnx.helper.make_node("If", ["cond"], ["z"], name="if", then_branch=then_g, else_branch=else_g),
-             onnx.helper.make_node("MatMul", ["z", "w0"], ["y"], name="post")]
+             onnx.helper.make_node(post_op, ["z", "w0"] if post_op == "MatMul" else ["z"], ["y"], name="post")]
     return _model(nodes, [_vi("x"), onnx.helper.make_tensor_value_info("cond", onnx.TensorProto.BOOL, [])],
                   [_vi("y")], [_w("w0"), _w("wb", 1)])
 
@@ -105,12 +105,16 @@ def test_if_whose_branches_both_do_matmul_returns_fp16():
         _check_parity(model, result.model, {"x": x, "cond": np.array(cond)})
 
 
-def test_if_whose_branches_differ_keeps_its_output_fp32():
-    model = _if_model("MatMul", "Exp")
-    result = onnxmp.convert(model)
+def _branches(result):
     if_node = next(n for n in result.model.graph.node if n.op_type == "If")
-    then_g = next(a.g for a in if_node.attribute if a.name == "then_branch")
-    else_g = next(a.g for a in if_node.attribute if a.name == "else_branch")
+    return (next(a.g for a in if_node.attribute if a.name == "then_branch"),
+            next(a.g for a in if_node.attribute if a.name == "else_branch"))
+
+
+def test_if_whose_branches_differ_keeps_its_output_fp32_for_a_float32_reader():
+    model = _if_model("MatMul", "Exp", post_op="Exp")
+    result = onnxmp.convert(model)
+    then_g, else_g = _branches(result)
     assert _types(then_g)["t_out"] == FLOAT and _types(else_g)["e_out"] == FLOAT
     assert sum(n.op_type == "Cast" for n in then_g.node) == 1  # restores fp32 at the branch output
     # Exp reads the outer low `h` through the fp32 copy restored in the outer graph.
@@ -120,6 +124,22 @@ def test_if_whose_branches_differ_keeps_its_output_fp32():
         _check_parity(model, result.model, {"x": x, "cond": np.array(cond)})
     note = result.coloring.group_notes
     assert any("If output" in k for k in note)
+
+
+def test_if_whose_branches_differ_returns_fp16_when_only_a_low_reader_reads_it():
+    # The coloring keeps the If output fp32 (the branches differ); its one reader wants fp16.  A
+    # restore Cast in the MatMul branch plus a Cast after the If (2) become one Cast at the end of
+    # the Exp branch: the same values, one Cast fewer, none more on either path.
+    model = _if_model("MatMul", "Exp")
+    result = onnxmp.convert(model)
+    then_g, else_g = _branches(result)
+    assert _types(then_g)["t_out"] == FLOAT16 and _types(else_g)["e_out"] == FLOAT16
+    assert sum(n.op_type == "Cast" for n in then_g.node) == 0
+    assert [n.attribute[0].i for n in else_g.node if n.op_type == "Cast"] == [FLOAT16]
+    assert not any(n.op_type == "Cast" and n.input[0] == "z" for n in result.model.graph.node)
+    x = np.random.default_rng(0).standard_normal((4, 8)).astype(np.float32) * 0.1
+    for cond in (True, False):
+        _check_parity(model, result.model, {"x": x, "cond": np.array(cond)})
 
 
 def test_scan_state_doing_matmul_work_goes_fp16():

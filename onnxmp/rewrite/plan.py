@@ -1,8 +1,9 @@
 """The rewrite's plan: the edits that apply a coloring to the model (``docs/design.md``, the rewrite).
 
 * Output tensors of ALLOW vertices are retyped to the low-precision type.
-* At each boundary one Cast per (source tensor, target type, graph) is placed
-  after the producer and shared by every consumer that needs it.
+* At each boundary one Cast per (source tensor, target type) is shared by every
+  consumer that needs it, in any graph (:mod:`onnxmp.rewrite.casts` says where it stands);
+  pairs that cancel exactly are not added, and a Constant read only through it is retargeted.
 * Initializers read only by ALLOW vertices are stored in low precision; one
   read by both sides keeps its fp32 original and gets a low-precision twin.
   Master weights (training) always stay fp32 and are Cast at use.
@@ -19,6 +20,7 @@ normalized model.
 from __future__ import annotations
 
 import logging
+from itertools import chain
 from dataclasses import dataclass, field
 from typing import AbstractSet, Iterable, Iterator, Sequence
 
@@ -26,7 +28,11 @@ import onnx
 
 from onnxmp.color.rules import Coloring
 from onnxmp.color.layouts import RETARGETABLE
-from onnxmp.index import ModelIndex, Scope, TensorInfo, keeps_io
+from onnxmp.rewrite.branches import lower_if_outputs
+from onnxmp.rewrite.moves import move_casts_above_splits, move_casts_up
+from onnxmp.rewrite.casts import (GraphNodes, NewCast, ScopeTree, float_cast_inputs, foldable_constant,
+                                  homes_and_producers, place_after_producers, read_counts)
+from onnxmp.index import ModelIndex, TensorInfo, keeps_io
 from onnxmp.naming import FreshNames
 from onnxmp.passes import require
 from onnxmp.precision import FLOAT16, FLOAT32, Precision
@@ -49,40 +55,6 @@ class RewriteStats:
     @property
     def modified(self) -> bool:
         return bool(self.casts or self.retyped_tensors or self.converted_initializers or self.twin_initializers)
-
-
-@dataclass
-class NewCast:
-    """A Cast the rewrite adds: ``dst = Cast(src, to)``."""
-
-    name: str
-    src: str
-    dst: str
-    to: int
-
-
-@dataclass
-class GraphNodes:
-    """One graph's nodes in order, NodeProtos and the NewCasts placed among them, with each
-    one's name and its input and output names (the rewired ones where the rewrite changed them).
-    The names are the index's (read from the proto once): the rewrite and the emitter both walk
-    these lists.  The index's tuples are shared; a rewired node gets a list of its own."""
-
-    items: list                  # onnx.NodeProto | NewCast
-    names: list[str]
-    inputs: list[Sequence[str]]
-    outputs: list[Sequence[str]]
-
-    @classmethod
-    def of(cls, scope: Scope) -> GraphNodes:
-        return cls(list(scope.graph.node), list(scope.names), list(scope.ins), list(scope.outs))
-
-    def extend(self, other: GraphNodes, start: int, stop: int) -> None:
-        """Append ``other``'s nodes ``start:stop``."""
-        self.items.extend(other.items[start:stop])
-        self.names.extend(other.names[start:stop])
-        self.inputs.extend(other.inputs[start:stop])
-        self.outputs.extend(other.outputs[start:stop])
 
 
 @dataclass
@@ -125,6 +97,10 @@ def plan(index: ModelIndex, state: Coloring, *, precision: Precision, master_wei
     rewriter.lower_main_inputs(keep_io_types)
     rewriter.convert_initializers()
     rewriter.fix_consumers()
+    lower_if_outputs(rewriter)
+    move_casts_up(rewriter)
+    move_casts_above_splits(rewriter)
+    rewriter.place_shared_casts()
     rewriter.lower_main_outputs(keep_io_types)
     for scope, nodes in zip(index.scopes, rewriter.nodes):
         rewriter.edits.graphs[scope.gid] = place_after_producers(nodes, rewriter.new_nodes[scope.gid])
@@ -186,6 +162,11 @@ class _Rewriter:
         self.fp32_read: set[str] = set()  # initializers some node reads in float32
         self.new_nodes: dict[str, list[NewCast]] = {s.gid: [] for s in graph.scopes}
         self.twin_of: dict[str, str] = {}  # initializer -> its low twin
+        # The Casts fix_consumers shares across graphs, (source, type, fused unit) -> the Cast, and
+        # the graphs (scope positions) reading each; place_shared_casts puts them in a graph.
+        self.shared: dict[tuple[str, int, int | None], NewCast] = {}
+        self.shared_readers: dict[str, set[int]] = {}
+        self._float_casts: dict[str, str] | None = None
 
     def masks(self) -> list[list[int]]:
         """``low_inputs`` cut into one list per graph, beside ``self.nodes``' lists (the view numbers
@@ -367,9 +348,51 @@ class _Rewriter:
                 if not renames.keys().isdisjoint(inputs):
                     rewired = nodes.inputs[k] = [renames.get(t, t) for t in inputs]
                     self.edits.inputs[nodes.names[k]] = rewired
-        for graph_casts in self.new_nodes.values():
-            for cast in graph_casts:
-                cast.src = renames.get(cast.src, cast.src)
+        for cast in chain(self.shared.values(), *self.new_nodes.values()):
+            cast.src = renames.get(cast.src, cast.src)
+
+    # What rewrite/branches.py uses of the rewriter.
+    reread = _reread
+
+    def retype(self, names: Sequence[str]) -> None:
+        self._retype_in_place(names)
+
+    def like(self, src: str, name: str, dtype: int) -> TensorInfo:
+        return self._like(src, name, dtype)
+
+    def add_cast(self, graph_id: str, src: str, dst: str, to: int) -> None:
+        cast = NewCast(self.names(f"{dst}_onnxmp_cast_{self.low_sfx if to != FLOAT else FLOAT32.suffix}"), src, dst, to)
+        self.new_nodes[graph_id].append(cast)
+        self.stats.casts.append(cast.name)
+
+    def low_read(self, reader: int, name: str) -> str:
+        """What a low reader in graph ``reader`` reads for float32 ``name`` (as fix_consumers decides)."""
+        return self.renamed.get(name) or self._cast(reader, name, self.low_enum, self.low_sfx)
+
+    def float_read(self, reader: int, name: str) -> str:
+        return self._cast(reader, name, FLOAT, FLOAT32.suffix)
+
+    def unretype(self, name: str) -> None:
+        """``name`` keeps its float32 type after all."""
+        del self.edits.dtypes[name]
+        self.stats.retyped_tensors -= 1
+
+    def drop_shared(self, key: tuple[str, int, int | None]) -> NewCast:
+        cast = self.shared.pop(key)
+        self.shared_readers.pop(cast.name)
+        self.stats.casts.remove(cast.name)
+        return cast
+
+    def read_counts(self, names: AbstractSet[str]) -> dict[str, int]:
+        """How often each of ``names`` is read by the nodes and Casts of any graph (graph outputs aside)."""
+        return read_counts((n.inputs for n in self.nodes),
+                           (c.src for c in chain(self.shared.values(), *self.new_nodes.values())), names)
+
+    def graph_depth(self, s: int) -> int:
+        depth, scopes = 0, self.graph.scopes
+        while scopes[s].parent_scope is not None:
+            s, depth = scopes[s].parent_scope, depth + 1
+        return depth
 
     # -- phase 3 -------------------------------------------------------------------------------
     def convert_initializers(self) -> None:
@@ -401,9 +424,8 @@ class _Rewriter:
         # Low readers read these as they are: tensors retyped in place and converted initializers
         # (a set of them: one issuperset call per node in a low region, which most nodes are).
         low_as_is = set(self.edits.dtypes)
-        for scope, nodes, masks in zip(self.graph.scopes, self.nodes, self.masks()):
+        for s, (scope, nodes, masks) in enumerate(zip(self.graph.scopes, self.nodes, self.masks())):
             graph_id, g = scope.gid, scope.graph
-            shared: dict[tuple[str, int], str] = {}
             for k, (node_name, inputs, mask) in enumerate(zip(nodes.names, nodes.inputs, masks)):
                 if mask == 0:
                     if low_as_is.isdisjoint(inputs):
@@ -419,16 +441,16 @@ class _Rewriter:
                         if name in constants:
                             if self.dtype(name) != FLOAT:
                                 continue
-                            new = self._low_constant(graph_id, shared, name)
+                            new = self._low_constant(s, name)
                         else:
-                            new = renamed.get(name) or self._low_variable(graph_id, shared, name)
+                            new = renamed.get(name) or self._low_variable(s, name)
                     elif name in low_as_is and name not in constants:
                         if nodes.items[k].op_type == "Cast" and type(nodes.items[k]) is not NewCast:
                             continue  # a Cast reads any float type: it converts the low value itself
                         # Low in place; this reader wants fp32.  The statistics of a fused
                         # normalization read it through a Cast of their own, which ORT's fusion
                         # absorbs only when nothing else reads it.
-                        new = self._cast(graph_id, shared, name, FLOAT, FLOAT32.suffix,
+                        new = self._cast(s, name, FLOAT, FLOAT32.suffix,
                                          self.fused_readers.get((node_name, name)))
                     else:
                         continue  # a float32 reader of a float32 value
@@ -443,33 +465,93 @@ class _Rewriter:
                         require(self.is_low(tensor.name), "rewrite",
                                 f"group member `{tensor.name}` is produced in low precision")
 
-    def _low_variable(self, graph_id: str, shared, name: str) -> str:
+    def _low_variable(self, reader: int, name: str) -> str:
         """What a low-precision reader reads for a tensor no low producer writes: a Cast of a
         float32 one, or the tensor itself (int64 shapes, bool masks...)."""
         if self.dtype(name) == FLOAT:
-            return self._cast(graph_id, shared, name, self.low_enum, self.low_sfx)
+            return self._cast(reader, name, self.low_enum, self.low_sfx)
         return name
 
-    def _cast(self, graph_id: str, shared, src: str, to_enum: int, sfx: str, unit: int | None = None) -> str:
+    def _cast(self, reader: int, src: str, to_enum: int, sfx: str, unit: int | None = None) -> str:
+        """What graph ``reader`` reads for ``src`` in type ``to_enum``: the one Cast of it the
+        whole model shares, or a tensor that holds that value already."""
         # A Cast of what an identity Cast passes through reads that Cast's input: no Cast pair.
         source = self.view.identity_casts.get(src)
         if source is not None and self.is_low(source) == self.is_low(src):
             src = source
+        if to_enum == self.low_enum:
+            # Cast(Cast(h, to=float32), to=low) of a low h is h, bit for bit (docs/design.md).
+            widened = self.float_casts.get(src)
+            if widened is not None:
+                low = self.renamed.get(widened) or (widened if self.dtype(widened) == self.low_enum else None)
+                if low is not None:
+                    return low
         key = (src, to_enum, unit)
-        if key not in shared:
+        node = self.shared.get(key)
+        if node is None:
             out = self.names(f"{src}_onnxmp_{sfx}")
             self.edits.new_tensors[out] = self._like(src, out, to_enum)
-            node = NewCast(self.names(f"{src}_onnxmp_cast_{sfx}"), src, out, to_enum)
-            self.new_nodes[graph_id].append(node)
+            node = self.shared[key] = NewCast(self.names(f"{src}_onnxmp_cast_{sfx}"), src, out, to_enum)
+            self.shared_readers[node.name] = set()
             self.stats.casts.append(node.name)
-            shared[key] = out
-        return shared[key]
+        self.shared_readers[node.name].add(reader)
+        return node.dst
 
-    def _low_constant(self, graph_id: str, shared, name: str) -> str:
+    @property
+    def float_casts(self) -> dict[str, str]:
+        """The model's own Cast(to=float32) nodes, output -> input (read once, when first asked)."""
+        if self._float_casts is None:
+            self._float_casts = float_cast_inputs(self.graph)
+        return self._float_casts
+
+    # -- phase 4b ------------------------------------------------------------------------------
+    def place_shared_casts(self) -> None:
+        """Put each shared Cast in its graph (:class:`onnxmp.rewrite.casts.ScopeTree`), after
+        retargeting the Constants read only through their Cast to the low type."""
+        if not self.shared:
+            return
+        casts = list(self.shared.values())
+        sources = {c.src for c in casts}
+        homes, producers = homes_and_producers(self.graph, [n.outputs for n in self.nodes],
+                                               [[c.dst for c in self.new_nodes[s.gid]] for s in self.graph.scopes],
+                                               sources)
+        casts = self._fold_constants(casts, producers)
+        tree = ScopeTree(self.graph)
+        for cast in casts:
+            site = tree.site(homes.get(cast.src), self.shared_readers[cast.name])
+            self.new_nodes[self.graph.scopes[site].gid].append(cast)
+
+    def _fold_constants(self, casts: list[NewCast], producers: dict[str, tuple[int, int]]) -> list[NewCast]:
+        """The Casts left once each float32 Constant/ConstantOfShape that nothing but its Cast to
+        the low type reads makes the low type itself (retargeted; its readers read it)."""
+        candidates = {c.src for c in casts if c.to == self.low_enum and c.src in producers
+                      and c.src not in self.edits.dtypes and self.dtype(c.src) == FLOAT
+                      and foldable_constant(self.nodes[producers[c.src][0]].items[producers[c.src][1]], c.src)}
+        if not candidates:
+            return casts
+        outputs = (t.name for scope in self.graph.scopes for t in scope.graph.output)
+        counts = read_counts((n.inputs for n in self.nodes),
+                             chain((c.src for c in casts), (c.src for cs in self.new_nodes.values() for c in cs),
+                                   outputs), candidates)
+        folded: dict[str, str] = {}
+        for cast in casts:
+            if cast.src in candidates and counts[cast.src] == 1:
+                s, k = producers[cast.src]
+                self.edits.retargeted.add(self.nodes[s].names[k])
+                self._retype_in_place((cast.src,))
+                folded[cast.dst] = cast.src
+        if not folded:
+            return casts
+        self._reread(folded)
+        gone = {c.name for c in casts if c.dst in folded}
+        self.stats.casts = [name for name in self.stats.casts if name not in gone]
+        return [c for c in casts if c.name not in gone]
+
+    def _low_constant(self, reader: int, name: str) -> str:
         """A low read of a float32 initializer that stays float32: master weights and initializers
         the outside world may feed are Cast at use; one also read in float32 gets a low twin."""
         if name in self.master or name in self.fixed:
-            return self._cast(graph_id, shared, name, self.low_enum, self.low_sfx)
+            return self._cast(reader, name, self.low_enum, self.low_sfx)
         twin = self.twin_of.get(name)
         if twin is None:
             twin = self.twin_of[name] = self.names(f"{name}_onnxmp_{self.low_sfx}")
@@ -477,53 +559,3 @@ class _Rewriter:
             self.edits.new_tensors[twin] = self._like(name, twin, self.low_enum)
             self.stats.twin_initializers.append(name)
         return twin
-
-
-def place_after_producers(nodes: GraphNodes, casts: list[NewCast]) -> GraphNodes:
-    """Put each inserted Cast right after the node producing its input (docs/design.md, the rewrite).
-
-    Casts of graph inputs, initializers and outer-scope tensors go first.  A Cast may
-    read another inserted Cast (a restored output cast again), so placement follows
-    chains; this keeps the sorted order ``normalize`` established without a full sort.
-    Only the nodes that produce a Cast's input are looked at; the runs of nodes between
-    them are copied as slices.
-    """
-    if not casts:
-        return nodes
-    sources = {c.src for c in casts}
-    cast_outputs = {c.dst for c in casts}
-    producer: dict[str, int] = {}  # Cast source -> the first node writing it
-    for k, outs in enumerate(nodes.outputs):
-        if not sources.isdisjoint(outs):
-            for t in outs:
-                producer.setdefault(t, k)
-    after: dict[str, list[NewCast]] = {}
-    head: list[NewCast] = []
-    for cast in casts:
-        if cast.src in producer or cast.src in cast_outputs:
-            after.setdefault(cast.src, []).append(cast)
-        else:
-            head.append(cast)
-    placed = GraphNodes([], [], [], [])
-    _add_casts(placed, head, after)
-    start = 0
-    for k in sorted(set(producer.values())):
-        placed.extend(nodes, start, k + 1)
-        start = k + 1
-        _add_casts(placed, [f for out in nodes.outputs[k] for f in after.pop(out, ())], after)
-    placed.extend(nodes, start, len(nodes.items))
-    require(not after, "rewrite", "every inserted Cast found its producer")
-    return placed
-
-
-def _add_casts(placed: GraphNodes, first: list[NewCast], after: dict[str, list[NewCast]]) -> None:
-    """Depth first, each Cast then the Casts reading it.  A loop, not recursion: a long Cast
-    chain would hit the recursion limit."""
-    stack = list(reversed(first))
-    while stack:
-        cast = stack.pop()
-        placed.items.append(cast)
-        placed.names.append(cast.name)
-        placed.inputs.append([cast.src])
-        placed.outputs.append([cast.dst])
-        stack.extend(reversed(after.pop(cast.dst, ())))

@@ -1,0 +1,247 @@
+"""The fewest Casts (``onnxmp/rewrite/casts.py``): one Cast per value shared across graphs, hoisted
+out of loop bodies; pairs that cancel exactly; Constants retargeted instead of Cast.  Each rule
+with a case where it fires and one where it does not, checked on the written model (onnxruntime
+runs it; emulated fp16 matches float32)."""
+from __future__ import annotations
+
+import numpy as np
+import onnx
+import pytest
+
+import onnxmp
+from models import zoo
+from onnxmp.parity.emulate import emulate
+from tests.graphs import header
+
+FLOAT, FLOAT16 = onnx.TensorProto.FLOAT, onnx.TensorProto.FLOAT16
+ort = pytest.importorskip("onnxruntime")
+
+W = "float[8,8] w = {" + ",".join(str(round(0.1 * ((i * 7) % 11 - 5), 2)) for i in range(64)) + "}"
+X = np.random.default_rng(0).standard_normal((4, 8)).astype(np.float32) * 0.3
+
+
+def _parse(text: str) -> onnx.ModelProto:
+    model = onnx.parser.parse_model(header() + text)
+    onnx.checker.check_model(model, full_check=True)
+    return model
+
+
+def _casts(graph: onnx.GraphProto) -> list[onnx.NodeProto]:
+    return [n for n in graph.node if n.op_type == "Cast"]
+
+
+def _body(graph: onnx.GraphProto, op: str, attr: str) -> onnx.GraphProto:
+    node = next(n for n in graph.node if n.op_type == op)
+    return next(a.g for a in node.attribute if a.name == attr)
+
+
+def _cast_sources(graph: onnx.GraphProto) -> list[tuple[str, int]]:
+    """(input, type) of every Cast of ``graph`` and its bodies."""
+    found = [(c.input[0], c.attribute[0].i) for c in _casts(graph)]
+    for node in graph.node:
+        for a in node.attribute:
+            if a.type == onnx.AttributeProto.GRAPH:
+                found += _cast_sources(a.g)
+    return found
+
+
+def _converted(model: onnx.ModelProto, feeds_list) -> onnx.ModelProto:
+    """The converted model, after checking that onnxruntime runs it and that its emulation
+    matches float32 on every feed."""
+    converted = onnxmp.convert(model).model
+    ref = ort.InferenceSession(model.SerializeToString())
+    ort.InferenceSession(converted.SerializeToString())  # loads as written
+    emulated = ort.InferenceSession(emulate(converted).SerializeToString())
+    for feeds in feeds_list:
+        for r, o in zip(ref.run(None, feeds), emulated.run(None, feeds)):
+            np.testing.assert_allclose(o, r, rtol=2e-2, atol=2e-2)
+    return converted
+
+
+IF_BOTH = """
+g (float[4,8] x, bool c) => (float[4,8] y) {
+    e = Exp(x)
+    y = If(c) <then_branch = t () => (float[4,8] yt) { yt = MatMul(e, w) },
+               else_branch = f () => (float[4,8] yf) { m = MatMul(e, w)  yf = Relu(m) }>
+}""" + "\n"
+FEEDS_IF = [{"x": X, "c": np.array(True)}, {"x": X, "c": np.array(False)}]
+
+
+def _with_w(text: str) -> str:
+    return text.replace("=> (float[4,8] y) {", "=> (float[4,8] y) <" + W + "> {", 1)
+
+
+def test_both_branches_of_an_if_read_one_cast_of_the_outer_value():
+    out = _converted(_parse(_with_w(IF_BOTH)), FEEDS_IF)
+    g = out.graph
+    assert not _casts(_body(g, "If", "then_branch")) and not _casts(_body(g, "If", "else_branch"))
+    to_low = [c for c in _casts(g) if c.attribute[0].i == FLOAT16]
+    assert [c.input[0] for c in to_low] == ["e"]  # one Cast of `e`, beside the If
+
+
+def test_a_value_only_one_branch_reads_is_cast_in_that_branch():
+    text = _with_w(IF_BOTH).replace("m = MatMul(e, w)  yf = Relu(m)", "yf = Sigmoid(e)")
+    out = _converted(_parse(text), FEEDS_IF)
+    g = out.graph
+    # Sigmoid reads `e` in float32; only the then-branch reads it low: the Cast runs only when taken.
+    assert [c.input[0] for c in _casts(_body(g, "If", "then_branch")) if c.attribute[0].i == FLOAT16] == ["e"]
+    assert not any(c.input[0] == "e" for c in _casts(g))
+
+
+NESTED = """
+g (float[4,8] x, bool c, bool d) => (float[4,8] y) {
+    e = Exp(x)
+    y = If(c) <
+        then_branch = t () => (float[4,8] yt) {
+            yt = If(d) <then_branch = tt () => (float[4,8] ytt) { ytt = MatMul(e, w) },
+                        else_branch = tf () => (float[4,8] ytf) { ytf = MatMul(e, w) }>
+        },
+        else_branch = f () => (float[4,8] yf) { yf = Sigmoid(e) }>
+}"""
+
+
+def test_nested_ifs_share_one_cast_in_the_innermost_graph_holding_every_reader():
+    out = _converted(_parse(_with_w(NESTED)), [{"x": X, "c": np.array(c), "d": np.array(d)}
+                                                for c in (True, False) for d in (True, False)])
+    outer_then = _body(out.graph, "If", "then_branch")
+    assert [c.input[0] for c in _casts(outer_then) if c.attribute[0].i == FLOAT16] == ["e"]
+    assert not _casts(_body(outer_then, "If", "then_branch")) and not _casts(_body(outer_then, "If", "else_branch"))
+    assert not any(c.input[0] == "e" for c in _casts(out.graph))
+
+
+def test_nested_ifs_reading_in_both_outer_branches_cast_beside_the_outer_if():
+    text = _with_w(NESTED).replace("yf = Sigmoid(e)", "yf = MatMul(e, w)")
+    out = _converted(_parse(text), [{"x": X, "c": np.array(c), "d": np.array(True)} for c in (True, False)])
+    assert [c.input[0] for c in _casts(out.graph) if c.attribute[0].i == FLOAT16] == ["e"]
+    assert [src for src, to in _cast_sources(out.graph) if src == "e"] == ["e"]  # in no body
+
+
+LOOP = """
+g (float[4,8] x) => (float[4,8] y) <""" + W + """, int64 trip = {3}> {
+    e = Exp(x)
+    y = Loop(trip, "", x) <body = b (int64 i, bool cond, float[4,8] v) => (bool co, float[4,8] vo) {
+        co = Identity(cond)
+        m = MatMul(e, w)
+        vo = Add(v, m)
+    }>
+}"""
+
+
+def test_a_loop_body_reads_the_cast_of_an_outer_value_made_once_outside_it():
+    out = _converted(_parse(LOOP), [{"x": X}])
+    body = _body(out.graph, "Loop", "body")
+    assert not any(c.input[0] == "e" for c in _casts(body))
+    assert [c.input[0] for c in _casts(out.graph) if c.input[0] == "e"] == ["e"]
+
+
+def test_a_loop_body_casts_its_own_values_inside():
+    text = LOOP.replace("m = MatMul(e, w)", "s = Exp(v)  m = MatMul(s, w)")
+    out = _converted(_parse(text), [{"x": X}])
+    body = _body(out.graph, "Loop", "body")
+    assert [c.input[0] for c in _casts(body) if c.attribute[0].i == FLOAT16] == ["s"]
+
+
+WIDEN = """
+g (float16[4,8] x) => (float[4,8] y, float[4,8] z) <""" + W + """> {
+    c = Cast <to = 1> (x)
+    y = MatMul(c, w)
+    z = Exp(c)
+}"""
+
+
+def test_a_low_reader_of_the_models_cast_to_float32_of_a_low_value_reads_the_value():
+    out = _converted(_parse(WIDEN), [{"x": X.astype(np.float16)}])
+    # Cast(Cast(x, float32), float16) is x, bit for bit: the MatMul reads the float16 input.
+    matmul = next(n for n in out.graph.node if n.op_type == "MatMul")
+    assert matmul.input[0] == "x"
+    assert [(c.input[0], c.attribute[0].i) for c in _casts(out.graph)] == [("x", FLOAT), ("y_onnxmp_fp16", FLOAT)]
+
+
+def test_a_cast_to_float32_of_a_wider_value_is_not_cancelled():
+    # Cast(Cast(x, float32), float16) of a double x rounds twice: the Cast of c stays.
+    out = _converted(_parse(WIDEN.replace("float16[4,8] x", "double[4,8] x")), [{"x": X.astype(np.float64)}])
+    matmul = next(n for n in out.graph.node if n.op_type == "MatMul")
+    assert matmul.input[0] != "x"
+    assert ("c", FLOAT16) in [(c.input[0], c.attribute[0].i) for c in _casts(out.graph)]
+
+
+CONST = """
+g (float[4,8] x, bool c) => (float[4,8] y) {
+    k = Constant <value = """ + W.replace("float[8,8] w = ", "float[8,8] ") + """> ()
+    y = If(c) <then_branch = t () => (float[4,8] yt) { yt = MatMul(x, k) },
+               else_branch = f () => (float[4,8] yf) { m = MatMul(x, k)  yf = Relu(m) }>
+}"""
+
+
+def test_a_constant_read_only_in_low_precision_makes_the_low_type_itself():
+    out = _converted(_parse(CONST), FEEDS_IF)
+    const = next(n for n in out.graph.node if n.op_type == "Constant")
+    assert const.attribute[0].t.data_type == FLOAT16
+    assert not any(c.input[0] == "k" for c in _casts(out.graph))
+
+
+def test_a_constant_also_read_in_float32_stays_float32_and_is_cast_once():
+    text = CONST.replace("m = MatMul(x, k)  yf = Relu(m)", "m = MatMul(x, k)  s = Exp(k)  r = ReduceMean <axes = [0]> (s)  yf = Add(m, r)")
+    out = _converted(_parse(text), FEEDS_IF)
+    const = next(n for n in out.graph.node if n.op_type == "Constant")
+    assert const.attribute[0].t.data_type == FLOAT
+    assert [c.input[0] for c in _casts(out.graph) if c.input[0] == "k"] == ["k"]
+
+
+def test_the_bundled_loop_if_model_casts_each_value_once():
+    # x into the MatMul branch, the softmax branch's output into the fp16 Loop, logits out: 3 Casts
+    # (4 before the If output took the low type: a restore in the MatMul branch and a Cast after
+    # the If), 2 on either path.  onnxconverter-common writes 2, with the softmax in float16.
+    converted = onnxmp.convert(zoo.loop_if()).model
+    ort.InferenceSession(converted.SerializeToString())
+    sources = _cast_sources(converted.graph)
+    assert len(sources) == len(set(sources)) == 3  # no value cast twice to one type, in any graph
+    if_node = next(n for n in converted.graph.node if n.op_type == "If")
+    per_branch = [len(_casts(a.g)) for a in if_node.attribute]
+    assert per_branch == [1, 1] and len(_casts(converted.graph)) == 1
+
+
+GATHERS = """
+g (float[4,8] x, float[2,4,8] state, bool c) => (float[4,8] y) <""" + W + """, int64 zero = {0}, int64 one = {1}> {
+    a = Gather <axis = 0> (state, zero)
+    b = Gather <axis = 0> (state, one)
+    y = If(c) <then_branch = t () => (float[4,8] yt) { yt = MatMul(a, w) },
+               else_branch = f () => (float[4,8] yf) { yf = MatMul(b, w) }>
+}"""
+FEEDS_GATHERS = [{"x": X, "state": np.stack([X, -X]) * 0.5, "c": np.array(c)} for c in (True, False)]
+
+
+def test_gathers_of_one_float32_input_read_low_take_one_cast_of_the_input():
+    # A tensor a body reads keeps its type in the coloring (outer reads are pinned): the Gathers
+    # stay float32 and each output is Cast in its branch.  One Cast of `state` serves both.
+    out = _converted(_parse(GATHERS), FEEDS_GATHERS)
+    assert [(src, to) for src, to in _cast_sources(out.graph) if to == FLOAT16] == [("state", FLOAT16)]
+    assert {v.name: v.type.tensor_type.elem_type for v in out.graph.value_info}["a"] == FLOAT16
+
+
+def test_one_gather_keeps_its_cast_after_it():
+    out = _converted(_parse(GATHERS.replace("yf = MatMul(b, w)", "yf = Exp(x)")), FEEDS_GATHERS)
+    assert [(src, to) for src, to in _cast_sources(out.graph) if to == FLOAT16] == [("a", FLOAT16)]
+
+
+
+SPLIT = """
+g (float[4,8] x) => (float[4,4] y) <""" + W + """> {
+    h = MatMul(x, w)
+    a, b = Split <axis = 1, num_outputs = 2> (h)
+    ea = Exp(a)
+    eb = Exp(b)
+    y = Add(ea, eb)
+}"""
+
+
+def test_a_low_split_whose_outputs_are_all_read_in_float32_splits_one_float32_copy():
+    out = _converted(onnx.parser.parse_model(header(18) + SPLIT), [{"x": X}])
+    assert [src for src, to in _cast_sources(out.graph) if to == FLOAT] == ["h"]
+
+
+def test_a_split_with_an_output_read_in_low_precision_keeps_its_casts():
+    text = SPLIT.replace("eb = Exp(b)", "eb = MatMul(b, v)").replace("float[4,4] y) <" + W,
+                                                                         "float[4,4] y) <" + W + ", float[4,4] v = {" + ",".join(["0.1"] * 16) + "}")
+    out = _converted(onnx.parser.parse_model(header(18) + text), [{"x": X}])
+    assert ("a", FLOAT) in _cast_sources(out.graph) and ("h", FLOAT) not in _cast_sources(out.graph)
