@@ -10,12 +10,13 @@ import pytest
 
 import onnxmp
 from onnxmp.calibrate import (
-    CalibrationReport, Measurement, SeededTensor, _low_nodes, relative_error, run_with_intermediates,
-    split_holdout,
+    CalibrationReport, Measurement, SeededTensor, relative_error, run_with_intermediates, split_holdout,
 )
+from onnxmp.calibrate.driver import _low_nodes
 from onnxmp.parity.emulate import emulate
 from onnxmp.normalize import make_node_names_unique
-from onnxmp.calibrate.search import RUNS_C, Oracle, Switchboard, find_fp32_set, run_bound
+from onnxmp.calibrate.search import RUNS_C, Oracle, find_fp32_set, run_bound
+from onnxmp.calibrate.switchboard import Switchboard
 
 pytest.importorskip("onnxruntime")
 
@@ -295,7 +296,7 @@ def test_switchboard_rounds_the_float16_interface_as_the_real_model_does(keep):
     # switchboard blind to that credited a float32 edge node with accuracy the model cannot have, so a
     # pass/fail check passed the candidate there and failed it on the real model, and the loop fell
     # back to all-float32.
-    from onnxmp.calibrate import _Calibration, _low_io
+    from onnxmp.calibrate.driver import _Calibration, _low_io
     from onnxmp.options import Options
 
     model = _chain(3)
@@ -418,7 +419,7 @@ def test_a_held_out_miss_tightens_the_tuning_target_without_tuning_on_the_held_o
 
 
 def test_when_the_search_finds_nothing_the_all_fp32_fallback_still_lands(monkeypatch):
-    import onnxmp.calibrate as calibrate
+    import onnxmp.calibrate.driver as calibrate
 
     monkeypatch.setattr(calibrate, "find_fp32_set", lambda order, oracle, fixed=(), **kw: [])
     result = onnxmp.convert(_chain(10, cancel=2000.0), calibration=_samples(3), tolerance=1e-2)
@@ -496,8 +497,8 @@ def test_galloping_still_finds_a_culprit_ranked_last():
 
 
 def test_attribution_ranks_the_node_that_adds_the_error_first_and_blames_upstream_of_an_amplifier():
-    from onnxmp.calibrate import _Calibration, _low_nodes
-    from onnxmp.calibrate.search import attribution_ranking, local_attribution
+    from onnxmp.calibrate.driver import _Calibration, _low_nodes
+    from onnxmp.calibrate.attribution import attribution_ranking, local_attribution
     from onnxmp.options import Options
 
     model = _culprit_chain(8, {5})
@@ -559,7 +560,7 @@ def _relu_chain(names):
 
 def test_a_node_between_two_fp32_nodes_joins_the_island_to_save_its_casts():
     from onnxmp.calibrate.islands import fewer_casts
-    from onnxmp.calibrate.search import LowNode
+    from onnxmp.calibrate.switchboard import LowNode
 
     graph = _relu_chain(["a", "b", "c", "d"])
     low = {n.name: LowNode(n.name, "Relu", frozenset(n.input), frozenset(n.output)) for n in graph.node}
@@ -585,8 +586,8 @@ def test_many_convs_in_a_spread_prefix_are_bisected_back_to_fp16():
 
 def test_attribution_in_groups_ranks_as_in_one_piece(monkeypatch):
     # A model whose intermediates exceed the memory limit is fetched group by group: same blame.
-    import onnxmp.calibrate.search as search
-    from onnxmp.calibrate import _Calibration, _low_nodes
+    import onnxmp.calibrate.attribution as search
+    from onnxmp.calibrate.driver import _Calibration, _low_nodes
     from onnxmp.options import Options
 
     model = _culprit_chain(6, {2})

@@ -1,0 +1,48 @@
+"""onnxruntime plumbing for calibration: the ONE place calibration creates a session, and the
+per-sample run loop."""
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+
+import numpy as np
+import onnx
+
+from onnxmp.errors import OnnxMPError, first_line
+from onnxmp.external import session_source
+from onnxmp.parity.metrics import as_output_array
+from onnxmp.targets import CPU
+
+
+def cpu_session(model: onnx.ModelProto, what: str, options=None):
+    """A quiet onnxruntime CPU session over ``model`` (``options``: a SessionOptions to start from);
+    a model it cannot load is an OnnxMPError naming ``what``."""
+    import onnxruntime as ort
+
+    options = options or ort.SessionOptions()
+    options.log_severity_level = 3
+    try:
+        with session_source(model, "calibration") as source:
+            return ort.InferenceSession(source, options, providers=[CPU.provider])
+    except OnnxMPError:
+        raise
+    except Exception as exc:  # onnxruntime's exceptions share no public base class
+        raise OnnxMPError(f"onnxruntime cannot load the {what} for calibration: {first_line(exc)}",
+                          hint="check that the float32 model runs on onnxruntime CPU") from exc
+
+
+def run_samples(session, samples: Iterable[Mapping[str, np.ndarray]], outputs: Sequence[str] | None = None,
+                extra: Mapping[str, np.ndarray] | None = None) -> Iterator[dict[str, np.ndarray]]:
+    """``outputs`` (default: all) of ``session`` per sample; arrays that feed no input are left out
+    (a training file's labels), ``extra`` feeds are added to each sample."""
+    allowed = {i.name for i in session.get_inputs()}
+    names = [o.name for o in session.get_outputs()] if outputs is None else list(outputs)
+    for sample in samples:
+        feeds = {k: v for k, v in sample.items() if k in allowed}
+        feeds.update(extra or {})
+        try:
+            values = session.run(names, feeds)
+        except Exception as exc:  # onnxruntime's exceptions share no public base class
+            raise OnnxMPError(f"calibration run failed: {first_line(exc)}",
+                              hint="check the calibration inputs' shapes and dtypes") from exc
+        yield {name: as_output_array(value) for name, value in zip(names, values)}
+
