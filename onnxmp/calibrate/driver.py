@@ -145,6 +145,7 @@ class _Calibration:
         del probe
         _check_references(self.ref_tune + self.ref_held)
         self.runs = 0
+        self.forced: dict[str, str] = {}
         self.report = CalibrationReport(
             tolerance=self.tolerance, metric=self.plan.describe(), threshold=calibration_threshold,
             samples=len(samples), tune_samples=len(self.tune), holdout_samples=len(self.held),
@@ -183,7 +184,7 @@ class _Calibration:
         best = plain
         best_m = rep.plain = self.measure(plain)
         current, current_m = plain, best_m
-        forced: dict[str, str] = {}
+        forced = self.forced  # the nodes forced to float32 so far, and why
         moved: dict[str, MovedNode] = {}
         tune_tol = self.tolerance
         bar = RunBar("onnxmp calibrate")
