@@ -427,6 +427,10 @@ def test_when_the_search_finds_nothing_the_all_fp32_fallback_still_lands(monkeyp
     assert cal.met and cal.final.worst <= 1e-2
     assert cal.moved and all(m.reason == "all-float32 fallback" for m in cal.moved)
     assert "every remaining node went back to fp32" in result.report.summary()
+    # Why, in numbers: what was tried and what every node in fp32 measured.
+    assert cal.fallback and "tolerance 0.01" in cal.fallback and "every node in fp32 measures" in cal.fallback
+    assert f"{cal.plain.worst:.3g}" in cal.fallback
+    assert "all-float32 fallback: " in result.report.summary()
     # The model is unchanged because calibration moved the allow-list nodes, not because none could run low.
     assert not result.report.changed
     assert result.report.unchanged_reason.startswith("calibration kept every node in float32")

@@ -324,7 +324,16 @@ class _Calibration:
         return self.deadline is not None and time.perf_counter() > self.deadline
 
     def fallback_all_fp32(self, best, best_m, forced, moved):
-        """Every remaining low node back to float32: lands whenever the float32 model does."""
+        """Every remaining low node back to float32 ("every node in fp32 but the I/O": the interface
+        keeps the type keep_io_types gives it): lands whenever the float32 model does.  Taken only when
+        every candidate measured so far failed; ``report.fallback`` says so in numbers."""
+        cycles = self.report.cycles
+        tried = (f"plain conversion and {len(cycles)} confirmed candidate(s) after {self.runs} run(s), the best at "
+                 f"{best_m.worst:.3g} (tuning {best_m.tune_error:.3g}"
+                 + (f", held-out {best_m.holdout_error:.3g}" if best_m.holdout_error is not None else "")
+                 + f") against the tolerance {self.tolerance:g}")
+        if self.report.budget_exhausted:
+            tried += "; the run budget ran out"
         current = best
         for _ in range(2):  # deny propagation can leave a node low once; a second pass catches it
             low = _low_nodes(self.original, current.report)
@@ -337,8 +346,12 @@ class _Calibration:
             if previous is not best:
                 self._drop(previous)
         current_m = self.measure(current)
-        self.report.cycles.append(CycleRecord(len(self.report.cycles) + 1, len(forced), current_m,
-                                              min(best_m.worst, current_m.worst), self.tolerance))
+        cycles.append(CycleRecord(len(cycles) + 1, len(forced), current_m, min(best_m.worst, current_m.worst),
+                                  self.tolerance))
+        io = "" if not _low_io(self.original, current.model) else " but the low-precision I/O"
+        self.report.fallback = (f"{tried}; every node in fp32{io} measures {current_m.worst:.3g}"
+                                + ("" if current_m.meets(self.tolerance) else ", which misses too"))
+        log.warning("calibration fell back to float32: %s", self.report.fallback)
         return self._better(best, best_m, current, current_m)
 
     def _better(self, best, best_m: Measurement, cand, cand_m: Measurement):
