@@ -12,7 +12,8 @@ seconds at most), writes its model, and this process measures every written mode
   written model, emulated by :func:`onnxmp.parity.emulate.emulate`, on the tuning / held-out samples;
 * ``fp16 all`` / ``fp16 C/M/G``: share of the non-Cast, non-Constant nodes (all graphs), and of
   Conv/MatMul/Gemm, that read or write a float16 tensor in the written model;
-* ``Casts``: Cast nodes added (all graphs); ``runs``: candidates the method ran; ``s``: its seconds.
+* ``Casts``: Cast nodes added (all graphs); ``runs``: candidates the method ran; ``s``: its wall
+  seconds (the conversion call alone); ``cpu s``: CPU seconds of its whole subprocess (all threads).
 
 Methods: ``after`` (this checkout's ``onnxmp.convert(..., calibration=...)``), ``before`` with
 ``--before DIR`` (the same call with the onnxmp of another checkout, e.g.
@@ -26,6 +27,7 @@ import argparse
 import json
 import os
 import platform
+import resource
 import subprocess
 import sys
 import tempfile
@@ -104,16 +106,22 @@ def _spawn(method: str, name: str, args, out_dir: str) -> dict:
     env["PYTHONPATH"] = os.pathsep.join(path + [p for p in [env.get("PYTHONPATH")] if p])
     cmd = [sys.executable, os.path.abspath(__file__), "--one", method, "--models", name, "--tolerance",
            str(args.tolerance), "--samples", str(args.samples), "--save", out_dir]
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
     try:
         proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=args.limit)
     except subprocess.TimeoutExpired:
         return {"error": f"no answer in {args.limit:g} s"}
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
     result = os.path.join(out_dir, f"{name}.json")
     if proc.returncode or not os.path.exists(result):
         lines = [ln for ln in (proc.stderr or proc.stdout).strip().splitlines() if "W:onnxruntime" not in ln]
         return {"error": (lines[-1] if lines else f"exit {proc.returncode}")[:160]}
     with open(result) as f:
-        return json.load(f)
+        row = json.load(f)
+    # CPU seconds of the whole subprocess (loading and writing included): on a loaded machine the
+    # wall seconds say more about the neighbours than about the method.
+    row["cpu_seconds"] = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
+    return row
 
 
 # --- measuring a written model ----------------------------------------------------------------
@@ -191,7 +199,8 @@ def _f(v, fmt) -> str:
 
 COLUMNS = [("err", "error", lambda v: f"{v:.2g}"), ("held", "holdout_error", lambda v: f"{v:.2g}"),
            ("fp16 all", "share_all", lambda v: f"{v:.0%}"), ("fp16 C/M/G", "share", lambda v: f"{v:.0%}"),
-           ("Casts", "casts", str), ("runs", "runs", str), ("s", "seconds", lambda v: f"{v:.1f}")]
+           ("Casts", "casts", str), ("runs", "runs", str), ("s", "seconds", lambda v: f"{v:.1f}"),
+           ("cpu s", "cpu_seconds", lambda v: f"{v:.0f}")]
 
 
 def bench(name: str, args, methods: list[str], tmp: str) -> dict:
@@ -281,6 +290,9 @@ def main(argv: list[str] | None = None) -> int:
                 continue
             if not args.table:
                 rows.append(row)
+                if args.json:  # after each model: a long run stopped half-way keeps what it measured
+                    write_text_atomic(args.json, json.dumps(json_safe({"tolerance": args.tolerance,
+                                                                       "methods": methods, "rows": rows}), indent=2))
             print(f"{name:<24}{row['nodes']:>6}{row['plain_error']:>8.2g}", flush=True)
             for method in methods:
                 if method in row:

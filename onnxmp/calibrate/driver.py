@@ -46,7 +46,7 @@ from onnxmp.calibrate.switchboard import LowNode, Switchboard
 from onnxmp.external import discard_spilled
 from onnxmp.fusions import inside_fused_kernels
 from onnxmp.load import ModelLike, load
-from onnxmp.normalize import make_node_names_unique
+from onnxmp.normalize import normalize
 from onnxmp.options import DEFAULT_TOLERANCE, MAX_RUNS, Options
 from onnxmp.parity.metrics import MetricPlan, metric_plan
 from onnxmp.pipeline import ACCURACY_FALLBACK, ConversionResult, convert_once
@@ -121,9 +121,10 @@ class _Calibration:
     def __init__(self, model: ModelLike, options: Options):
         options.check_calibration()
         self.started = time.perf_counter()
-        self.original = load(model, lazy_external=True)
-        # Unique names now, by normalize's own scheme, so the search and the coloring agree on names.
-        make_node_names_unique(self.original.graph)
+        # Loaded and normalized once (types, unique names, every graph sorted): the switchboard, the
+        # search and every conversion read this one model, so their node names and order agree, and
+        # each conversion's own normalize finds nothing left to do.
+        self.original = normalize(load(model, lazy_external=True)).index.model
         self.resolved = options.resolve(self.original)
         self.tolerance = DEFAULT_TOLERANCE if options.tolerance is None else options.tolerance
         self.max_runs = MAX_RUNS if options.max_runs is None else options.max_runs
