@@ -604,16 +604,16 @@ def test_attribution_in_groups_ranks_as_in_one_piece(monkeypatch):
     assert seen == [(0, ["side2", "y"]), (1, ["side2", "y"])]
 
 
-def test_a_paddle_dynamic_axis_written_as_minus_one_takes_any_size_and_a_fixed_one_still_checks():
+def test_paddles_dynamic_axes_minus_one_and_question_mark_take_any_size_and_a_fixed_one_still_checks():
     # PP-OCR's classifier declares its input [-1, 3, ?, ?]: onnxruntime runs any batch there.
     from onnxmp.calibrate import samples_from
     from onnxmp.errors import OnnxMPError
 
-    x = onnx.helper.make_tensor_value_info("x", FLOAT, [-1, 4])
+    x = onnx.helper.make_tensor_value_info("x", FLOAT, [-1, 4, "?", "?"])
     graph = onnx.helper.make_graph([onnx.helper.make_node("Relu", ["x"], ["y"], name="relu")], "g", [x],
-                                   [onnx.helper.make_tensor_value_info("y", FLOAT, [-1, 4])])
+                                   [onnx.helper.make_tensor_value_info("y", FLOAT, [-1, 4, "?", "?"])])
     model = onnx.helper.make_model(graph, opset_imports=[onnx.helper.make_opsetid("", 17)], ir_version=8)
-    (sample,) = samples_from(model, {"x": np.ones((3, 4), np.float32)})
-    assert sample["x"].shape == (3, 4)
+    (sample,) = samples_from(model, {"x": np.ones((3, 4, 48, 192), np.float32)})  # and "?" is no shared size
+    assert sample["x"].shape == (3, 4, 48, 192)
     with pytest.raises(OnnxMPError, match="size 5 on axis 1; the model expects 4"):
-        samples_from(model, {"x": np.ones((3, 5), np.float32)})
+        samples_from(model, {"x": np.ones((3, 5, 2, 2), np.float32)})
