@@ -5,7 +5,8 @@ the 0.01 tolerance) came out at 0.0134 and 0.0139 when the converted model was m
 calibration fell back to all-float32.  The root: the confirmation ran the emulated model at
 onnxruntime's default level, whose CPU rewrites (NCHWc Convs summing in another order ahead of the
 rounding Casts, fusions across them) flip float16 roundings the search never saw; the search ran it
-as written.  The Conv networks here are built so the NCHWc layout transform applies (channels a
+as written.  Plain conversion of that model measured 0.235 at the default level and 0.123 as
+written, on the same sample.  The Conv networks here are built so the NCHWc layout transform applies (channels a
 multiple of 16) and HardSwish/BatchNormalization follow each Conv, as in PP-OCR.
 """
 from __future__ import annotations
@@ -15,7 +16,6 @@ import onnx
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
-import onnxmp
 from onnxmp.calibrate.driver import _Calibration, _low_io, _low_nodes
 from onnxmp.calibrate.session import cpu_session, run_samples
 from onnxmp.calibrate.switchboard import Switchboard
