@@ -231,10 +231,12 @@ def check_inputs(model: onnx.ModelProto | str | os.PathLike, sample: Mapping[str
                               f"but the model expects rank {len(dims)}")
         for axis, dim in enumerate(dims):
             size = array.shape[axis]
-            if dim.HasField("dim_value") and dim.dim_value != size:
+            # Paddle2ONNX writes a dynamic axis as dim_value -1 (PP-OCR's classifier); onnxruntime
+            # takes any size there, and so do we.
+            if dim.HasField("dim_value") and dim.dim_value >= 0 and dim.dim_value != size:
                 raise OnnxMPError(f"input {name!r} has size {size} on axis {axis}; the model expects "
                                   f"{dim.dim_value}", f"shape given: {list(array.shape)}")
-            if dim.HasField("dim_param"):
+            if dim.HasField("dim_param") and dim.dim_param != "?":  # Paddle's "?" names no shared size
                 first = bound.setdefault(dim.dim_param, (size, name))
                 if first[0] != size:
                     raise OnnxMPError(f"dim {dim.dim_param!r} is {first[0]} in input {first[1]!r} "

@@ -10,12 +10,13 @@ import pytest
 
 import onnxmp
 from onnxmp.calibrate import (
-    CalibrationReport, Measurement, SeededTensor, _low_nodes, relative_error, run_with_intermediates,
-    split_holdout,
+    CalibrationReport, Measurement, SeededTensor, relative_error, run_with_intermediates, split_holdout,
 )
+from onnxmp.calibrate.driver import _low_nodes
 from onnxmp.parity.emulate import emulate
 from onnxmp.normalize import make_node_names_unique
-from onnxmp.calibrate.search import RUNS_C, Oracle, Switchboard, find_fp32_set, run_bound
+from onnxmp.calibrate.search import RUNS_C, Oracle, find_fp32_set, run_bound
+from onnxmp.calibrate.switchboard import Switchboard
 
 pytest.importorskip("onnxruntime")
 
@@ -295,7 +296,7 @@ def test_switchboard_rounds_the_float16_interface_as_the_real_model_does(keep):
     # switchboard blind to that credited a float32 edge node with accuracy the model cannot have, so a
     # pass/fail check passed the candidate there and failed it on the real model, and the loop fell
     # back to all-float32.
-    from onnxmp.calibrate import _Calibration, _low_io
+    from onnxmp.calibrate.driver import _Calibration, _low_io
     from onnxmp.options import Options
 
     model = _chain(3)
@@ -418,7 +419,7 @@ def test_a_held_out_miss_tightens_the_tuning_target_without_tuning_on_the_held_o
 
 
 def test_when_the_search_finds_nothing_the_all_fp32_fallback_still_lands(monkeypatch):
-    import onnxmp.calibrate as calibrate
+    import onnxmp.calibrate.driver as calibrate
 
     monkeypatch.setattr(calibrate, "find_fp32_set", lambda order, oracle, fixed=(), **kw: [])
     result = onnxmp.convert(_chain(10, cancel=2000.0), calibration=_samples(3), tolerance=1e-2)
@@ -426,6 +427,10 @@ def test_when_the_search_finds_nothing_the_all_fp32_fallback_still_lands(monkeyp
     assert cal.met and cal.final.worst <= 1e-2
     assert cal.moved and all(m.reason == "all-float32 fallback" for m in cal.moved)
     assert "every remaining node went back to fp32" in result.report.summary()
+    # Why, in numbers: what was tried and what every node in fp32 measured.
+    assert cal.fallback and "tolerance 0.01" in cal.fallback and "every node in fp32 measures" in cal.fallback
+    assert f"{cal.plain.worst:.3g}" in cal.fallback
+    assert "all-float32 fallback: " in result.report.summary()
     # The model is unchanged because calibration moved the allow-list nodes, not because none could run low.
     assert not result.report.changed
     assert result.report.unchanged_reason.startswith("calibration kept every node in float32")
@@ -496,8 +501,8 @@ def test_galloping_still_finds_a_culprit_ranked_last():
 
 
 def test_attribution_ranks_the_node_that_adds_the_error_first_and_blames_upstream_of_an_amplifier():
-    from onnxmp.calibrate import _Calibration, _low_nodes
-    from onnxmp.calibrate.search import attribution_ranking, local_attribution
+    from onnxmp.calibrate.driver import _Calibration, _low_nodes
+    from onnxmp.calibrate.attribution import attribution_ranking, local_attribution
     from onnxmp.options import Options
 
     model = _culprit_chain(8, {5})
@@ -559,7 +564,7 @@ def _relu_chain(names):
 
 def test_a_node_between_two_fp32_nodes_joins_the_island_to_save_its_casts():
     from onnxmp.calibrate.islands import fewer_casts
-    from onnxmp.calibrate.search import LowNode
+    from onnxmp.calibrate.switchboard import LowNode
 
     graph = _relu_chain(["a", "b", "c", "d"])
     low = {n.name: LowNode(n.name, "Relu", frozenset(n.input), frozenset(n.output)) for n in graph.node}
@@ -585,8 +590,8 @@ def test_many_convs_in_a_spread_prefix_are_bisected_back_to_fp16():
 
 def test_attribution_in_groups_ranks_as_in_one_piece(monkeypatch):
     # A model whose intermediates exceed the memory limit is fetched group by group: same blame.
-    import onnxmp.calibrate.search as search
-    from onnxmp.calibrate import _Calibration, _low_nodes
+    import onnxmp.calibrate.attribution as search
+    from onnxmp.calibrate.driver import _Calibration, _low_nodes
     from onnxmp.options import Options
 
     model = _culprit_chain(6, {2})
@@ -597,3 +602,18 @@ def test_attribution_in_groups_ranks_as_in_one_piece(monkeypatch):
     seen = []
     assert search.local_attribution(board, cal.tune, lambda i, out: seen.append((i, sorted(out)))) == whole
     assert seen == [(0, ["side2", "y"]), (1, ["side2", "y"])]
+
+
+def test_paddles_dynamic_axes_minus_one_and_question_mark_take_any_size_and_a_fixed_one_still_checks():
+    # PP-OCR's classifier declares its input [-1, 3, ?, ?]: onnxruntime runs any batch there.
+    from onnxmp.calibrate import samples_from
+    from onnxmp.errors import OnnxMPError
+
+    x = onnx.helper.make_tensor_value_info("x", FLOAT, [-1, 4, "?", "?"])
+    graph = onnx.helper.make_graph([onnx.helper.make_node("Relu", ["x"], ["y"], name="relu")], "g", [x],
+                                   [onnx.helper.make_tensor_value_info("y", FLOAT, [-1, 4, "?", "?"])])
+    model = onnx.helper.make_model(graph, opset_imports=[onnx.helper.make_opsetid("", 17)], ir_version=8)
+    (sample,) = samples_from(model, {"x": np.ones((3, 4, 48, 192), np.float32)})  # and "?" is no shared size
+    assert sample["x"].shape == (3, 4, 48, 192)
+    with pytest.raises(OnnxMPError, match="size 5 on axis 1; the model expects 4"):
+        samples_from(model, {"x": np.ones((3, 5, 2, 2), np.float32)})

@@ -114,6 +114,8 @@ def test_bench_calibrate_smoke(tmp_path):
                            "mlp,amplified_cancellation", "--json", str(out)], cwd=root, capture_output=True,
                           text=True, timeout=120)
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert "plain err" in proc.stdout and "fp16 C/M/G" in proc.stdout and "Casts" in proc.stdout
+    assert "plain" in proc.stdout and "fp16 C/M/G" in proc.stdout and "Casts" in proc.stdout
     rows = {r["model"]: r for r in json.loads(out.read_text())["rows"]}
-    assert rows["amplified_cancellation"]["met"] and rows["amplified_cancellation"]["moved"] >= 1
+    after = rows["amplified_cancellation"]["after"]
+    # Measured on the written model, not taken from the search's own report.
+    assert after["met"] and after["moved"] >= 1 and after["error"] <= 1e-2

@@ -233,7 +233,7 @@ def _as(form: str, path: Path, monkeypatch):
 
 
 def _run(model: onnx.ModelProto, feeds) -> np.ndarray:
-    from onnxmp.calibrate.search import cpu_session
+    from onnxmp.calibrate.session import cpu_session
 
     return cpu_session(model, "model").run(None, feeds)[0]
 

@@ -15,13 +15,8 @@ from onnxmp.errors import OnnxMPError
 
 PACKAGE = Path(__file__).resolve().parent.parent / "onnxmp"
 
-# Folders whose modules may still make an InferenceSession (or SessionOptions), with the reason.
-EXCEPTIONS = (
-    # The calib branch restructures calibrate/ at the same time (issue 37, part 4; today: search.py's
-    # cpu_session and the switchboard's options); the lead points its one session function at
-    # runtime.session when merging, and removes this entry.
-    "calibrate/",
-)
+# Folders whose modules may still make an InferenceSession (or SessionOptions), with the reason: none.
+EXCEPTIONS: tuple[str, ...] = ()
 
 MADE_HERE = ("InferenceSession", "SessionOptions")
 

@@ -23,7 +23,8 @@ from dataclasses import dataclass
 
 import onnx
 
-from onnxmp.calibrate.search import LowNode, Oracle, find_fp32_set
+from onnxmp.calibrate.search import Oracle, find_fp32_set
+from onnxmp.calibrate.switchboard import LowNode
 
 EXHAUSTIVE_HEAVY = 5  # 2 ** 5 - 1 candidates at most; more Conv/MatMul/Gemm members are bisected instead
 

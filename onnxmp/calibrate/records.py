@@ -100,6 +100,7 @@ class CalibrationReport:
     share_all_final: float | None = None
     casts_plain: int | None = None  # Cast nodes the conversion added (main graph)
     casts_final: int | None = None
+    fallback: str | None = None  # why the all-float32 fallback was taken, in numbers (None: it was not)
 
     @property
     def error(self) -> float:
@@ -118,6 +119,8 @@ class CalibrationReport:
             if not self.met:
                 lines.append(f"  best error {self.error:.3g} is {self.error - self.tolerance:.3g} above the "
                              f"tolerance ({self.error / self.tolerance:.3g}x)")
+        if self.fallback:
+            lines.append(f"  all-float32 fallback: {self.fallback}")
         if self.share_final is not None:
             before = f"{self.share_plain:.0%} -> " if self.share_plain is not None else ""
             lines.append(f"  {precision} share of Conv/MatMul/Gemm: {before}{self.share_final:.0%}")

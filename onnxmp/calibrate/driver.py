@@ -1,0 +1,396 @@
+"""The calibration driver: seeds, measure, search, confirm (``docs/calibration.md``).
+
+:func:`calibrate` works in this order:
+
+1. **Seeds (rules).**  The float32 model runs once on the tuning samples;
+   nodes whose intermediates exceed ``calibration_threshold`` are denied before
+   coloring (:func:`observe_magnitudes`).  This is plain conversion.
+2. **Measure.**  The real converted model is emulated (:mod:`onnxmp.parity.emulate`)
+   on the tuning and held-out samples and judged with the metric
+   (:mod:`onnxmp.parity.metrics`).  Within tolerance: done.
+3. **Search (measurement).**  A :class:`~onnxmp.calibrate.switchboard.Switchboard` (one ORT
+   session whose every low node's rounding is switchable) ranks topological
+   segments by the OUTPUT error they cause alone, then bisects the ranking for
+   a small set of nodes to keep in float32 (:func:`~onnxmp.calibrate.search.find_fp32_set`;
+   the run bound is documented there).
+4. **Confirm.**  The real conversion with those nodes denied is measured
+   again.  If the coloring's propagation made it differ from the switchboard's
+   prediction, or the held-out samples miss while the tuning ones pass
+   (the tuning tolerance then tightens), the search runs another cycle on the
+   new coloring.  The best real candidate seen is kept, so the returned error
+   never exceeds plain conversion's and never grows between cycles; an
+   all-float32 fallback guarantees landing whenever the float32 model passes.
+
+The result is always a :class:`~onnxmp.pipeline.ConversionResult`; when the
+tolerance is still missed (``max_runs`` spent) ``result.report.calibration.met``
+is False and the model is the best found.  Nothing is raised for that: the
+caller decides (the CLI writes the model and exits 3).
+"""
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Mapping, Sequence
+
+import numpy as np
+import onnx
+
+from onnxmp.calibrate.attribution import attribution_ranking, local_attribution
+from onnxmp.calibrate.islands import fewer_casts, spare_heavy
+from onnxmp.calibrate.progress import RunBar
+from onnxmp.calibrate.records import REASONS, CalibrationReport, CycleRecord, Measurement, MovedNode, SeededTensor
+from onnxmp.calibrate.samples import _check_references, _fold_magnitudes, _probe, samples_from, split_holdout
+from onnxmp.calibrate.search import BudgetExhausted, Oracle, find_fp32_set
+from onnxmp.calibrate.session import cpu_session, run_samples
+from onnxmp.calibrate.switchboard import LowNode, Switchboard
+from onnxmp.external import discard_spilled
+from onnxmp.fusions import inside_fused_kernels
+from onnxmp.load import ModelLike, load
+from onnxmp.normalize import normalize
+from onnxmp.options import DEFAULT_TOLERANCE, MAX_RUNS, Options
+from onnxmp.parity.metrics import MetricPlan, metric_plan
+from onnxmp.pipeline import ACCURACY_FALLBACK, ConversionResult, convert_once
+from onnxmp.report import TENSOR_CORE_OPS, Report
+from onnxmp.subgraphs import proto_nodes
+
+log = logging.getLogger("onnxmp.calibrate")
+
+MAX_CYCLES = 4            # search + confirm cycles before the all-float32 fallback
+MEASURE_EACH = 32         # a set this small gets each member's own measurement in the report
+
+
+# --- the loop ---------------------------------------------------------------------------
+
+
+def _low_share(report: Report) -> float | None:
+    """Share of the non-Constant nodes that run in low precision."""
+    ops = {v.node: v.op for v in report.vertices if v.op != "Constant"}
+    colors = report.node_colors()
+    return sum(colors.get(n) == "allow" for n in ops) / len(ops) if ops else None
+
+
+def _added_casts(original: onnx.ModelProto, converted: onnx.ModelProto) -> int:
+    def casts(model):
+        return sum(n.op_type == "Cast" for n in model.graph.node)
+    return casts(converted) - casts(original)
+
+
+def _worst_sample(plan: MetricPlan, refs: Sequence[Mapping[str, np.ndarray]]) -> bool:
+    """Whether the metric keeps the worst sample (so a partial run's error is a lower bound); the
+    agreement metrics pool rows over all samples, and a prefix of them says nothing."""
+    if plan.model_fn is not None:
+        return True
+    return bool(refs) and all(metric.kind in ("rel", "max_abs", "cosine", "callable")
+                              and np.asarray(refs[0][name]).dtype.kind == "f"
+                              for name, metric in plan.per_output.items())
+
+
+def _low_io(original: onnx.ModelProto, converted: onnx.ModelProto) -> frozenset[str]:
+    """Main-graph float32 inputs and outputs that the conversion gave a low-precision type
+    (``keep_io_types=False``): the real model rounds them whatever its nodes compute in."""
+    def types(model):
+        return {v.name: v.type.tensor_type.elem_type for v in [*model.graph.input, *model.graph.output]}
+
+    before, after = types(original), types(converted)
+    return frozenset(name for name, t in after.items()
+                     if before.get(name) == onnx.TensorProto.FLOAT and t != onnx.TensorProto.FLOAT
+                     and t in (onnx.TensorProto.FLOAT16, onnx.TensorProto.BFLOAT16))
+
+
+def _low_nodes(model: onnx.ModelProto, report: Report) -> dict[str, LowNode]:
+    """Nodes with a low-precision vertex, and which of their tensors are low precision (from the report)."""
+    protos = {node.name: node for node in proto_nodes(model.graph)}
+    inside = inside_fused_kernels(model.graph)  # computed in float32 by the kernel ORT fuses: never rounded
+    tensors: dict[str, set[str]] = {}
+    ops: dict[str, str] = {}
+    for v in report.vertices:
+        if v.color == "allow" and v.node in protos:
+            tensors.setdefault(v.node, set()).update(v.tensors)
+            ops[v.node] = v.op
+    low = {}
+    for name, ts in tensors.items():
+        node = protos[name]
+        ins = frozenset(t for t in node.input if t in ts and t not in inside)
+        outs = frozenset(t for t in node.output if t in ts and t not in inside)
+        if ins or outs:
+            low[name] = LowNode(name, ops[name], ins, outs)
+    return low
+
+
+class _Calibration:
+    def __init__(self, model: ModelLike, options: Options):
+        options.check_calibration()
+        self.started = time.perf_counter()
+        # Loaded and normalized once (types, unique names, every graph sorted): the switchboard, the
+        # search and every conversion read this one model, so their node names and order agree, and
+        # each conversion's own normalize finds nothing left to do.
+        self.original = normalize(load(model, lazy_external=True)).index.model
+        self.resolved = options.resolve(self.original)
+        self.tolerance = DEFAULT_TOLERANCE if options.tolerance is None else options.tolerance
+        self.max_runs = MAX_RUNS if options.max_runs is None else options.max_runs
+        self.deadline = None if options.time_budget is None else self.started + options.time_budget
+        self.precision = self.resolved.precision.name
+        calibration_threshold = options.calibration_threshold
+        samples = samples_from(self.original, options.calibration)
+        self.tune, self.held = split_holdout(samples, options.holdout)
+        self.outputs = [o.name for o in self.original.graph.output]
+        self.plan: MetricPlan = metric_plan(options.metric, self.outputs)
+        self.magnitudes: dict[str, float] = {}
+        self.ref_tune = []
+        probe = cpu_session(_probe(self.original), "model")
+        for run in run_samples(probe, self.tune):
+            _fold_magnitudes(self.magnitudes, run)
+            self.ref_tune.append({name: run[name] for name in self.outputs})
+        # The probe session answers for the held-out samples too: one session start less.
+        self.ref_held = list(run_samples(probe, self.held, self.outputs)) if self.held else []
+        del probe
+        _check_references(self.ref_tune + self.ref_held)
+        self.runs = 0
+        self.forced: dict[str, str] = {}
+        self.report = CalibrationReport(
+            tolerance=self.tolerance, metric=self.plan.describe(), threshold=calibration_threshold,
+            samples=len(samples), tune_samples=len(self.tune), holdout_samples=len(self.held),
+            seeded=[SeededTensor(t, m) for t, m in sorted(self.magnitudes.items(), key=lambda x: -x[1])
+                    if m > calibration_threshold])
+
+    def convert(self, forced: Mapping[str, str]) -> ConversionResult:
+        return convert_once(self.original, self.resolved.replace(
+            magnitudes=self.magnitudes, forced_deny={**self.resolved.forced_deny, **forced}))
+
+    def measure(self, result) -> Measurement:
+        """Errors of the real converted model, emulated, on tuning and held-out samples."""
+        from onnxmp.parity.emulate import emulate
+
+        self.runs += 1
+        emulated = emulate(result.model, self.precision, keep_io_types=False)
+        session = cpu_session(emulated, "converted model")
+        discard_spilled(emulated, keep=[result.model])  # the session holds them now
+        del emulated
+        tune = self.plan.errors(self.ref_tune, list(run_samples(session, self.tune, self.outputs)))
+        held = (self.plan.errors(self.ref_held, list(run_samples(session, self.held, self.outputs)))
+                if self.held else None)
+        return Measurement(tune, held)
+
+    def run(self):
+        plain = self.convert({})
+        rep = self.report
+        rep.share_plain = plain.report.tensor_core_share()
+        rep.share_all_plain = _low_share(plain.report)
+        rep.casts_plain = _added_casts(self.original, plain.model)
+        if not plain.report.changed:
+            rep.met = True
+            rep.plain = rep.final = Measurement({o: 0.0 for o in rep.metric}, {o: 0.0 for o in rep.metric}
+                                                if self.held else None)
+            return self.finish(plain)
+        best = plain
+        best_m = rep.plain = self.measure(plain)
+        current, current_m = plain, best_m
+        forced = self.forced  # the nodes forced to float32 so far, and why
+        moved: dict[str, MovedNode] = {}
+        tune_tol = self.tolerance
+        bar = RunBar("onnxmp calibrate")
+        try:
+            for cycle in range(1, MAX_CYCLES + 1):
+                if best_m.meets(self.tolerance) or rep.budget_exhausted:
+                    break
+                if self._out_of_time():
+                    rep.budget_exhausted = True
+                    break
+                if current_m.tune_error <= tune_tol and current_m.holdout_error is not None:
+                    # Tuned but the held-out samples miss: demand less of the tuning error reached, never
+                    # searching on the held-out samples.  The cut follows the miss, within [10%, 50%]: a
+                    # near miss needs a small margin, and scaling by a large miss would overshoot to
+                    # all-fp32 when the held-out inputs are simply harder.
+                    cut = min(0.9, max(0.5, self.tolerance / current_m.holdout_error))
+                    tune_tol = min(tune_tol, current_m.tune_error) * cut
+                low = _low_nodes(self.original, current.report)
+                if cycle == 1:
+                    rep.candidates = len(low)
+                fills = {f.constant: f.value for f in current.report.mask_fills}
+                found = self.search(low, fills, tune_tol, bar, _low_io(self.original, current.model))
+                if not found:
+                    break
+                for item in found:
+                    moved[item.node] = item
+                    forced[item.node] = (f"{ACCURACY_FALLBACK}: measured on calibration data, the output error is "
+                                         f"{item.error_with:.3g} with this node in {self.precision} and "
+                                         f"{item.error_without:.3g} without" if item.error_with is not None
+                                         else f"{ACCURACY_FALLBACK}: {REASONS[item.reason]}")
+                current = self.convert(forced)
+                current_m = self.measure(current)
+                best, best_m = self._better(best, best_m, current, current_m)
+                rep.cycles.append(CycleRecord(cycle, len(forced), current_m, best_m.worst, tune_tol))
+                held = "" if current_m.holdout_error is None else f", held-out {current_m.holdout_error:.3g}"
+                log.info("calibration cycle %d: %d node(s) back in fp32, error %.3g%s, tolerance %g",
+                         cycle, len(forced), current_m.tune_error, held, self.tolerance)
+            if not best_m.meets(self.tolerance) and not rep.budget_exhausted:
+                best, best_m = self.fallback_all_fp32(best, best_m, forced, moved)
+        finally:
+            bar.close()
+        rep.final = best_m
+        rep.met = best_m.meets(self.tolerance)
+        kept = {v.node for v in best.report.vertices if v.color != "allow"}
+        rep.moved = [m for name, m in moved.items() if name in kept]
+        if not rep.met:
+            log.warning("calibration missed tolerance %g: best error %.3g after %d runs", self.tolerance,
+                        best_m.worst, self.runs)
+        return self.finish(best)
+
+    def search(self, low: Mapping[str, LowNode], fills: Mapping[str, float], tune_tol: float,
+               bar: RunBar, low_io: frozenset[str] = frozenset()) -> list[MovedNode]:
+        board = Switchboard(self.original, low, self.precision, fills, low_io)
+        heavy = frozenset(name for name, n in low.items() if n.op in TENSOR_CORE_OPS)
+        bar.heavy, bar.tolerance = heavy, tune_tol
+        early = _worst_sample(self.plan, self.ref_tune)
+        sample_error = [0.0] * len(self.tune)
+        order_samples = list(range(len(self.tune)))
+
+        def evaluate(fp32: frozenset[str], full: bool = False) -> float:
+            # Samples hardest first; with a worst-sample metric a candidate fails as soon as one sample
+            # does, so most failing candidates cost one session run instead of one per sample.
+            refs, outs = [], []
+            for i, out in zip(order_samples, board.iter_run(fp32, [self.tune[i] for i in order_samples])):
+                refs.append(self.ref_tune[i])
+                outs.append(out)
+                if early and not full and max(self.plan.errors(refs[-1:], outs[-1:]).values(),
+                                              default=0.0) > tune_tol:
+                    break
+            return max(self.plan.errors(refs, outs).values(), default=0.0) / tune_tol
+
+        budget = self.max_runs - self.runs - 2  # the attribution's two passes come first
+        if budget <= 0 or self._out_of_time():
+            self.report.budget_exhausted = True
+            return []
+        oracle = Oracle(evaluate, max_runs=budget, on_run=bar, full=lambda fp32: evaluate(fp32, full=True),
+                        deadline=self.deadline)
+        try:
+            if max(self.plan.errors(self.ref_tune, self.ref_tune).values(), default=0.0) > tune_tol:
+                log.warning("the metric rejects the float32 model itself; no mix can pass")
+                return []
+            self.runs += 2  # the two attribution passes, all fp32 and all low
+
+            def judge(i: int, rounded: dict) -> None:
+                sample_error[i] = max(self.plan.errors([self.ref_tune[i]], [rounded]).values(), default=0.0)
+
+            added = local_attribution(board, self.tune, judge)
+            # Hardest sample first (largest all-low error): a failing candidate usually fails on it.
+            order_samples.sort(key=lambda i: -sample_error[i])
+            order = attribution_ranking(board.nodes, added, lambda m: m in heavy)
+            culprits = find_fp32_set(order, oracle, gallop=True)
+            found = [MovedNode(c.node, low[c.node].op, "measurement", c.score_with * tune_tol,
+                               c.score_without * tune_tol) if c.score_with is not None else
+                     MovedNode(c.node, low[c.node].op, "ranking prefix", None, c.score_without * tune_tol)
+                     for c in culprits]
+            names = [c.node for c in culprits]
+            if oracle(names).passed:
+                found = self._islands(found, order, low, heavy, oracle, tune_tol)
+        except BudgetExhausted:
+            self.report.budget_exhausted = True
+            # The cheapest passing candidate seen (a bisection prefix always passes).
+            probe = oracle.best_passing(lambda fp32: (len(fp32 & heavy), len(fp32)))
+            found = [] if probe is None else [
+                MovedNode(name, low[name].op, "budget exhausted", None, probe.score * tune_tol)
+                for name in board.nodes if name in probe.fp32]
+        finally:
+            self.runs += oracle.runs
+        return [*found, *(MovedNode(c, low[c].op, "follows its reader", None, None)
+                          for item in found for c in board.followers.get(item.node, ()))]
+
+    def _islands(self, found: list[MovedNode], order: Sequence[str], low: Mapping[str, LowNode],
+                 heavy: frozenset[str], oracle: Oracle, tune_tol: float) -> list[MovedNode]:
+        """Spare the set's Conv/MatMul/Gemm where cheap ops around them suffice, then close gaps that
+        would cost Casts (:mod:`onnxmp.calibrate.islands`); each new member measured on its own."""
+        names = [m.node for m in found]
+        spared, check = spare_heavy(names, order, heavy, oracle)
+        self.report.heavy_check = check
+        if spared is not None:
+            names = spared
+        grown = fewer_casts(names, low, self.original.graph, heavy, oracle)
+        if spared is None and grown == names:
+            return found
+        known = {m.node: m for m in found}
+        whole = oracle.score(grown) * tune_tol
+        out = []
+        for name in grown:
+            if name not in names:
+                out.append(MovedNode(name, low[name].op, "fewer casts", None, whole))
+            elif name in known and known[name].reason != "measurement" or len(names) > MEASURE_EACH:
+                out.append(known.get(name) or MovedNode(name, low[name].op, "ranking prefix", None, whole))
+            else:
+                out.append(MovedNode(name, low[name].op, "measurement",
+                                     oracle.score(set(grown) - {name}) * tune_tol, whole))
+        return out
+
+    def _out_of_time(self) -> bool:
+        return self.deadline is not None and time.perf_counter() > self.deadline
+
+    def fallback_all_fp32(self, best, best_m, forced, moved):
+        """Every remaining low node back to float32 ("every node in fp32 but the I/O": the interface
+        keeps the type keep_io_types gives it): lands whenever the float32 model does.  Taken only when
+        every candidate measured so far failed; ``report.fallback`` says so in numbers."""
+        cycles = self.report.cycles
+        tried = (f"plain conversion and {len(cycles)} confirmed candidate(s) after {self.runs} run(s), the best at "
+                 f"{best_m.worst:.3g} (tuning {best_m.tune_error:.3g}"
+                 + (f", held-out {best_m.holdout_error:.3g}" if best_m.holdout_error is not None else "")
+                 + f") against the tolerance {self.tolerance:g}")
+        if self.report.budget_exhausted:
+            tried += "; the run budget ran out"
+        current = best
+        for _ in range(2):  # deny propagation can leave a node low once; a second pass catches it
+            low = _low_nodes(self.original, current.report)
+            if not low:
+                break
+            for name, node in low.items():
+                forced[name] = f"{ACCURACY_FALLBACK}: the search could not land; all-float32 fallback"
+                moved[name] = MovedNode(name, node.op, "all-float32 fallback", None, None)
+            previous, current = current, self.convert(forced)
+            if previous is not best:
+                self._drop(previous)
+        current_m = self.measure(current)
+        cycles.append(CycleRecord(len(cycles) + 1, len(forced), current_m, min(best_m.worst, current_m.worst),
+                                  self.tolerance))
+        io = "" if not _low_io(self.original, current.model) else " but the low-precision I/O"
+        self.report.fallback = (f"{tried}; every node in fp32{io} measures {current_m.worst:.3g}"
+                                + ("" if current_m.meets(self.tolerance) else ", which misses too"))
+        log.warning("calibration fell back to float32: %s", self.report.fallback)
+        return self._better(best, best_m, current, current_m)
+
+    def _better(self, best, best_m: Measurement, cand, cand_m: Measurement):
+        """Passing beats failing; among passing, more fp16 Conv/MatMul/Gemm; else the lower error."""
+        def key(result, m: Measurement):
+            share = result.report.tensor_core_share() or 0.0
+            return (0, -share, m.worst) if m.meets(self.tolerance) else (1, m.worst, -share)
+
+        if cand is best:
+            return best, min(best_m, cand_m, key=lambda m: m.worst)
+        if key(cand, cand_m) < key(best, best_m):
+            self._drop(best)
+            return cand, cand_m
+        self._drop(cand)  # its report still steers the next cycle; its weights are not needed
+        return best, best_m
+
+    def _drop(self, result) -> None:
+        """Delete the weights a converted candidate spilled (a large model's are as big as the model)."""
+        discard_spilled(result.model, keep=[self.original])
+
+    def finish(self, result):
+        rep = self.report
+        rep.runs = self.runs
+        rep.seconds = time.perf_counter() - self.started
+        rep.share_final = result.report.tensor_core_share()
+        rep.share_all_final = _low_share(result.report)
+        rep.casts_final = _added_casts(self.original, result.model)
+        result.report.calibration = rep
+        return result
+
+
+def calibrate(model: ModelLike, options: Options) -> ConversionResult:
+    """Convert with calibration seeds, then search for the nodes to keep in fp32 until the outputs
+    are within ``options.tolerance``.
+
+    Returns the :class:`~onnxmp.pipeline.ConversionResult` of the best model found;
+    ``result.report.calibration`` (a :class:`CalibrationReport`) says whether the tolerance was
+    met (``.met``), the errors before and after, and why each node moved.
+    """
+    return _Calibration(model, options).run()
+

@@ -1,0 +1,243 @@
+"""The switchboard: one emulated float32 session in which every low-precision node's rounding is
+switchable per run, so a candidate ("these nodes back to float32") costs one ``session.run`` per
+sample, with no convert, verify or session build in between.
+
+For each node ``n`` that runs in low precision after plain conversion, each of its low-precision
+inputs and outputs ``t`` becomes ``Where(low[n], round(t), t)`` where ``round`` is a
+``Cast(to=FLOAT16) -> Cast(to=FLOAT)`` pair (as in :mod:`onnxmp.parity.emulate`) and ``low`` is a
+bool vector fed with the sample.  With every switch on it reproduces the emulated real conversion
+(bit for bit on the bundled models; kernels fed through ``Where`` may sum in another order, so a
+value can round one ulp apart), and with every switch off it is the float32 model.
+"""
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import onnx
+from onnx import TensorProto, helper
+
+from onnxmp import runtime
+from onnxmp.calibrate.session import cpu_session, run_samples
+from onnxmp.color.masks import replace_fills
+from onnxmp.external import is_large
+from onnxmp.naming import FreshNames, proto_names
+from onnxmp.precision import low_precision
+from onnxmp.subgraphs import bodies
+
+SWITCH_INPUT = "onnxmp_low_switches"
+
+
+@dataclass(frozen=True)
+class LowNode:
+    """A node running in low precision: which of its inputs and outputs are low-precision tensors."""
+
+    name: str
+    op: str
+    inputs: frozenset[str]
+    outputs: frozenset[str]
+
+
+class Switchboard:
+    """One ORT session over the model with every low node's rounding switchable per run."""
+
+    def __init__(self, model: onnx.ModelProto, low: Mapping[str, LowNode], precision: str = "float16",
+                 fills: Mapping[str, float] | None = None, low_io: Iterable[str] = ()):
+        """``fills``: the attention mask fills the conversion replaced (``{constant: value}``, from
+        ``Report.mask_fills``), replaced here whatever the switches say, as in the real model.
+        ``low_io``: main-graph inputs and outputs the conversion gives a low-precision type
+        (``keep_io_types=False``); they are rounded whatever the switches say, as the real model's
+        interface rounds them, so that a candidate's float32 node at the edge is not credited with
+        float32 accuracy the converted model cannot deliver.
+
+        Every low node's low-precision outputs (main graph) are outputs of the session too
+        (``self.probed``), for :func:`local_attribution`; :meth:`run` fetches only the model's."""
+        import onnxruntime as ort
+
+        self.low_type = low_precision(precision).onnx_type
+        self.nodes: list[str] = []  # switch index -> node name, topological (bodies at their parent)
+        proto = onnx.ModelProto()
+        proto.CopyFrom(model)
+        if fills:
+            replace_fills(proto.graph, fills, low_precision(precision))
+        self._names = FreshNames(proto_names(proto.graph))
+        self._switch: dict[str, str] = {}
+        self.follows = _single_reader_constants(proto.graph, low)
+        self.followers: dict[str, list[str]] = {}
+        for constant, reader in self.follows.items():
+            self.followers.setdefault(reader, []).append(constant)
+        self._order_nodes(proto.graph, low)
+        head = self._switch_nodes(proto.graph)
+        for constant, reader in self.follows.items():
+            self._switch[constant] = self._switch[reader]
+        self._rewrite(proto.graph, low)
+        head += self._round_io(proto.graph, frozenset(low_io))
+        nodes = [*head, *proto.graph.node, *self._tail]
+        proto.graph.ClearField("node")
+        proto.graph.node.extend(nodes)
+        proto.graph.input.append(helper.make_tensor_value_info(SWITCH_INPUT, TensorProto.BOOL, [len(self.nodes)]))
+        self.outputs = [o.name for o in model.graph.output]
+        present = set(self.outputs)
+        main = {n.name for n in proto.graph.node}
+        self.probed = [t for name in self.nodes if name in main for t in sorted(low[name].outputs) if t not in present]
+        for t in self.probed:
+            proto.graph.output.append(helper.make_tensor_value_info(t, TensorProto.FLOAT, None))
+        self.low = dict(low)
+        options = runtime.session_options(optimization="disable")
+        # ORT's memory-reuse planner is superlinear in the number of values: it took 5 s of a
+        # 4,500-node switchboard's 5.5 s start-up.  Runs are short; allocation is cheap by comparison.
+        options.enable_mem_reuse = False
+        # No optimization at all: the basic level the measurement runs at (session.py) only folds
+        # constants and drops redundant nodes, the same arithmetic, and folding every weight's
+        # rounded copy would hold it twice for the session's life.
+        if is_large(proto):
+            # Each switched weight's rounded copies come from Casts that read only initializers,
+            # which ORT's default order runs first, all at once.  Priority order keeps fewer alive:
+            # 8 x 64 MiB weights peaked at 1.00 GB instead of 1.40 GB, runs 1.1 -> 1.5 s.  (Without
+            # the CPU arena too: 0.88 GB, but 2.5 s a run.)
+            options.execution_order = ort.ExecutionOrder.PRIORITY_BASED
+        self.session = cpu_session(proto, "switchboard model", options)
+        self._index = {name: i for i, name in enumerate(self.nodes)}
+
+    # -- building ---------------------------------------------------------------------
+    def _order_nodes(self, graph: onnx.GraphProto, low: Mapping[str, LowNode]) -> None:
+        for node in graph.node:
+            if node.name in low and node.name not in self.follows:
+                self.nodes.append(node.name)
+            for sub in bodies(node):
+                self._order_nodes(sub, low)
+
+    def _switch_nodes(self, graph: onnx.GraphProto) -> list[onnx.NodeProto]:
+        """A scalar bool per low node, gathered from the switch vector (bodies read it from outer scope)."""
+        made = []
+        for i, name in enumerate(self.nodes):
+            index = self._names(f"{name}__onnxmp_switch_index")
+            graph.initializer.append(helper.make_tensor(index, TensorProto.INT64, [], [i]))
+            switch = self._names(f"{name}__onnxmp_switch")
+            made.append(helper.make_node("Gather", [SWITCH_INPUT, index], [switch], name=switch))
+            self._switch[name] = switch
+        return made
+
+    def _round_io(self, graph: onnx.GraphProto, low_io: frozenset[str]) -> list[onnx.NodeProto]:
+        """Rounding of the low-precision interface: a rounded input keeps its name inside the graph
+        and is fed under a fresh one (``self._feed``); a rounded output is fetched under a fresh one
+        (``self._fetch``), so nodes reading either, in bodies too, need no rewriting."""
+        self._feed: dict[str, str] = {}
+        self._fetch: dict[str, str] = {}
+        self._tail: list[onnx.NodeProto] = []
+        head = []
+        for value in graph.input:
+            if value.name in low_io and value.type.tensor_type.elem_type == TensorProto.FLOAT:
+                fed = self._names(f"{value.name}__onnxmp_io")
+                head += self._round(fed, value.name)
+                self._feed[value.name] = fed
+                value.name = fed
+        for value in graph.output:
+            if value.name in low_io and value.type.tensor_type.elem_type == TensorProto.FLOAT:
+                fetched = self._names(f"{value.name}__onnxmp_io")
+                self._tail += self._round(value.name, fetched)
+                self._fetch[value.name] = fetched
+                value.name = fetched
+        return head
+
+    def _round(self, src: str, dst: str) -> list[onnx.NodeProto]:
+        low = self._names(f"{dst}__low")
+        return [helper.make_node("Cast", [src], [low], name=low, to=self.low_type),
+                helper.make_node("Cast", [low], [dst], name=dst, to=TensorProto.FLOAT)]
+
+    def _rewrite(self, graph: onnx.GraphProto, low: Mapping[str, LowNode]) -> None:
+        rounded: dict[str, str] = {}  # tensor -> its rounded copy in this graph
+        out: list[onnx.NodeProto] = []
+        for node in graph.node:
+            for sub in bodies(node):
+                self._rewrite(sub, low)
+            spec = low.get(node.name)
+            if spec is None:
+                out.append(node)
+                continue
+            switch = self._switch[node.name]
+            gated: dict[str, str] = {}
+            for k, tensor in enumerate(node.input):
+                if not tensor or tensor not in spec.inputs:
+                    continue
+                if tensor not in gated:
+                    if tensor not in rounded:
+                        rounded[tensor] = self._names(f"{tensor}__rounded")
+                        out.extend(self._round(tensor, rounded[tensor]))
+                    gated[tensor] = self._names(f"{tensor}__{node.name}__in")
+                    out.append(helper.make_node("Where", [switch, rounded[tensor], tensor], [gated[tensor]],
+                                                name=gated[tensor]))
+                node.input[k] = gated[tensor]
+            tail: list[onnx.NodeProto] = []
+            for k, tensor in enumerate(node.output):
+                if not tensor or tensor not in spec.outputs:
+                    continue
+                raw = self._names(f"{tensor}__raw")
+                node.output[k] = raw
+                tail.extend(self._round(raw, self._names(f"{tensor}__raw_rounded")))
+                tail.append(helper.make_node("Where", [switch, tail[-1].output[0], raw], [tensor],
+                                             name=self._names(f"{tensor}__gate")))
+            out.append(node)
+            out.extend(tail)
+        graph.ClearField("node")
+        graph.node.extend(out)
+
+    # -- running ----------------------------------------------------------------------
+    def mask(self, fp32: Iterable[str]) -> np.ndarray:
+        """The switch vector with every node low except ``fp32``."""
+        switches = np.ones(len(self.nodes), dtype=bool)
+        for name in fp32:
+            i = self._index.get(name)
+            if i is not None:
+                switches[i] = False
+        return switches
+
+    def run(self, fp32: Iterable[str], samples: Sequence[Mapping[str, np.ndarray]]) -> list[dict[str, np.ndarray]]:
+        return list(self.iter_run(fp32, samples))
+
+    def iter_run(self, fp32: Iterable[str], samples: Sequence[Mapping[str, np.ndarray]],
+                 outputs: Sequence[str] | None = None) -> Iterator[dict[str, np.ndarray]]:
+        """One sample at a time, so a caller can stop at the first sample that already fails."""
+        names = list(self.outputs if outputs is None else outputs)
+        if self._feed:
+            samples = ({self._feed.get(k, k): v for k, v in s.items()} for s in samples)
+        runs = run_samples(self.session, samples, [self._fetch.get(n, n) for n in names],
+                           {SWITCH_INPUT: self.mask(fp32)})
+        if not self._fetch:
+            return runs
+        return ({n: out[self._fetch.get(n, n)] for n in names} for out in runs)
+
+
+def _single_reader_constants(graph: onnx.GraphProto, low: Mapping[str, LowNode]) -> dict[str, str]:
+    """Low Constant nodes of the main graph read by exactly one low node and nothing else: constant ->
+    reader.  Exporters such as Paddle2ONNX write every weight, bias and norm statistic as a Constant node;
+    each would be a candidate of its own, doubling the search for nothing, since its rounding only
+    matters to its one reader.  It shares its reader's switch instead."""
+    uses: dict[str, list[str]] = {}
+    for node in graph.node:
+        for t in node.input:
+            uses.setdefault(t, []).append(node.name)
+    captured: set[str] = set()
+
+    def scan(g: onnx.GraphProto) -> None:
+        for n in g.node:
+            captured.update(n.input)
+            for sub in bodies(n):
+                scan(sub)
+
+    for node in graph.node:
+        for sub in bodies(node):
+            scan(sub)
+    outputs = {o.name for o in graph.output}
+    follows = {}
+    for node in graph.node:
+        if node.op_type != "Constant" or node.name not in low or len(node.output) != 1:
+            continue
+        t = node.output[0]
+        readers = uses.get(t, [])
+        if len(readers) == 1 and readers[0] in low and readers[0] != node.name and t not in captured \
+                and t not in outputs and t in low[readers[0]].inputs | low[node.name].outputs:
+            follows[node.name] = readers[0]
+    return follows
+
