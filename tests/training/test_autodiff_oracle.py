@@ -1,0 +1,120 @@
+"""onnxmp's gradient builder against torch's autograd on exports outside the matrix.
+
+The fixtures (``models/exports/oracle/``, made by ``models/exports/export_oracle.py``) are small
+random-init exports (MobileBERT, ViT, Llama, Qwen2, ConvNeXt, BART, and CNN / op / UNet zoos; TorchScript
+and dynamo) with one batch and torch's gradients of ``mean(output * proj)``.  Here the same loss is
+appended to the ONNX graph, :func:`~onnxmp.training.autodiff.backward` differentiates it, plain
+onnxruntime runs it, and every compared parameter's gradient must be within 1e-5 of torch's float64
+gradient, relative to that gradient's largest magnitude, or to 1e-3 of the model's largest gradient
+where that is more (a tiny gradient is mostly rounding), or to the model's largest gradient where
+torch's float64 gradient is zero (a key bias's under softmax, a conv bias before InstanceNorm: both
+sides hold rounding noise only).
+No torch is needed: the test runs on Python 3.11 and 3.12 alike.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+import pytest
+from onnx import TensorProto, helper, numpy_helper
+
+from onnxmp.training.autodiff import backward
+
+ORACLE = Path(__file__).resolve().parents[2] / "models" / "exports" / "oracle"
+MANIFEST = json.loads((ORACLE / "oracle.json").read_text())
+TOLERANCE = 1e-5
+FLOOR = 1e-3
+ZERO = 1e-9  # a float64 gradient this small (relative to the model's largest) is zero in exact arithmetic
+LOSS = "oracle/loss"
+
+
+def with_loss(name: str) -> tuple[onnx.ModelProto, dict[str, np.ndarray], dict]:
+    """The fixture's model with ``mean(output * proj)`` appended as ``oracle/loss``, its feeds, its arrays."""
+    entry = MANIFEST[name]
+    model = onnx.load(str(ORACLE / entry["file"]))
+    data = dict(np.load(ORACLE / f"{name}.npz"))
+    output = entry["output"]
+    assert model.graph.output[0].name == output
+    graph = model.graph
+    graph.initializer.append(numpy_helper.from_array(data["proj"], "oracle/proj"))
+    graph.node.append(helper.make_node("Mul", [output, "oracle/proj"], ["oracle/product"], name="oracle/mul"))
+    graph.node.append(helper.make_node("ReduceMean", ["oracle/product"], [LOSS], name="oracle/mean", keepdims=0))
+    graph.output.append(helper.make_tensor_value_info(LOSS, TensorProto.FLOAT, []))
+    feeds = {k[len("input:"):]: v for k, v in data.items() if k.startswith("input:")}
+    return model, feeds, data
+
+
+def static_copy(model: onnx.ModelProto, feeds: dict[str, np.ndarray]) -> onnx.ModelProto:
+    """``model`` with its inputs' dims fixed to the batch's."""
+    fixed = onnx.ModelProto()
+    fixed.CopyFrom(model)
+    for value in fixed.graph.input:
+        if value.name in feeds:
+            for dim, size in zip(value.type.tensor_type.shape.dim, feeds[value.name].shape):
+                dim.Clear()
+                dim.dim_value = size
+    fixed.graph.ClearField("value_info")
+    return fixed
+
+
+def run(model: onnx.ModelProto, feeds: dict[str, np.ndarray], names: list[str]) -> dict[str, np.ndarray]:
+    options = ort.SessionOptions()
+    options.log_severity_level = 3
+    session = ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
+    return dict(zip(names, session.run(names, feeds)))
+
+
+def difference(want: np.ndarray, got: np.ndarray, floor: float) -> float:
+    want, got = np.asarray(want, np.float64), np.asarray(got, np.float64)
+    assert want.shape == got.shape, (want.shape, got.shape)
+    if not np.isfinite(got).all():
+        return float("inf")
+    return float(np.abs(want - got).max()) / max(float(np.abs(want).max()), floor)
+
+
+def compare(name: str) -> dict:
+    """What the per-fixture table shows: params compared, worst relative errors, runtime-shape places."""
+    model, feeds, data = with_loss(name)
+    wrt = [k[len("grad64:"):] for k in data if k.startswith("grad64:")]
+    trained, report = backward(model, LOSS, wrt)
+    grads = [f"{w}_grad" for w in wrt]
+    got = run(trained, feeds, [MANIFEST[name]["output"], LOSS, *grads])
+    forward = difference(data["output"], got[MANIFEST[name]["output"]], 0.0)
+    largest = max(float(np.abs(data[f"grad64:{w}"]).max()) for w in wrt)
+    floors = {w: largest if np.abs(data[f"grad64:{w}"]).max() <= ZERO * largest else FLOOR * largest for w in wrt}
+    errors = {w: difference(data[f"grad64:{w}"], got[f"{w}_grad"], floors[w]) for w in wrt}
+    errors32 = {w: difference(data[f"grad:{w}"], got[f"{w}_grad"], floors[w]) for w in wrt}
+    _, static = backward(static_copy(model, feeds), LOSS, wrt)
+    return {"forward": forward, "errors": errors, "errors32": errors32, "report": report, "static": static}
+
+
+@pytest.mark.parametrize("name", sorted(MANIFEST))
+def test_gradients_equal_torch(name):
+    result = compare(name)
+    assert result["forward"] < 1e-4, f"the export disagrees with torch's forward: {result['forward']:.2e}"
+    worst = max(result["errors"], key=result["errors"].get)
+    bad = {w: f"{e:.2e}" for w, e in result["errors"].items() if e > TOLERANCE}
+    print(f"{name}: {len(result['errors'])} params, max relative error {result['errors'][worst]:.2e} ({worst}); "
+          f"vs torch float32 {max(result['errors32'].values()):.2e}; runtime-shape places "
+          f"{result['report'].runtime_shapes} dynamic, {result['static'].runtime_shapes} static")
+    assert not bad, f"gradients off torch's by more than {TOLERANCE}: {bad}"
+
+
+@pytest.mark.parametrize("name", sorted(MANIFEST))
+def test_static_shapes_need_no_runtime_shapes(name):
+    """With every input dim fixed, shape inference knows every shape: no gradient reads one at run time."""
+    model, feeds, data = with_loss(name)
+    wrt = [k[len("grad64:"):] for k in data if k.startswith("grad64:")]
+    _, report = backward(static_copy(model, feeds), LOSS, wrt)
+    assert report.runtime_shapes == 0, report.runtime_places[:10]
+
+
+def test_the_comparison_can_fail():
+    """A gradient off by one part in 1e4 is caught; a zero gradient's rounding noise is not."""
+    want = np.array([1.0, -2.0, 0.5], np.float32)
+    assert difference(want, want * (1 + 1e-4), 0.0) > TOLERANCE
+    assert difference(np.zeros(3), np.full(3, 1e-9), FLOOR * 2.0) < TOLERANCE
