@@ -264,6 +264,46 @@ def tiny_unet():
     return TinyUNet(), _image(3, 8)
 
 
+class DropoutNet(nn.Module):
+    """Dropout in training mode between two Linear layers.  With ``mask`` set, the dropout is that fixed
+    mask (scaled by 1 / (1 - p)) instead of a random one: how the oracle's basis gradients are taken."""
+
+    P = 0.5
+
+    def __init__(self):
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(6, 8), nn.Linear(8, 3)
+        self.mask: torch.Tensor | None = None
+
+    def forward(self, x):
+        h = F.gelu(self.fc1(x))
+        h = F.dropout(h, self.P, training=True) if self.mask is None else h * self.mask / (1 - self.P)
+        return self.fc2(h)
+
+
+def dropout_net():
+    return DropoutNet(), {"x": torch.randn(BATCH, 6, generator=torch.Generator().manual_seed(1))}
+
+
+class BnNet(nn.Module):
+    """BatchNormalization in training mode (batch statistics) after plain and strided convs."""
+
+    def __init__(self):
+        super().__init__()
+        self.c1, self.b1 = nn.Conv2d(3, 6, 3, padding=1), nn.BatchNorm2d(6)
+        self.c2, self.b2 = nn.Conv2d(6, 8, 3, stride=2, padding=1, bias=False), nn.BatchNorm2d(8)
+        self.fc = nn.Linear(8, 4)
+
+    def forward(self, pixel_values):
+        x = F.relu(self.b1(self.c1(pixel_values)))
+        x = F.relu6(self.b2(self.c2(x)))
+        return self.fc(x.mean((2, 3)))
+
+
+def bn_net():
+    return BnNet(), _image(3, 8)
+
+
 def _ln_optional_outputs(model: onnx.ModelProto) -> str:
     """Gives the first LayerNormalization its optional Mean and InvStdDev outputs (the export leaves them
     off; users' exports from other tools carry them, and ORT's builder is reported to fail on them)."""
@@ -273,6 +313,16 @@ def _ln_optional_outputs(model: onnx.ModelProto) -> str:
                 node.output.append(f"{node.name or 'ln'}_{['Y', 'Mean', 'InvStdDev'][len(node.output)]}")
             return f"{node.name}: Mean and InvStdDev outputs added (unused)"
     raise RuntimeError("no LayerNormalization in the export")
+
+
+def _dropout_mask_output(model: onnx.ModelProto) -> str:
+    """Names the Dropout's mask output (the test reads the mask the step drew) and makes it a graph output."""
+    node = next(n for n in model.graph.node if n.op_type == "Dropout")
+    if len(node.output) < 2 or not node.output[1]:
+        del node.output[1:]
+        node.output.append("dropout_mask")
+    model.graph.output.append(onnx.helper.make_tensor_value_info(node.output[1], onnx.TensorProto.BOOL, None))
+    return f"{node.name}: mask output {node.output[1]!r} made a graph output"
 
 
 TOKENS = {"input_ids": {0: "batch", 1: "sequence"}, "attention_mask": {0: "batch", 1: "sequence"},
@@ -298,6 +348,9 @@ FIXTURES = [
     Fixture("ops_zoo.torchscript17", "ops_zoo", "torchscript", 17, ops_zoo, {"input_ids": {0: "batch"}},
             post=_ln_optional_outputs),
     Fixture("ops_zoo.dynamo18", "ops_zoo", "dynamo", 18, ops_zoo, {"input_ids": {0: "batch"}}),
+    Fixture("dropout.torchscript17-train", "dropout", "torchscript", 17, dropout_net, {"x": {0: "batch"}},
+            training=True, post=_dropout_mask_output),
+    Fixture("bn_net.torchscript17-train", "bn_net", "torchscript", 17, bn_net, IMAGE, training=True),
     Fixture("tiny_unet.torchscript17", "tiny_unet", "torchscript", 17, tiny_unet, IMAGE),
     Fixture("tiny_unet.dynamo18", "tiny_unet", "dynamo", 18, tiny_unet, IMAGE),
 ]
@@ -390,10 +443,28 @@ def build(fx: Fixture, manifest: dict) -> None:
         sample = model(*feeds.values())
     proj = torch.randn(sample.shape, generator=torch.Generator().manual_seed(2))
     model.load_state_dict(state)
-    out32, g32 = _grads(model, feeds, proj, torch.float32)
-    model.load_state_dict(state)
-    _, g64 = _grads(model, feeds, proj, torch.float64)
-    model.float()
+    if isinstance(model, DropoutNet):
+        # the loss is affine in the mask m: g(m) = g(0) + sum_i m_i (g(e_i) - g(0)), output too; the test
+        # reads the mask the step drew and rebuilds torch's gradient for it
+        size = int(np.prod(sample.shape[:1])) * model.fc1.out_features
+        model.mask = torch.zeros(sample.shape[0], model.fc1.out_features)
+        out32, g32 = _grads(model, feeds, proj, torch.float32)
+        _, g64 = _grads(model, feeds, proj, torch.float64)
+        model.float()
+        basis32, basis64, outputs = [], [], []
+        for i in range(size):
+            model.mask = torch.zeros(size).index_fill_(0, torch.tensor([i]), 1.0).view(sample.shape[0], -1)
+            o, g = _grads(model, feeds, proj, torch.float32)
+            basis32.append(g)
+            outputs.append(o.numpy() - out32.numpy())
+            basis64.append(_grads(model, feeds, proj, torch.float64)[1])
+            model.float()
+        model.mask = None
+    else:
+        out32, g32 = _grads(model, feeds, proj, torch.float32)
+        model.load_state_dict(state)
+        _, g64 = _grads(model, feeds, proj, torch.float64)
+        model.float()
 
     arrays = {f"input:{k}": v.numpy() for k, v in feeds.items()}
     arrays["proj"] = proj.numpy().astype(np.float32)
@@ -412,6 +483,13 @@ def build(fx: Fixture, manifest: dict) -> None:
         arrays[f"grad:{init}"] = (g.T if how == "T" else g).reshape(shape)
         g = g64[name].astype(np.float32)
         arrays[f"grad64:{init}"] = (g.T if how == "T" else g).reshape(shape)
+        if isinstance(model, DropoutNet):
+            for key, basis, base in (("basis", basis32, g32), ("basis64", basis64, g64)):
+                arrays[f"{key}:{init}"] = np.stack([((b[name] - base[name]).T if how == "T" else
+                                                     b[name] - base[name]).reshape(shape) for b in basis]
+                                                   ).astype(np.float32)
+    if isinstance(model, DropoutNet):
+        arrays["output_basis"] = np.stack(outputs).astype(np.float32)
     OUT.mkdir(exist_ok=True)
     onnx.save(exported, str(OUT / f"{fx.name}.onnx"))
     np.savez_compressed(OUT / f"{fx.name}.npz", **arrays)

@@ -82,7 +82,17 @@ def compare(name: str) -> dict:
     wrt = [k[len("grad64:"):] for k in data if k.startswith("grad64:")]
     trained, report = backward(model, LOSS, wrt)
     grads = [f"{w}_grad" for w in wrt]
-    got = run(trained, feeds, [MANIFEST[name]["output"], LOSS, *grads])
+    masks = [n.output[1] for n in model.graph.node if n.op_type == "Dropout" and len(n.output) > 1]
+    got = run(trained, feeds, [MANIFEST[name]["output"], LOSS, *grads, *masks])
+    if masks:
+        # Dropout in training mode: the loss is affine in the mask the step drew, so torch's output and
+        # gradients for that mask are the fixture's m = 0 values plus the mask times its basis
+        mask = got[masks[0]].astype(np.float32).reshape(-1)
+        assert 0 < mask.mean() < 1, "the dropout mask is all ones or all zeros"
+        data["output"] = data["output"] + np.tensordot(mask, data["output_basis"], 1)
+        for w in wrt:
+            for key in ("grad", "grad64"):
+                data[f"{key}:{w}"] = data[f"{key}:{w}"] + np.tensordot(mask, data[f"basis{key[4:]}:{w}"], 1)
     forward = difference(data["output"], got[MANIFEST[name]["output"]], 0.0)
     largest = max(float(np.abs(data[f"grad64:{w}"]).max()) for w in wrt)
     floors = {w: largest if np.abs(data[f"grad64:{w}"]).max() <= ZERO * largest else FLOOR * largest for w in wrt}
