@@ -226,8 +226,8 @@ class OpsZoo(nn.Module):
         h = h * torch.reciprocal(1.5 + h.abs())                             # Reciprocal
         idx = torch.argsort(input_ids % 5, dim=1).unsqueeze(-1).expand(-1, -1, 16)
         h = h + torch.gather(h, 1, idx) * 0.5                               # GatherElements
-        t = torch.tile(self.row, (4,)).view(1, 1, 16)                       # Tile
-        h = h.clone()
+        t = torch.tile(h[..., :4] * self.row, (1, 1, 4))                    # Tile (of an activation: a
+        h = h.clone()                                                       # parameter's Tile is folded)
         h[:, 0] = h[:, 0] * 2.0 + t[:, 0]                                   # ScatterND
         pooled = torch.amax(h, 1) + h.mean(1)                               # ReduceMax
         return F.log_softmax(self.head(pooled), -1)                         # Gemm transB, LogSoftmax
@@ -304,6 +304,41 @@ def bn_net():
     return BnNet(), _image(3, 8)
 
 
+class PadModes(nn.Module):
+    """Pad's modes on a trainable path, at static shapes (one rule each, isolated)."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(2, 3, 3)
+
+    def forward(self, pixel_values):
+        x = self.conv(pixel_values)
+        return torch.cat([F.pad(x, (1, 2, 2, 1), mode="reflect"), F.pad(x, (1, 2, 2, 1), mode="replicate"),
+                          F.pad(x, (1, 2, 2, 1), mode="constant", value=0.5)], 1)
+
+
+class Upsampling(nn.Module):
+    """Resize on a trainable path, at static shapes: nearest, bilinear, bilinear with align_corners."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(2, 3, 3, padding=1)
+
+    def forward(self, pixel_values):
+        x = self.conv(pixel_values)
+        return torch.cat([F.interpolate(x, scale_factor=2.0, mode="nearest"),
+                          F.interpolate(x, scale_factor=2.0, mode="bilinear", align_corners=False),
+                          F.interpolate(x, size=(12, 12), mode="bilinear", align_corners=True)], 1)
+
+
+def pad_modes():
+    return PadModes(), _image(2, 6)
+
+
+def upsampling():
+    return Upsampling(), _image(2, 6)
+
+
 def _ln_optional_outputs(model: onnx.ModelProto) -> str:
     """Gives the first LayerNormalization its optional Mean and InvStdDev outputs (the export leaves them
     off; users' exports from other tools carry them, and ORT's builder is reported to fail on them)."""
@@ -340,6 +375,7 @@ FIXTURES = [
     Fixture("qwen2.torchscript17", "qwen2", "torchscript", 17, qwen2,
             {k: v for k, v in TOKENS.items() if k != "token_type_ids"}),
     Fixture("convnext.torchscript17", "convnext", "torchscript", 17, convnext, IMAGE),
+    Fixture("convnext.dynamo18", "convnext", "dynamo", 18, convnext, IMAGE),
     Fixture("bart.torchscript17", "bart", "torchscript", 17, bart,
             {"input_ids": {0: "batch", 1: "sequence"}, "attention_mask": {0: "batch", 1: "sequence"},
              "decoder_input_ids": {0: "batch", 1: "decoder_sequence"}}),
@@ -351,6 +387,8 @@ FIXTURES = [
     Fixture("dropout.torchscript17-train", "dropout", "torchscript", 17, dropout_net, {"x": {0: "batch"}},
             training=True, post=_dropout_mask_output),
     Fixture("bn_net.torchscript17-train", "bn_net", "torchscript", 17, bn_net, IMAGE, training=True),
+    Fixture("pad_modes.torchscript17", "pad_modes", "torchscript", 17, pad_modes, {}),
+    Fixture("upsampling.torchscript17", "upsampling", "torchscript", 17, upsampling, {}),
     Fixture("tiny_unet.torchscript17", "tiny_unet", "torchscript", 17, tiny_unet, IMAGE),
     Fixture("tiny_unet.dynamo18", "tiny_unet", "dynamo", 18, tiny_unet, IMAGE),
 ]
@@ -363,8 +401,9 @@ def _export(fx: Fixture, model: nn.Module, feeds: dict[str, torch.Tensor]) -> on
         buffer = io.BytesIO()
         mode = torch.onnx.TrainingMode.TRAINING if fx.training else torch.onnx.TrainingMode.EVAL
         torch.onnx.export(model, args, buffer, dynamo=False, opset_version=fx.opset, input_names=names,
-                          output_names=["output"], dynamic_axes={**{n: fx.dynamic[n] for n in names},
-                                                                 "output": {0: "batch"}},
+                          output_names=["output"],
+                          dynamic_axes={**{n: fx.dynamic[n] for n in names if n in fx.dynamic},
+                                        "output": {0: "batch"}} if fx.dynamic else None,
                           training=mode, do_constant_folding=not fx.training)
         return onnx.load_from_string(buffer.getvalue())
     dims = {}
