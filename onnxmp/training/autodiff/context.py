@@ -136,7 +136,7 @@ class Vjp:
 
     # -- shapes decided at build time -------------------------------------------------------
     def unbroadcast(self, grad: str, target: str, like: str | None, *, target_shape: Shape = None,
-                    like_shape: Shape = None) -> str:
+                    like_shape: Shape = None, peer_shapes: list | None = None) -> str:
         """``grad`` (shaped like ``like``, the broadcast result) summed back to ``target``'s shape.
 
         Axes ``target`` lacks, and axes where it is 1 and the result is not, are summed, as
@@ -151,6 +151,11 @@ class Vjp:
         if len(ts) > len(os_):
             self.fail(f"{target!r} has a higher rank than the broadcast result {like!r}")
         lead = len(os_) - len(ts)
+        if peer_shapes is None and like == self.y(0) and self.node.op_type in _BROADCASTING:
+            # the other operands: where each is 1 or equal to the target, nothing was broadcast
+            peer_shapes = [self.shape(x) for x in self.node.input if x and x != target]
+        peers = [p for p in peer_shapes or [] if p is not None]
+        complete = peer_shapes is not None and len(peers) == len(peer_shapes)
         summed, unknown = [], []
         for i, td in enumerate(ts):
             od = os_[lead + i]
@@ -158,6 +163,8 @@ class Vjp:
                 if od != 1:
                     summed.append(lead + i)
             elif isinstance(td, int) or td == od or od == 1:
+                continue
+            elif complete and all(_peer_dim(p, len(os_), lead + i) in (1, td) for p in peers):
                 continue
             else:
                 unknown.append(lead + i)
@@ -206,6 +213,16 @@ class Vjp:
             self.info.types[node.output[k]] = elem
             self.info.shapes[node.output[k]] = shape
         return node.output[k]
+
+
+# Ops whose inputs broadcast against each other (numpy-style) to the output.
+_BROADCASTING = frozenset({"Add", "Sub", "Mul", "Div", "Pow", "Where", "Max", "Min", "Sum", "Mean", "PRelu"})
+
+
+def _peer_dim(shape: tuple, rank: int, axis: int):
+    """The dim of ``shape``, right-aligned to ``rank`` axes, at ``axis`` (1 where it has none)."""
+    i = axis - (rank - len(shape))
+    return shape[i] if i >= 0 else 1
 
 
 def normalize_axes(axes, rank: int) -> list[int]:

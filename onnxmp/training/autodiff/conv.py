@@ -83,6 +83,7 @@ def _weight_grad(c, x, w_shape, dy, kernel, strides, dilations, begin, end, grou
     n = len(kernel)
     swap = [1, 0, *range(2, 2 + n)]
     cout, cin_group = w_shape[0], w_shape[1]
+    end = _unused_end(c, x, kernel, strides, dilations, begin, end)
     attrs = dict(strides=dilations, dilations=strides, pads=begin + end)
     if group == 1:
         grad = c.op("Conv", c.transpose(x, swap), c.transpose(dy, swap), **attrs)
@@ -97,16 +98,15 @@ def _weight_grad(c, x, w_shape, dy, kernel, strides, dilations, begin, end, grou
         return c.op("Reshape", grad, c.ints([cout, 1, *kernel]))
     # Grouped: x as [cin_group, G*N, *S], dy as [G*cout_group, N, *O], a conv of G groups.
     cout_group = cout // group
-    xs = _regroup(c, x, group, cin_group, n)
-    dys = _regroup(c, dy, group, cout_group, n, kernel_layout=True)
+    xs = _regroup(c, x, c.shape(x), group, cin_group, n)
+    dys = _regroup(c, dy, c.shape(c.y(0)), group, cout_group, n, kernel_layout=True)
     grad = c.op("Conv", xs, dys, group=group, **attrs)  # [cin_group, G*cout_group, *K']
     grad = _crop(c, grad, x, kernel, strides, dilations, begin, end)
     return c.transpose(grad, swap)
 
 
-def _regroup(c: Vjp, t: str, group: int, per_group: int, n: int, kernel_layout: bool = False) -> str:
-    """[N, G*P, *S] -> [P, G*N, *S] (or, for the kernel, [G*P, N, *S])."""
-    shape = c.shape(t)
+def _regroup(c: Vjp, t: str, shape, group: int, per_group: int, n: int, kernel_layout: bool = False) -> str:
+    """``t`` (shaped ``shape``): [N, G*P, *S] -> [P, G*N, *S] (or, for the kernel, [G*P, N, *S])."""
     rest = list(range(3, 3 + n))
     perm = [1, 2, 0, *rest] if kernel_layout else [2, 1, 0, *rest]
     if shape is not None and all(isinstance(d, int) for d in shape):
@@ -124,6 +124,19 @@ def _regroup(c: Vjp, t: str, group: int, per_group: int, n: int, kernel_layout: 
     else:
         target = c.op("Concat", c.ints([per_group, -1]), spatial, axis=0, elem=INT64)
     return c.op("Reshape", c.transpose(split, perm), target)
+
+
+def _unused_end(c: Vjp, x: str, kernel, strides, dilations, begin, end) -> list[int]:
+    """The end pads less what the last stride leaves unread (static extents): the weight-gradient
+    conv then produces exactly the kernel's extent, with no Slice."""
+    sizes = _spatial(c, x, len(kernel))
+    if not all(isinstance(d, int) for d in sizes):
+        return list(end)
+    trimmed = []
+    for d, k, s, dl, b, e in zip(sizes, kernel, strides, dilations, begin, end):
+        unread = (d + b + e - (k - 1) * dl - 1) % s
+        trimmed.append(e - unread if unread <= e else e)
+    return trimmed
 
 
 def _crop(c: Vjp, grad: str, x: str, kernel, strides, dilations, begin, end) -> str:

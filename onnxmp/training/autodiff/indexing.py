@@ -112,5 +112,5 @@ def scatter_elements(c: Vjp) -> None:
 
 RULES = {
     "Gather": gather, "GatherElements": gather_elements, "GatherND": gather_nd,
-    "ScatterND": scatter_nd, "ScatterElements": scatter_elements, "Scatter": scatter_elements,
+    "ScatterND": scatter_nd, "ScatterElements": scatter_elements,
 }

@@ -13,6 +13,7 @@ import onnx
 from onnx import TensorProto, helper, numpy_helper
 
 from onnxmp.domains import is_onnx_domain, onnx_opset
+from onnxmp.training.autodiff.symbolic import shape_hints
 
 log = logging.getLogger("onnxmp.training.autodiff")
 
@@ -22,6 +23,7 @@ Shape = tuple[Dim, ...] | None
 # Small integer initializers stay in the skeleton that onnx's inference reads (shapes, axes,
 # pads feed data propagation); weights become inputs (a model over 2 GB still infers).
 _SMALL = 64
+_PASSES = 10
 _INT_OUT = {"Shape": TensorProto.INT64, "Size": TensorProto.INT64, "NonZero": TensorProto.INT64,
             "ArgMax": TensorProto.INT64, "ArgMin": TensorProto.INT64}
 _BOOL_OUT = frozenset({"Equal", "Greater", "Less", "GreaterOrEqual", "LessOrEqual", "Not", "And", "Or", "Xor",
@@ -38,7 +40,22 @@ class GraphInfo:
         self.types: dict[str, int] = {}
         self.shapes: dict[str, Shape] = {}
         self._values: dict[str, np.ndarray | None] = {}
-        inferred = _infer(model)
+        # onnx's inference, then again with the shapes of Reshape/Expand/... outputs that the
+        # symbolic values of their shape inputs give (symbolic.py), while that names more dims.
+        hints: dict[str, tuple] = {}
+        known: dict[str, int] = {}
+        for _ in range(_PASSES):
+            self.types, self.shapes = {}, {}
+            self._load(_infer(model, hints, known), graph)
+            better = {k: h for k, h in shape_hints(model, self.shapes).items()
+                      if self.types.get(k) and h != self.shapes.get(k) and hints.get(k) != h
+                      and (None not in h or _named(h) > _named(self.shapes.get(k)))}
+            if not better:
+                break
+            hints.update(better)
+            known = dict(self.types)
+
+    def _load(self, inferred: onnx.ModelProto, graph: onnx.GraphProto) -> None:
         for value in (*inferred.graph.input, *inferred.graph.value_info, *inferred.graph.output,
                       *graph.input, *graph.output, *graph.value_info):
             if not value.type.HasField("tensor_type"):
@@ -52,6 +69,35 @@ class GraphInfo:
             self.types[t.name] = t.data_type
             self.shapes[t.name] = tuple(int(d) for d in t.dims)
         self._propagate(graph)
+        self._fill_shapes(graph)
+
+    def _fill_shapes(self, graph: onnx.GraphProto) -> None:
+        """Shapes onnx's inference left out (an op whose inference it skipped): ops whose output is
+        shaped like their first input, and numpy broadcasting."""
+        for node in graph.node:
+            out = node.output[0] if node.output else ""
+            if not out or self.shapes.get(out) is not None:
+                continue
+            if node.op_type in _SAME_SHAPE:
+                self.shapes[out] = self.shapes.get(node.input[0])
+            elif node.op_type in _BROADCAST:
+                shapes = [self.shapes.get(x) for x in node.input if x]
+                if node.op_type == "Where":
+                    shapes = shapes[1:] + shapes[:1]
+                if shapes and all(s is not None for s in shapes):
+                    self.shapes[out] = broadcast_shapes(shapes)
+            elif node.op_type.startswith("Reduce") and self.shapes.get(node.input[0]) is not None:
+                shape = self.shapes[node.input[0]]
+                attrs = {a.name: helper.get_attribute_value(a) for a in node.attribute}
+                axes = attrs.get("axes") or (self.ints(node.input[1]) if len(node.input) > 1 else None)
+                if axes is None and len(node.input) > 1 and node.input[1]:
+                    continue  # computed axes
+                if not axes and attrs.get("noop_with_empty_axes", 0):
+                    self.shapes[out] = shape
+                    continue
+                axes = {a % len(shape) for a in axes} if axes else set(range(len(shape)))
+                keep = attrs.get("keepdims", 1)
+                self.shapes[out] = tuple(1 if i in axes else d for i, d in enumerate(shape) if keep or i not in axes)
 
     def _propagate(self, graph: onnx.GraphProto) -> None:
         """Element types onnx's inference left out (after an op it has no schema for)."""
@@ -111,6 +157,26 @@ class GraphInfo:
         return None if value is None else [int(v) for v in np.asarray(value).ravel()]
 
 
+_SAME_SHAPE = frozenset({
+    "BatchNormalization", "InstanceNormalization", "GroupNormalization", "LayerNormalization", "Softmax",
+    "LogSoftmax", "Dropout", "Cast", "Identity", "Relu", "Sigmoid", "Tanh", "Erf", "Exp", "Log", "Sqrt", "Neg",
+    "Abs", "Reciprocal", "Gelu", "FastGelu", "QuickGelu", "BiasGelu", "Clip", "LeakyRelu", "Elu", "Softplus",
+    "CumSum", "HardSigmoid", "HardSwish", "Mish", "Selu", "Celu", "Sign", "Floor", "Ceil", "Round", "Not",
+})
+_BROADCAST = frozenset({"Add", "Sub", "Mul", "Div", "Pow", "Where", "Sum", "Max", "Min", "Mean", "And", "Or",
+                        "Equal", "Greater", "Less", "GreaterOrEqual", "LessOrEqual", "PRelu"})
+
+
+def broadcast_shapes(shapes: list[tuple]) -> tuple:
+    """numpy broadcasting of symbolic shapes (None where two different symbols meet)."""
+    rank = max(len(s) for s in shapes)
+    result = []
+    for i in range(rank):
+        dims = {s[i - rank + len(s)] for s in shapes if i - rank + len(s) >= 0} - {1}
+        result.append(dims.pop() if len(dims) == 1 else (1 if not dims else None))
+    return tuple(result)
+
+
 def _dim(d) -> Dim:
     if d.HasField("dim_value"):
         return int(d.dim_value)
@@ -119,15 +185,59 @@ def _dim(d) -> Dim:
     return None
 
 
-def _infer(model: onnx.ModelProto) -> onnx.ModelProto:
+def _standins(node: onnx.NodeProto, producers: dict[str, onnx.NodeProto]) -> list[onnx.NodeProto]:
+    """``node``, or standard nodes producing outputs of its shapes and types for onnx's inference:
+    com.microsoft ops (onnx has no schema for them, and would leave everything after them
+    unshaped), and ``Reshape(x, Shape(x))`` (an identity onnx cannot see through)."""
+    if node.op_type == "Reshape" and not node.domain and len(node.input) > 1:
+        source = producers.get(node.input[1])
+        if (source is not None and source.op_type == "Shape" and source.input[0] == node.input[0]
+                and not source.attribute):
+            return [helper.make_node("Identity", [node.input[0]], [node.output[0]])]
+    if node.domain != "com.microsoft":
+        return [node]
+    ins, out = list(node.input), node.output[0]
+    if node.op_type in ("Gelu", "QuickGelu", "FastGelu", "BiasGelu"):
+        bias = ins[1] if len(ins) > 1 and ins[1] else ""
+        return [helper.make_node("Add", [ins[0], bias], [out]) if bias else helper.make_node("Identity", [ins[0]], [out])]
+    if node.op_type == "FusedMatMul":
+        attrs = {a.name: a.i for a in node.attribute if a.type == onnx.AttributeProto.INT}
+        nodes, operands = [], []
+        for x, flag in zip(ins[:2], ("transA", "transB")):
+            if attrs.get(flag):
+                nodes.append(helper.make_node("Einsum", [x], [f"{out}/standin/{flag}"], equation="...ij->...ji"))
+                x = f"{out}/standin/{flag}"
+            operands.append(x)
+        return nodes + [helper.make_node("MatMul", operands, [out])]
+    return [node]
+
+
+def _named(shape) -> int:
+    """How many dims of ``shape`` are known: values, or symbols other than onnx's ``unk__``."""
+    if shape is None:
+        return -1
+    return sum(isinstance(d, int) or (isinstance(d, str) and not d.startswith("unk__")) for d in shape)
+
+
+def _infer(model: onnx.ModelProto, hints: dict[str, tuple], types: dict[str, int]) -> onnx.ModelProto:
     skeleton = onnx.ModelProto(ir_version=model.ir_version)
     skeleton.opset_import.extend(model.opset_import)
     skeleton.functions.extend(model.functions)
     graph = skeleton.graph
-    graph.node.extend(model.graph.node)
+    producers = {o: n for n in model.graph.node for o in n.output}
+    for node in model.graph.node:
+        graph.node.extend(_standins(node, producers))
     graph.input.extend(model.graph.input)
     graph.output.extend(model.graph.output)
     graph.value_info.extend(model.graph.value_info)
+    hinted = {v.name for v in graph.value_info}
+    for name, dims in hints.items():
+        if name not in hinted and types.get(name):
+            value = helper.make_tensor_value_info(name, types[name], [d if d is not None else "" for d in dims])
+            for dim in value.type.tensor_type.shape.dim:
+                if dim.HasField("dim_param") and not dim.dim_param:
+                    dim.Clear()
+            graph.value_info.append(value)
     declared = {v.name for v in graph.input}
     for t in model.graph.initializer:
         small = t.data_type in (TensorProto.INT64, TensorProto.INT32) and np.prod(t.dims, dtype=np.int64) <= _SMALL

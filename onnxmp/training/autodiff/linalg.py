@@ -32,7 +32,8 @@ def _mm(c: Vjp, a: str, sa: tuple, b: str, sb: tuple, dy: str, sy: tuple, want_a
         else:
             da = _scaled(c, c.op("MatMul", dy, _t(c, b, rb)), alpha)
             if rb > 2 or ra < ry:
-                da = c.unbroadcast(da, a, None, target_shape=sa, like_shape=tuple(sy[:-2]) + tuple(sa[-2:]))
+                da = c.unbroadcast(da, a, None, target_shape=sa, like_shape=tuple(sy[:-2]) + tuple(sa[-2:]),
+                                   peer_shapes=[tuple(sb[:-2]) + tuple(sa[-2:])])
     if want_b:
         if rb == 2:
             if ra > 2:  # the weight of batched activations: one GEMM over the flattened batch
@@ -41,7 +42,8 @@ def _mm(c: Vjp, a: str, sa: tuple, b: str, sb: tuple, dy: str, sy: tuple, want_a
         else:
             db = _scaled(c, c.op("MatMul", _t(c, a, ra), dy), alpha)
             if ra > 2 or rb < ry:
-                db = c.unbroadcast(db, b, None, target_shape=sb, like_shape=tuple(sy[:-2]) + tuple(sb[-2:]))
+                db = c.unbroadcast(db, b, None, target_shape=sb, like_shape=tuple(sy[:-2]) + tuple(sb[-2:]),
+                                   peer_shapes=[tuple(sa[:-2]) + tuple(sb[-2:])])
     return da, db
 
 

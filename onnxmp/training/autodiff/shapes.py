@@ -216,9 +216,7 @@ def _strided(c: Vjp, dy: str, shape: tuple, starts, ends, axes: list[int], steps
             if free > 1:
                 c.fail("a strided slice of a tensor with several symbolic dims after the sliced axis")
             grad, m = c.op("Reshape", spread, c.ints(spec)), m * step
-        pads = [0] * (2 * rank)
-        pads[a], pads[rank + a] = s0, d - s0 - m
-        grad = c.op("Pad", grad, c.ints(pads), mode="constant")
+        grad = pad_crop(c, grad, rank, {a: (s0, d - s0 - m)})
         current[a] = d
     return grad
 
@@ -271,22 +269,27 @@ def pad(c: Vjp) -> None:
             extra = ["", c.x(3)] if len(c.node.input) > 3 and c.x(3) else []
             c.set(0, c.op("Pad", dy, c.op("Neg", c.x(1), elem=7), *extra, mode="constant"))
             return
-    # Cropping by the negated pads undoes the padding (and a negative pad's crop by zeros).
-    negated = c.ints([-p for p in pads])
-    if axes is not None:
-        c.emit.needs_opset(18)
-        c.set(0, c.op("Pad", dy, negated, "", c.ints(normalize_axes(axes, rank)), mode="constant"))
-    elif all(p >= 0 for p in pads):
-        starts, ends, kept = [], [], []
-        for a in range(rank):
-            begin, end = pads[a], pads[rank + a]
-            if begin or end:
-                kept.append(a)
-                starts.append(begin)
-                ends.append(-end if end else INT64_MAX)
-        c.set(0, c.op("Slice", dy, c.ints(starts), c.ints(ends), c.ints(kept)) if kept else dy)
-    else:
-        c.set(0, c.op("Pad", dy, negated, mode="constant"))
+    # The gradient of padding is cropping (and of a negative pad's crop, zeros around it).
+    listed = normalize_axes(axes, rank) if axes is not None else list(range(rank))
+    n = len(listed)
+    c.set(0, pad_crop(c, dy, rank, {a: (-pads[k], -pads[n + k]) for k, a in enumerate(listed)}))
+
+
+def pad_crop(c: Vjp, x: str, rank: int, edges: dict[int, tuple[int, int]]) -> str:
+    """``x`` (of rank ``rank``) with, per axis, (begin, end) elements added as zeros (positive) or cut off (negative):
+    a Slice for the cuts, then a Pad for the zeros (no negative pads: not every runtime takes them)."""
+    cuts = {a: (b, e) for a, (b, e) in edges.items() if b < 0 or e < 0}
+    if cuts:
+        axes = sorted(cuts)
+        x = c.op("Slice", x, c.ints([max(-cuts[a][0], 0) for a in axes]),
+                 c.ints([min(cuts[a][1], 0) or INT64_MAX for a in axes]), c.ints(axes))
+    grow = {a: (max(b, 0), max(e, 0)) for a, (b, e) in edges.items() if b > 0 or e > 0}
+    if grow:
+        pads = [0] * (2 * rank)
+        for a, (b, e) in grow.items():
+            pads[a], pads[rank + a] = b, e
+        x = c.op("Pad", x, c.ints(pads), mode="constant")
+    return x
 
 
 RULES = {

@@ -1,0 +1,283 @@
+"""Small graphs, one or more per gradient rule of onnxmp.training.autodiff.VJP_RULES.
+
+Each case is a few nodes producing ``y`` (and more outputs where the op has several), from inputs
+that are differentiated (``F``: graph inputs, optionally with symbolic dims declared) or constant
+(``C`` float, ``I`` integer, ``B`` bool: initializers).  The test builds the case in float64
+(finite differences, onnx's reference evaluator) and float32 (onnxruntime), adds the loss
+``sum_k sum(y_k * w_k)`` with fixed random weights, and differentiates it.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+import onnx
+from onnx import TensorProto, helper, numpy_helper
+
+MS = "com.microsoft"
+
+
+@dataclass(frozen=True)
+class F:
+    """A differentiated float input: a graph input shaped ``shape`` (declared with ``dims``)."""
+    shape: tuple
+    dims: tuple | None = None
+    low: float = -1.0
+    high: float = 1.0
+    wrt: bool = True
+
+
+@dataclass(frozen=True)
+class C:
+    """A float constant (initializer, not differentiated)."""
+    value: object
+
+
+@dataclass(frozen=True)
+class I:  # noqa: E742 - the integer spec
+    value: object
+    dtype: object = np.int64
+
+
+@dataclass(frozen=True)
+class B:
+    shape: tuple
+    seed: int = 7
+
+
+@dataclass
+class Case:
+    id: str
+    op: tuple[str, str]
+    nodes: list
+    inputs: dict
+    outputs: tuple = ("y",)
+    opset: int = 17
+    domains: dict = field(default_factory=dict)
+
+    def model(self, dtype=np.float64, seed: int = 0) -> tuple[onnx.ModelProto, dict[str, np.ndarray], list[str]]:
+        """(forward model producing the outputs, feeds for the differentiated inputs, their names)."""
+        elem = helper.np_dtype_to_tensor_dtype(np.dtype(dtype))
+        rng = np.random.default_rng(seed)
+        inputs, inits, feeds = [], [], {}
+        for name, spec in self.inputs.items():
+            if isinstance(spec, F):
+                value = rng.uniform(spec.low, spec.high, spec.shape).astype(dtype)
+                feeds[name] = value
+                inputs.append(helper.make_tensor_value_info(name, elem, list(spec.dims or spec.shape)))
+            elif isinstance(spec, C):
+                inits.append(numpy_helper.from_array(np.asarray(spec.value, dtype), name))
+            elif isinstance(spec, I):
+                inits.append(numpy_helper.from_array(np.asarray(spec.value, spec.dtype), name))
+            elif isinstance(spec, B):
+                value = np.random.default_rng(spec.seed).random(spec.shape) > 0.5
+                inits.append(numpy_helper.from_array(value, name))
+        nodes = [_retyped(n, elem) for n in self.nodes]
+        outputs = [helper.make_tensor_value_info(o, elem, None) for o in self.outputs]
+        graph = helper.make_graph(nodes, self.id, inputs, outputs, inits)
+        opsets = [helper.make_opsetid("", self.opset)] + [helper.make_opsetid(d, v) for d, v in self.domains.items()]
+        model = helper.make_model(graph, opset_imports=opsets, ir_version=8)
+        return model, feeds, list(feeds)
+
+
+def _retyped(node: onnx.NodeProto, elem: int) -> onnx.NodeProto:
+    """A Cast to float written in the case becomes a Cast to the case's float type."""
+    node = onnx.NodeProto.FromString(node.SerializeToString())
+    for a in node.attribute:
+        if node.op_type == "Cast" and a.name == "to" and a.i == TensorProto.FLOAT:
+            a.i = elem
+    return node
+
+
+def N(op: str, inputs, outputs=("y",), domain: str | None = None, **attrs) -> onnx.NodeProto:
+    return helper.make_node(op, list(inputs), list(outputs), name=f"{op}_{'_'.join(outputs)}", domain=domain,
+                            **attrs)
+
+
+def unary(op: str, shape=(2, 3), low=-2.0, high=2.0, suffix: str = "", domain: str = "", **attrs) -> Case:
+    key = (domain, op)
+    return Case(f"{op}{suffix}", key, [N(op, ["x"], domain=domain or None, **attrs)],
+                {"x": F(shape, low=low, high=high)}, domains={domain: 1} if domain else {})
+
+
+def binary(op: str, a=(2, 3), b=(2, 3), suffix: str = "", dims_a=None, dims_b=None, low=-2.0, high=2.0) -> Case:
+    return Case(f"{op}{suffix}", ("", op), [N(op, ["a", "b"])],
+                {"a": F(a, dims_a, low, high), "b": F(b, dims_b, low, high)})
+
+
+def _nonzero(shape, seed):
+    value = np.random.default_rng(seed).uniform(0.5, 1.5, shape)
+    return value * np.where(np.random.default_rng(seed + 1).random(shape) > 0.5, 1, -1)
+
+
+CASES: list[Case] = [
+    # elementwise, with broadcasting (a leading axis, a 1-sized axis, a 0-d operand, symbolic dims)
+    binary("Add", (2, 3), (3,), "_bias"),
+    binary("Add", (2, 1, 3), (4, 1), "_both_broadcast"),
+    binary("Add", (4, 3), (1, 3), "_symbolic", dims_a=("N", 3)),
+    binary("Add", (2, 3), (2, 1), "_symbolic_vs_symbolic", dims_a=("N", "M"), dims_b=("K", "L")),
+    binary("Sub", (2, 3), (1, 3), "_row"),
+    binary("Mul", (2, 3), (), "_scalar"),
+    binary("Mul", (0, 3), (3,), "_empty"),
+    Case("Mul_same_input", ("", "Mul"), [N("Mul", ["a", "a"])], {"a": F((2, 3))}),
+    Case("Div", ("", "Div"), [N("Div", ["a", "b"])], {"a": F((2, 3)), "b": F((3,), low=0.5, high=2.0)}),
+    Case("Pow_square", ("", "Pow"), [N("Pow", ["a", "e"])], {"a": F((2, 3)), "e": C(2.0)}),
+    Case("Pow_sqrt", ("", "Pow"), [N("Pow", ["a", "e"])], {"a": F((2, 3), low=0.5, high=2.0), "e": C(0.5)}),
+    Case("Pow_cube", ("", "Pow"), [N("Pow", ["a", "e"])], {"a": F((2, 3)), "e": C(3.0)}),
+    Case("Pow_both", ("", "Pow"), [N("Pow", ["a", "e"])], {"a": F((2, 3), low=0.5, high=2.0), "e": F((3,))}),
+    unary("Neg"), unary("Identity"), unary("Sqrt", low=0.5), unary("Exp"), unary("Log", low=0.5), unary("Tanh"),
+    unary("Sigmoid"), unary("Relu"), unary("Erf"), unary("Abs"), unary("Reciprocal", low=0.5), unary("Sin"),
+    unary("Cos"),
+    Case("Cast_roundtrip", ("", "Cast"), [N("Cast", ["x"], ["h"], to=TensorProto.DOUBLE),
+                                          N("Cast", ["h"], ["y"], to=TensorProto.FLOAT)], {"x": F((2, 3))}),
+    Case("Where", ("", "Where"), [N("Where", ["c", "a", "b"])], {"c": B((2, 3)), "a": F((2, 3)), "b": F((3,))}),
+    Case("Where_scalar_branch", ("", "Where"), [N("Where", ["c", "a", "b"])],
+         {"c": B((2, 3)), "a": F(()), "b": F((2, 3))}),
+    binary("Max", (2, 3), (3,)), binary("Min", (2, 3), (2, 1)),
+    Case("Max_three", ("", "Max"), [N("Max", ["a", "b", "c"])], {"a": F((2, 3)), "b": F((3,)), "c": F((2, 3))}),
+    Case("Sum_three", ("", "Sum"), [N("Sum", ["a", "b", "c"])], {"a": F((2, 3)), "b": F((3,)), "c": F((2, 1))}),
+    Case("Mean_two", ("", "Mean"), [N("Mean", ["a", "b"])], {"a": F((2, 3)), "b": F((3,))}),
+    Case("Clip", ("", "Clip"), [N("Clip", ["x", "lo", "hi"])], {"x": F((3, 4), low=-2, high=2), "lo": C(-0.5),
+                                                                   "hi": C(0.7)}),
+    Case("Clip_min_only", ("", "Clip"), [N("Clip", ["x", "lo"])], {"x": F((3, 4)), "lo": C(0.1)}),
+    Case("Dropout_inference", ("", "Dropout"), [N("Dropout", ["x", "r"])], {"x": F((2, 3)), "r": C(0.3)}),
+    # activations
+    unary("Softplus"), unary("Softsign"), unary("LeakyRelu", alpha=0.1), unary("Elu", alpha=0.7),
+    unary("Selu"), unary("Celu", alpha=0.8), unary("ThresholdedRelu", alpha=0.3),
+    unary("HardSigmoid", low=-4, high=4, alpha=0.3, beta=0.4), unary("HardSwish", low=-4, high=4),
+    Case("Mish", ("", "Mish"), [N("Mish", ["x"])], {"x": F((2, 3), low=-2, high=2)}, opset=18),
+    Case("PRelu", ("", "PRelu"), [N("PRelu", ["x", "s"])], {"x": F((2, 3, 2)), "s": F((3, 1))}),
+    Case("Gelu_erf", ("", "Gelu"), [N("Gelu", ["x"])], {"x": F((2, 3), low=-3, high=3)}, opset=20),
+    Case("Gelu_tanh", ("", "Gelu"), [N("Gelu", ["x"], approximate="tanh")], {"x": F((2, 3), low=-3, high=3)},
+         opset=20),
+    unary("Gelu", low=-3, high=3, suffix="_ms", domain=MS),
+    Case("FastGelu_bias", (MS, "FastGelu"), [N("FastGelu", ["x", "b"], domain=MS)], {"x": F((2, 3)), "b": F((3,))},
+         domains={MS: 1}),
+    Case("BiasGelu", (MS, "BiasGelu"), [N("BiasGelu", ["x", "b"], domain=MS)], {"x": F((2, 3)), "b": F((3,))},
+         domains={MS: 1}),
+    # linear algebra
+    Case("MatMul_2d", ("", "MatMul"), [N("MatMul", ["a", "b"])], {"a": F((2, 3)), "b": F((3, 4))}),
+    Case("MatMul_batched_weight", ("", "MatMul"), [N("MatMul", ["a", "b"])],
+         {"a": F((2, 3, 4), ("N", "S", 4)), "b": F((4, 5))}),
+    Case("MatMul_attention", ("", "MatMul"), [N("MatMul", ["a", "b"])], {"a": F((2, 2, 3, 4)), "b": F((2, 2, 4, 3))}),
+    Case("MatMul_broadcast_batch", ("", "MatMul"), [N("MatMul", ["a", "b"])], {"a": F((2, 3, 4)), "b": F((1, 4, 2))}),
+    Case("MatMul_vector_left", ("", "MatMul"), [N("MatMul", ["a", "b"])], {"a": F((3,)), "b": F((2, 3, 4))}),
+    Case("MatMul_vector_right", ("", "MatMul"), [N("MatMul", ["a", "b"])], {"a": F((2, 3)), "b": F((3,))}),
+    Case("MatMul_vectors", ("", "MatMul"), [N("MatMul", ["a", "b"])], {"a": F((3,)), "b": F((3,))}),
+    Case("Gemm", ("", "Gemm"), [N("Gemm", ["a", "b", "c"], alpha=0.7, beta=1.3)],
+         {"a": F((2, 3)), "b": F((3, 4)), "c": F((4,))}),
+    Case("Gemm_transA_transB", ("", "Gemm"), [N("Gemm", ["a", "b", "c"], transA=1, transB=1)],
+         {"a": F((3, 2)), "b": F((4, 3)), "c": F((2, 1))}),
+    Case("Gemm_transB", ("", "Gemm"), [N("Gemm", ["a", "b"], transB=1)], {"a": F((2, 3)), "b": F((4, 3))}),
+    Case("Einsum", ("", "Einsum"), [N("Einsum", ["a", "b"], equation="bij,bjk->bik")],
+         {"a": F((2, 3, 4)), "b": F((2, 4, 2))}),
+    Case("FusedMatMul", (MS, "FusedMatMul"), [N("FusedMatMul", ["a", "b"], domain=MS, transA=1, alpha=0.5)],
+         {"a": F((2, 4, 3)), "b": F((4, 2))}, domains={MS: 1}),
+    # normalization
+    Case("LayerNormalization", ("", "LayerNormalization"), [N("LayerNormalization", ["x", "s", "b"], epsilon=1e-5)],
+         {"x": F((2, 3, 4), ("N", "S", 4)), "s": F((4,)), "b": F((4,))}),
+    Case("LayerNormalization_axis1_outputs", ("", "LayerNormalization"),
+         [N("LayerNormalization", ["x", "s"], ["y", "mean", "inv"], axis=1)],
+         {"x": F((2, 3, 4)), "s": F((3, 4))}, outputs=("y",)),
+    Case("BatchNormalization_training", ("", "BatchNormalization"),
+         [N("BatchNormalization", ["x", "s", "b", "m", "v"], ["y", "rm", "rv"], training_mode=1)],
+         {"x": F((3, 2, 2, 2)), "s": F((2,)), "b": F((2,)), "m": C([0.1, 0.2]), "v": C([1.0, 2.0])}),
+    Case("BatchNormalization_inference", ("", "BatchNormalization"), [N("BatchNormalization", ["x", "s", "b", "m", "v"])],
+         {"x": F((3, 2, 2)), "s": F((2,)), "b": F((2,)), "m": C([0.1, 0.2]), "v": C([1.0, 2.0])}),
+    Case("InstanceNormalization", ("", "InstanceNormalization"), [N("InstanceNormalization", ["x", "s", "b"])],
+         {"x": F((2, 2, 3, 2)), "s": F((2,)), "b": F((2,))}),
+    Case("GroupNormalization_18", ("", "GroupNormalization"), [N("GroupNormalization", ["x", "s", "b"], num_groups=2)],
+         {"x": F((2, 4, 3)), "s": F((2,)), "b": F((2,))}, opset=18),
+    Case("Softmax", ("", "Softmax"), [N("Softmax", ["x"], axis=1)], {"x": F((2, 3, 4))}),
+    Case("Softmax_opset11", ("", "Softmax"), [N("Softmax", ["x"], axis=1)], {"x": F((2, 3, 4))}, opset=11),
+    Case("LogSoftmax", ("", "LogSoftmax"), [N("LogSoftmax", ["x"])], {"x": F((2, 5))}),
+    # shapes
+    Case("Reshape", ("", "Reshape"), [N("Reshape", ["x", "s"])], {"x": F((2, 3, 4), ("N", 3, 4)), "s": I([0, -1])}),
+    Case("Reshape_symbolic", ("", "Reshape"), [N("Reshape", ["x", "s"])],
+         {"x": F((2, 3, 4), ("N", "S", 4)), "s": I([-1, 4])}),
+    Case("Squeeze", ("", "Squeeze"), [N("Squeeze", ["x", "a"])], {"x": F((2, 1, 3)), "a": I([-2])}),
+    Case("Squeeze_opset11", ("", "Squeeze"), [N("Squeeze", ["x"], axes=[1])], {"x": F((2, 1, 3))}, opset=11),
+    Case("Unsqueeze", ("", "Unsqueeze"), [N("Unsqueeze", ["x", "a"])], {"x": F((2, 3)), "a": I([0, -1])}),
+    Case("Flatten", ("", "Flatten"), [N("Flatten", ["x"], axis=2)], {"x": F((2, 3, 2, 2), ("N", 3, 2, 2))}),
+    Case("Transpose", ("", "Transpose"), [N("Transpose", ["x"], perm=[2, 0, 1])], {"x": F((2, 3, 4))}),
+    Case("Concat", ("", "Concat"), [N("Concat", ["a", "b", "c"], axis=-1)],
+         {"a": F((2, 2)), "b": F((2, 3)), "c": F((2, 1))}),
+    Case("Concat_symbolic", ("", "Concat"), [N("Concat", ["a", "b", "c"], axis=1)],
+         {"a": F((2, 2), (2, "P")), "b": F((2, 3)), "c": F((2, 1), (2, "Q"))}),
+    Case("Split", ("", "Split"), [N("Split", ["x", "s"], ["y", "z"], axis=1)], {"x": F((2, 5)), "s": I([2, 3])},
+         outputs=("y", "z")),
+    Case("Split_one_used", ("", "Split"), [N("Split", ["x", "s"], ["y", "z"], axis=1)],
+         {"x": F((2, 5)), "s": I([2, 3])}),
+    Case("Slice", ("", "Slice"), [N("Slice", ["x", "s", "e", "a"])],
+         {"x": F((3, 4)), "s": I([1, -3]), "e": I([100, -1]), "a": I([0, 1])}),
+    Case("Slice_symbolic", ("", "Slice"), [N("Slice", ["x", "s", "e", "a"])],
+         {"x": F((3, 5), ("N", "S")), "s": I([1, 0]), "e": I([3, -2]), "a": I([1, 0])}),
+    Case("Slice_step", ("", "Slice"), [N("Slice", ["x", "s", "e", "a", "t"])],
+         {"x": F((2, 5, 4)), "s": I([0, 1]), "e": I([100, 4]), "a": I([1, 2]), "t": I([2, 2])}),
+    Case("Expand", ("", "Expand"), [N("Expand", ["x", "s"])], {"x": F((3, 1)), "s": I([2, 3, 4])}),
+    Case("Tile", ("", "Tile"), [N("Tile", ["x", "r"])], {"x": F((2, 3)), "r": I([2, 3])}),
+    Case("Tile_symbolic", ("", "Tile"), [N("Tile", ["x", "r"])], {"x": F((2, 3), ("N", "M")), "r": I([3, 1])}),
+    Case("Pad", ("", "Pad"), [N("Pad", ["x", "p", "v"])], {"x": F((2, 3)), "p": I([1, 0, 2, 1]), "v": C(0.5)}),
+    Case("Pad_crop", ("", "Pad"), [N("Pad", ["x", "p"])], {"x": F((3, 4)), "p": I([1, -1, -1, 2])}),
+    # indexing
+    Case("Gather_embedding", ("", "Gather"), [N("Gather", ["w", "i"])], {"w": F((5, 3)), "i": I([[0, 4, 1], [4, 4, 2]])}),
+    Case("Gather_int32_negative", ("", "Gather"), [N("Gather", ["w", "i"], axis=1)],
+         {"w": F((2, 5, 3)), "i": I([-1, 0, 3], np.int32)}),
+    Case("Gather_scalar_index", ("", "Gather"), [N("Gather", ["w", "i"], axis=1)],
+         {"w": F((2, 4, 3), ("N", "S", 3)), "i": I(0)}),
+    Case("GatherElements", ("", "GatherElements"), [N("GatherElements", ["x", "i"], axis=-1)],
+         {"x": F((2, 4)), "i": I([[0, 0, 3], [1, 2, 1]])}),
+    Case("GatherND", ("", "GatherND"), [N("GatherND", ["x", "i"])], {"x": F((3, 2, 2)), "i": I([[0, 1], [2, 0], [0, 1]])}),
+    Case("ScatterND", ("", "ScatterND"), [N("ScatterND", ["x", "i", "u"])],
+         {"x": F((4, 3)), "i": I([[1], [3]]), "u": F((2, 3))}),
+    Case("ScatterElements", ("", "ScatterElements"), [N("ScatterElements", ["x", "i", "u"], axis=1)],
+         {"x": F((2, 4)), "i": I([[1, 3], [0, 2]]), "u": F((2, 2))}),
+    # reductions
+    Case("ReduceSum", ("", "ReduceSum"), [N("ReduceSum", ["x", "a"], keepdims=0)], {"x": F((2, 3, 4)), "a": I([0, -1])}),
+    Case("ReduceSum_symbolic", ("", "ReduceSum"), [N("ReduceSum", ["x", "a"])],
+         {"x": F((2, 3, 4), ("N", "S", 4)), "a": I([1])}),
+    Case("ReduceSum_all", ("", "ReduceSum"), [N("ReduceSum", ["x"], keepdims=0)], {"x": F((2, 3))}),
+    Case("ReduceMean", ("", "ReduceMean"), [N("ReduceMean", ["x"], axes=[-1])], {"x": F((2, 3, 4))}),
+    Case("ReduceMean_opset18", ("", "ReduceMean"), [N("ReduceMean", ["x", "a"], keepdims=0)],
+         {"x": F((2, 3, 4), ("N", "S", 4)), "a": I([1])}, opset=18),
+    Case("ReduceMax", ("", "ReduceMax"), [N("ReduceMax", ["x"], axes=[1], keepdims=0)], {"x": F((2, 4, 3))}),
+    Case("ReduceMin", ("", "ReduceMin"), [N("ReduceMin", ["x"], axes=[0])], {"x": F((3, 2))}),
+    Case("ReduceSumSquare", ("", "ReduceSumSquare"), [N("ReduceSumSquare", ["x"], axes=[1])], {"x": F((2, 3))}),
+    Case("ReduceL2", ("", "ReduceL2"), [N("ReduceL2", ["x"], axes=[1], keepdims=0)], {"x": F((2, 3))}),
+    Case("ReduceLogSumExp", ("", "ReduceLogSumExp"), [N("ReduceLogSumExp", ["x"], axes=[0])], {"x": F((3, 2))}),
+    Case("CumSum", ("", "CumSum"), [N("CumSum", ["x", "a"])], {"x": F((2, 4)), "a": I(1)}),
+    Case("CumSum_exclusive_reverse", ("", "CumSum"), [N("CumSum", ["x", "a"], exclusive=1, reverse=1)],
+         {"x": F((2, 4)), "a": I(-1)}),
+    Case("GlobalAveragePool", ("", "GlobalAveragePool"), [N("GlobalAveragePool", ["x"])], {"x": F((2, 3, 2, 3))}),
+    Case("GlobalAveragePool_symbolic", ("", "GlobalAveragePool"), [N("GlobalAveragePool", ["x"])],
+         {"x": F((2, 3, 2, 3), ("N", 3, "H", "W"))}),
+    Case("GlobalMaxPool", ("", "GlobalMaxPool"), [N("GlobalMaxPool", ["x"])], {"x": F((2, 2, 3, 3))}),
+    # convolution and pooling
+    Case("Conv", ("", "Conv"), [N("Conv", ["x", "w", "b"], pads=[1, 1, 1, 1])],
+         {"x": F((2, 3, 5, 5), ("N", 3, 5, 5)), "w": F((4, 3, 3, 3)), "b": F((4,))}),
+    Case("Conv_strided", ("", "Conv"), [N("Conv", ["x", "w"], strides=[2, 2], pads=[1, 0, 1, 0])],
+         {"x": F((2, 2, 6, 5)), "w": F((3, 2, 3, 2))}),
+    Case("Conv_strided_symbolic", ("", "Conv"), [N("Conv", ["x", "w"], strides=[2, 2], pads=[1, 1, 1, 1])],
+         {"x": F((1, 2, 6, 5), ("N", 2, "H", "W")), "w": F((3, 2, 3, 3))}),
+    Case("Conv_dilated", ("", "Conv"), [N("Conv", ["x", "w"], dilations=[2, 1], pads=[2, 1, 2, 1])],
+         {"x": F((1, 2, 5, 4)), "w": F((2, 2, 3, 3))}),
+    Case("Conv_grouped", ("", "Conv"), [N("Conv", ["x", "w"], group=2, strides=[2, 1])],
+         {"x": F((2, 4, 5, 4)), "w": F((6, 2, 3, 2))}),
+    Case("Conv_depthwise", ("", "Conv"), [N("Conv", ["x", "w"], group=3, pads=[1, 1, 1, 1], strides=[2, 2])],
+         {"x": F((2, 3, 5, 5), ("N", 3, 5, 5)), "w": F((6, 1, 3, 3))}),
+    Case("Conv_1d_same", ("", "Conv"), [N("Conv", ["x", "w"], auto_pad="SAME_UPPER", strides=[2])],
+         {"x": F((2, 2, 7)), "w": F((3, 2, 4))}),
+    Case("MaxPool", ("", "MaxPool"), [N("MaxPool", ["x"], kernel_shape=[3, 3], strides=[2, 2], pads=[1, 1, 1, 1])],
+         {"x": F((2, 2, 5, 5), ("N", 2, 5, 5))}),
+    Case("MaxPool_ceil_indices", ("", "MaxPool"), [N("MaxPool", ["x"], ["y", "i"], kernel_shape=[2, 2], ceil_mode=1,
+                                                      strides=[2, 2])], {"x": F((1, 2, 5, 3))}),
+    Case("AveragePool", ("", "AveragePool"), [N("AveragePool", ["x"], kernel_shape=[3, 3], strides=[2, 2],
+                                                pads=[1, 1, 1, 1])], {"x": F((2, 2, 5, 5))}),
+    Case("AveragePool_include_pad_ceil", ("", "AveragePool"),
+         [N("AveragePool", ["x"], kernel_shape=[2, 3], strides=[2, 2], pads=[1, 0, 0, 1], count_include_pad=1,
+            ceil_mode=1)], {"x": F((1, 2, 5, 4))}),
+]
+
+
+def case_named(name: str) -> Case:
+    return next(c for c in CASES if c.id == name)
