@@ -52,12 +52,19 @@ def static_copy(model: onnx.ModelProto, feeds: dict[str, np.ndarray]) -> onnx.Mo
     """``model`` with its inputs' dims fixed to the batch's."""
     fixed = onnx.ModelProto()
     fixed.CopyFrom(model)
+    sizes = {}
     for value in fixed.graph.input:
         if value.name in feeds:
             for dim, size in zip(value.type.tensor_type.shape.dim, feeds[value.name].shape):
+                if dim.dim_param:
+                    sizes[dim.dim_param] = size
+    # the exporter's symbols in value_info and outputs take the batch's sizes too
+    for value in (*fixed.graph.input, *fixed.graph.value_info, *fixed.graph.output):
+        for dim in value.type.tensor_type.shape.dim:
+            if dim.dim_param in sizes:
+                size = sizes[dim.dim_param]
                 dim.Clear()
                 dim.dim_value = size
-    fixed.graph.ClearField("value_info")
     return fixed
 
 
