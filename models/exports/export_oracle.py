@@ -339,6 +339,88 @@ def upsampling():
     return Upsampling(), _image(2, 6)
 
 
+class PoolConvZoo(nn.Module):
+    """1-D, 2-D and 3-D convolutions and pooling with the attributes torch exports: dilation, groups, strides,
+    ceil_mode, count_include_pad both ways (static shapes)."""
+
+    def __init__(self):
+        super().__init__()
+        self.c1 = nn.Conv1d(4, 6, 3, stride=2, dilation=2, groups=2, padding=2)
+        self.c2 = nn.Conv2d(3, 4, (3, 2), stride=(2, 1), padding=(1, 0))
+        self.c3 = nn.Conv3d(2, 3, 2, stride=1, padding=1)
+
+    def forward(self, signal, pixel_values, volume):
+        a = F.silu(self.c1(signal))
+        a = torch.cat([F.max_pool1d(a, 3, stride=2, ceil_mode=True).flatten(1),
+                       F.avg_pool1d(a, 3, stride=2, padding=1, ceil_mode=True, count_include_pad=False).flatten(1)], 1)
+        b = torch.tanh(self.c2(pixel_values))
+        b = torch.cat([F.avg_pool2d(b, 3, stride=2, padding=1, ceil_mode=True, count_include_pad=True).flatten(1),
+                       F.max_pool2d(b, (2, 3), stride=(1, 2), padding=(1, 1), dilation=(2, 1)).flatten(1)], 1)
+        c = F.elu(self.c3(volume))
+        c = torch.cat([F.max_pool3d(c, 2, stride=2).flatten(1), F.avg_pool3d(c, 2, stride=1).flatten(1)], 1)
+        return torch.cat([a, b, c], 1)
+
+
+def pool_conv_zoo():
+    g = torch.Generator().manual_seed(1)
+    return PoolConvZoo(), {"signal": torch.randn(BATCH, 4, 11, generator=g),
+                           "pixel_values": torch.randn(BATCH, 3, 7, 6, generator=g),
+                           "volume": torch.randn(BATCH, 2, 3, 4, 4, generator=g)}
+
+
+class ConvTranspose(nn.Module):
+    """ConvTranspose (a decoder's / GAN's upsampling) with stride, padding, output_padding and groups."""
+
+    def __init__(self):
+        super().__init__()
+        self.up = nn.ConvTranspose2d(4, 6, 3, stride=2, padding=1, output_padding=1, groups=2)
+        self.up1d = nn.ConvTranspose1d(4, 2, 4, stride=3, dilation=2)
+
+    def forward(self, pixel_values):
+        return torch.cat([self.up(pixel_values).flatten(1), self.up1d(pixel_values.flatten(2)).flatten(1)], 1)
+
+
+def conv_transpose():
+    return ConvTranspose(), _image(4, 5)
+
+
+class EffNet(nn.Module):
+    """EfficientNet / MobileNetV3 blocks: expand conv, SiLU, depthwise stride-2 conv, squeeze-excite
+    (AdaptiveAvgPool, HardSigmoid gate), HardSwish, projection, residual, classifier."""
+
+    def __init__(self):
+        super().__init__()
+        self.stem = nn.Conv2d(3, 8, 3, stride=2, padding=1)
+        self.expand = nn.Conv2d(8, 16, 1)
+        self.dw = nn.Conv2d(16, 16, 5, stride=2, padding=2, groups=16)
+        self.se1, self.se2 = nn.Conv2d(16, 4, 1), nn.Conv2d(4, 16, 1)
+        self.project = nn.Conv2d(16, 8, 1)
+        self.shortcut = nn.Conv2d(8, 8, 1, stride=2)
+        self.head = nn.Linear(8, 5)
+
+    def forward(self, pixel_values):
+        x = F.hardswish(self.stem(pixel_values))
+        y = F.silu(self.dw(F.silu(self.expand(x))))
+        gate = F.hardsigmoid(self.se2(F.silu(self.se1(F.adaptive_avg_pool2d(y, 1)))))
+        x = self.project(y * gate) + self.shortcut(x)
+        return self.head(F.adaptive_avg_pool2d(F.hardswish(x), 1).flatten(1))
+
+
+def effnet():
+    return EffNet(), _image(3, 16)
+
+
+def t5():
+    from transformers import T5Config, T5ForConditionalGeneration
+
+    config = T5Config(vocab_size=64, d_model=32, d_kv=8, d_ff=48, num_layers=1, num_decoder_layers=1, num_heads=2,
+                      relative_attention_num_buckets=8, relative_attention_max_distance=16, dropout_rate=0.0,
+                      feed_forward_proj="gated-gelu", tie_word_embeddings=False, use_cache=False,
+                      decoder_start_token_id=0, pad_token_id=0, attn_implementation="eager")
+    names = ["input_ids", "attention_mask", "decoder_input_ids"]
+    return First(T5ForConditionalGeneration(config), names), _tokens(64, 8, *names)
+
+
 def _ln_optional_outputs(model: onnx.ModelProto) -> str:
     """Gives the first LayerNormalization its optional Mean and InvStdDev outputs (the export leaves them
     off; users' exports from other tools carry them, and ORT's builder is reported to fail on them)."""
@@ -389,6 +471,13 @@ FIXTURES = [
     Fixture("bn_net.torchscript17-train", "bn_net", "torchscript", 17, bn_net, IMAGE, training=True),
     Fixture("pad_modes.torchscript17", "pad_modes", "torchscript", 17, pad_modes, {}),
     Fixture("upsampling.torchscript17", "upsampling", "torchscript", 17, upsampling, {}),
+    Fixture("pool_conv_zoo.torchscript17", "pool_conv_zoo", "torchscript", 17, pool_conv_zoo, {}),
+    Fixture("conv_transpose.torchscript17", "conv_transpose", "torchscript", 17, conv_transpose, {}),
+    Fixture("effnet.torchscript17", "effnet", "torchscript", 17, effnet, IMAGE),
+    Fixture("effnet.dynamo18", "effnet", "dynamo", 18, effnet, IMAGE),
+    Fixture("t5.torchscript17", "t5", "torchscript", 17, t5,
+            {"input_ids": {0: "batch", 1: "sequence"}, "attention_mask": {0: "batch", 1: "sequence"},
+             "decoder_input_ids": {0: "batch", 1: "decoder_sequence"}}),
     Fixture("tiny_unet.torchscript17", "tiny_unet", "torchscript", 17, tiny_unet, IMAGE),
     Fixture("tiny_unet.dynamo18", "tiny_unet", "dynamo", 18, tiny_unet, IMAGE),
 ]

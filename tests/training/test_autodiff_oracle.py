@@ -135,3 +135,28 @@ def test_the_comparison_can_fail():
     want = np.array([1.0, -2.0, 0.5], np.float32)
     assert difference(want, want * (1 + 1e-4), 0.0) > TOLERANCE
     assert difference(np.zeros(3), np.full(3, 1e-9), FLOOR * 2.0) < TOLERANCE
+
+
+def table() -> str:
+    """The per-fixture table (``python tests/training/test_autodiff_oracle.py``)."""
+    rows = ["| fixture | arch | exporter | opset | params compared | max rel. error (vs f64 / vs f32) | "
+            "runtime-shape places (dynamic / static) | result |", "|" + "---|" * 8]
+    for name in sorted(MANIFEST):
+        entry = MANIFEST[name]
+        head = f"| {name} | {entry['arch']} | {entry['exporter']} | {entry['opset']} | "
+        try:
+            result = compare(name)
+        except Exception as error:  # the table shows what a failing fixture says
+            why = str(error).splitlines()[0][:140].replace("|", "/")
+            rows.append(f"{head}{entry['params_compared']}/{entry['params_total']} | - | - | FAIL: {why} |")
+            continue
+        worst, worst32 = max(result["errors"].values()), max(result["errors32"].values())
+        ok = worst <= TOLERANCE and result["forward"] < 1e-4
+        rows.append(f"{head}{entry['params_compared']}/{entry['params_total']} | {worst:.1e} / {worst32:.1e} | "
+                    f"{result['report'].runtime_shapes} / {result['static'].runtime_shapes} | "
+                    f"{'pass' if ok else 'FAIL'} |")
+    return "\n".join(rows)
+
+
+if __name__ == "__main__":
+    print(table())
