@@ -29,8 +29,9 @@ class F:
 
 @dataclass(frozen=True)
 class C:
-    """A float constant (initializer, not differentiated)."""
+    """A float constant (initializer, not differentiated), of the case's float type unless ``dtype``."""
     value: object
+    dtype: object = None
 
 
 @dataclass(frozen=True)
@@ -66,7 +67,7 @@ class Case:
                 feeds[name] = value
                 inputs.append(helper.make_tensor_value_info(name, elem, list(spec.dims or spec.shape)))
             elif isinstance(spec, C):
-                inits.append(numpy_helper.from_array(np.asarray(spec.value, dtype), name))
+                inits.append(numpy_helper.from_array(np.asarray(spec.value, spec.dtype or dtype), name))
             elif isinstance(spec, I):
                 inits.append(numpy_helper.from_array(np.asarray(spec.value, spec.dtype), name))
             elif isinstance(spec, B):
@@ -273,6 +274,14 @@ CASES: list[Case] = [
                                                       strides=[2, 2])], {"x": F((1, 2, 5, 3))}),
     Case("AveragePool", ("", "AveragePool"), [N("AveragePool", ["x"], kernel_shape=[3, 3], strides=[2, 2],
                                                 pads=[1, 1, 1, 1])], {"x": F((2, 2, 5, 5))}),
+    Case("Resize_nearest", ("", "Resize"), [N("Resize", ["x", "", "s"], mode="nearest",
+                                             coordinate_transformation_mode="asymmetric", nearest_mode="floor")],
+         {"x": F((2, 2, 3, 2), ("N", 2, 3, 2)), "s": C([1.0, 1.0, 2.0, 3.0], np.float32)}),
+    Case("Resize_linear_sizes", ("", "Resize"), [N("Resize", ["x", "", "", "z"], mode="linear")],
+         {"x": F((1, 2, 5, 4)), "z": I([1, 2, 3, 7])}),
+    Case("Resize_cubic_align_corners", ("", "Resize"), [N("Resize", ["x", "", "s"], mode="cubic",
+                                                         coordinate_transformation_mode="align_corners")],
+         {"x": F((1, 1, 4, 3)), "s": C([1.0, 1.0, 1.5, 2.0], np.float32)}),
     Case("AveragePool_include_pad_ceil", ("", "AveragePool"),
          [N("AveragePool", ["x"], kernel_shape=[2, 3], strides=[2, 2], pads=[1, 0, 0, 1], count_include_pad=1,
             ceil_mode=1)], {"x": F((1, 2, 5, 4))}),

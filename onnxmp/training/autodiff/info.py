@@ -20,8 +20,8 @@ log = logging.getLogger("onnxmp.training.autodiff")
 Dim = int | str | None
 Shape = tuple[Dim, ...] | None
 
-# Small integer initializers stay in the skeleton that onnx's inference reads (shapes, axes,
-# pads feed data propagation); weights become inputs (a model over 2 GB still infers).
+# Small initializers stay in the skeleton that onnx's inference reads (shapes, axes, pads and
+# scales feed data propagation); weights become inputs (a model over 2 GB still infers).
 _SMALL = 64
 _PASSES = 10
 _INT_OUT = {"Shape": TensorProto.INT64, "Size": TensorProto.INT64, "NonZero": TensorProto.INT64,
@@ -240,7 +240,7 @@ def _infer(model: onnx.ModelProto, hints: dict[str, tuple], types: dict[str, int
             graph.value_info.append(value)
     declared = {v.name for v in graph.input}
     for t in model.graph.initializer:
-        small = t.data_type in (TensorProto.INT64, TensorProto.INT32) and np.prod(t.dims, dtype=np.int64) <= _SMALL
+        small = np.prod(t.dims, dtype=np.int64) <= _SMALL  # shapes, axes, pads, scales: read by inference
         if small:
             graph.initializer.append(t)
         elif t.name not in declared:

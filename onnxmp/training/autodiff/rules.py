@@ -9,14 +9,14 @@ from __future__ import annotations
 from typing import Callable
 
 from onnxmp.training.autodiff import activations, conv, elementwise, indexing, linalg, normalization, reductions
-from onnxmp.training.autodiff import shapes
+from onnxmp.training.autodiff import resize, shapes
 from onnxmp.training.autodiff.context import Vjp
 from onnxmp.training.autodiff.emit import MS_DOMAIN
 
 Rule = Callable[[Vjp], None]
 
 VJP_RULES: dict[tuple[str, str], Rule | None] = {}
-for _family in (elementwise, activations, linalg, normalization, shapes, indexing, reductions, conv):
+for _family in (elementwise, activations, linalg, normalization, shapes, indexing, reductions, conv, resize):
     VJP_RULES.update((("", op), rule) for op, rule in _family.RULES.items())
     VJP_RULES.update(((MS_DOMAIN, op), rule) for op, rule in getattr(_family, "MS_RULES", {}).items())
 VJP_RULES.update((("", op), None) for op in elementwise.ZERO)
