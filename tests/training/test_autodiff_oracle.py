@@ -52,6 +52,7 @@ def with_loss(name: str) -> tuple[onnx.ModelProto, dict[str, np.ndarray], dict]:
     output = entry["output"]
     assert model.graph.output[0].name == output
     graph = model.graph
+    # proj is fixed-size: with dynamic axes the loss's Mul is one runtime-shape place of the counts
     graph.initializer.append(numpy_helper.from_array(data["proj"], "oracle/proj"))
     graph.node.append(helper.make_node("Mul", [output, "oracle/proj"], ["oracle/product"], name="oracle/mul"))
     graph.node.append(helper.make_node("ReduceMean", ["oracle/product"], [LOSS], name="oracle/mean", keepdims=0))
