@@ -15,6 +15,11 @@ Each fixture ``oracle/<name>.onnx`` comes with ``oracle/<name>.npz``:
   model and batch (rounded to float32), the reference the test holds to 1e-5 (torch's own float32
   gradients stray up to a few 1e-5 from it on the normalization-heavy CNNs).
 
+The Dropout fixture (training mode) draws its mask at run time: its loss is affine in the mask m, so the
+``.npz`` holds the values at m = 0 (``output``, ``grad``, ``grad64``) and, per mask element, what setting it
+adds (``output_basis``, ``basis:<initializer>``, ``basis64:<initializer>``); the test reads the mask the step
+drew (the Dropout's mask output, made a graph output here) and rebuilds torch's values for it.
+
 Parameters are matched to ONNX initializers by value: every parameter is first perturbed with random
 noise so that no two hold the same bytes, then an initializer equal to a parameter (or to its
 transpose for 2-D weights, as TorchScript folds ``Linear`` into ``MatMul(x, W^T)``; or to a reshape of
