@@ -513,6 +513,7 @@ FIXTURES = [
             {"pixel_values": {0: "batch"}, "timestep": {0: "batch"}}),
     Fixture("tiny_unet.torchscript17", "tiny_unet", "torchscript", 17, tiny_unet, IMAGE),
     Fixture("tiny_unet.dynamo18", "tiny_unet", "dynamo", 18, tiny_unet, IMAGE),
+    Fixture("tiny_unet.dynamo21", "tiny_unet", "dynamo", 21, tiny_unet, IMAGE),  # GroupNormalization itself
 ]
 
 
