@@ -82,7 +82,7 @@ def gather_nd(c: Vjp) -> None:
 
 
 def scatter_nd(c: Vjp) -> None:
-    data, idx, updates, dy = c.x(0), c.x(1), c.x(2), c.dy()
+    idx, updates, dy = c.x(1), c.x(2), c.dy()
     reduction = c.attr("reduction", "none")
     if reduction not in ("none", "add"):
         c.fail(f"ScatterND with reduction {reduction!r}")

@@ -199,7 +199,9 @@ def _standins(node: onnx.NodeProto, producers: dict[str, onnx.NodeProto]) -> lis
     ins, out = list(node.input), node.output[0]
     if node.op_type in ("Gelu", "QuickGelu", "FastGelu", "BiasGelu"):
         bias = ins[1] if len(ins) > 1 and ins[1] else ""
-        return [helper.make_node("Add", [ins[0], bias], [out]) if bias else helper.make_node("Identity", [ins[0]], [out])]
+        if bias:
+            return [helper.make_node("Add", [ins[0], bias], [out])]
+        return [helper.make_node("Identity", [ins[0]], [out])]
     if node.op_type == "FusedMatMul":
         attrs = {a.name: a.i for a in node.attribute if a.type == onnx.AttributeProto.INT}
         nodes, operands = [], []
@@ -229,10 +231,17 @@ def _infer(model: onnx.ModelProto, hints: dict[str, tuple], types: dict[str, int
         graph.node.extend(_standins(node, producers))
     graph.input.extend(model.graph.input)
     graph.output.extend(model.graph.output)
-    graph.value_info.extend(model.graph.value_info)
-    hinted = {v.name for v in graph.value_info}
+    # the model's own value_info (onnx's unk__ dims, which an earlier inference wrote, cleared: kept,
+    # they would pin dims this inference can name), and the hinted shapes instead of what it says
+    for v in model.graph.value_info:
+        if v.name not in hints:
+            graph.value_info.append(v)
+            if v.type.HasField("tensor_type"):
+                for dim in v.type.tensor_type.shape.dim:
+                    if dim.HasField("dim_param") and dim.dim_param.startswith("unk__"):
+                        dim.Clear()
     for name, dims in hints.items():
-        if name not in hinted and types.get(name):
+        if types.get(name):
             value = helper.make_tensor_value_info(name, types[name], [d if d is not None else "" for d in dims])
             for dim in value.type.tensor_type.shape.dim:
                 if dim.HasField("dim_param") and not dim.dim_param:

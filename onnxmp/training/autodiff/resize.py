@@ -80,18 +80,22 @@ def resize(c: Vjp) -> None:
         c.fail("a Resize of the first axis")
     grad = dy
     elem = c.elem(dy)
+
+    def constant(matrix: np.ndarray) -> str:
+        return c.emit.constant(matrix.astype(numpy_type(elem)), elem)
+
     for a in resized:
         size_in, size_out = shape_in[a], shape_out[a]
         if not isinstance(size_in, int) or not isinstance(size_out, int):
             c.fail(f"symbolic extents along resized axis {a}", "export the model with static sizes there")
         matrix = _axis_matrix(c, a, size_in, size_out, float(per_axis[a]) if per_axis is not None else None)
         if a == rank - 1:
-            grad = c.op("MatMul", grad, c.emit.constant(matrix.astype(numpy_type(elem)), elem))  # [.., out] @ [out, in]
+            grad = c.op("MatMul", grad, constant(matrix))  # [.., out] @ [out, in]
         elif a == rank - 2:
-            grad = c.op("MatMul", c.emit.constant(matrix.T.astype(numpy_type(elem)), elem), grad)  # [in, out] @ [.., out, W]
+            grad = c.op("MatMul", constant(matrix.T), grad)  # [in, out] @ [.., out, W]
         else:
             perm = [i for i in range(rank) if i != a] + [a]
-            moved = c.op("MatMul", c.transpose(grad, perm), c.emit.constant(matrix.astype(numpy_type(elem)), elem))
+            moved = c.op("MatMul", c.transpose(grad, perm), constant(matrix))
             grad = c.transpose(moved, [perm.index(i) for i in range(rank)])
     c.set(0, grad)
 
