@@ -1,8 +1,9 @@
 """onnxmp's gradient builder against torch's autograd on exports outside the matrix.
 
 The fixtures (``models/exports/oracle/``, made by ``models/exports/export_oracle.py``) are small
-random-init exports (MobileBERT, ViT, Llama, Qwen2, ConvNeXt, BART, and CNN / op / UNet zoos; TorchScript
-and dynamo) with one batch and torch's gradients of ``mean(output * proj)``.  Here the same loss is
+random-init exports (MobileBERT, ViT, Llama, Qwen2, ConvNeXt, BART, T5, diffusers' UNet2DModel, and
+CNN / op / pooling / UNet / EfficientNet zoos, training-mode Dropout and BatchNorm; TorchScript and dynamo,
+opsets 17, 18 and 21) with one batch and torch's gradients of ``mean(output * proj)``.  Here the same loss is
 appended to the ONNX graph, :func:`~onnxmp.training.autodiff.backward` differentiates it, plain
 onnxruntime runs it, and every compared parameter's gradient must be within 1e-5 of torch's float64
 gradient, relative to that gradient's largest magnitude, or to 1e-3 of the model's largest gradient
