@@ -93,7 +93,10 @@ def _dropout_mask_output(model: onnx.ModelProto) -> str:
     if len(node.output) < 2 or not node.output[1]:
         del node.output[1:]
         node.output.append("dropout_mask")
-    model.graph.output.append(onnx.helper.make_tensor_value_info(node.output[1], onnx.TensorProto.BOOL, None))
+    inferred = onnx.shape_inference.infer_shapes(model)
+    shaped = next((v for v in inferred.graph.value_info if v.name == node.input[0]), None)
+    dims = [d.dim_param or d.dim_value for d in shaped.type.tensor_type.shape.dim] if shaped else None
+    model.graph.output.append(onnx.helper.make_tensor_value_info(node.output[1], onnx.TensorProto.BOOL, dims))
     return f"{node.name}: mask output {node.output[1]!r} made a graph output"
 
 
