@@ -27,7 +27,7 @@ LAZY_RESET_GRAD = "lazy_reset_grad"
 
 
 def gradient_graph(forward: onnx.ModelProto, loss: LossFn, label_name: str, requires_grad: Sequence[str],
-                   frozen: Sequence[str]):
+                   frozen: Sequence[str], *, reports: list | None = None):
     """(training, evaluation, (trainable, frozen)) as onnxruntime-training's onnxblock builds them:
 
     - both models read the parameters (``requires_grad`` then ``frozen``, in initializer order) as
@@ -38,6 +38,8 @@ def gradient_graph(forward: onnx.ModelProto, loss: LossFn, label_name: str, requ
       ``P_grad.accumulation.out`` from an ``InPlaceAccumulatorV2`` reading the inputs
       ``P_grad.accumulation.buffer`` and ``lazy_reset_grad``;
     - the parameters: two lists of TensorProto.
+
+    ``reports``, when given, receives the :class:`BackwardReport` (nodes added, runtime-shape places).
     """
     from onnxmp.training.gradient import check_loss_block
 
@@ -63,6 +65,8 @@ def gradient_graph(forward: onnx.ModelProto, loss: LossFn, label_name: str, requ
     _initializers_to_inputs(evaluation.graph, params)
 
     training, report = backward(model, LOSS_SCALED, requires_grad)
+    if reports is not None:
+        reports.append(report)
     log.info("onnxmp gradient graph: %d nodes, %d runtime-shape place(s); ops: %s", report.nodes_added,
              report.runtime_shapes, ", ".join(f"{k} x{v}" for k, v in report.ops.items()))
     _initializers_to_inputs(training.graph, params)
