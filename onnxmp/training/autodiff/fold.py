@@ -1,0 +1,96 @@
+"""Values of constant-only subgraphs, computed at build time (onnx's reference evaluator, one node at a time).
+
+Exporters compute shapes, pads and repeats from constants and static shapes through chains onnx's
+data propagation does not follow (TorchScript's reflect-pad pads: ConstantOfShape, Concat, Reshape,
+Slice, Transpose, Cast; ``torch.tile``'s repeats behind an ``If`` whose condition is constant).
+:func:`fold_constants` evaluates every node whose inputs are all known (small initializers,
+Constants, values folded before it, ``Shape``/``Size`` of a static shape; an ``If`` whose condition is
+known, through the branch it takes), keeping small tensors only so that it stays cheap.
+"""
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+import onnx
+from onnx import helper, numpy_helper
+
+log = logging.getLogger("onnxmp.training.autodiff")
+
+LIMIT = 4096  # elements: shape-like values and small tables, never weights of any size worth training
+_RANDOM = frozenset({"RandomNormal", "RandomNormalLike", "RandomUniform", "RandomUniformLike", "Multinomial",
+                     "Bernoulli", "Dropout"})
+_LOOPS = frozenset({"Loop", "Scan", "SequenceMap"})
+
+
+def small(array: np.ndarray) -> bool:
+    return array.size <= LIMIT and array.dtype != object
+
+
+def fold_constants(graph: onnx.GraphProto, opset_imports, shapes: dict, known: dict[str, np.ndarray]) -> dict:
+    """``known`` extended by the values of the nodes of ``graph`` computable from it (a new dict)."""
+    values = dict(known)
+    _fold(graph.node, list(opset_imports), shapes, values)
+    return values
+
+
+def _fold(nodes, opsets, shapes: dict, values: dict) -> None:
+    for node in nodes:
+        if node.domain not in ("", "ai.onnx") or node.op_type in _RANDOM or node.op_type in _LOOPS:
+            continue
+        outs = [o for o in node.output if o]
+        if not outs or all(o in values for o in outs):
+            continue
+        try:
+            found = _evaluate(node, opsets, shapes, values)
+        except Exception as exc:  # the reference evaluator raises assorted types: the value stays unknown
+            log.debug("not folded: %s (%s)", node.name or node.output[0], exc)
+            continue
+        if found is None:
+            continue
+        for name, array in zip(node.output, found):
+            array = np.asarray(array)
+            if name and small(array):
+                values[name] = array
+
+
+def _evaluate(node: onnx.NodeProto, opsets, shapes: dict, values: dict) -> list | None:
+    op, ins = node.op_type, list(node.input)
+    if op in ("Shape", "Size"):
+        shape = values[ins[0]].shape if ins[0] in values else shapes.get(ins[0])
+        if shape is None or not all(isinstance(d, int) for d in shape):
+            return None
+        if op == "Size":
+            return [np.array(int(np.prod(shape, dtype=np.int64)), np.int64)]
+        attrs = {a.name: a.i for a in node.attribute}
+        return [np.array(list(shape)[attrs.get("start", 0):attrs.get("end", None)], np.int64)]
+    if op == "If":
+        if ins[0] not in values:
+            return None
+        branch = next(a.g for a in node.attribute if a.name == ("then_branch" if values[ins[0]] else "else_branch"))
+        scope = dict(values)
+        _fold(branch.node, opsets, shapes, scope)
+        outs = [scope.get(o.name) for o in branch.output]
+        return None if any(o is None for o in outs) else outs
+    if not all(i in values for i in ins if i) or any(a.type == onnx.AttributeProto.GRAPH for a in node.attribute):
+        return None
+    from onnx.reference import ReferenceEvaluator
+
+    feeds = {i: values[i] for i in ins if i}
+    graph = helper.make_graph(
+        [node], "fold", [helper.make_tensor_value_info(i, helper.np_dtype_to_tensor_dtype(a.dtype), a.shape)
+                         for i, a in feeds.items()],
+        [helper.make_tensor_value_info(o, onnx.TensorProto.UNDEFINED, None) for o in node.output if o])
+    model = helper.make_model(graph, opset_imports=opsets)
+    result = ReferenceEvaluator(model).run(None, feeds)
+    by_name = dict(zip([o for o in node.output if o], result))
+    return [by_name.get(o) if o else None for o in node.output]
+
+
+def initial_values(graph: onnx.GraphProto) -> dict[str, np.ndarray]:
+    """Small initializers of ``graph``: the values folding starts from (Constant nodes fold themselves)."""
+    values = {}
+    for t in graph.initializer:
+        if np.prod(t.dims, dtype=np.int64) <= LIMIT and t.data_type != onnx.TensorProto.STRING:
+            values[t.name] = numpy_helper.to_array(t)
+    return values
