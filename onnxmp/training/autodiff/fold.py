@@ -10,6 +10,7 @@ known, through the branch it takes), keeping small tensors only so that it stays
 from __future__ import annotations
 
 import logging
+import warnings
 
 import numpy as np
 import onnx
@@ -42,7 +43,10 @@ def _fold(nodes, opsets, shapes: dict, values: dict) -> None:
         if not outs or all(o in values for o in outs):
             continue
         try:
-            found = _evaluate(node, opsets, shapes, values)
+            # numpy's warnings (a Log of zero in T5's position buckets) are the forward's own business
+            with warnings.catch_warnings(), np.errstate(all="ignore"):
+                warnings.simplefilter("ignore")
+                found = _evaluate(node, opsets, shapes, values)
         except Exception as exc:  # the reference evaluator raises assorted types: the value stays unknown
             log.debug("not folded: %s (%s)", node.name or node.output[0], exc)
             continue
@@ -94,3 +98,32 @@ def initial_values(graph: onnx.GraphProto) -> dict[str, np.ndarray]:
         if np.prod(t.dims, dtype=np.int64) <= LIMIT and t.data_type != onnx.TensorProto.STRING:
             values[t.name] = numpy_helper.to_array(t)
     return values
+
+
+def inline_constant_ifs(graph: onnx.GraphProto, values: dict[str, np.ndarray]) -> int:
+    """Each ``If`` of ``graph`` whose condition ``values`` knows, replaced by the nodes of the branch it
+    takes (and Identity nodes to its outputs): TorchScript's ``torch.tile`` asks ``If`` whether the
+    repeats are shorter than the rank, which static shapes answer.  A branch whose names the graph
+    already uses stays an If.  Returns how many were inlined."""
+    taken = {o for n in graph.node for o in n.output} | {t.name for t in graph.initializer}
+    taken |= {v.name for v in graph.input}
+    nodes, inlined = [], 0
+    for node in graph.node:
+        cond = values.get(node.input[0]) if node.op_type == "If" and node.domain in ("", "ai.onnx") else None
+        if cond is None or cond.size != 1:
+            nodes.append(node)
+            continue
+        branch = next(a.g for a in node.attribute if a.name == ("then_branch" if cond.item() else "else_branch"))
+        names = {o for n in branch.node for o in n.output if o}
+        if names & taken or len(branch.output) != len(node.output):
+            nodes.append(node)
+            continue
+        taken |= names
+        nodes.extend(branch.node)
+        nodes.extend(helper.make_node("Identity", [b.name], [o], name=f"{node.name or o}/taken")
+                     for b, o in zip(branch.output, node.output) if o)
+        inlined += 1
+    if inlined:
+        del graph.node[:]
+        graph.node.extend(nodes)
+    return inlined

@@ -95,6 +95,12 @@ class GraphInfo:
                 continue
             if node.op_type in _SAME_SHAPE:
                 self.shapes[out] = self.shapes.get(node.input[0])
+            elif node.op_type == "Tile" and self.shapes.get(node.input[0]) is not None:
+                # Tile keeps its input's rank, whatever the repeats
+                repeats = self.ints(node.input[1])
+                shape = self.shapes[node.input[0]]
+                self.shapes[out] = tuple(d * r if isinstance(d, int) and repeats and len(repeats) == len(shape)
+                                         else None for d, r in zip(shape, repeats or [None] * len(shape)))
             elif node.op_type in _BROADCAST:
                 shapes = [self.shapes.get(x) for x in node.input if x]
                 if node.op_type == "Where":
