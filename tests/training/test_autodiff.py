@@ -52,6 +52,19 @@ def test_a_tensor_read_by_several_nodes_gets_one_sum():
     assert added_ops(model, grad)["Add"] == 0
 
 
+def test_two_parameters_with_one_gradient_value_each_get_their_output():
+    model = parse("""g (float[N, 4] x) => (float l) {
+        s = Add(a, b)
+        h = Mul(x, s)
+        l = ReduceSum<keepdims=0>(h)
+    }""", {"a": W[0].copy(), "b": W[1].copy()})
+    grad, _ = backward(model, "l", ["a", "b"])
+    x = RNG.normal(size=(3, 4)).astype(np.float32)
+    ga, gb = run(grad, {"x": x}, ["a_grad", "b_grad"])
+    np.testing.assert_allclose(ga, x.sum(axis=0), rtol=1e-6)
+    np.testing.assert_allclose(gb, x.sum(axis=0), rtol=1e-6)
+
+
 def test_integer_paths_frozen_weights_and_dead_branches_get_no_gradient():
     # The loss reads x's shape (an int path), a frozen weight f, and w; a branch from w that does not
     # reach the loss (dead) is not differentiated.

@@ -113,9 +113,11 @@ def backward(model: onnx.ModelProto, seed: str, wrt: Sequence[str]) -> tuple[onn
                           "through integer or boolean tensors, or inputs without a gradient (Clip's bounds, "
                           "Pow's exponent...), so they have no gradient",
                           "leave them out of requires_grad (or pass them as frozen)")
+    finals = {w: total(w) for w in wrt}
+    shared = Counter(finals.values())
     outputs = []
     for w in wrt:
-        grad = _named(emit, total(w), f"{w}_grad", info.types.get(w))
+        grad = _named(emit, finals[w], f"{w}_grad", info.types.get(w), shared[finals[w]] > 1)
         outputs.append(onnx.helper.make_tensor_value_info(grad, info.types[w], info.shape(w)))
 
     added = len(emit.nodes)
@@ -159,10 +161,11 @@ def _seed(emit: Emitter, seed: str, info: GraphInfo, runtime: list[str]) -> str:
     return emit.cast(ones, elem)
 
 
-def _named(emit: Emitter, value: str, name: str, elem: int) -> str:
-    """``value`` under the name ``name``: its producing node renamed when nothing else reads it."""
+def _named(emit: Emitter, value: str, name: str, elem: int, shared: bool) -> str:
+    """``value`` under the name ``name``: its producing node renamed when nothing else reads it
+    (nor is it another parameter's gradient too, ``shared``)."""
     producer = next((n for n in reversed(emit.nodes) if value in n.output), None)
-    read = any(value in n.input for n in emit.nodes)
+    read = shared or any(value in n.input for n in emit.nodes)
     if producer is not None and not read:
         producer.output[list(producer.output).index(value)] = name
         emit.types[name] = elem
