@@ -61,7 +61,8 @@ class GraphInfo:
             values = fold_constants(graph, model.opset_import, self.shapes, {**initial, **self.folded})
             new = {k: a for k, a in values.items() if k not in initial and k not in self.folded
                    and k not in self.constant_nodes}
-            better = {k: h for k, h in shape_hints(model, self.shapes).items()
+            self.symbolic = {}  # the symbolic values of small integer tensors (symbolic.py)
+            better = {k: h for k, h in shape_hints(model, self.shapes, self.symbolic).items()
                       if self.types.get(k) and h != self.shapes.get(k) and hints.get(k) != h
                       and (None not in h or _named(h) > _named(self.shapes.get(k)))}
             if not better and not new:
