@@ -218,18 +218,20 @@ CASES: list[Case] = [
     Case("Expand", ("", "Expand"), [N("Expand", ["x", "s"])], {"x": F((3, 1)), "s": I([2, 3, 4])}),
     Case("Tile", ("", "Tile"), [N("Tile", ["x", "r"])], {"x": F((2, 3)), "r": I([2, 3])}),
     Case("Tile_symbolic", ("", "Tile"), [N("Tile", ["x", "r"])], {"x": F((2, 3), ("N", "M")), "r": I([3, 1])}),
-    # torch.tile in TorchScript: the repeats behind an If whose condition static shapes decide (the
-    # If is inlined; without it the Tile's rank, which the Expand needs, is unknown)
-    Case("Tile_if_repeats", ("", "Tile"),
+    # torch.tile in TorchScript: x reshaped to the repeats' rank behind an If whose condition static
+    # shapes decide (the If is inlined; through it, the Tile's rank that the Expand needs is unknown)
+    Case("Tile_if_rank", ("", "Tile"),
          [N("Shape", ["x"], ["sx"]), N("Size", ["sx"], ["rank"]), N("Size", ["r"], ["nr"]),
-          N("Less", ["nr", "rank"], ["short"]),
-          helper.make_node("If", ["short"], ["reps"], name="If_reps",
-                           then_branch=helper.make_graph([N("Concat", ["one", "r"], ["reps_then"], axis=0)], "then", [],
-                                                         [helper.make_tensor_value_info("reps_then", TensorProto.INT64, None)]),
-                           else_branch=helper.make_graph([N("Identity", ["r"], ["reps_else"])], "else", [],
-                                                         [helper.make_tensor_value_info("reps_else", TensorProto.INT64, None)])),
-          N("Tile", ["x", "reps"], ["t"]), N("Expand", ["t", "s"])],
-         {"x": F((2, 3, 1)), "one": I([1]), "r": I([2, 1]), "s": I([2, 6, 4])}),
+          N("Less", ["rank", "nr"], ["short"]),
+          helper.make_node("If", ["short"], ["xr"], name="If_xr",
+                           then_branch=helper.make_graph(
+                               [N("Concat", ["one", "sx"], ["s3"], axis=0), N("Reshape", ["x", "s3"], ["xr_then"])],
+                               "then", [], [helper.make_tensor_value_info("xr_then", TensorProto.FLOAT, None)]),
+                           else_branch=helper.make_graph(
+                               [N("Identity", ["x"], ["xr_else"])], "else", [],
+                               [helper.make_tensor_value_info("xr_else", TensorProto.FLOAT, None)])),
+          N("Tile", ["xr", "r"], ["t"]), N("Expand", ["t", "s"])],
+         {"x": F((3, 1)), "one": I([1]), "r": I([2, 1, 4]), "s": I([2, 2, 3, 4])}),
     Case("Pad", ("", "Pad"), [N("Pad", ["x", "p", "v"])], {"x": F((2, 3)), "p": I([1, 0, 2, 1]), "v": C(0.5)}),
     Case("Pad_crop", ("", "Pad"), [N("Pad", ["x", "p"])], {"x": F((3, 4)), "p": I([1, -1, -1, 2])}),
     Case("Pad_reflect", ("", "Pad"), [N("Pad", ["x", "p"], mode="reflect")],
