@@ -343,3 +343,25 @@ def test_gradient_graph_matches_finite_differences_without_onnxruntime_training(
         fd = (losses[0] - losses[1]) / 2e-3
         # float32 losses: the difference quotient is good to about 1e-4 / 1e-3
         assert abs(fd - grads[name][index]) <= 1e-2 * abs(grads[name][index]) + 1e-3, name
+
+
+def test_gradient_graph_trains_dropout_and_evaluates_without_it():
+    model = parse("""g (float[N, 4] x) => (float[N, 4] y) {
+        h = MatMul(x, w)
+        y = Dropout(h, r, t)
+    }""", {"w": W, "r": np.array(0.5, np.float32), "t": np.array(True)})
+    training, evaluation, _ = gradient_graph(model, table_loss("mse"), "target", ["w"], [])
+    dropout = next(n for n in training.graph.node if n.op_type == "Dropout")
+    assert dropout.input[2] == "t" and dropout.output[1]  # training mode, its mask reused
+    assert next(n for n in evaluation.graph.node if n.op_type == "Dropout").input[2] == ""
+
+
+def test_a_custom_loss_must_declare_its_label():
+    model = _mlp()
+
+    def forgetful(graph, output, label):
+        graph.node.append(helper.make_node("ReduceMean", [output], ["l"], keepdims=0))
+        return "l"
+
+    with pytest.raises(OnnxMPError, match="did not declare its label input"):
+        gradient_graph(model, forgetful, "labels", _trainable(model), [])
