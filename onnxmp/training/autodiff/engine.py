@@ -60,6 +60,7 @@ def backward(model: onnx.ModelProto, seed: str, wrt: Sequence[str]) -> tuple[onn
     graph = result.graph
     wrt = list(dict.fromkeys(wrt))
     info = GraphInfo(result)
+    # an If whose condition folds to a constant is the branch it takes (no rule differentiates If)
     if inline_constant_ifs(graph, {**info.folded, **{k: info.value(k) for k in info.constant_nodes}}):
         info = GraphInfo(result)
     _check_names(graph, seed, wrt, info)

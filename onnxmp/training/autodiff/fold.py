@@ -25,7 +25,8 @@ _LOOPS = frozenset({"Loop", "Scan", "SequenceMap"})
 
 
 def small(array: np.ndarray) -> bool:
-    return array.size <= LIMIT and array.dtype != object
+    """A value worth keeping: few elements, of a plain numpy type (what a Constant can hold)."""
+    return array.size <= LIMIT and array.dtype.kind in "biuf"
 
 
 def fold_constants(graph: onnx.GraphProto, opset_imports, shapes: dict, known: dict[str, np.ndarray]) -> dict:
@@ -92,11 +93,15 @@ def _evaluate(node: onnx.NodeProto, opsets, shapes: dict, values: dict) -> list 
 
 
 def initial_values(graph: onnx.GraphProto) -> dict[str, np.ndarray]:
-    """Small initializers of ``graph``: the values folding starts from (Constant nodes fold themselves)."""
+    """Small initializers of ``graph``: the values folding starts from.  An initializer that is also a
+    graph input is a default the caller may replace, so it is left out."""
+    inputs = {v.name for v in graph.input}
     values = {}
     for t in graph.initializer:
-        if np.prod(t.dims, dtype=np.int64) <= LIMIT and t.data_type != onnx.TensorProto.STRING:
-            values[t.name] = numpy_helper.to_array(t)
+        if t.name not in inputs and np.prod(t.dims, dtype=np.int64) <= LIMIT and t.data_type != onnx.TensorProto.STRING:
+            array = numpy_helper.to_array(t)
+            if small(array):
+                values[t.name] = array
     return values
 
 

@@ -13,7 +13,7 @@ import onnx
 from onnx import TensorProto, helper, numpy_helper
 
 from onnxmp.domains import is_onnx_domain, onnx_opset
-from onnxmp.training.autodiff.fold import fold_constants, initial_values
+from onnxmp.training.autodiff.fold import fold_constants, initial_values, small
 from onnxmp.training.autodiff.symbolic import shape_hints
 
 log = logging.getLogger("onnxmp.training.autodiff")
@@ -51,7 +51,7 @@ class GraphInfo:
         initial = initial_values(graph)
         for name in self.constant_nodes:
             array = self._read(name)
-            if array is not None and array.size <= 4096 and array.dtype != object:
+            if array is not None and small(array):
                 initial[name] = array
         for _ in range(_PASSES):
             self.types, self.shapes = {}, {}
