@@ -54,7 +54,7 @@ class GraphInfo:
             if array is not None and small(array):
                 initial[name] = array
         for _ in range(_PASSES):
-            self.types, self.shapes = {}, {}
+            self.types, self.shapes, self._values = {}, {}, {}  # values read before a fold are stale
             self._load(_infer(model, hints, known, self.folded), graph)
             for name, array in self.folded.items():
                 self.shapes[name] = tuple(int(d) for d in array.shape)
@@ -70,6 +70,7 @@ class GraphInfo:
             hints.update(better)
             self.folded.update(new)
             known = dict(self.types)
+        self._values = {}
 
     def _load(self, inferred: onnx.ModelProto, graph: onnx.GraphProto) -> None:
         for value in (*inferred.graph.input, *inferred.graph.value_info, *inferred.graph.output,
