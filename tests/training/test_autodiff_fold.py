@@ -80,7 +80,8 @@ def test_if_with_a_folded_condition_is_inlined_and_others_stay():
             [node], name, [], [helper.make_tensor_value_info(node.output[0], TensorProto.FLOAT, None)])
         nodes = [helper.make_node("Shape", ["x"], ["sx"]), helper.make_node("Gather", ["sx", "zero"], ["d0"]),
                  helper.make_node("Less", ["d0", "three"], ["small"]),
-                 helper.make_node("If", ["small"], ["y"], then_branch=branch("then", helper.make_node("Neg", ["x"], ["a"])),
+                 helper.make_node("If", ["small"], ["y"],
+                                  then_branch=branch("then", helper.make_node("Neg", ["x"], ["a"])),
                                   else_branch=branch("else", helper.make_node("Identity", ["x"], ["b"])))]
         return _with_sum(_model(nodes, [helper.make_tensor_value_info("x", TensorProto.FLOAT, dims)],
                                 [_ints("zero", 0), _ints("three", 3)]))

@@ -124,7 +124,8 @@ def _arith(op: str):
     return fn
 
 
-def shape_hints(model: onnx.ModelProto, shapes: dict[str, tuple | None], values: dict | None = None) -> dict[str, tuple]:
+def shape_hints(model: onnx.ModelProto, shapes: dict[str, tuple | None],
+                values: dict | None = None) -> dict[str, tuple]:
     """Output shapes of shape-consuming nodes (Reshape, Expand, ConstantOfShape, Tile), from the
     symbolic values of their shape inputs and ``shapes`` (the shapes known so far); ``values``, when
     given, receives those symbolic values (lists of dims)."""
