@@ -79,29 +79,31 @@ def _input_grad(c, x, w, dy, kernel, strides, dilations, begin, end, group) -> s
     return c.op("Slice", full, c.ints([0] * n), ends, c.ints(list(range(2, 2 + n))))
 
 
-def _weight_grad(c, x, w_shape, dy, kernel, strides, dilations, begin, end, group) -> str:
+def _weight_grad(c, x, w_shape, dy, kernel, strides, dilations, begin, end, group, like=None) -> str:
+    """``like``: names shaped as ``x`` and ``dy`` are (the forward's input and output by default)."""
+    x_like, dy_like = like or (x, c.y(0))
     n = len(kernel)
     swap = [1, 0, *range(2, 2 + n)]
     cout, cin_group = w_shape[0], w_shape[1]
-    end = _unused_end(c, x, kernel, strides, dilations, begin, end)
+    end = _unused_end(c, x_like, kernel, strides, dilations, begin, end)
     attrs = dict(strides=dilations, dilations=strides, pads=begin + end)
     if group == 1:
         grad = c.op("Conv", c.transpose(x, swap), c.transpose(dy, swap), **attrs)
-        grad = _crop(c, grad, x, kernel, strides, dilations, begin, end)
+        grad = _crop(c, grad, x_like, kernel, strides, dilations, begin, end)
         return c.transpose(grad, swap)
     keep = [0] * n
     if cin_group == 1:
         # Depthwise: [N, C, *S] -> [1, C*N, *S], a grouped conv by [C*m, N, *O].
         xs = c.op("Reshape", c.transpose(x, swap), c.ints([1, -1, *keep]))
         grad = c.op("Conv", xs, c.transpose(dy, swap), group=group, **attrs)   # [1, C*m, *K']
-        grad = _crop(c, grad, x, kernel, strides, dilations, begin, end)
+        grad = _crop(c, grad, x_like, kernel, strides, dilations, begin, end)
         return c.op("Reshape", grad, c.ints([cout, 1, *kernel]))
     # Grouped: x as [cin_group, G*N, *S], dy as [G*cout_group, N, *O], a conv of G groups.
     cout_group = cout // group
-    xs = _regroup(c, x, c.shape(x), group, cin_group, n)
-    dys = _regroup(c, dy, c.shape(c.y(0)), group, cout_group, n, kernel_layout=True)
+    xs = _regroup(c, x, c.shape(x_like), group, cin_group, n)
+    dys = _regroup(c, dy, c.shape(dy_like), group, cout_group, n, kernel_layout=True)
     grad = c.op("Conv", xs, dys, group=group, **attrs)  # [cin_group, G*cout_group, *K']
-    grad = _crop(c, grad, x, kernel, strides, dilations, begin, end)
+    grad = _crop(c, grad, x_like, kernel, strides, dilations, begin, end)
     return c.transpose(grad, swap)
 
 
@@ -204,4 +206,44 @@ def average_pool(c: Vjp) -> None:
     c.set(0, c.reshape_like(grad, x))
 
 
-RULES = {"Conv": conv, "MaxPool": max_pool, "AveragePool": average_pool}
+def conv_transpose(c: Vjp) -> None:
+    """ConvTranspose is the adjoint of the Conv with its weight and geometry (output_padding only
+    lengthens its output): its input gradient is that Conv of dY, and its weight gradient the
+    Conv's weight gradient with dY as the input and X as the output's gradient."""
+    x, w, dy = c.x(0), c.x(1), c.dy()
+    w_shape = c.info.static_shape(w)
+    if w_shape is None:
+        c.fail("its weight's shape is not static", "export the model with static convolution weights")
+    if c.attr("output_shape") or c.attr("auto_pad", "NOTSET") not in ("NOTSET", "VALID"):
+        c.fail("ConvTranspose with output_shape or auto_pad SAME_*", "export the model with explicit pads")
+    kernel = list(c.attr("kernel_shape") or w_shape[2:])
+    n = len(kernel)
+    group = int(c.attr("group", 1))
+    strides = list(c.attr("strides") or [1] * n)
+    dilations = list(c.attr("dilations") or [1] * n)
+    pads = [0] * (2 * n) if c.attr("auto_pad", "NOTSET") == "VALID" else list(c.attr("pads") or [0] * (2 * n))
+    begin, end = pads[:n], pads[n:]
+    axes = list(range(2, 2 + n))
+    if c.needs(2):
+        c.set(2, c.reduce("ReduceSum", dy, [0, *axes], 0))
+    if c.needs(0):
+        grad = c.op("Conv", dy, w, strides=strides, dilations=dilations, pads=begin + end,
+                    group=group if group != 1 else None)
+        sizes, outs = _spatial(c, x, n), _spatial(c, c.y(0), n)
+        if all(isinstance(d, int) for d in sizes + outs):
+            # an output_padding of a stride or more leaves a longer conv output: cut to X
+            produced = [(o + b + e - (k - 1) * dl - 1) // s + 1
+                        for o, k, s, dl, b, e in zip(outs, kernel, strides, dilations, begin, end)]
+            if produced != sizes:
+                grad = c.op("Slice", grad, c.ints([0] * n), c.ints(sizes), c.ints(axes))
+        else:
+            c.runtime(f"ConvTranspose input gradient of {x} (symbolic extents)")
+            ends = c.op("Slice", c.op("Shape", x, elem=INT64), c.ints([2]), c.ints([INT64_MAX]), elem=INT64)
+            grad = c.op("Slice", grad, c.ints([0] * n), ends, c.ints(axes))
+        c.set(0, grad)
+    if c.needs(1):
+        c.set(1, _weight_grad(c, dy, w_shape, x, kernel, strides, dilations, begin, end, group,
+                              like=(c.y(0), x)))
+
+
+RULES = {"Conv": conv, "ConvTranspose": conv_transpose, "MaxPool": max_pool, "AveragePool": average_pool}

@@ -256,14 +256,14 @@ def tile(c: Vjp) -> None:
 def pad(c: Vjp) -> None:
     x, dy = c.x(0), c.dy()
     mode = c.attr("mode", "constant")
-    if mode != "constant":
-        c.fail(f"Pad mode {mode!r}", "only constant padding has a gradient here")
     rank = c.rank(x)
     if c.info.opset < 11:
         pads, axes = c.attr("pads"), None
     else:
         pads = c.const_ints(c.x(1))
         axes = c.const_ints(c.x(3)) if len(c.node.input) > 3 and c.x(3) else None
+        if pads is None and mode != "constant":
+            c.fail(f"Pad mode {mode!r} with computed pads", "export the model with constant pads")
         if pads is None:
             c.runtime(f"Pad of {x} by computed pads")
             extra = ["", c.x(3)] if len(c.node.input) > 3 and c.x(3) else []
@@ -272,7 +272,48 @@ def pad(c: Vjp) -> None:
     # The gradient of padding is cropping (and of a negative pad's crop, zeros around it).
     listed = normalize_axes(axes, rank) if axes is not None else list(range(rank))
     n = len(listed)
+    if mode != "constant":
+        c.set(0, _fold_borders(c, dy, x, mode, {a: (pads[k], pads[n + k]) for k, a in enumerate(listed)}))
+        return
     c.set(0, pad_crop(c, dy, rank, {a: (-pads[k], -pads[n + k]) for k, a in enumerate(listed)}))
+
+
+def _fold_borders(c: Vjp, dy: str, x: str, mode: str, edges: dict[int, tuple[int, int]]) -> str:
+    """The gradient of an edge/reflect/wrap Pad: per padded axis (the modes pad one axis after another),
+    the middle strip plus each border strip added onto the elements it copies (reflect: reversed,
+    one in from the edge; edge: summed onto the first/last element; wrap: from the other end)."""
+    if mode not in ("edge", "reflect", "wrap"):
+        c.fail(f"Pad mode {mode!r}")
+    shape = c.shape(x)
+    grad = dy
+    for a, (b, e) in sorted(edges.items()):
+        if not b and not e:
+            continue
+        d = shape[a]
+        if b < 0 or e < 0 or not isinstance(d, int):
+            c.fail(f"Pad mode {mode!r} with negative pads or along a symbolic dim",
+                   "export the model with static extents along the padded axes")
+        if mode == "reflect" and max(b, e) >= d or mode == "wrap" and max(b, e) > d:
+            c.fail(f"Pad mode {mode!r} wider than the input")
+        total = c.op("Slice", grad, c.ints([b]), c.ints([b + d]), c.ints([a]))
+        for side, width in (("begin", b), ("end", e)):
+            if not width:
+                continue
+            lo, hi = (0, b) if side == "begin" else (b + d, b + d + e)
+            strip = c.op("Slice", grad, c.ints([lo]), c.ints([hi]), c.ints([a]))
+            if mode == "edge":
+                strip, at = c.reduce("ReduceSum", strip, [a], 1), (0 if side == "begin" else d - 1)
+                width = 1
+            elif mode == "reflect":
+                strip = c.op("Slice", strip, c.ints([-1]), c.ints([-INT64_MAX]), c.ints([a]), c.ints([-1]))
+                at = 1 if side == "begin" else d - 1 - e
+            else:
+                at = d - b if side == "begin" else 0
+            pads = [0] * (2 * len(shape))
+            pads[a], pads[len(shape) + a] = at, d - at - width
+            total = c.op("Add", total, c.op("Pad", strip, c.ints(pads), mode="constant"))
+        grad = total
+    return grad
 
 
 def pad_crop(c: Vjp, x: str, rank: int, edges: dict[int, tuple[int, int]]) -> str:

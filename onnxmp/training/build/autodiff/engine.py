@@ -24,6 +24,7 @@ from onnxmp.errors import OnnxMPError
 from onnxmp.naming import FreshNames, proto_names
 from onnxmp.training.build.autodiff.context import Vjp
 from onnxmp.training.build.autodiff.emit import FLOATS, MS_DOMAIN, Emitter
+from onnxmp.training.build.autodiff.fold import inline_constant_ifs
 from onnxmp.training.build.autodiff.info import GraphInfo
 from onnxmp.training.build.autodiff.rules import VJP_RULES
 
@@ -59,6 +60,9 @@ def backward(model: onnx.ModelProto, seed: str, wrt: Sequence[str]) -> tuple[onn
     graph = result.graph
     wrt = list(dict.fromkeys(wrt))
     info = GraphInfo(result)
+    # an If whose condition folds to a constant is the branch it takes (no rule differentiates If)
+    if inline_constant_ifs(graph, {**info.folded, **{k: info.value(k) for k in info.constant_nodes}}):
+        info = GraphInfo(result)
     _check_names(graph, seed, wrt, info)
     nodes = list(graph.node)
 

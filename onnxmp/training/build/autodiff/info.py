@@ -13,6 +13,7 @@ import onnx
 from onnx import TensorProto, helper, numpy_helper
 
 from onnxmp.domains import is_onnx_domain, onnx_opset
+from onnxmp.training.build.autodiff.fold import fold_constants, initial_values, small
 from onnxmp.training.build.autodiff.symbolic import shape_hints
 
 log = logging.getLogger("onnxmp.training.build.autodiff")
@@ -42,18 +43,34 @@ class GraphInfo:
         self._values: dict[str, np.ndarray | None] = {}
         # onnx's inference, then again with the shapes of Reshape/Expand/... outputs that the
         # symbolic values of their shape inputs give (symbolic.py), while that names more dims.
+        # Constant-only subgraphs are folded (fold.py) between passes: their values stand as
+        # Constants in what the next inference reads.
         hints: dict[str, tuple] = {}
         known: dict[str, int] = {}
+        self.folded: dict[str, np.ndarray] = {}
+        initial = initial_values(graph)
+        for name in self.constant_nodes:
+            array = self._read(name)
+            if array is not None and small(array):
+                initial[name] = array
         for _ in range(_PASSES):
-            self.types, self.shapes = {}, {}
-            self._load(_infer(model, hints, known), graph)
-            better = {k: h for k, h in shape_hints(model, self.shapes).items()
+            self.types, self.shapes, self._values = {}, {}, {}  # values read before a fold are stale
+            self._load(_infer(model, hints, known, self.folded), graph)
+            for name, array in self.folded.items():
+                self.shapes[name] = tuple(int(d) for d in array.shape)
+            values = fold_constants(graph, model.opset_import, self.shapes, {**initial, **self.folded})
+            new = {k: a for k, a in values.items() if k not in initial and k not in self.folded
+                   and k not in self.constant_nodes}
+            self.symbolic = {}  # the symbolic values of small integer tensors (symbolic.py)
+            better = {k: h for k, h in shape_hints(model, self.shapes, self.symbolic).items()
                       if self.types.get(k) and h != self.shapes.get(k) and hints.get(k) != h
                       and (None not in h or _named(h) > _named(self.shapes.get(k)))}
-            if not better:
+            if not better and not new:
                 break
             hints.update(better)
+            self.folded.update(new)
             known = dict(self.types)
+        self._values = {}
 
     def _load(self, inferred: onnx.ModelProto, graph: onnx.GraphProto) -> None:
         for value in (*inferred.graph.input, *inferred.graph.value_info, *inferred.graph.output,
@@ -80,6 +97,12 @@ class GraphInfo:
                 continue
             if node.op_type in _SAME_SHAPE:
                 self.shapes[out] = self.shapes.get(node.input[0])
+            elif node.op_type == "Tile" and self.shapes.get(node.input[0]) is not None:
+                # Tile keeps its input's rank, whatever the repeats
+                repeats = self.ints(node.input[1])
+                shape = self.shapes[node.input[0]]
+                self.shapes[out] = tuple(d * r if isinstance(d, int) and repeats and len(repeats) == len(shape)
+                                         else None for d, r in zip(shape, repeats or [None] * len(shape)))
             elif node.op_type in _BROADCAST:
                 shapes = [self.shapes.get(x) for x in node.input if x]
                 if node.op_type == "Where":
@@ -142,7 +165,10 @@ class GraphInfo:
             return numpy_helper.to_array(self.initializers[name])
         node = self.constant_nodes.get(name)
         if node is None:
-            return None
+            # folded values of integer and boolean type only: a float one may come from a trainable
+            # parameter, which a rule must not take as a constant
+            array = self.folded.get(name)
+            return array if array is not None and array.dtype.kind in "iub" else None
         for a in node.attribute:
             if a.name == "value":
                 return numpy_helper.to_array(a.t)
@@ -221,14 +247,20 @@ def _named(shape) -> int:
     return sum(isinstance(d, int) or (isinstance(d, str) and not d.startswith("unk__")) for d in shape)
 
 
-def _infer(model: onnx.ModelProto, hints: dict[str, tuple], types: dict[str, int]) -> onnx.ModelProto:
+def _infer(model: onnx.ModelProto, hints: dict[str, tuple], types: dict[str, int],
+           folded: dict[str, np.ndarray]) -> onnx.ModelProto:
     skeleton = onnx.ModelProto(ir_version=model.ir_version)
     skeleton.opset_import.extend(model.opset_import)
     skeleton.functions.extend(model.functions)
     graph = skeleton.graph
     producers = {o: n for n in model.graph.node for o in n.output}
     for node in model.graph.node:
-        graph.node.extend(_standins(node, producers))
+        outs = [o for o in node.output if o]
+        if outs and all(o in folded for o in outs):
+            graph.node.extend(helper.make_node("Constant", [], [o], value=numpy_helper.from_array(folded[o], o))
+                              for o in outs)
+        else:
+            graph.node.extend(_standins(node, producers))
     graph.input.extend(model.graph.input)
     graph.output.extend(model.graph.output)
     # the model's own value_info (onnx's unk__ dims, which an earlier inference wrote, cleared: kept,

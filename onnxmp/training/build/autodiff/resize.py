@@ -62,9 +62,17 @@ def resize(c: Vjp) -> None:
         c.fail("the ranks of its input or output are unknown")
     scales = c.info.value(c.x(2)) if len(c.node.input) > 2 and c.x(2) else None
     sizes = c.info.value(c.x(3)) if len(c.node.input) > 3 and c.x(3) else None
+    rank = len(shape_in)
+    if scales is None and sizes is None and len(c.node.input) > 3 and c.x(3) and c.attr("axes") is None:
+        # sizes = Concat(Shape(x)[0:2], [H, W]) (TorchScript's interpolate to a size): the symbolic
+        # value tells the axes kept (the same dim as the input's) from the resized ones (constants)
+        symbolic = c.info.symbolic.get(c.x(3))
+        if symbolic is not None and len(symbolic) == rank and all(
+                d is not None and d == shape_in[a] or isinstance(d, int) and not isinstance(d, bool)
+                for a, d in enumerate(symbolic)):
+            sizes = np.array(symbolic, dtype=object)
     if scales is None and sizes is None:
         c.fail("its scales or sizes are computed", "export the Resize with constant scales or sizes")
-    rank = len(shape_in)
     listed = c.attr("axes")
     if listed is not None:  # Resize-18: scales/sizes for these axes only
         full = np.ones(rank) if scales is not None and scales.size else np.array(shape_in, dtype=object)

@@ -124,9 +124,11 @@ def _arith(op: str):
     return fn
 
 
-def shape_hints(model: onnx.ModelProto, shapes: dict[str, tuple | None]) -> dict[str, tuple]:
+def shape_hints(model: onnx.ModelProto, shapes: dict[str, tuple | None],
+                values: dict | None = None) -> dict[str, tuple]:
     """Output shapes of shape-consuming nodes (Reshape, Expand, ConstantOfShape, Tile), from the
-    symbolic values of their shape inputs and ``shapes`` (the shapes known so far)."""
+    symbolic values of their shape inputs and ``shapes`` (the shapes known so far); ``values``, when
+    given, receives those symbolic values (lists of dims)."""
     v = _Values()
     for t in model.graph.initializer:
         if t.data_type in (onnx.TensorProto.INT64, onnx.TensorProto.INT32) and np.prod(t.dims) <= 64:
@@ -141,6 +143,8 @@ def shape_hints(model: onnx.ModelProto, shapes: dict[str, tuple | None]) -> dict
         hint = _hint(node, v, shapes)
         if hint is not None:
             hints[node.output[0]] = hint
+    if values is not None:
+        values.update(v.values)
     return hints
 
 
