@@ -1,8 +1,10 @@
 """Stage 4: rewrite.  Apply a coloring to the model (``docs/design.md``, the rewrite).
 
 * Output tensors of ALLOW vertices are retyped to the low-precision type.
-* At each boundary one Cast per (source tensor, target type, graph) is placed right after
-  the producer and shared by every consumer that needs it.
+* At each boundary one Cast per (source tensor, target type) is shared by every consumer
+  that needs it in any graph, placed right after the producer in the innermost graph holding
+  them all, out of loop bodies; Casts that cancel or that fewer Casts can replace are not added
+  (:mod:`~onnxmp.rewrite.casts`, :mod:`~onnxmp.rewrite.branches`, :mod:`~onnxmp.rewrite.moves`).
 * Initializers read only by ALLOW vertices are stored in low precision; one read by both
   sides keeps its float32 original and gets a low-precision twin.  Master weights
   (training) always stay float32 and are Cast at use.
