@@ -48,6 +48,7 @@ import onnx  # noqa: E402
 
 from onnxmp.files import guard_arguments, write_text_atomic  # noqa: E402
 from onnxmp.naming import json_safe  # noqa: E402
+from onnxmp.subgraphs import bodies, iter_proto_graphs  # noqa: E402
 from scripts.bench_models import all_nodes, elem_types, heavy_fp16_share  # noqa: E402
 
 LOW = (onnx.TensorProto.FLOAT16,)
@@ -67,27 +68,19 @@ onnx.save(convert_to_mixed_precision(sys.argv[1], low_precision_type="fp16", kee
 
 
 # -- counting ------------------------------------------------------------------------------------
-def _bodies(node: onnx.NodeProto):
-    for attr in node.attribute:
-        if attr.type == onnx.AttributeProto.GRAPH:
-            yield attr.g
-        elif attr.type == onnx.AttributeProto.GRAPHS:
-            yield from attr.graphs
-
-
 def _casts_here(graph: onnx.GraphProto) -> int:
     return sum(n.op_type == "Cast" for n in graph.node)
 
 
 def static_casts(graph: onnx.GraphProto) -> int:
-    return _casts_here(graph) + sum(static_casts(b) for n in graph.node for b in _bodies(n))
+    return _casts_here(graph) + sum(static_casts(b) for n in graph.node for b in bodies(n))
 
 
 def path_casts(graph: onnx.GraphProto) -> int:
     """Casts on the costliest path one run takes: an If runs one branch, other bodies count once."""
     total = _casts_here(graph)
     for node in graph.node:
-        counts = [path_casts(b) for b in _bodies(node)]
+        counts = [path_casts(b) for b in bodies(node)]
         if counts:
             total += max(counts) if node.op_type == "If" else sum(counts)
     return total
@@ -111,16 +104,9 @@ def run_casts(model: onnx.ModelProto) -> int | None:
             optimized = onnx.load(opts.optimized_model_filepath)
         except Exception:  # no CPU session (a missing kernel): the static counts stand
             return None
-    after = {n.name for g in _graphs(optimized.graph) for n in g.node}
+    after = {n.name for g in iter_proto_graphs(optimized.graph) for n in g.node}
     return sum(n.op_type == "Cast" and (n.name in after or CPU_FALLBACK_CAST + n.output[0] in after)
-               for g in _graphs(model.graph) for n in g.node)
-
-
-def _graphs(graph: onnx.GraphProto):
-    yield graph
-    for node in graph.node:
-        for body in _bodies(node):
-            yield from _graphs(body)
+               for g in iter_proto_graphs(model.graph) for n in g.node)
 
 
 def all_fp16_share(model: onnx.ModelProto) -> float | None:

@@ -169,6 +169,9 @@ def _train_on(args, comm) -> int:
                           "pass the float32 .onnx model to build and train, or a folder built before")
     if args.model and (prebuilt or resume):
         log.info("the model file argument is not used with %s", "--resume" if resume else "--artifacts")
+    if args.builder != "auto" and (prebuilt or resume):
+        log.warning("--builder %s is not used with %s: the folder's graphs are built already (its manifest "
+                    "names the builder)", args.builder, "--resume" if resume else "--artifacts")
     inputs = {"model": None if resume or prebuilt else args.model, "--data": args.data, "--eval": args.eval_data,
               "--artifacts": prebuilt}
     # Resuming in place (--resume OUT/state --out OUT) is fine: OUT is replaced only once the new

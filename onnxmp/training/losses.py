@@ -39,7 +39,7 @@ import numpy as np
 import onnx
 from onnx import TensorProto
 
-from onnxmp.errors import OnnxMPError
+from onnxmp.errors import OnnxMPError, first_line
 from onnxmp.training.contract import IGNORE_INDEX
 from onnxmp.training.nodes import LossGraph
 
@@ -289,7 +289,9 @@ def resolve_loss(spec: Any):
         try:
             return target()
         except Exception as exc:
-            raise OnnxMPError(f"{spec}() failed: {type(exc).__name__}: {exc}") from exc
+            raise OnnxMPError(f"{spec}() failed: {type(exc).__name__}: {first_line(exc, 300)}",
+                              "a loss factory is called without arguments and returns the loss (a function, "
+                              "an ONNX graph or function, or a Block): see docs/training.md, custom losses") from exc
     return target
 
 

@@ -98,3 +98,15 @@ def test_custom_loss_from_a_file_and_ignore_index(files, capsys):
     assert "unknown loss 'nope'" in capsys.readouterr().err
     assert main(train_args(files, files / "never", 1, "--pos-weight", "2")) == 1
     assert "has no option pos_weight" in capsys.readouterr().err
+
+
+def test_builder_with_a_built_folder_is_said_unused(files, tmp_path, caplog):
+    out = tmp_path / "out"
+    assert main(train_args(files, out, 1)) == 0
+    with caplog.at_level("WARNING", logger="onnxmp"):
+        assert main(train_args(files, out, 2, "--resume", str(out / "state"))) == 0
+    assert "--builder" not in caplog.text  # not asked for: nothing to say
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="onnxmp"):
+        assert main(train_args(files, out, 3, "--resume", str(out / "state"), "--builder", "onnxmp")) == 0
+    assert "--builder onnxmp is not used with --resume" in caplog.text

@@ -49,7 +49,8 @@ def build_optimizer_model(kind: str | Optimizer | dict, *, opset: int, clip_glob
         model = block.to_model_proto()
     if clip_global_norm is not None:
         if not clip_global_norm > 0:
-            raise OnnxMPError(f"clip_global_norm must be positive, got {clip_global_norm}")
+            raise OnnxMPError(f"clip_global_norm must be positive, got {clip_global_norm}",
+                              "pass a norm above 0, or None not to clip")
         if not parameters:
             raise OnnxMPError("clipping needs the number of trainable parameters")
         _add_global_norm_clip(model, float(clip_global_norm), parameters)
