@@ -17,18 +17,20 @@ def cpu_session(model: onnx.ModelProto, what: str, options=None):
     """A quiet onnxruntime CPU session over ``model`` (``options``: a SessionOptions to start from);
     a model it cannot load is an OnnxMPError naming ``what``.
 
-    By default every calibration session runs at the level emulation's own sessions run at
-    (:func:`onnxmp.parity.emulate.session_options`, which ``onnxmp validate`` uses too): one
-    emulation for the search, the confirmation and the user's check.  At onnxruntime's default
-    level (all optimizations) the CPU EP rewrites an emulated graph across its rounding Casts
-    (NCHWc Convs, fusions): PP-OCRv4's recognizer measured 0.235 there and 0.123 as written, with
-    the same model and sample, so a candidate the search accepted could fail its confirmation.
+    By default every calibration session runs with no onnxruntime optimization, as the switchboard
+    does: one emulation for the search and the confirmation, the graph's arithmetic as written.  At
+    the default level (all optimizations) the CPU EP rewrites an emulated graph across its rounding
+    Casts (NCHWc Convs): PP-OCRv4's recognizer measured 0.235 there and 0.123 as written, plain
+    conversion, same sample.  Even the basic level changes a mixed model's roundings: with half its
+    nodes forced to fp32 it measured 0.046 at the basic level and 0.024 as written, which is what
+    the switchboard measures for the same coloring.  Either way candidates the search accepted
+    failed their confirmation.
     """
     import onnxruntime as ort
 
-    from onnxmp.parity.emulate import session_options
-
-    options = options or session_options()
+    if options is None:
+        options = ort.SessionOptions()
+        options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
     options.log_severity_level = 3
     try:
         with session_source(model, "calibration") as source:
