@@ -117,3 +117,22 @@ def test_every_candidate_the_search_accepted_passes_on_the_written_model(monkeyp
         measured = cal.measure(cal.convert(candidate))
         assert measured.tune_error <= tolerance, (sorted(candidate), measured.tune_error)
     assert cal.runs > runs
+
+
+def test_a_mixed_candidate_written_and_measured_equals_the_switchboard_with_its_coloring():
+    # Half the nodes forced to fp32: the coloring may move more, so the switchboard is set to the
+    # written model's own coloring; then the two are one computation, to float32's last bits (a Conv
+    # fed through Where may sum in another order), far below float16's rounding.  The basic
+    # optimization level broke this on PP-OCRv4's recognizer: 0.046 written against 0.024.
+    model, samples = _conv_net(), _samples(2)
+    cal = _Calibration(model, Options(calibration=samples, tolerance=1e-2, holdout=0))
+    plain = cal.convert({})
+    low = _low_nodes(cal.original, plain.report)
+    board = Switchboard(cal.original, low, "float16", {}, _low_io(cal.original, plain.model))
+    forced = set(board.nodes[::2])
+    written = cal.convert({name: "test" for name in forced})
+    still_low = _low_nodes(cal.original, written.report)
+    assert forced and set(board.nodes) - forced - set(still_low) != set(board.nodes)
+    searched = [out["y"] for out in board.iter_run(set(board.nodes) - set(still_low), samples, ["y"])]
+    for a, b in zip(searched, _outputs(emulate(written.model, keep_io_types=False), samples)):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)

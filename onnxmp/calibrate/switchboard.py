@@ -88,9 +88,7 @@ class Switchboard:
         # ORT's memory-reuse planner is superlinear in the number of values: it took 5 s of a
         # 4,500-node switchboard's 5.5 s start-up.  Runs are short; allocation is cheap by comparison.
         options.enable_mem_reuse = False
-        # No optimization at all: the basic level the measurement runs at (session.py) only folds
-        # constants and drops redundant nodes, the same arithmetic, and folding every weight's
-        # rounded copy would hold it twice for the session's life.
+        # No optimization at all, as the measurement of the written model (session.py).
         if is_large(proto):
             # Each switched weight's rounded copies come from Casts that read only initializers,
             # which ORT's default order runs first, all at once.  Priority order keeps fewer alive:
