@@ -17,6 +17,7 @@ from onnx import TensorProto, helper
 
 from onnxmp.training.build.autodiff.engine import BackwardReport, backward
 from onnxmp.training.build.autodiff.rules import VJP_RULES
+from onnxmp.training.build.loss_forms import checked_loss
 from onnxmp.training.contract import (LAZY_RESET_GRAD, LOSS, LOSS_SCALE, LOSS_SCALED, accumulation_buffer,
                                       accumulation_out)
 
@@ -41,14 +42,11 @@ def gradient_graph(forward: onnx.ModelProto, loss: LossFn, label_name: str, requ
 
     ``reports``, when given, receives the :class:`BackwardReport` (nodes added, runtime-shape places).
     """
-    from onnxmp.training.build.gradient import check_loss_block
-
     requires_grad, frozen = list(requires_grad), list(frozen)
     model = onnx.ModelProto()
     model.CopyFrom(forward)
     graph = model.graph
-    loss_value = loss(graph, graph.output[0].name, label_name)
-    check_loss_block(graph, loss_value, label_name, getattr(loss, "__name__", type(loss).__name__))
+    loss_value = checked_loss(loss)(graph, graph.output[0].name, label_name)
     graph.input.append(helper.make_tensor_value_info(LOSS_SCALE, TensorProto.FLOAT, []))
     graph.node.append(helper.make_node("Identity", [loss_value], [LOSS], name="onnxmp/loss"))
     graph.node.append(helper.make_node("Mul", [LOSS, LOSS_SCALE], [LOSS_SCALED], name="onnxmp/loss_scale"))
