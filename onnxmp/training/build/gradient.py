@@ -17,7 +17,7 @@ from onnxmp import runtime
 from onnxmp.errors import OnnxMPError
 from onnxmp.training import _ort
 from onnxmp.training.contract import LOSS, LOSS_SCALE, LOSS_SCALED
-from onnxmp.training.build.loss_forms import checked_loss
+from onnxmp.training.build.loss_forms import add_scaled_loss, checked_loss
 from onnxmp.training.build.prepare import RUNTIME_SHAPE
 
 log = logging.getLogger("onnxmp.training.build.gradient")
@@ -33,9 +33,7 @@ def gradient_graph(forward: onnx.ModelProto, loss, label_name: str, requires_gra
             graph = self.base.graph
             # checked: onnxblock checks the model after build(), where an undeclared label fails unnamed.
             loss_value = checked_loss(loss)(graph, outputs[0], label_name)
-            graph.input.append(helper.make_tensor_value_info(LOSS_SCALE, TensorProto.FLOAT, []))
-            graph.node.append(helper.make_node("Identity", [loss_value], [LOSS], name="onnxmp/loss"))
-            graph.node.append(helper.make_node("Mul", [LOSS, LOSS_SCALE], [LOSS_SCALED], name="onnxmp/loss_scale"))
+            add_scaled_loss(graph, loss_value)
             # The first output is where backpropagation starts: the scaled loss.
             return LOSS_SCALED, LOSS
 

@@ -31,6 +31,7 @@ from onnxmp.domains import is_onnx_domain
 from onnxmp.errors import OnnxMPError, first_line
 from onnxmp.naming import FreshNames, proto_names
 from onnxmp.training import losses
+from onnxmp.training.contract import LOSS, LOSS_SCALE, LOSS_SCALED
 from onnxmp.training.losses import LOSSES, LossGraph, TableLoss
 
 _CUSTOM = "docs/training.md, custom losses"
@@ -83,6 +84,14 @@ def check_loss_block(graph: onnx.GraphProto, loss, label_name: str, block: str, 
     if loss not in produced:
         raise OnnxMPError(f"the loss block {block} returned {loss!r}, which no node of the graph produces",
                           "return the name of the loss node's output")
+
+
+def add_scaled_loss(graph: onnx.GraphProto, loss_value: str) -> None:
+    """The tail both builders write after the loss: the ``loss_scale`` input, ``loss`` (the loss's
+    Identity) and ``loss_scaled`` (their product, where backpropagation starts)."""
+    graph.input.append(helper.make_tensor_value_info(LOSS_SCALE, TensorProto.FLOAT, []))
+    graph.node.append(helper.make_node("Identity", [loss_value], [LOSS], name="onnxmp/loss"))
+    graph.node.append(helper.make_node("Mul", [LOSS, LOSS_SCALE], [LOSS_SCALED], name="onnxmp/loss_scale"))
 
 
 def loss_writer(loss: Any, opset_import: Sequence[onnx.OperatorSetIdProto] = ()) -> LossWriter:

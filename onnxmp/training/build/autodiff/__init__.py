@@ -17,8 +17,8 @@ from onnx import TensorProto, helper
 
 from onnxmp.training.build.autodiff.engine import BackwardReport, backward
 from onnxmp.training.build.autodiff.rules import VJP_RULES
-from onnxmp.training.build.loss_forms import checked_loss
-from onnxmp.training.contract import (LAZY_RESET_GRAD, LOSS, LOSS_SCALE, LOSS_SCALED, accumulation_buffer,
+from onnxmp.training.build.loss_forms import add_scaled_loss, checked_loss
+from onnxmp.training.contract import (LAZY_RESET_GRAD, LOSS, LOSS_SCALED, accumulation_buffer,
                                       accumulation_out)
 
 log = logging.getLogger("onnxmp.training.build.autodiff")
@@ -47,9 +47,7 @@ def gradient_graph(forward: onnx.ModelProto, loss: LossFn, label_name: str, requ
     model.CopyFrom(forward)
     graph = model.graph
     loss_value = checked_loss(loss)(graph, graph.output[0].name, label_name)
-    graph.input.append(helper.make_tensor_value_info(LOSS_SCALE, TensorProto.FLOAT, []))
-    graph.node.append(helper.make_node("Identity", [loss_value], [LOSS], name="onnxmp/loss"))
-    graph.node.append(helper.make_node("Mul", [LOSS, LOSS_SCALE], [LOSS_SCALED], name="onnxmp/loss_scale"))
+    add_scaled_loss(graph, loss_value)
     graph.ClearField("output")
     graph.output.extend([helper.make_tensor_value_info(LOSS_SCALED, TensorProto.FLOAT, []),
                          helper.make_tensor_value_info(LOSS, TensorProto.FLOAT, [])])
