@@ -19,7 +19,7 @@ from onnxmp.training.build.autodiff.engine import BackwardReport, backward
 from onnxmp.training.build.autodiff.rules import VJP_RULES
 from onnxmp.training.build.loss_forms import add_scaled_loss, checked_loss
 from onnxmp.training.contract import (LAZY_RESET_GRAD, LOSS, LOSS_SCALED, accumulation_buffer,
-                                      accumulation_out)
+                                      accumulation_out, gradient_output)
 
 log = logging.getLogger("onnxmp.training.build.autodiff")
 
@@ -96,7 +96,7 @@ def _inference_mode(graph: onnx.GraphProto) -> None:
 def _accumulators(training: onnx.ModelProto, requires_grad: list[str]) -> None:
     """onnxblock's gradient accumulation: each ``P_grad`` output into an InPlaceAccumulatorV2."""
     graph = training.graph
-    grads = {f"{p}_grad": p for p in requires_grad}
+    grads = {gradient_output(p): p for p in requires_grad}
     outputs = []
     for index, value in enumerate(graph.output):
         if value.name not in grads:

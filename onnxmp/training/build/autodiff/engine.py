@@ -27,6 +27,7 @@ from onnxmp.training.build.autodiff.emit import FLOATS, MS_DOMAIN, Emitter
 from onnxmp.training.build.autodiff.fold import inline_constant_ifs
 from onnxmp.training.build.autodiff.info import GraphInfo
 from onnxmp.training.build.autodiff.rules import VJP_RULES
+from onnxmp.training.contract import gradient_output
 
 log = logging.getLogger("onnxmp.training.build.autodiff")
 
@@ -118,7 +119,7 @@ def backward(model: onnx.ModelProto, seed: str, wrt: Sequence[str]) -> tuple[onn
     shared = Counter(finals.values())
     outputs = []
     for w in wrt:
-        grad = _named(emit, finals[w], f"{w}_grad", info.types.get(w), shared[finals[w]] > 1)
+        grad = _named(emit, finals[w], gradient_output(w), info.types.get(w), shared[finals[w]] > 1)
         outputs.append(onnx.helper.make_tensor_value_info(grad, info.types[w], info.shape(w)))
 
     added = len(emit.nodes)
