@@ -355,5 +355,6 @@ def test_a_custom_loss_must_declare_its_label():
         graph.node.append(helper.make_node("ReduceMean", [output], ["l"], keepdims=0))
         return "l"
 
-    with pytest.raises(OnnxMPError, match="did not declare its label input"):
+    # named by the function's name (not "LossWriter", the wrapper that checks it)
+    with pytest.raises(OnnxMPError, match="loss block forgetful did not declare its label input"):
         gradient_graph(model, forgetful, "labels", _trainable(model), [])
