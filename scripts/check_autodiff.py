@@ -35,6 +35,8 @@ EXPORTS = ROOT / "models" / "exports"
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(EXPORTS))
 
+from onnxmp.training import contract  # noqa: E402
+
 MATRIX = json.loads((EXPORTS / "matrix.json").read_text())
 FLOOR = 1e-3
 TOLERANCE = {"float32": 1e-5, "float16": 2 * 2.0**-10, "bfloat16": 2 * 2.0**-7}
@@ -80,11 +82,11 @@ def feeds(entry: str, model: onnx.ModelProto, parameters, precision: str) -> dic
     for value in model.graph.input:
         if value.name in params:
             out[value.name] = params[value.name]
-        elif value.name == "loss_scale":
+        elif value.name == contract.LOSS_SCALE:
             out[value.name] = np.array(1.0 if precision == "float32" else 1024.0, np.float32)
-        elif value.name.endswith(".accumulation.buffer"):
-            out[value.name] = np.zeros(params[value.name[:-len("_grad.accumulation.buffer")]].shape, np.float32)
-        elif value.name == "lazy_reset_grad":
+        elif contract.is_accumulation_buffer(value.name):
+            out[value.name] = np.zeros(params[contract.buffer_parameter(value.name)].shape, np.float32)
+        elif value.name == contract.LAZY_RESET_GRAD:
             out[value.name] = np.array([True])
     return {v.name: out[v.name] for v in model.graph.input}
 
@@ -126,7 +128,7 @@ def float32_gradients(entry: str) -> dict[str, np.ndarray]:
     """ORT's float32 gradients of ``entry`` (the reference the low-precision ones are held to)."""
     if entry not in _FLOAT32:
         _, requires_grad, _, (native, _, parameters), _ = both(entry, "float32", ours=False)
-        grads = [f"{p}_grad" for p in requires_grad]
+        grads = [contract.gradient_output(p) for p in requires_grad]
         _FLOAT32[entry] = execute(native, feeds(entry, native, parameters, "float32"), grads)
     return _FLOAT32[entry]
 
@@ -138,7 +140,7 @@ def check(entry: str, precision: str) -> dict:
     forward, requires_grad, ours, theirs, seconds = both(entry, precision)
     (training, evaluation, parameters), (native, native_eval, _) = ours, theirs
     float32_cpu_grad_kernels(native)  # as the build's determinism stage does for the CPU
-    grads = [f"{p}_grad" for p in requires_grad]
+    grads = [contract.gradient_output(p) for p in requires_grad]
     inputs = feeds(entry, training, parameters, precision)
     mine = execute(training, inputs, ["loss", *grads])
     want = execute(native, feeds(entry, native, parameters, precision), ["loss", *grads])
@@ -146,7 +148,7 @@ def check(entry: str, precision: str) -> dict:
     if precision != "float32":
         # Both against the float32 gradients: is onnxmp's low-precision gradient as close as ORT's?
         exact = float32_gradients(entry)
-        scale = float(inputs["loss_scale"])
+        scale = float(inputs[contract.LOSS_SCALE])
         top = FLOOR * max(float(np.abs(exact[g]).max()) for g in grads)
         ours_error = max(difference(exact[g], mine[g] / scale, top) for g in grads)
         ort_error = max(difference(exact[g], want[g] / scale, top) for g in grads)
@@ -174,7 +176,7 @@ def check(entry: str, precision: str) -> dict:
 def finite_difference(evaluation: onnx.ModelProto, inputs: dict, grad: str, mine, want) -> str:
     """Which builder a central difference of the loss (h = 1e-2, float32) sides with, at the element
     where the two disagree most."""
-    param = grad[:-len("_grad")]
+    param = contract.gradient_parameter(grad)
     index = np.unravel_index(int(np.argmax(np.abs(mine - want))), np.shape(mine))
     losses = []
     for h in (1e-2, -1e-2):

@@ -76,6 +76,16 @@ def _no_training(reason: str) -> OnnxMPError:
     return OnnxMPError(reason, f"{_INSTALL_HINT}; or {_BUILD_ON_311}")
 
 
+def available() -> bool:
+    """Whether the training build (onnxruntime-training: onnxblock and its Module API) imports here."""
+    try:
+        onnxblock()
+        api()
+    except (OnnxMPError, ImportError):
+        return False
+    return True
+
+
 def onnxblock() -> types.ModuleType:
     _training_package()
     return importlib.import_module("onnxruntime.training.onnxblock")

@@ -7,7 +7,7 @@ runs (:mod:`onnxmp.training.run`) read them back.  Neither side spells one of th
   :data:`PORTABLE_FILES`), and :func:`manifest`, which builds the manifest from the built graphs.
 * **training graph**: the inputs ``loss_scale`` (the scalar the loss is multiplied by before
   backpropagation) and ``grad_weight`` (1/k for k accumulated micro-batches), ORT's
-  ``lazy_reset_grad``, per trainable ``P`` the accumulation buffer ``P_grad.accumulation.buffer``
+  ``lazy_reset_grad``, per trainable ``P`` its gradient ``P_grad`` (:func:`gradient_output`), the accumulation buffer ``P_grad.accumulation.buffer``
   (its next value: ``P_grad.accumulation.out``); the outputs ``loss_scaled``, ``loss``,
   ``all_finite``, then the buffers' next values.  A gradient checked against its parameter's shape
   runs in a node named ``GRAD_SHAPE + P``, which a run's error message names.
@@ -55,13 +55,25 @@ LOSS_SCALED = "loss_scaled"
 ALL_FINITE = "all_finite"
 LAZY_RESET_GRAD = "lazy_reset_grad"  # ORT's: true on the first micro-batch after a reset
 RESERVED = (LOSS_SCALE, GRAD_WEIGHT, LOSS, LOSS_SCALED, ALL_FINITE)
-# ORT names each parameter's accumulation buffer <param>_grad.accumulation.buffer.
-BUFFER_SUFFIX = "_grad.accumulation.buffer"
-BUFFER_OUT_SUFFIX = "_grad.accumulation.out"
+# Both builders name each parameter's gradient <param>_grad (ORT's name), and ORT its accumulation
+# buffer <param>_grad.accumulation.buffer.
+GRAD_SUFFIX = "_grad"
+BUFFER_SUFFIX = GRAD_SUFFIX + ".accumulation.buffer"
+BUFFER_OUT_SUFFIX = GRAD_SUFFIX + ".accumulation.out"
 # Prefix of the node that checks a gradient has its parameter's shape.
 GRAD_SHAPE = "onnxmp/gradient_shape_of/"
 
 IGNORE_INDEX = -100  # the label cross entropy ignores: torch's and Hugging Face's
+
+
+def gradient_output(parameter: str) -> str:
+    """The gradient graph's output holding ``parameter``'s gradient (before accumulation)."""
+    return parameter + GRAD_SUFFIX
+
+
+def gradient_parameter(name: str) -> str | None:
+    """The parameter whose gradient ``name`` is (None: not a gradient's name)."""
+    return name[:-len(GRAD_SUFFIX)] if name.endswith(GRAD_SUFFIX) else None
 
 
 def accumulation_buffer(parameter: str) -> str:

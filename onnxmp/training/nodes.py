@@ -5,6 +5,8 @@ Every stage that writes nodes writes them with :class:`Nodes`:
 
 * the rewrites of one node (:class:`Rewrite`: ``prepare``'s rewrites, and the lowerings, whose
   ``Emit`` adds the element types it tracks), in the list style ``b.op("Mul", [x, y], out)``;
+* the gradient rules (``autodiff``'s ``Emitter``, which adds typed, deduplicated initializers), in the
+  list style too;
 * the graph writers (:class:`Writer`: the losses as :class:`LossGraph`, and torch's update),
   in the argument style ``g.op("Mul", x, y, out=...)``, which reads as the formula it writes.
 """
@@ -32,6 +34,7 @@ class Nodes:
         self.names, self.scope = names, scope
         self.nodes = [] if nodes is None else nodes
         self.initializers = initializers
+        self.min_opset = 0  # the ai.onnx opset the nodes need (0: any)
 
     def fresh(self, what: str) -> str:
         return self.names(f"{self.scope}/{what}")
@@ -55,6 +58,13 @@ class Nodes:
         else:
             self.nodes.append(helper.make_node("Constant", [], [out], name=self.fresh("Constant"), value=tensor))
         return out
+
+    def ints(self, values) -> str:
+        """An int64 constant: a scalar for an int, a 1-D tensor for a list."""
+        return self.constant(np.array(values, dtype=np.int64))
+
+    def needs_opset(self, version: int) -> None:
+        self.min_opset = max(self.min_opset, version)
 
 
 class Rewrite(Nodes):
@@ -89,6 +99,16 @@ def attribute(node: onnx.NodeProto, name: str, default):
         if a.name == name:
             return helper.get_attribute_value(a)
     return default
+
+
+def node_input(node: onnx.NodeProto, i: int) -> str:
+    """Input ``i`` of ``node``, or "" when absent."""
+    return node.input[i] if len(node.input) > i else ""
+
+
+def node_output(node: onnx.NodeProto, i: int) -> str:
+    """Output ``i`` of ``node``, or "" when the graph does not use it."""
+    return node.output[i] if len(node.output) > i else ""
 
 
 class Writer(Nodes):

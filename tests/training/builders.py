@@ -5,15 +5,7 @@ from __future__ import annotations
 import pytest
 
 
-def training_build() -> bool:
-    from onnxmp.errors import OnnxMPError
-    from onnxmp.training import _ort
-
-    try:
-        _ort.onnxblock()
-    except (OnnxMPError, ImportError):
-        return False
-    return True
+from onnxmp.training._ort import available as training_build
 
 
 HERE = (*(("ort",) if training_build() else ()), "onnxmp")

@@ -17,6 +17,8 @@ from onnxmp.errors import OnnxMPError
 from onnxmp.training.build.autodiff import backward, gradient_graph
 from onnxmp.training.losses import table_loss
 
+from builders import needs_training_build
+
 
 def parse(text: str, weights: dict[str, np.ndarray] | None = None, opset: int = 17) -> onnx.ModelProto:
     model = onnx.parser.parse_model(f'<ir_version: 8, opset_import: ["" : {opset}]>\n' + text)
@@ -292,17 +294,8 @@ def _gradients(training: onnx.ModelProto, feeds: dict, names: list[str]) -> dict
     return dict(zip(names, run(model, feeds, [f"{n}_grad" for n in names])))
 
 
-def _has_training_build() -> bool:
-    try:
-        from onnxmp.training import _ort
 
-        _ort.onnxblock()
-        return True
-    except Exception:
-        return False
-
-
-@pytest.mark.skipif(not _has_training_build(), reason="onnxruntime-training (Python <= 3.11) is not installed")
+@needs_training_build
 def test_gradient_graph_has_onnxblocks_contract():
     from onnxmp.training.build.gradient import gradient_graph as ort_gradient_graph
     model = _mlp()
@@ -362,5 +355,6 @@ def test_a_custom_loss_must_declare_its_label():
         graph.node.append(helper.make_node("ReduceMean", [output], ["l"], keepdims=0))
         return "l"
 
-    with pytest.raises(OnnxMPError, match="did not declare its label input"):
+    # named by the function's name (not "LossWriter", the wrapper that checks it)
+    with pytest.raises(OnnxMPError, match="loss block forgetful did not declare its label input"):
         gradient_graph(model, forgetful, "labels", _trainable(model), [])

@@ -17,20 +17,9 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "scripts"))
 
+from builders import needs_training_build  # noqa: E402
 
-def _has_training_build() -> bool:
-    try:
-        from onnxmp.training import _ort
-
-        _ort.onnxblock()
-        return True
-    except Exception:
-        return False
-
-
-pytestmark = [pytest.mark.slow,
-              pytest.mark.skipif(not _has_training_build(),
-                                 reason="the oracle, onnxruntime-training, installs on Python <= 3.11 only")]
+pytestmark = [pytest.mark.slow, needs_training_build]
 
 ENTRIES = [
     "albert.torchscript17", "bert2.torchscript17", "bert3.torchscript17", "bert_m1e9.torchscript17",

@@ -26,6 +26,7 @@ from onnxmp.training.build.autodiff import VJP_RULES, backward
 
 sys.path.insert(0, str(Path(__file__).parent))
 from autodiff_cases import CASES, MS, Case  # noqa: E402
+from builders import needs_training_build  # noqa: E402
 
 LOSS = "loss"
 _erf = np.vectorize(math.erf)
@@ -242,17 +243,8 @@ def _ort_gradients(model: onnx.ModelProto, feeds: dict, wrt: list[str]) -> dict[
     return dict(zip(wrt, session.run([f"{w}_grad" for w in wrt], feeds)))
 
 
-def _has_training_build() -> bool:
-    try:
-        from onnxmp.training import _ort
 
-        _ort.onnxblock()
-        return True
-    except Exception:
-        return False
-
-
-@pytest.mark.skipif(not _has_training_build(), reason="onnxruntime-training (Python <= 3.11) is not installed")
+@needs_training_build
 @pytest.mark.parametrize("case", CASES, ids=IDS)
 def test_rule_matches_onnxruntime_training(case):
     model, feeds, wrt = with_loss(case, np.float32)

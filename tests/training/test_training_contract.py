@@ -21,6 +21,14 @@ def test_accumulation_names_round_trip():
     assert not contract.is_accumulation_out(buffer)
 
 
+def test_gradient_names_round_trip():
+    assert contract.gradient_output("layer.weight") == "layer.weight_grad"
+    assert contract.gradient_parameter("layer.weight_grad") == "layer.weight"
+    assert contract.gradient_parameter("layer.weight") is None
+    # the accumulation buffer is named after the gradient
+    assert contract.accumulation_buffer("w").startswith(contract.gradient_output("w"))
+
+
 def test_slots_and_state_pairs_follow_the_update_graph():
     model = build_portable_optimizer("adamw", [("w", [2, 3]), ("b", [3])], 17)
     slots = contract.optimizer_slots([i.name for i in model.graph.input], ["w", "b"])

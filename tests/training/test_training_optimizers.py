@@ -27,19 +27,10 @@ from onnxmp.training import SGD, AdamW
 from onnxmp.training.optimizer_settings import ByName, optimizer_named
 from onnxmp.training.build.optimizer_graphs import build_optimizer_model, build_portable_optimizer
 
-def _training_build() -> bool:
-    from onnxmp.training import _ort
-
-    try:
-        _ort.onnxblock()
-    except OnnxMPError:
-        return False
-    return True
-
+from builders import needs_training_build
 
 # The portable graph needs no training build (these tests run on Python 3.12 with plain onnxruntime);
 # building artifacts and the native optimizer model do.
-needs_training_build = pytest.mark.skipif(not _training_build(), reason="needs onnxruntime-training (Python 3.11)")
 DATA = Path(__file__).parent / "data"
 REFERENCES = json.loads((DATA / "optimizer_references.json").read_text())["cases"]
 RTOL = 1e-6

@@ -17,6 +17,7 @@ from onnxmp import runtime
 from onnxmp.errors import OnnxMPError
 from onnxmp.training import _ort
 from onnxmp.training.contract import LOSS, LOSS_SCALE, LOSS_SCALED
+from onnxmp.training.build.loss_forms import add_scaled_loss, checked_loss
 from onnxmp.training.build.prepare import RUNTIME_SHAPE
 
 log = logging.getLogger("onnxmp.training.build.gradient")
@@ -30,18 +31,9 @@ def gradient_graph(forward: onnx.ModelProto, loss, label_name: str, requires_gra
     class LossScaledTraining(ob.TrainingBlock):
         def build(self, *outputs):
             graph = self.base.graph
-            try:
-                loss_value = loss(graph, outputs[0], label_name)
-            except OnnxMPError:
-                raise
-            except Exception:
-                # onnxblock checks the model after build(): an undeclared label fails there, unnamed.
-                check_loss_block(graph, None, label_name, getattr(loss, "name", type(loss).__name__), label_only=True)
-                raise
-            check_loss_block(graph, loss_value, label_name, getattr(loss, "name", type(loss).__name__))
-            graph.input.append(helper.make_tensor_value_info(LOSS_SCALE, TensorProto.FLOAT, []))
-            graph.node.append(helper.make_node("Identity", [loss_value], [LOSS], name="onnxmp/loss"))
-            graph.node.append(helper.make_node("Mul", [LOSS, LOSS_SCALE], [LOSS_SCALED], name="onnxmp/loss_scale"))
+            # checked: onnxblock checks the model after build(), where an undeclared label fails unnamed.
+            loss_value = checked_loss(loss)(graph, outputs[0], label_name)
+            add_scaled_loss(graph, loss_value)
             # The first output is where backpropagation starts: the scaled loss.
             return LOSS_SCALED, LOSS
 
@@ -66,23 +58,6 @@ def gradient_graph(forward: onnx.ModelProto, loss, label_name: str, requires_gra
     except Exception as exc:  # ORT and onnx raise assorted types; the message is what matters
         raise gradient_error(exc) from exc  # -v shows onnxruntime's own
     return training, evaluation, parameters
-
-
-def check_loss_block(graph: onnx.GraphProto, loss, label_name: str, block: str, label_only: bool = False) -> None:
-    """A custom loss block's two duties: declare its label input, return one value's name."""
-    if label_name not in {v.name for v in graph.input}:
-        raise OnnxMPError(f"the loss block {block} did not declare its label input {label_name!r}",
-                          "append a graph input for it in build() (onnxmp.training.losses.declare_label "
-                          "does it: see docs/training.md, custom losses)")
-    if label_only:
-        return
-    if not isinstance(loss, str):
-        raise OnnxMPError(f"the loss block {block} returned {type(loss).__name__}, not the name of its loss",
-                          "build(output, label) must return the name of a float32 scalar it added")
-    produced = {o for n in graph.node for o in n.output} | {t.name for t in graph.initializer}
-    if loss not in produced:
-        raise OnnxMPError(f"the loss block {block} returned {loss!r}, which no node of the graph produces",
-                          "return the name of the loss node's output")
 
 
 def gradient_error(exc: BaseException) -> OnnxMPError:

@@ -16,7 +16,7 @@ builder differentiates), declare the label input, return the name of the float32
 - an onnxblock ``Block`` (where onnxruntime-training installs): run on the graph.
 
 None of them but the ``Block`` needs onnxruntime-training.  Every form is held to the same two duties
-(:func:`onnxmp.training.build.gradient.check_loss_block`): declare the label, return a value the graph produces.
+(:func:`check_loss_block`): declare the label, return a value the graph produces.
 """
 from __future__ import annotations
 
@@ -31,6 +31,7 @@ from onnxmp.domains import is_onnx_domain
 from onnxmp.errors import OnnxMPError, first_line
 from onnxmp.naming import FreshNames, proto_names
 from onnxmp.training import losses
+from onnxmp.training.contract import LOSS, LOSS_SCALE, LOSS_SCALED
 from onnxmp.training.losses import LOSSES, LossGraph, TableLoss
 
 _CUSTOM = "docs/training.md, custom losses"
@@ -47,8 +48,6 @@ class LossWriter:
     table: bool = False                          # a loss of LOSSES (labels checked against its kind)
 
     def __call__(self, graph: onnx.GraphProto, output: str, label: str) -> str:
-        from onnxmp.training.build.gradient import check_loss_block
-
         try:
             loss = self.write(graph, output, label)
         except OnnxMPError:
@@ -59,6 +58,40 @@ class LossWriter:
                               f"see {_CUSTOM}") from exc
         check_loss_block(graph, loss, label, self.name)
         return loss
+
+
+def checked_loss(loss: Callable[[onnx.GraphProto, str, str], str]) -> LossWriter:
+    """``loss`` as a :class:`LossWriter`, whose call checks what it wrote: the pipeline passes one
+    already; a bare ``loss(graph, output, label)`` (a :class:`~onnxmp.training.losses.TableLoss`, a
+    test's function) gets the same checks, named by its table name or function name."""
+    if isinstance(loss, LossWriter):
+        return loss
+    return LossWriter(getattr(loss, "loss_name", None) or getattr(loss, "__name__", type(loss).__name__), loss)
+
+
+def check_loss_block(graph: onnx.GraphProto, loss, label_name: str, block: str, label_only: bool = False) -> None:
+    """A custom loss block's two duties: declare its label input, return one value's name."""
+    if label_name not in {v.name for v in graph.input}:
+        raise OnnxMPError(f"the loss block {block} did not declare its label input {label_name!r}",
+                          "append a graph input for it in build() (onnxmp.training.losses.declare_label "
+                          "does it: see docs/training.md, custom losses)")
+    if label_only:
+        return
+    if not isinstance(loss, str):
+        raise OnnxMPError(f"the loss block {block} returned {type(loss).__name__}, not the name of its loss",
+                          "build(output, label) must return the name of a float32 scalar it added")
+    produced = {o for n in graph.node for o in n.output} | {t.name for t in graph.initializer}
+    if loss not in produced:
+        raise OnnxMPError(f"the loss block {block} returned {loss!r}, which no node of the graph produces",
+                          "return the name of the loss node's output")
+
+
+def add_scaled_loss(graph: onnx.GraphProto, loss_value: str) -> None:
+    """The tail both builders write after the loss: the ``loss_scale`` input, ``loss`` (the loss's
+    Identity) and ``loss_scaled`` (their product, where backpropagation starts)."""
+    graph.input.append(helper.make_tensor_value_info(LOSS_SCALE, TensorProto.FLOAT, []))
+    graph.node.append(helper.make_node("Identity", [loss_value], [LOSS], name="onnxmp/loss"))
+    graph.node.append(helper.make_node("Mul", [LOSS, LOSS_SCALE], [LOSS_SCALED], name="onnxmp/loss_scale"))
 
 
 def loss_writer(loss: Any, opset_import: Sequence[onnx.OperatorSetIdProto] = ()) -> LossWriter:

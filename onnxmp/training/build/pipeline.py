@@ -322,17 +322,8 @@ def resolve_builder(builder: str) -> str:
     if builder == "ort":
         _ort.onnxblock()
         return builder
-    if builder == "auto":
-        try:
-            _ort.onnxblock()
-            return "ort"
-        except (OnnxMPError, ImportError):
-            pass
-    try:
-        import onnxmp.training.build.autodiff  # noqa: F401
-    except ImportError as exc:
-        raise OnnxMPError(f"onnxmp's gradient builder is not available in this install ({exc})",
-                          "reinstall onnxmp, or build with builder='ort' on Python 3.11 with the training build") from None
+    if builder == "auto" and _ort.available():
+        return "ort"
     return "onnxmp"
 
 

@@ -17,8 +17,9 @@ from onnx import TensorProto, helper
 
 from onnxmp.training.build.autodiff.engine import BackwardReport, backward
 from onnxmp.training.build.autodiff.rules import VJP_RULES
-from onnxmp.training.contract import (LAZY_RESET_GRAD, LOSS, LOSS_SCALE, LOSS_SCALED, accumulation_buffer,
-                                      accumulation_out)
+from onnxmp.training.build.loss_forms import add_scaled_loss, checked_loss
+from onnxmp.training.contract import (LAZY_RESET_GRAD, LOSS, LOSS_SCALED, accumulation_buffer,
+                                      accumulation_out, gradient_output)
 
 log = logging.getLogger("onnxmp.training.build.autodiff")
 
@@ -41,17 +42,12 @@ def gradient_graph(forward: onnx.ModelProto, loss: LossFn, label_name: str, requ
 
     ``reports``, when given, receives the :class:`BackwardReport` (nodes added, runtime-shape places).
     """
-    from onnxmp.training.build.gradient import check_loss_block
-
     requires_grad, frozen = list(requires_grad), list(frozen)
     model = onnx.ModelProto()
     model.CopyFrom(forward)
     graph = model.graph
-    loss_value = loss(graph, graph.output[0].name, label_name)
-    check_loss_block(graph, loss_value, label_name, getattr(loss, "__name__", type(loss).__name__))
-    graph.input.append(helper.make_tensor_value_info(LOSS_SCALE, TensorProto.FLOAT, []))
-    graph.node.append(helper.make_node("Identity", [loss_value], [LOSS], name="onnxmp/loss"))
-    graph.node.append(helper.make_node("Mul", [LOSS, LOSS_SCALE], [LOSS_SCALED], name="onnxmp/loss_scale"))
+    loss_value = checked_loss(loss)(graph, graph.output[0].name, label_name)
+    add_scaled_loss(graph, loss_value)
     graph.ClearField("output")
     graph.output.extend([helper.make_tensor_value_info(LOSS_SCALED, TensorProto.FLOAT, []),
                          helper.make_tensor_value_info(LOSS, TensorProto.FLOAT, [])])
@@ -100,7 +96,7 @@ def _inference_mode(graph: onnx.GraphProto) -> None:
 def _accumulators(training: onnx.ModelProto, requires_grad: list[str]) -> None:
     """onnxblock's gradient accumulation: each ``P_grad`` output into an InPlaceAccumulatorV2."""
     graph = training.graph
-    grads = {f"{p}_grad": p for p in requires_grad}
+    grads = {gradient_output(p): p for p in requires_grad}
     outputs = []
     for index, value in enumerate(graph.output):
         if value.name not in grads:

@@ -10,8 +10,7 @@ from onnx import TensorProto, helper
 from onnxmp.errors import OnnxMPError
 from onnxmp.training.build.autodiff.emit import Emitter
 from onnxmp.training.build.autodiff.info import GraphInfo, Shape
-
-_STRING_ATTR = onnx.AttributeProto.STRING
+from onnxmp.training.nodes import attribute, node_input, node_output
 
 
 class Vjp:
@@ -34,17 +33,14 @@ class Vjp:
         return self.node.name or self.node.output[0]
 
     def attr(self, name: str, default=None):
-        for a in self.node.attribute:
-            if a.name == name:
-                value = helper.get_attribute_value(a)
-                return value.decode() if a.type == _STRING_ATTR else value
-        return default
+        value = attribute(self.node, name, default)
+        return value.decode() if isinstance(value, bytes) else value
 
     def x(self, i: int) -> str:
-        return self.node.input[i] if len(self.node.input) > i else ""
+        return node_input(self.node, i)
 
     def y(self, i: int) -> str:
-        return self.node.output[i] if len(self.node.output) > i else ""
+        return node_output(self.node, i)
 
     def dy(self, i: int = 0) -> str | None:
         return self._dy[i] if i < len(self._dy) else None

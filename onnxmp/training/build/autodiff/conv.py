@@ -194,12 +194,12 @@ def average_pool(c: Vjp) -> None:
         stop = np.minimum(start + k, d + e)
         counts = stop - start if include else np.minimum(start + k, d) - np.maximum(start, 0)
         divisor = divisor * counts.reshape([-1 if i == a else 1 for i in range(n)])
-    scaled = c.op("Mul", dy, c.emit.constant((1.0 / divisor).astype(np.float32), c.elem(dy)))
+    scaled = c.op("Mul", dy, c.emit.constant((1.0 / divisor).astype(np.float32), elem=c.elem(dy)))
     # ConvTranspose with zero pads covers [-b, -b + s*(o-1) + k): crop to [0, d) by its pads.
     tail = [s * (o - 1) + k - b - d for d, o, k, s, b in zip(sizes, outs, kernel, strides, begin)]
     pads_end = [max(t, 0) for t in tail]
     padding = [max(-t, 0) for t in tail]
-    ones = c.emit.constant(np.ones([1, 1, *kernel], np.float32), c.elem(dy))
+    ones = c.emit.constant(np.ones([1, 1, *kernel], np.float32), elem=c.elem(dy))
     per_channel = c.op("Reshape", scaled, c.ints([-1, 1, *[0] * n]))
     grad = c.op("ConvTranspose", per_channel, ones, strides=strides, pads=begin + pads_end,
                 output_padding=padding if any(padding) else None)

@@ -23,10 +23,12 @@ from onnxmp.domains import is_onnx_domain, op_key
 from onnxmp.errors import OnnxMPError
 from onnxmp.naming import FreshNames, proto_names
 from onnxmp.training.build.autodiff.context import Vjp
-from onnxmp.training.build.autodiff.emit import FLOATS, MS_DOMAIN, Emitter
+from onnxmp.training.build.autodiff.emit import MS_DOMAIN, Emitter
 from onnxmp.training.build.autodiff.fold import inline_constant_ifs
 from onnxmp.training.build.autodiff.info import GraphInfo
 from onnxmp.training.build.autodiff.rules import VJP_RULES
+from onnxmp.training.contract import gradient_output
+from onnxmp.training.nodes import FLOATS
 
 log = logging.getLogger("onnxmp.training.build.autodiff")
 
@@ -118,7 +120,7 @@ def backward(model: onnx.ModelProto, seed: str, wrt: Sequence[str]) -> tuple[onn
     shared = Counter(finals.values())
     outputs = []
     for w in wrt:
-        grad = _named(emit, finals[w], f"{w}_grad", info.types.get(w), shared[finals[w]] > 1)
+        grad = _named(emit, finals[w], gradient_output(w), info.types.get(w), shared[finals[w]] > 1)
         outputs.append(onnx.helper.make_tensor_value_info(grad, info.types[w], info.shape(w)))
 
     added = len(emit.nodes)
@@ -155,7 +157,7 @@ def _seed(emit: Emitter, seed: str, info: GraphInfo, runtime: list[str]) -> str:
         return emit.scalar(1.0, elem)
     static = info.static_shape(seed)
     if static is not None:
-        return emit.constant(np.ones(static, np.float32), elem)
+        return emit.constant(np.ones(static, np.float32), elem=elem)
     runtime.append(f"{seed}: ones shaped like the seed")
     ones = emit.op("ConstantOfShape", [emit.op("Shape", [seed], elem=TensorProto.INT64)],
                    value=onnx.numpy_helper.from_array(np.ones(1, np.float32)), elem=TensorProto.FLOAT)

@@ -63,8 +63,21 @@ def _channel(c: Vjp, t: str, rank: int) -> str:
     return c.unsqueeze(t, list(range(1, rank - 1))) if rank > 2 else t
 
 
+def _affine_grads(c: Vjp, dyw: str, xhat: str, axes: list[int], rank: int, work: int) -> str | None:
+    """The per-channel bias (input 2) and scale (input 1) gradients of ``y = scale * xhat + bias``
+    over [N, C, ...], summed over ``axes``; returns dy * scale (what dx is made of) when input 0
+    wants a gradient, else None."""
+    if c.needs(2):
+        c.set(2, c.cast(c.reduce("ReduceSum", dyw, axes, 0), c.elem(c.x(2))))
+    if c.needs(1):
+        c.set(1, c.cast(c.reduce("ReduceSum", c.op("Mul", dyw, xhat), axes, 0), c.elem(c.x(1))))
+    if not c.needs(0):
+        return None
+    return c.op("Mul", dyw, _channel(c, c.cast(c.x(1), work), rank))
+
+
 def batch_normalization(c: Vjp) -> None:
-    x, scale, bias, dy = c.x(0), c.x(1), c.x(2), c.dy()
+    x, dy = c.x(0), c.dy()
     rank = c.rank(x)
     eps = float(c.attr("epsilon", 1e-5))
     training = bool(c.attr("training_mode", 0)) or (c.info.opset < 14 and len([o for o in c.node.output if o]) > 1)
@@ -81,18 +94,14 @@ def batch_normalization(c: Vjp) -> None:
         var = _channel(c, c.cast(c.x(4), work), rank)
     inv = c.op("Reciprocal", c.op("Sqrt", c.op("Add", var, c.scalar(eps, var))))
     xhat = c.op("Mul", centered, inv)
-    if c.needs(2):
-        c.set(2, c.cast(c.reduce("ReduceSum", dyw, axes, 0), c.elem(bias)))
-    if c.needs(1):
-        c.set(1, c.cast(c.reduce("ReduceSum", c.op("Mul", dyw, xhat), axes, 0), c.elem(scale)))
-    if c.needs(0):
-        g = c.op("Mul", dyw, _channel(c, c.cast(scale, work), rank))
+    g = _affine_grads(c, dyw, xhat, axes, rank, work)
+    if g:
         dx = _dx(c, g, xhat, inv, axes) if training else c.op("Mul", g, inv)
         c.set(0, c.cast(dx, c.elem(x)))
 
 
 def instance_normalization(c: Vjp) -> None:
-    x, scale, bias, dy = c.x(0), c.x(1), c.x(2), c.dy()
+    x, dy = c.x(0), c.dy()
     rank = c.rank(x)
     eps = float(c.attr("epsilon", 1e-5))
     spatial = list(range(2, rank))
@@ -103,13 +112,8 @@ def instance_normalization(c: Vjp) -> None:
     var = c.reduce("ReduceMean", c.op("Mul", centered, centered), spatial, 1)
     inv = c.op("Reciprocal", c.op("Sqrt", c.op("Add", var, c.scalar(eps, var))))
     xhat = c.op("Mul", centered, inv)
-    axes = [0, *spatial]
-    if c.needs(2):
-        c.set(2, c.cast(c.reduce("ReduceSum", dyw, axes, 0), c.elem(bias)))
-    if c.needs(1):
-        c.set(1, c.cast(c.reduce("ReduceSum", c.op("Mul", dyw, xhat), axes, 0), c.elem(scale)))
-    if c.needs(0):
-        g = c.op("Mul", dyw, _channel(c, c.cast(scale, work), rank))
+    g = _affine_grads(c, dyw, xhat, [0, *spatial], rank, work)
+    if g:
         c.set(0, c.cast(_dx(c, g, xhat, inv, spatial), c.elem(x)))
 
 

@@ -90,7 +90,7 @@ def resize(c: Vjp) -> None:
     elem = c.elem(dy)
 
     def constant(matrix: np.ndarray) -> str:
-        return c.emit.constant(matrix.astype(numpy_type(elem)), elem)
+        return c.emit.constant(matrix.astype(numpy_type(elem)), elem=elem)
 
     for a in resized:
         size_in, size_out = shape_in[a], shape_out[a]

@@ -1,5 +1,5 @@
 """What the lowerings add to the node builder (:class:`onnxmp.training.nodes.Rewrite`): the element
-types the lowered graph knows (low-precision math runs in float32), and the opset the nodes need."""
+types the lowered graph knows (low-precision math runs in float32)."""
 from __future__ import annotations
 
 import numpy as np
@@ -9,7 +9,7 @@ from onnx import TensorProto, helper, numpy_helper
 from onnxmp.errors import OnnxMPError
 from onnxmp.naming import FreshNames
 from onnxmp.precision import LOW
-from onnxmp.training.nodes import Rewrite
+from onnxmp.training.nodes import Rewrite, node_input, node_output
 
 LOW_TYPES = frozenset(p.onnx_type for p in LOW.values())
 # Opset of ScatterElements/ScatterND with reduction="add", which the scatter lowerings need.
@@ -31,15 +31,12 @@ class Emit(Rewrite):
         super().__init__(names, node)
         self.types, self.shapes = types, shapes
         self.retyped: dict[str, onnx.TypeProto] = {}
-        self.min_opset = 0
 
     def input(self, i: int) -> str:
-        """Input ``i``, or "" when absent."""
-        return self.node.input[i] if len(self.node.input) > i else ""
+        return node_input(self.node, i)
 
     def output(self, i: int) -> str:
-        """Output ``i``, or "" when the graph does not use it."""
-        return self.node.output[i] if len(self.node.output) > i else ""
+        return node_output(self.node, i)
 
     def dtype(self, name: str) -> int:
         """The element type of ``name``; an error naming the node when the graph does not say."""
@@ -53,10 +50,6 @@ class Emit(Rewrite):
         out = super().constant(array, what)
         self.types[out] = helper.np_dtype_to_tensor_dtype(np.asarray(array).dtype)
         return out
-
-    def ints(self, values) -> str:
-        """An int64 constant: a scalar for an int, a 1-D tensor for a list."""
-        return self.constant(np.array(values, dtype=np.int64))
 
     def scalar(self, value: float, elem: int = TensorProto.FLOAT) -> str:
         if elem == TensorProto.BFLOAT16:  # numpy has no bfloat16: the Cast rounds it
@@ -97,6 +90,3 @@ class Emit(Rewrite):
     def sum(self, x: str, axes: str, keepdims: int = 1) -> str:
         """ReduceSum over the axes in ``axes`` (1-D int64, possibly empty: nothing reduced)."""
         return self.op("ReduceSum", [x, axes], keepdims=keepdims, noop_with_empty_axes=1)
-
-    def needs_opset(self, version: int) -> None:
-        self.min_opset = max(self.min_opset, version)
