@@ -590,17 +590,17 @@ def test_many_convs_in_a_spread_prefix_are_bisected_back_to_fp16():
 
 def test_attribution_in_groups_ranks_as_in_one_piece(monkeypatch):
     # A model whose intermediates exceed the memory limit is fetched group by group: same blame.
-    import onnxmp.calibrate.attribution as search
+    import onnxmp.calibrate.attribution as attribution
     from onnxmp.calibrate.driver import _Calibration, _low_nodes
     from onnxmp.options import Options
 
     model = _culprit_chain(6, {2})
     cal = _Calibration(model, Options(calibration=_samples(2, seed=7), tolerance=3e-2, holdout=0))
     board = Switchboard(cal.original, _low_nodes(cal.original, cal.convert({}).report))
-    whole = search.local_attribution(board, cal.tune)
+    whole = attribution.local_attribution(board, cal.tune)
     monkeypatch.setattr(search, "ATTRIBUTION_BYTES", 64)
     seen = []
-    assert search.local_attribution(board, cal.tune, lambda i, out: seen.append((i, sorted(out)))) == whole
+    assert attribution.local_attribution(board, cal.tune, lambda i, out: seen.append((i, sorted(out)))) == whole
     assert seen == [(0, ["side2", "y"]), (1, ["side2", "y"])]
 
 

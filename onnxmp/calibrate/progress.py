@@ -1,7 +1,6 @@
 """The search's progress bar."""
 from __future__ import annotations
 
-import time
 
 from onnxmp.calibrate.search import Probe
 
@@ -13,7 +12,6 @@ class RunBar:
         from tqdm import tqdm
 
         self.bar = tqdm(desc=desc, unit="run", disable=None, leave=False)
-        self.start = time.perf_counter()
         self.heavy: frozenset[str] = frozenset()  # the search's Conv/MatMul/Gemm candidates
         self.tolerance = 1.0
 

@@ -1,4 +1,4 @@
-"""Each lowering of ORT's training ops (onnxmp/training/lower) against ORT's own kernel.
+"""Each lowering of ORT's training ops (onnxmp/training/build/lower) against ORT's own kernel.
 
 The oracle is onnxruntime-training 1.19.2's CPU kernel, run on a graph of the one node; the
 lowered graph (standard ONNX ops) runs in the same session type.  ORT's CPU training kernels are

@@ -1,4 +1,4 @@
-"""Custom losses in every form (onnxmp/training/loss_forms.py), none needing onnxruntime-training:
+"""Custom losses in every form (onnxmp/training/build/loss_forms.py), none needing onnxruntime-training:
 an ONNX graph or model, an ONNX function, a Python function writing nodes with LossGraph.  Each is
 held to torch's mean squared error / cross entropy on the tiny model of test_training_losses, through
 every gradient builder here, and each has a malformed twin that is refused with one clear error."""

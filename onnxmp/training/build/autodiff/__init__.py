@@ -1,8 +1,9 @@
 """onnxmp's own reverse-mode gradient builder: training graphs without onnxruntime-training.
 
 - :func:`backward` adds ``<w>_grad`` outputs to a model (the engine: :mod:`.engine`; one rule per
-  op in :data:`VJP_RULES`, by family: :mod:`.elementwise`, :mod:`.activations`, :mod:`.linalg`,
-  :mod:`.normalization`, :mod:`.shapes`, :mod:`.indexing`, :mod:`.reductions`, :mod:`.conv`).
+  op in :data:`VJP_RULES`, by family: :mod:`.elementwise`, :mod:`.activation_zoo`, :mod:`.linalg`,
+  :mod:`.normalization`, :mod:`.data_movement`, :mod:`.indexing`, :mod:`.reductions`, :mod:`.conv`,
+  :mod:`.resize`; what the shapes decide: :mod:`.info`, :mod:`.symbolic`, :mod:`.fold`).
 - :func:`gradient_graph` builds the training and eval models with the contract of
   :func:`onnxmp.training.build.gradient.gradient_graph` (onnxruntime-training's onnxblock builder), so
   the rest of the build (loss scaling, lowering, optimizer, write) runs on either.

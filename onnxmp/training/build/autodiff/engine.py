@@ -138,7 +138,8 @@ def _check_names(graph: onnx.GraphProto, seed: str, wrt: list[str], info: GraphI
     if seed not in produced:
         raise OnnxMPError(f"no value of the graph is called {seed!r}", "name the loss value to differentiate")
     if info.types.get(seed) not in FLOATS:
-        raise OnnxMPError(f"the value to differentiate, {seed!r}, is not a float tensor")
+        raise OnnxMPError(f"the value to differentiate, {seed!r}, is not a float tensor",
+                          "differentiate the float32 loss (Cast it to FLOAT first)")
     sources = {v.name for v in graph.input} | set(info.initializers)
     bad = [w for w in wrt if w not in sources]
     if bad:
@@ -146,7 +147,8 @@ def _check_names(graph: onnx.GraphProto, seed: str, wrt: list[str], info: GraphI
                           "gradients are taken with respect to initializers (weights)")
     not_float = [w for w in wrt if info.types.get(w) not in FLOATS]
     if not_float:
-        raise OnnxMPError(f"cannot differentiate with respect to non-float tensors: {', '.join(not_float[:10])}")
+        raise OnnxMPError(f"cannot differentiate with respect to non-float tensors: {', '.join(not_float[:10])}",
+                          "train float initializers only; leave integer ones (shapes, indices) out of requires_grad")
 
 
 def _seed(emit: Emitter, seed: str, info: GraphInfo, runtime: list[str]) -> str:
