@@ -1,7 +1,6 @@
 """The search's progress bar."""
 from __future__ import annotations
 
-
 from onnxmp.calibrate.search import Probe
 
 
