@@ -201,12 +201,15 @@ def cuda_check(entry: str, precision: str) -> str:
     forward, requires_grad, frozen = forward_of(entry, precision, "cuda")
     reports: list = []
     training, _, _ = autodiff.gradient_graph(forward, table_loss("cross_entropy"), "labels",
-                                             requires_grad, frozen, reports=reports)
+                                             requires_grad, frozen, reports=reports, target="cuda")
     add_loss_scaling(training)
     lowered = lower_model(training)
     verdict = check_graph(lowered, "cuda")
-    return (f"{'ok' if verdict.ok else 'NOT OK'}: {len(lowered.graph.node)} nodes, "
-            f"{reports[0].runtime_shapes} runtime-shape places" + ("" if verdict.ok else f"; {verdict}"))
+    ok = verdict.ok and not verdict.without_kernel
+    float32 = ", ".join(f"{k} x{v}" for k, v in reports[0].float32_ops.items())
+    return (f"{'ok' if ok else 'NOT OK'}: {len(lowered.graph.node)} nodes, "
+            f"{reports[0].runtime_shapes} runtime-shape places" + (f", in float32: {float32}" if float32 else "")
+            + ("" if ok else f"; {verdict}"))
 
 
 def main(argv=None) -> int:

@@ -37,7 +37,7 @@ from onnxmp.precision import BY_ONNX_TYPE
 from onnxmp.verify import full_check
 
 # The kernel table's float types by ONNX type (it reads "float32" as its "float").
-_FLOAT_NAMES = {**{t: p.name for t, p in BY_ONNX_TYPE.items()}, TensorProto.DOUBLE: "double"}
+FLOAT_NAMES = {**{t: p.name for t, p in BY_ONNX_TYPE.items()}, TensorProto.DOUBLE: "double"}
 
 
 @dataclass
@@ -120,7 +120,7 @@ def without_kernel(model: onnx.ModelProto, provider: str = "cuda") -> Counter:
     float types ("ai.onnx" for the default domain)."""
     table = KernelTable.default()
     opsets = {("ai.onnx" if is_onnx_domain(o.domain) else o.domain): o.version for o in model.opset_import}
-    types = {name: _FLOAT_NAMES.get(tp.tensor_type.elem_type) for name, tp in infer_tensor_types(model).items()
+    types = {name: FLOAT_NAMES.get(tp.tensor_type.elem_type) for name, tp in infer_tensor_types(model).items()
              if tp.HasField("tensor_type")}
     missing: Counter = Counter()
     for node in model.graph.node:
@@ -128,13 +128,13 @@ def without_kernel(model: onnx.ModelProto, provider: str = "cuda") -> Counter:
             continue  # onnxruntime makes Constant nodes initializers when it loads a graph: no kernel runs
         domain = "ai.onnx" if is_onnx_domain(node.domain) else node.domain
         opset = opsets.get(domain, 1)
-        dtypes = _float_params(node, domain, opset, types)
+        dtypes = float_params(node, domain, opset, types)
         if not table.accepts(provider, domain, node.op_type, opset, dtypes):  # None: no kernel at all
             missing[domain, node.op_type] += 1
     return missing
 
 
-def _float_params(node: onnx.NodeProto, domain: str, opset: int, types: dict[str, str | None]) -> dict[str, str]:
+def float_params(node: onnx.NodeProto, domain: str, opset: int, types: dict[str, str | None]) -> dict[str, str]:
     """Type parameter -> float type of the node's tensors whose types are known.  Without an onnx
     schema (contrib ops) each tensor is its own pseudo-parameter, which any of the kernel's takes."""
     schema = None

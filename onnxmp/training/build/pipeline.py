@@ -164,7 +164,7 @@ class Gradient(PassBase[TrainingBuild]):
             reports: list = []
             state.training, state.evaluation, state.parameters = onnxmp_gradient_graph(
                 state.train_forward, state.loss_block, state.label_name, state.requires_grad, state.frozen,
-                reports=reports)
+                reports=reports, target=state.target)
             places = sum(r.runtime_shapes for r in reports)
             details.update(nodes_added=sum(r.nodes_added for r in reports), runtime_shapes=places)
             log.info("onnxmp's gradient builder: %d node(s); %d place(s) read a shape at run time (the symbolic "

@@ -29,7 +29,7 @@ LossFn = Callable[[onnx.GraphProto, str, str], str]
 
 
 def gradient_graph(forward: onnx.ModelProto, loss: LossFn, label_name: str, requires_grad: Sequence[str],
-                   frozen: Sequence[str], *, reports: list | None = None):
+                   frozen: Sequence[str], *, reports: list | None = None, target: str = "cpu"):
     """(training, evaluation, (trainable, frozen)) as onnxruntime-training's onnxblock builds them:
 
     - both models read the parameters (``requires_grad`` then ``frozen``, in initializer order) as
@@ -42,6 +42,7 @@ def gradient_graph(forward: onnx.ModelProto, loss: LossFn, label_name: str, requ
     - the parameters: two lists of TensorProto.
 
     ``reports``, when given, receives the :class:`BackwardReport` (nodes added, runtime-shape places).
+    ``target`` the build's target: its kernel table decides which gradient ops run in float32.
     """
     requires_grad, frozen = list(requires_grad), list(frozen)
     model = onnx.ModelProto()
@@ -61,7 +62,7 @@ def gradient_graph(forward: onnx.ModelProto, loss: LossFn, label_name: str, requ
     _inference_mode(evaluation.graph)
     _initializers_to_inputs(evaluation.graph, params)
 
-    training, report = backward(model, LOSS_SCALED, requires_grad)
+    training, report = backward(model, LOSS_SCALED, requires_grad, target=target)
     if reports is not None:
         reports.append(report)
     log.info("onnxmp gradient graph: %d nodes, %d runtime-shape place(s); ops: %s", report.nodes_added,

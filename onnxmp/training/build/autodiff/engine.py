@@ -37,12 +37,14 @@ log = logging.getLogger("onnxmp.training.build.autodiff")
 class BackwardReport:
     """What :func:`backward` added: ``nodes_added`` nodes; ``runtime_shapes`` places where a
     shape is read at run time because the symbolic shapes could not decide it (``runtime_places``
-    says where and what); ``ops`` the forward op types differentiated, with their counts."""
+    says where and what); ``ops`` the forward op types differentiated, with their counts;
+    ``float32_ops`` the gradient's ops run in float32 for want of a low-precision kernel on the target."""
 
     nodes_added: int = 0
     runtime_shapes: int = 0
     runtime_places: list[str] = field(default_factory=list)
     ops: dict[str, int] = field(default_factory=dict)
+    float32_ops: dict[str, int] = field(default_factory=dict)
 
 
 def _domain(node: onnx.NodeProto) -> str:
@@ -53,10 +55,11 @@ def _rule(node: onnx.NodeProto):
     return VJP_RULES.get((_domain(node), node.op_type), False)
 
 
-def backward(model: onnx.ModelProto, seed: str, wrt: Sequence[str]) -> tuple[onnx.ModelProto, BackwardReport]:
+def backward(model: onnx.ModelProto, seed: str, wrt: Sequence[str], *,
+             target: str = "cpu") -> tuple[onnx.ModelProto, BackwardReport]:
     """A copy of ``model`` with nodes computing ``<w>_grad``, the gradient of the float scalar
     ``seed`` with respect to each of ``wrt`` (initializers or graph inputs), added as graph outputs
-    after the model's own (each shaped and typed like its ``w``)."""
+    after the model's own (each shaped and typed like its ``w``), for ``target``'s kernels."""
     result = onnx.ModelProto()
     result.CopyFrom(model)
     graph = result.graph
@@ -84,7 +87,8 @@ def backward(model: onnx.ModelProto, seed: str, wrt: Sequence[str]) -> tuple[onn
         raise _no_rule(missing, nodes, wrt, info)
 
     names = FreshNames(proto_names(graph))
-    emit = Emitter(names, dict(info.types))
+    opset = max((o.version for o in result.opset_import if is_onnx_domain(o.domain)), default=1)
+    emit = Emitter(names, dict(info.types), target=target, opset=opset)
     runtime: list[str] = []
     contributions: dict[str, list[str]] = {seed: [_seed(emit, seed, info, runtime)]}
     totals: dict[str, str] = {}
@@ -128,8 +132,12 @@ def backward(model: onnx.ModelProto, seed: str, wrt: Sequence[str]) -> tuple[onn
     graph.initializer.extend(emit.initializers)
     graph.output.extend(outputs)
     _opsets(result, emit)
-    report = BackwardReport(added, len(runtime), runtime, dict(sorted(ops.items())))
+    report = BackwardReport(added, len(runtime), runtime, dict(sorted(ops.items())),
+                            dict(sorted(emit.float32_ops.items())))
     log.info("gradient graph: %d nodes added, %d runtime-shape place(s)", added, len(runtime))
+    if emit.float32_ops:
+        log.info("gradient ops run in float32 (no %s kernel for their low-precision types): %s", target,
+                 ", ".join(f"{k} x{v}" for k, v in report.float32_ops.items()))
     return result, report
 
 
