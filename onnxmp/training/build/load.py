@@ -32,9 +32,9 @@ def check_trainable_size(model: onnx.ModelProto | str | os.PathLike) -> None:
     size = data_bytes(model if isinstance(model, onnx.ModelProto) else load(model, lazy_external=True))
     if size > PROTOBUF_LIMIT:
         raise OnnxMPError(
-            f"the model is {size / 1e9:.2f} GB; onnxmp builds training artifacts up to 2 GB (onnxruntime-training's "
-            f"gradient builder takes the whole model, weights included, as one serialized protobuf, and onnxmp's "
-            f"writes each training graph as one; protobuf is limited to 2 GB)",
+            f"the model is {size / 1e9:.2f} GB; onnxmp cannot build training artifacts over 2 GB (each gradient "
+            f"builder takes or writes the whole model, weights included, as one serialized protobuf, which is "
+            f"limited to 2 GB)",
             "train a model under 2 GB; convert, emulate and validate handle this one")
 
 

@@ -115,6 +115,11 @@ def backward(model: onnx.ModelProto, seed: str, wrt: Sequence[str], *,
             contributions.setdefault(node.input[i], []).append(grad)
 
     unreached = [w for w in wrt if not contributions.get(w)]
+    read = {name for n in graph.node for name in n.input} | _outer_reads(graph)
+    unused = [w for w in unreached if w not in read]
+    if unused:
+        raise OnnxMPError(f"the loss {seed!r} does not depend on trainable parameter(s) {', '.join(unused[:10])}: "
+                          "no node reads them", "leave them out of requires_grad")
     if unreached:
         raise OnnxMPError(f"the loss {seed!r} reaches trainable parameter(s) {', '.join(unreached[:10])} only "
                           "through integer or boolean tensors, or inputs without a gradient (Clip's bounds, "
@@ -222,3 +227,14 @@ def _no_rule(missing: list[onnx.NodeProto], nodes: list[onnx.NodeProto], wrt: li
 
 
 __all__ = ["BackwardReport", "backward", "MS_DOMAIN"]
+
+
+def _outer_reads(graph: onnx.GraphProto) -> set[str]:
+    """Names the subgraphs of ``graph``'s nodes read (from their enclosing scope, among others)."""
+    from onnxmp.subgraphs import bodies
+
+    names: set[str] = set()
+    for node in graph.node:
+        for body in bodies(node):
+            names |= {name for n in body.node for name in n.input} | _outer_reads(body)
+    return names
