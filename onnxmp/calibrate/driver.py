@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 
 import numpy as np
 import onnx
@@ -43,14 +43,15 @@ from onnxmp.calibrate.samples import _check_references, _fold_magnitudes, _probe
 from onnxmp.calibrate.search import BudgetExhausted, Oracle, find_fp32_set
 from onnxmp.calibrate.session import cpu_session, run_samples
 from onnxmp.calibrate.switchboard import LowNode, Switchboard
+from onnxmp.color import color
 from onnxmp.external import discard_spilled
 from onnxmp.fusions import inside_fused_kernels
 from onnxmp.load import ModelLike, load
 from onnxmp.normalize import normalize
 from onnxmp.options import DEFAULT_TOLERANCE, MAX_RUNS, Options
 from onnxmp.parity.metrics import MetricPlan, metric_plan
-from onnxmp.pipeline import ACCURACY_FALLBACK, ConversionResult, convert_once
-from onnxmp.report import TENSOR_CORE_OPS, Report
+from onnxmp.pipeline import ACCURACY_FALLBACK, Conversion, ConversionResult, Load, Normalize, convert_once
+from onnxmp.report import TENSOR_CORE_OPS, Report, vertex_rows
 from onnxmp.subgraphs import proto_nodes
 
 log = logging.getLogger("onnxmp.calibrate")
@@ -147,6 +148,9 @@ class _Calibration:
         _check_references(self.ref_tune + self.ref_held)
         self.runs = 0
         self.forced: dict[str, str] = {}
+        self._colorable = None  # (index, options) of convert's own load + normalize, for colorings alone
+        self._colorings: dict[frozenset[str], frozenset[str]] = {}  # forced set -> the nodes that end low
+        self.colorings_seconds = 0.0
         self.report = CalibrationReport(
             tolerance=self.tolerance, metric=self.plan.describe(), threshold=calibration_threshold,
             samples=len(samples), tune_samples=len(self.tune), holdout_samples=len(self.held),
@@ -156,6 +160,37 @@ class _Calibration:
     def convert(self, forced: Mapping[str, str]) -> ConversionResult:
         return convert_once(self.original, self.resolved.replace(
             magnitudes=self.magnitudes, forced_deny={**self.resolved.forced_deny, **forced}))
+
+    def low_after(self, forced: Iterable[str]) -> frozenset[str]:
+        """The nodes the written model computes in low precision when ``forced`` nodes are denied:
+        the coloring stage alone, as :meth:`convert` runs it (same load, retarget and normalize), so
+        TF's propagation moves the same neighbours.  Cached by forced set."""
+        key = frozenset(forced)
+        if key not in self._colorings:
+            start = time.perf_counter()
+            if self._colorable is None:
+                state = Conversion(self.original, self.resolved)
+                Load().call(state)
+                Normalize().call(state)
+                self._colorable = state.normalized.index, state.resolved
+            index, options = self._colorable
+            coloring = color(index, options.replace(
+                magnitudes=self.magnitudes,
+                forced_deny={**options.forced_deny, **dict.fromkeys(key, ACCURACY_FALLBACK)}))
+            self._colorings[key] = frozenset(v.node for v in vertex_rows(coloring) if v.color == "allow")
+            self.colorings_seconds += time.perf_counter() - start
+        return self._colorings[key]
+
+    def written_off(self, board: Switchboard, fp32: Iterable[str]) -> frozenset[str]:
+        """The switches a candidate turns off: not just its nodes but every node its written model
+        computes in float32.  Convert denies the candidate's nodes (and the Constants that follow them,
+        as the driver forces them), and TF's propagation moves their neighbours too (deny runs forward
+        through infer and clear ops; a clear op no longer between low ones leaves).  Set to that
+        coloring, the switchboard computes what the written model does, so a candidate that passes the
+        search passes written."""
+        fp32 = set(fp32)
+        forced = {*self.forced, *fp32, *(c for n in fp32 for c in board.followers.get(n, ()))}
+        return frozenset(board.nodes) - self.low_after(forced)
 
     def measure(self, result) -> Measurement:
         """Errors of the real converted model, emulated, on tuning and held-out samples."""
@@ -249,7 +284,8 @@ class _Calibration:
             # Samples hardest first; with a worst-sample metric a candidate fails as soon as one sample
             # does, so most failing candidates cost one session run instead of one per sample.
             refs, outs = [], []
-            for i, out in zip(order_samples, board.iter_run(fp32, [self.tune[i] for i in order_samples])):
+            off = self.written_off(board, fp32)
+            for i, out in zip(order_samples, board.iter_run(off, [self.tune[i] for i in order_samples])):
                 refs.append(self.ref_tune[i])
                 outs.append(out)
                 if early and not full and max(self.plan.errors(refs[-1:], outs[-1:]).values(),
