@@ -424,6 +424,9 @@ class _Calibration:
         rep.share_final = result.report.tensor_core_share()
         rep.share_all_final = _low_share(result.report)
         rep.casts_final = _added_casts(self.original, result.model)
+        if self._colorings:
+            log.info("calibration: %d candidate coloring(s), %.1f s of %.1f s", len(self._colorings),
+                     self.colorings_seconds, rep.seconds)
         result.report.calibration = rep
         return result
 
