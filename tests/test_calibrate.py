@@ -106,7 +106,9 @@ def test_cancellation_is_found_by_the_search_and_confirmed_on_the_real_model():
     colors = result.report.node_colors()
     assert colors["add_c"] != "allow" and colors["sub_c"] != "allow"
     assert all(colors[n] == "allow" for n in colors if n.startswith("mm"))
-    assert "accuracy fallback" in next(v.cause for v in result.report.vertices if v.node == "add_c")
+    # The search scores what convert writes: denying one of the pair moves the other by propagation
+    # (an infer op no longer between allow ops), so one forced node may be all it takes.
+    assert any("accuracy fallback" in v.cause for v in result.report.vertices if v.node in moved)
     assert cal.runs <= run_bound(cal.candidates, len(moved))
 
 
@@ -406,14 +408,18 @@ def test_cli_calibration_flags_need_calibrate(tmp_path, capsys):
         assert "needs --calibrate" in capsys.readouterr().err
 
 
-def test_a_held_out_miss_tightens_the_tuning_target_without_tuning_on_the_held_out_sample():
+def test_a_held_out_miss_brings_the_held_out_samples_into_the_search_at_the_tolerance():
     # Large tuning inputs hide the cancellation's absolute error (~0.5); the small held-out input does not.
+    # No tuning tolerance would stand in for it (the held-out error follows the fp32 set, not the tuning
+    # error), so the held-out sample joins the search, the tolerance unchanged, and the report says so.
     samples = _samples(3, seed=4, scale=300.0) + _samples(1, seed=5, scale=1.0)
     result = onnxmp.convert(_chain(10, cancel=2000.0), calibration=samples, tolerance=1e-2)
     cal = result.report.calibration
     assert cal.plain.tune_error <= 1e-2 < cal.plain.holdout_error
     assert cal.met and cal.final.holdout_error <= 1e-2
-    assert cal.cycles[0].tuning_tolerance < 1e-2
+    assert cal.cycles[0].tuning_tolerance == 1e-2
+    assert cal.holdout_joined.startswith("cycle 1: tuning ")
+    assert any("held-out samples joined the search" in line for line in cal.summary_lines())
     assert {m.node for m in cal.moved} <= {"add_c", "sub_c"}
     assert result.report.tensor_core_share() == 1.0
 
@@ -598,7 +604,7 @@ def test_attribution_in_groups_ranks_as_in_one_piece(monkeypatch):
     cal = _Calibration(model, Options(calibration=_samples(2, seed=7), tolerance=3e-2, holdout=0))
     board = Switchboard(cal.original, _low_nodes(cal.original, cal.convert({}).report))
     whole = attribution.local_attribution(board, cal.tune)
-    monkeypatch.setattr(search, "ATTRIBUTION_BYTES", 64)
+    monkeypatch.setattr(attribution, "ATTRIBUTION_BYTES", 64)
     seen = []
     assert attribution.local_attribution(board, cal.tune, lambda i, out: seen.append((i, sorted(out)))) == whole
     assert seen == [(0, ["side2", "y"]), (1, ["side2", "y"])]

@@ -136,3 +136,51 @@ def test_a_mixed_candidate_written_and_measured_equals_the_switchboard_with_its_
     searched = [out["y"] for out in board.iter_run(set(board.nodes) - set(still_low), samples, ["y"])]
     for a, b in zip(searched, _outputs(emulate(written.model, keep_io_types=False), samples)):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+
+
+def _twin_branches() -> tuple[onnx.ModelProto, list[dict[str, np.ndarray]]]:
+    """y = (Relu(x @ W) - Relu(x @ W') + x @ V) @ I, with W' == W and every input and weight a float16
+    value: in float16 the twins round alike and cancel exactly, leaving the small x @ V.  Denying
+    ``m0`` alone, convert's propagation moves its Relu, the Sub and the Add to float32 too (deny runs
+    forward through infer ops); then one twin is rounded and the other not, and the difference (a
+    float16 rounding of the large x @ W) swamps x @ V."""
+    rng = np.random.default_rng(7)
+    fp16 = lambda a: a.astype(np.float16).astype(np.float32)  # noqa: E731
+    w = fp16(rng.standard_normal((64, 64)))
+    inits = [numpy_helper.from_array(w, "w"), numpy_helper.from_array(w.copy(), "w_twin"),
+             numpy_helper.from_array(fp16(rng.standard_normal((64, 64)) * 0.01), "v"),
+             numpy_helper.from_array(np.eye(64, dtype=np.float32), "eye")]
+    nodes = [helper.make_node("MatMul", ["x", "w"], ["a"], name="m0"),
+             helper.make_node("Relu", ["a"], ["r"], name="relu"),
+             helper.make_node("MatMul", ["x", "w_twin"], ["b"], name="m1"),
+             helper.make_node("Relu", ["b"], ["s"], name="relu_twin"),
+             helper.make_node("Sub", ["r", "s"], ["d"], name="sub"),
+             helper.make_node("MatMul", ["x", "v"], ["c"], name="m2"),
+             helper.make_node("Add", ["d", "c"], ["e"], name="add"),
+             helper.make_node("MatMul", ["e", "eye"], ["y"], name="m3")]  # so the Sub and Add sit between low ops
+    graph = helper.make_graph(nodes, "twins", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 64])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 64])], inits)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8)
+    return model, [{"x": fp16(rng.standard_normal((1, 64)))} for _ in range(3)]
+
+
+def test_the_search_scores_the_coloring_a_candidate_writes_not_just_its_nodes():
+    model, samples = _twin_branches()
+    cal = _Calibration(model, Options(calibration=samples, tolerance=1e-2, holdout=0))
+    plain = cal.convert({})
+    low = _low_nodes(cal.original, plain.report)
+    assert {"m0", "relu", "sub", "add"} <= set(low)
+    board = Switchboard(cal.original, low, "float16", {}, _low_io(cal.original, plain.model))
+
+    def score(off):
+        return max(cal.plan.errors(cal.ref_tune, board.run(off, cal.tune)).values())
+
+    written = cal.measure(cal.convert({"m0": "candidate"})).tune_error
+    assert written > 1e-2  # the candidate fails once written
+    assert score({"m0"}) <= 1e-2  # switching m0's rounding alone (the old scoring) accepted it
+    off = cal.written_off(board, {"m0"})
+    assert {"m0", "relu", "sub", "add"} <= off and "m1" not in off  # propagation moved m0's readers too
+    # The new scoring fails it as written does, with the written model's error (the error here IS a float32
+    # rounding residue, so a MatMul summing in another order moves it by a percent or so).
+    assert score(off) > 1e-2
+    assert score(off) == pytest.approx(written, rel=0.05)

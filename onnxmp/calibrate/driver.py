@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 
 import numpy as np
 import onnx
@@ -43,14 +43,15 @@ from onnxmp.calibrate.samples import _check_references, _fold_magnitudes, _probe
 from onnxmp.calibrate.search import BudgetExhausted, Oracle, find_fp32_set
 from onnxmp.calibrate.session import cpu_session, run_samples
 from onnxmp.calibrate.switchboard import LowNode, Switchboard
+from onnxmp.color import color
 from onnxmp.external import discard_spilled
 from onnxmp.fusions import inside_fused_kernels
 from onnxmp.load import ModelLike, load
 from onnxmp.normalize import normalize
 from onnxmp.options import DEFAULT_TOLERANCE, MAX_RUNS, Options
 from onnxmp.parity.metrics import MetricPlan, metric_plan
-from onnxmp.pipeline import ACCURACY_FALLBACK, ConversionResult, convert_once
-from onnxmp.report import TENSOR_CORE_OPS, Report
+from onnxmp.pipeline import ACCURACY_FALLBACK, Conversion, ConversionResult, Load, Normalize, convert_once
+from onnxmp.report import TENSOR_CORE_OPS, Report, vertex_rows
 from onnxmp.subgraphs import proto_nodes
 
 log = logging.getLogger("onnxmp.calibrate")
@@ -145,8 +146,13 @@ class _Calibration:
         self.ref_held = list(run_samples(probe, self.held, self.outputs)) if self.held else []
         del probe
         _check_references(self.ref_tune + self.ref_held)
+        # What the search scores candidates on: the tuning samples, and the held-out ones once they miss
+        self.search_samples, self.search_refs = list(self.tune), list(self.ref_tune)
         self.runs = 0
         self.forced: dict[str, str] = {}
+        self._colorable = None  # (index, options) of convert's own load + normalize, for colorings alone
+        self._colorings: dict[frozenset[str], frozenset[str]] = {}  # forced set -> the nodes that end low
+        self.colorings_seconds = 0.0
         self.report = CalibrationReport(
             tolerance=self.tolerance, metric=self.plan.describe(), threshold=calibration_threshold,
             samples=len(samples), tune_samples=len(self.tune), holdout_samples=len(self.held),
@@ -156,6 +162,37 @@ class _Calibration:
     def convert(self, forced: Mapping[str, str]) -> ConversionResult:
         return convert_once(self.original, self.resolved.replace(
             magnitudes=self.magnitudes, forced_deny={**self.resolved.forced_deny, **forced}))
+
+    def low_after(self, forced: Iterable[str]) -> frozenset[str]:
+        """The nodes the written model computes in low precision when ``forced`` nodes are denied:
+        the coloring stage alone, as :meth:`convert` runs it (same load, retarget and normalize), so
+        TF's propagation moves the same neighbours.  Cached by forced set."""
+        key = frozenset(forced)
+        if key not in self._colorings:
+            start = time.perf_counter()
+            if self._colorable is None:
+                state = Conversion(self.original, self.resolved)
+                Load().call(state)
+                Normalize().call(state)
+                self._colorable = state.normalized.index, state.resolved
+            index, options = self._colorable
+            coloring = color(index, options.replace(
+                magnitudes=self.magnitudes,
+                forced_deny={**options.forced_deny, **dict.fromkeys(key, ACCURACY_FALLBACK)}))
+            self._colorings[key] = frozenset(v.node for v in vertex_rows(coloring) if v.color == "allow")
+            self.colorings_seconds += time.perf_counter() - start
+        return self._colorings[key]
+
+    def written_off(self, board: Switchboard, fp32: Iterable[str]) -> frozenset[str]:
+        """The switches a candidate turns off: not just its nodes but every node its written model
+        computes in float32.  Convert denies the candidate's nodes (and the Constants that follow them,
+        as the driver forces them), and TF's propagation moves their neighbours too (deny runs forward
+        through infer and clear ops; a clear op no longer between low ones leaves).  Set to that
+        coloring, the switchboard computes what the written model does, so a candidate that passes the
+        search passes written."""
+        fp32 = set(fp32)
+        forced = {*self.forced, *fp32, *(c for n in fp32 for c in board.followers.get(n, ()))}
+        return frozenset(board.nodes) - self.low_after(forced)
 
     def measure(self, result) -> Measurement:
         """Errors of the real converted model, emulated, on tuning and held-out samples."""
@@ -196,13 +233,19 @@ class _Calibration:
                 if self._out_of_time():
                     rep.budget_exhausted = True
                     break
-                if current_m.tune_error <= tune_tol and current_m.holdout_error is not None:
-                    # Tuned but the held-out samples miss: demand less of the tuning error reached, never
-                    # searching on the held-out samples.  The cut follows the miss, within [10%, 50%]: a
-                    # near miss needs a small margin, and scaling by a large miss would overshoot to
-                    # all-fp32 when the held-out inputs are simply harder.
-                    cut = min(0.9, max(0.5, self.tolerance / current_m.holdout_error))
-                    tune_tol = min(tune_tol, current_m.tune_error) * cut
+                if (current_m.tune_error <= tune_tol and current_m.holdout_error is not None
+                        and not rep.holdout_joined):
+                    # Tuned but the held-out samples miss: they stress nodes the tuning samples do not.
+                    # Tightening the tuning tolerance instead compounds cycle after cycle (PP-OCR's
+                    # classifier: 0.01 -> 0.0045 -> 0.00083, 24% of Conv/MatMul/Gemm left in fp16) while
+                    # the held-out error follows the fp32 set, not the tuning error; so the held-out
+                    # samples join the search, at the tolerance itself, and the report says so (their
+                    # error no longer confirms independently).
+                    rep.holdout_joined = (f"cycle {cycle}: tuning {current_m.tune_error:.3g} passed, held-out "
+                                          f"{current_m.holdout_error:.3g} missed the tolerance {self.tolerance:g}")
+                    log.info("calibration: the held-out samples join the search (%s)", rep.holdout_joined)
+                    self.search_samples = [*self.tune, *self.held]
+                    self.search_refs = [*self.ref_tune, *self.ref_held]
                 low = _low_nodes(self.original, current.report)
                 if cycle == 1:
                     rep.candidates = len(low)
@@ -241,16 +284,17 @@ class _Calibration:
         board = Switchboard(self.original, low, self.precision, fills, low_io)
         heavy = frozenset(name for name, n in low.items() if n.op in TENSOR_CORE_OPS)
         bar.heavy, bar.tolerance = heavy, tune_tol
-        early = _worst_sample(self.plan, self.ref_tune)
-        sample_error = [0.0] * len(self.tune)
-        order_samples = list(range(len(self.tune)))
+        early = _worst_sample(self.plan, self.search_refs)
+        sample_error = [0.0] * len(self.search_samples)
+        order_samples = list(range(len(self.search_samples)))
 
         def evaluate(fp32: frozenset[str], full: bool = False) -> float:
             # Samples hardest first; with a worst-sample metric a candidate fails as soon as one sample
             # does, so most failing candidates cost one session run instead of one per sample.
             refs, outs = [], []
-            for i, out in zip(order_samples, board.iter_run(fp32, [self.tune[i] for i in order_samples])):
-                refs.append(self.ref_tune[i])
+            off = self.written_off(board, fp32)
+            for i, out in zip(order_samples, board.iter_run(off, [self.search_samples[i] for i in order_samples])):
+                refs.append(self.search_refs[i])
                 outs.append(out)
                 if early and not full and max(self.plan.errors(refs[-1:], outs[-1:]).values(),
                                               default=0.0) > tune_tol:
@@ -264,15 +308,15 @@ class _Calibration:
         oracle = Oracle(evaluate, max_runs=budget, on_run=bar, full=lambda fp32: evaluate(fp32, full=True),
                         deadline=self.deadline)
         try:
-            if max(self.plan.errors(self.ref_tune, self.ref_tune).values(), default=0.0) > tune_tol:
+            if max(self.plan.errors(self.search_refs, self.search_refs).values(), default=0.0) > tune_tol:
                 log.warning("the metric rejects the float32 model itself; no mix can pass")
                 return []
             self.runs += 2  # the two attribution passes, all fp32 and all low
 
             def judge(i: int, rounded: dict) -> None:
-                sample_error[i] = max(self.plan.errors([self.ref_tune[i]], [rounded]).values(), default=0.0)
+                sample_error[i] = max(self.plan.errors([self.search_refs[i]], [rounded]).values(), default=0.0)
 
-            added = local_attribution(board, self.tune, judge)
+            added = local_attribution(board, self.search_samples, judge)
             # Hardest sample first (largest all-low error): a failing candidate usually fails on it.
             order_samples.sort(key=lambda i: -sample_error[i])
             order = attribution_ranking(board.nodes, added, lambda m: m in heavy)
@@ -380,6 +424,9 @@ class _Calibration:
         rep.share_final = result.report.tensor_core_share()
         rep.share_all_final = _low_share(result.report)
         rep.casts_final = _added_casts(self.original, result.model)
+        if self._colorings:
+            log.info("calibration: %d candidate coloring(s), %.1f s of %.1f s", len(self._colorings),
+                     self.colorings_seconds, rep.seconds)
         result.report.calibration = rep
         return result
 

@@ -101,6 +101,9 @@ class CalibrationReport:
     casts_plain: int | None = None  # Cast nodes the conversion added (main graph)
     casts_final: int | None = None
     fallback: str | None = None  # why the all-float32 fallback was taken, in numbers (None: it was not)
+    # Why the held-out samples joined the search's samples, in numbers (None: they never did, and the
+    # held-out error is an independent check)
+    holdout_joined: str | None = None
 
     @property
     def error(self) -> float:
@@ -119,6 +122,8 @@ class CalibrationReport:
             if not self.met:
                 lines.append(f"  best error {self.error:.3g} is {self.error - self.tolerance:.3g} above the "
                              f"tolerance ({self.error / self.tolerance:.3g}x)")
+        if self.holdout_joined:
+            lines.append(f"  held-out samples joined the search: {self.holdout_joined}")
         if self.fallback:
             lines.append(f"  all-float32 fallback: {self.fallback}")
         if self.share_final is not None:
