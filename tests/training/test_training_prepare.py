@@ -76,7 +76,7 @@ def test_ort_builds_the_gradient_only_after_preparation(case, tmp_path, monkeypa
     # The same model without preparation is what ORT refused.
     import onnxmp.training.build.pipeline as build
 
-    monkeypatch.setattr(build, "prepare_for_gradient", lambda m, r: (m, []))
+    monkeypatch.setattr(build, "prepare_for_gradient", lambda m, r, **_: (m, []))
     with pytest.raises(OnnxMPError):
         build_artifacts(model, requires_grad=["W", "V"] if "MatMul(x, V)" in body else ["W"], loss="mse",
                         precision="float32", out_dir=tmp_path / "raw")
@@ -324,7 +324,7 @@ def test_a_gradient_of_the_wrong_shape_fails_cleanly(tmp_path, monkeypatch):
     import onnxmp.training.build.pipeline as build
     from onnxmp.training import Trainer
 
-    monkeypatch.setattr(build, "prepare_for_gradient", lambda m, r: (m, []))
+    monkeypatch.setattr(build, "prepare_for_gradient", lambda m, r, **_: (m, []))
     built = build_artifacts(_masked_attention(), requires_grad=["W", "V", "zero", "fill"], precision="float32",
                             out_dir=tmp_path)
     with pytest.raises(OnnxMPError, match="wrong shape for parameter '(zero|fill)'") as info:
