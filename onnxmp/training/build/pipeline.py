@@ -17,10 +17,13 @@ The build is a pipeline of stages (``docs/training.md``), each a pass over one
    (:mod:`~onnxmp.training.build.determinism`);
 7. ``lower``: the training and eval models in ops plain onnxruntime runs, for the portable
    engine (:mod:`~onnxmp.training.build.lower`); an op it cannot lower stops the build, named;
-8. ``optimizer``: the optimizer models (:mod:`~onnxmp.training.build.optimizer_graphs`): torch's
+8. ``device_values`` (target ``cuda``): no shape arithmetic feeds device data inside the step: what
+   would cross host to device under the CUDA EP's placement is computed on the device
+   (:mod:`~onnxmp.training.build.device_values`, :mod:`~onnxmp.training.build.placement`);
+9. ``optimizer``: the optimizer models (:mod:`~onnxmp.training.build.optimizer_graphs`): torch's
    update in standard ops (:mod:`~onnxmp.training.update_graph`), which both engines step with, and
    (ORT's builder) onnxblock's;
-9. ``write``: the folder, whole or not at all (:mod:`~onnxmp.training.artifacts`), with the
+10. ``write``: the folder, whole or not at all (:mod:`~onnxmp.training.artifacts`), with the
    portable form of the graphs and the manifest the contract describes
    (:func:`onnxmp.training.contract.manifest`), and the parameters in ``parameters.npz``; with
    ORT's builder, the native engine's files too.
@@ -215,6 +218,25 @@ class Lower(PassBase[TrainingBuild]):
         self.check(same, "the lowered training model has the native one's inputs, in order")
 
 
+class DeviceValues(PassBase[TrainingBuild]):
+    """On a GPU target: the lowered graphs' shape arithmetic that would feed device data from the
+    host (a host-to-device copy and a stall every step) computed on the device instead."""
+
+    name = "device_values"
+
+    def call(self, state: TrainingBuild) -> PassResult:
+        if target_named(state.target).emulated:
+            return PassResult(False)
+        from onnxmp.training.build.device_values import keep_on_device
+
+        found = {part: keep_on_device(proto) for part, proto in
+                 (("training", state.lowered_training), ("evaluation", state.lowered_evaluation))}
+        moved = sum(f["rewritten"] for f in found.values())
+        log.info("%d shape value(s) computed on the device; %d host-to-device copies left", moved,
+                 sum(f["copies"] for f in found.values()))
+        return PassResult(bool(moved), {part: f for part, f in found.items()})
+
+
 class Optimizer(PassBase[TrainingBuild]):
     name = "optimizer"
 
@@ -253,7 +275,7 @@ class Write(PassBase[TrainingBuild]):
         return PassResult(True)
 
 
-STAGES = (Load, Prepare, Convert, Gradient, LossScale, Determinism, Lower, Optimizer, Write)
+STAGES = (Load, Prepare, Convert, Gradient, LossScale, Determinism, Lower, DeviceValues, Optimizer, Write)
 
 
 def build_artifacts(

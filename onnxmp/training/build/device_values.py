@@ -1,0 +1,160 @@
+"""Keep shape arithmetic from feeding device data inside a CUDA step.
+
+onnxruntime's CUDA EP runs small int64 subgraphs that start at a ``Shape`` or ``Size`` on the CPU
+(``GetCpuPreferredNodes``, :mod:`~onnxmp.training.build.placement`).  Where such a value only sizes
+a kernel (``Reshape``'s shape, ``Expand``'s shape, ``Slice``'s starts: inputs the CUDA kernels take
+in CPU memory by design) that costs nothing.  Where it is data of a device kernel (a token count
+as the divisor of a mean, a sequence length multiplied into int64 positions), onnxruntime copies it
+host to device on every run, and the device waits for the host's arithmetic.
+
+:func:`keep_on_device` rewrites each such value so that nothing crosses host to device:
+
+- a value the static shapes decide is folded by onnxruntime before placement (level-1 constant
+  folding, which the simulation applies too): it never runs;
+- otherwise the arithmetic is computed a second time on the device, for the device consumers only:
+  each dimension ``n`` it reads from a ``Shape`` becomes ``ReduceSum(ConstantOfShape([n], 1))``, a
+  device int64 built from the CPU shape through ``ConstantOfShape``'s CPU-memory input (``n``
+  elements of work); a static dimension becomes a constant; a ``Size`` becomes the ``ReduceProd``
+  of those dimensions.  The copied nodes read device tensors, so the CUDA EP keeps them; the CPU
+  subgraph stays for the consumers that take it in CPU memory.
+
+The values are the same integers, so no number the graph computes changes.
+"""
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+import onnx
+from onnx import numpy_helper
+
+from onnxmp.naming import FreshNames, proto_names
+from onnxmp.training.build.placement import CudaKernels, place
+from onnxmp.training.nodes import Nodes, attribute
+
+log = logging.getLogger("onnxmp.training")
+
+ROUNDS = 4  # a rewrite can expose a copy behind it only through a CPU-EP node; a few rounds settle it
+
+
+def keep_on_device(model: onnx.ModelProto, kernels: CudaKernels | None = None) -> dict:
+    """Rewrite ``model`` in place (see the module's docstring); returns ``{"rewritten": values moved
+    to the device, "copies": host-to-device copies left}``."""
+    kernels = kernels or CudaKernels()
+    moved = 0
+    for _ in range(ROUNDS):
+        placement = place(model, kernels)
+        if not placement.copies:
+            return {"rewritten": moved, "copies": 0}
+        done = _rewrite(model, placement)
+        moved += done
+        if not done:
+            break
+    left = place(model, kernels).copies
+    if left:
+        log.warning("%d value(s) still cross host to device in the CUDA graph: %s", len(left), ", ".join(sorted(left)[:5]))
+    return {"rewritten": moved, "copies": len(left)}
+
+
+def _rewrite(model: onnx.ModelProto, placement) -> int:
+    graph = model.graph
+    nodes = list(graph.node)
+    producer = {o: i for i, n in enumerate(nodes) for o in n.output if o}
+    shapes = _static_dims(model)
+    opset = {(o.domain or "ai.onnx"): o.version for o in model.opset_import}
+    names = FreshNames(proto_names(graph))
+    after: dict[int, list[onnx.NodeProto]] = {}   # node index -> device nodes written right after it
+    device: dict[str, str] = {}                   # CPU value -> its device twin
+
+    def twin(name: str) -> str | None:
+        """The device twin of CPU value ``name``, written on first use; None where it cannot be."""
+        if name in device:
+            return device[name]
+        i = producer.get(name)
+        if i is None or i not in placement.cpu and nodes[i].op_type not in ("Shape", "Size"):
+            return name  # a constant or a graph input: where its consumer wants it already
+        node = nodes[i]
+        b = Nodes(names, f"{node.name or node.op_type}/device", after.setdefault(i, []))
+        if i not in placement.cpu:  # Shape or Size of a device tensor: the leaf of the arithmetic
+            found = _shape_on_device(b, node, shapes.get(node.input[0]))
+        elif i in placement.preferred:
+            inputs = [twin(x) if x else "" for x in node.input]
+            if any(x is None for x in inputs):
+                return None
+            clone = onnx.NodeProto()
+            clone.CopyFrom(node)
+            clone.name = b.fresh(node.op_type)
+            clone.ClearField("input")
+            clone.input.extend(inputs)
+            clone.ClearField("output")
+            clone.output.extend(b.fresh(f"{o}") if o else "" for o in node.output)
+            b.nodes.append(clone)
+            device.update({o: c for o, c in zip(node.output, clone.output) if o})
+            found = device.get(name)
+        else:
+            return None  # no CUDA kernel for the node itself: it stays on the CPU EP
+        device[name] = found
+        return found
+
+    moved = 0
+    for value, users in placement.copies.items():
+        found = twin(value)
+        if found is None or found == value:
+            continue
+        for i in users:
+            node = nodes[i]
+            for k, x in enumerate(node.input):
+                if x == value:
+                    node.input[k] = found
+        moved += 1
+    if not moved:
+        return 0
+    ordered = []
+    for i, node in enumerate(nodes):
+        ordered.append(node)
+        ordered.extend(after.get(i, ()))
+    graph.ClearField("node")
+    graph.node.extend(ordered)
+    return moved
+
+
+def _shape_on_device(b: Nodes, node: onnx.NodeProto, dims: tuple | None) -> str | None:
+    """A device int64 equal to ``node``'s output (``Shape`` with its start/end, or ``Size``); None
+    when the rank is unknown."""
+    if dims is None:
+        return None
+    if node.op_type == "Size":
+        shape = b.op("Shape", [node.input[0]])
+        return b.op("ReduceProd", [_dims_on_device(b, shape, range(len(dims)), dims)], keepdims=0)
+    picked = range(len(dims))[slice(attribute(node, "start", 0), attribute(node, "end", None))]
+    if not len(picked):
+        return None
+    return _dims_on_device(b, node.output[0], picked, dims, offset=picked.start)
+
+
+def _dims_on_device(b: Nodes, shape: str, picked, dims, offset: int = 0) -> str:
+    parts = []
+    for k in picked:
+        if isinstance(dims[k], int):
+            parts.append(b.ints([dims[k]]))
+            continue
+        # ConstantOfShape reads its shape in CPU memory and writes on the device: n ones, summed, are n
+        at = b.ints([k - offset])
+        n = b.op("Slice", [shape, at, b.ints([k - offset + 1])])
+        ones = b.op("ConstantOfShape", [n], value=numpy_helper.from_array(np.array([1], np.int64)))
+        parts.append(b.op("ReduceSum", [ones], keepdims=1))
+    if len(parts) == 1:
+        return parts[0]
+    return b.op("Concat", parts, axis=0)
+
+
+def _static_dims(model: onnx.ModelProto) -> dict[str, tuple]:
+    from onnxmp.normalize import infer_tensor_types
+
+    out = {}
+    for name, tp in infer_tensor_types(model).items():
+        if tp.HasField("tensor_type") and tp.tensor_type.HasField("shape"):
+            out[name] = tuple(d.dim_value if d.HasField("dim_value") else None for d in tp.tensor_type.shape.dim)
+    for t in model.graph.initializer:
+        out[t.name] = tuple(t.dims)
+    return out
