@@ -14,8 +14,8 @@ host to device on every run, and the device waits for the host's arithmetic.
 - otherwise the arithmetic is computed a second time on the device, for the device consumers only:
   each dimension ``n`` it reads from a ``Shape`` becomes ``ReduceSum(ConstantOfShape([n], 1))``, a
   device int64 built from the CPU shape through ``ConstantOfShape``'s CPU-memory input (``n``
-  elements of work); a static dimension becomes a constant; a ``Size`` becomes the ``ReduceProd``
-  of those dimensions.  The copied nodes read device tensors, so the CUDA EP keeps them; the CPU
+  elements of work); a static dimension becomes a constant; a ``Size`` becomes the product of
+  those dimensions.  The copied nodes read device tensors, so the CUDA EP keeps them; the CPU
   subgraph stays for the consumers that take it in CPU memory.
 
 The values are the same integers, so no number the graph computes changes.
@@ -91,6 +91,19 @@ def _rewrite(model: onnx.ModelProto, placement) -> int:
             b.nodes.append(clone)
             device.update({o: c for o, c in zip(node.output, clone.output) if o})
             found = device.get(name)
+        elif node.op_type in WIDEN and _index_like(node.input[0], nodes, producer, placement.bool_values):
+            # no CUDA kernel for its integer type: the same kernel on float64 copies of values no
+            # larger than a tensor's size (positions), which float64 holds exactly
+            wide = b.op("Cast", [node.input[0]], to=onnx.TensorProto.DOUBLE)
+            clone = onnx.NodeProto()
+            clone.CopyFrom(node)
+            clone.name = b.fresh(node.op_type)
+            clone.input[0] = wide
+            clone.ClearField("output")
+            clone.output.extend(b.fresh(f"{o}") if o else "" for o in node.output)
+            b.nodes.append(clone)
+            device.update({o: c for o, c in zip(node.output, clone.output) if o})
+            found = device.get(name)
         else:
             return None  # no CUDA kernel for the node itself: it stays on the CPU EP
         device[name] = found
@@ -114,8 +127,60 @@ def _rewrite(model: onnx.ModelProto, placement) -> int:
         ordered.append(node)
         ordered.extend(after.get(i, ()))
     graph.ClearField("node")
-    graph.node.extend(ordered)
+    graph.node.extend(_live(ordered, {o.name for o in graph.output}, {id(nodes[i]) for i in placement.cpu}))
     return moved
+
+
+def _live(nodes: list, outputs: set[str], removable: set[int]) -> list:
+    """``nodes`` without the CPU nodes (``removable``, by id) that nothing reads any more: the host
+    arithmetic whose only readers were the device consumers now reading the twins."""
+    used = set(outputs)
+    kept = []
+    for node in reversed(nodes):
+        if id(node) in removable and not any(o in used for o in node.output if o):
+            continue
+        used.update(x for x in node.input if x)
+        kept.append(node)
+    return kept[::-1]
+
+
+# Ops the CUDA EP registers for float types only, whose result is an index: on values that float64
+# holds exactly they give the same index (ties included: equal integers stay equal).
+WIDEN = frozenset({"ArgMax", "ArgMin"})
+
+
+def _position(node, inputs) -> bool:
+    return node.op_type == "Range"
+
+
+def _masked(node, inputs) -> bool:
+    return inputs(node.input[0]) and inputs(node.input[1], mask=True) or inputs(node.input[1]) and inputs(
+        node.input[0], mask=True)
+
+
+def _either(node, inputs) -> bool:
+    return inputs(node.input[1]) and inputs(node.input[2])
+
+
+def _same(node, inputs) -> bool:
+    return inputs(node.input[0])
+
+
+# op -> whether its output is no larger than a tensor's size, given which inputs are (rules per op)
+_INDEX_LIKE = {"Range": _position, "Mul": _masked, "Where": _either, "Cast": _same, "Identity": _same,
+               "Reshape": _same, "Unsqueeze": _same, "Squeeze": _same}
+
+
+def _index_like(name: str, nodes, producer: dict, bools: frozenset, depth: int = 8) -> bool:
+    """Whether ``name`` holds integers bounded by a tensor size: ``Range`` positions, masked (multiplied
+    by a cast bool) or selected (Where) through shape-preserving ops."""
+    def inputs(x: str, mask: bool = False) -> bool:
+        if mask:
+            i = producer.get(x)
+            return i is not None and nodes[i].op_type == "Cast" and nodes[i].input[0] in bools
+        return depth > 0 and _index_like(x, nodes, producer, bools, depth - 1)
+    i = producer.get(name)
+    return i is not None and nodes[i].op_type in _INDEX_LIKE and _INDEX_LIKE[nodes[i].op_type](nodes[i], inputs)
 
 
 def _shape_on_device(b: Nodes, node: onnx.NodeProto, dims: tuple | None) -> str | None:
@@ -124,8 +189,13 @@ def _shape_on_device(b: Nodes, node: onnx.NodeProto, dims: tuple | None) -> str 
     if dims is None:
         return None
     if node.op_type == "Size":
+        # the product of the dimensions, multiplied on the device (the CUDA EP has no int64 ReduceProd)
         shape = b.op("Shape", [node.input[0]])
-        return b.op("ReduceProd", [_dims_on_device(b, shape, range(len(dims)), dims)], keepdims=0)
+        parts = [_dims_on_device(b, shape, [k], dims, offset=0) for k in range(len(dims))]
+        size = parts[0] if parts else b.ints([1])
+        for part in parts[1:]:
+            size = b.op("Mul", [size, part])
+        return b.op("Reshape", [size, b.ints([])])
     picked = range(len(dims))[slice(attribute(node, "start", 0), attribute(node, "end", None))]
     if not len(picked):
         return None
