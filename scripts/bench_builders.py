@@ -14,6 +14,9 @@ build, where both builders exist):
   the lowering to standard ops (the portable graph of its folder); after, onnxmp's builder.  Where
   the CPU has no kernel for one of the graph's float16 ops the session cannot be made, and the raw
   graph is counted (marked ``raw``);
+- ``copies``/``feed``: the host-to-device copies inside the step and the CPU shape arithmetic feeding
+  them in the same CUDA float16 training graphs, as onnxruntime's CUDA EP would place them
+  (:func:`onnxmp.training.build.placement.place`; ``scripts/cuda_placement.py`` shows each builder);
 - step time: the median seconds per micro-step (an update every step) of onnxmp's builder on the
   portable engine, ORT's builder on the native engine and PyTorch (``--torch-python``:
   scripts/torch_step_time.py), on 1 and 2 intra-op threads.  Each runs in its own process, the
@@ -98,6 +101,16 @@ def cuda_int64(artifacts, folder: Path) -> tuple[int, bool]:
     options.graph_optimization_level = onnxruntime.GraphOptimizationLevel.ORT_ENABLE_BASIC
     optimized = optimized_model(path, options, folder)
     return (int64_nodes(optimized), False) if optimized is not None else (int64_nodes(onnx.load(str(path))), True)
+
+
+def cuda_copies(artifacts) -> tuple[int, int]:
+    """(host-to-device copies, CPU nodes feeding them) of the CUDA-target portable training graph."""
+    import onnx
+
+    from onnxmp.training.build.placement import place
+
+    placed = place(onnx.load(str(artifacts.portable_path("training_model"))))
+    return len(placed.copies), len(placed.feed)
 
 
 def child(argv) -> int:
@@ -195,6 +208,7 @@ def bench_builders(args) -> int:
                 for builder, when in (("ort", "before"), ("onnxmp", "after")):
                     cuda, _ = build(key, builder, "float16", "cuda", args.optimizer, tmp / f"{key}.{builder}.cuda")
                     row[f"int64_{when}"], row[f"int64_{when}_raw"] = cuda_int64(cuda, tmp / f"{builder}-cuda")
+                    row[f"copies_{when}"], row[f"feed_{when}"] = cuda_copies(cuda)
             except OnnxMPError as exc:
                 print(f"{key:<22}refused: {str(exc).splitlines()[0][:150]}", flush=True)
                 rows[key] = {**row, "refused": str(exc).splitlines()[0]}
@@ -229,7 +243,8 @@ def _line(key: str, row: dict) -> str:
 
     nodes = (f"{count('nodes_ort'):>10}{count('nodes_ort_lowered'):>8}{count('nodes_onnxmp'):>8}"
              f"{(row['nodes_onnxmp'] / row['nodes_ort']) if row.get('nodes_ort') and row.get('nodes_onnxmp') else 0:>7.2f}")
-    text = f"{key:<22}{nodes}{count('int64_before'):>13}{count('int64_after'):>7}"
+    text = (f"{key:<22}{nodes}{count('int64_before'):>13}{count('int64_after'):>7}{count('copies_before'):>7}"
+            f"{count('copies_after'):>6}{count('feed_before'):>5}{count('feed_after'):>6}")
     for t in THREADS:
         ort, ours, torch = row[f"ort_{t}"], row[f"onnxmp_{t}"], row[f"torch_{t}"]
         text += f"{ms(ort):>11}{ms(ours):>10}{ms(torch):>9}{ratio(ours, ort):>7}{ratio(ours, torch):>8}"

@@ -190,10 +190,14 @@ def finite_difference(evaluation: onnx.ModelProto, inputs: dict, grad: str, mine
 
 
 def cuda_check(entry: str, precision: str) -> str:
-    """The target-"cuda" build's training graph, loss-scaled and lowered: onnxmp.training.build.graph_check's
-    verdict (valid, resolved, every node a kernel of plain onnxruntime's CUDA EP)."""
+    """The target-"cuda" build's training graph, loss-scaled, lowered and kept on the device:
+    onnxmp.training.build.graph_check's verdict (valid, resolved, every node a kernel of plain
+    onnxruntime's CUDA EP), and no value copied host to device inside the step under the CUDA EP's
+    placement (onnxmp.training.build.placement)."""
     from onnxmp.training.build import autodiff
+    from onnxmp.training.build.device_values import keep_on_device
     from onnxmp.training.build.graph_check import check_graph
+    from onnxmp.training.build.placement import place
     from onnxmp.training.build.unscale import add_loss_scaling
     from onnxmp.training.build.lower import lower_model
     from onnxmp.training.losses import table_loss
@@ -204,12 +208,14 @@ def cuda_check(entry: str, precision: str) -> str:
                                              requires_grad, frozen, reports=reports, target="cuda")
     add_loss_scaling(training)
     lowered = lower_model(training)
+    keep_on_device(lowered)  # the build's device_values stage
     verdict = check_graph(lowered, "cuda")
-    ok = verdict.ok and not verdict.without_kernel
+    copies = sorted(place(lowered).copies)
+    ok = verdict.ok and not verdict.without_kernel and not copies
     float32 = ", ".join(f"{k} x{v}" for k, v in reports[0].float32_ops.items())
     return (f"{'ok' if ok else 'NOT OK'}: {len(lowered.graph.node)} nodes, "
             f"{reports[0].runtime_shapes} runtime-shape places" + (f", in float32: {float32}" if float32 else "")
-            + ("" if ok else f"; {verdict}"))
+            + ("" if ok else f"; {verdict}") + (f"; copied host to device: {', '.join(copies[:5])}" if copies else ""))
 
 
 def main(argv=None) -> int:

@@ -1,0 +1,127 @@
+"""The simulated CUDA EP placement (onnxmp.training.build.placement) on small graphs."""
+from __future__ import annotations
+
+import onnx
+import onnx.parser
+
+from onnxmp.training.build.placement import memory_types, place
+
+
+def _model(text: str) -> onnx.ModelProto:
+    return onnx.parser.parse_model(text)
+
+
+HEAD = '<ir_version: 8, opset_import: ["" : 17]>\n'
+
+
+def _ops(model, indices):
+    return sorted(model.graph.node[i].op_type for i in indices)
+
+
+def test_a_graph_input_lets_float32_math_follow_the_shape_to_the_cpu():
+    # GetCpuPreferredNodes skips graph inputs: Div(x, f) with x fed goes to the CPU, nothing is copied
+    model = _sorted(_model(HEAD + """
+    g (float[N, 4] x) => (float[N, 4] y) {
+        s = Shape(x)
+        zero = Constant<value = int64 {0}>()
+        n = Gather<axis = 0>(s, zero)
+        f = Cast<to = 1>(n)
+        y = Div(x, f)
+    }"""))
+    placed = place(model)
+    assert not placed.copies and _ops(model, placed.preferred) == ["Cast", "Div", "Gather"]
+
+
+def test_a_shape_read_as_reshapes_cpu_input_is_no_copy():
+    model = _model(HEAD + """
+    g (float16[N, 4] x) => (float16[M] y) {
+        s = Shape(x)
+        one = Constant<value = int64[1] {-1}>()
+        y = Reshape(x, one)
+        n = Gather<axis = 0>(s, zero)
+        zero = Constant<value = int64 {0}>()
+    }""".replace("y = Reshape(x, one)", "shape = Concat<axis = 0>(one, n1)\n        n1 = Unsqueeze(n, zero1)\n"
+                 "        zero1 = Constant<value = int64[1] {0}>()\n        y = Reshape(x, shape)"))
+    placed = place(_sorted(model))
+    assert not placed.copies and not placed.feed
+    assert {"Gather", "Unsqueeze", "Concat"} <= set(_ops(_sorted(model), placed.preferred))
+
+
+def test_a_size_cast_into_float_math_is_a_copy_and_its_arithmetic_the_feed():
+    model = _sorted(_model(HEAD + """
+    g (float[N, 4] x) => (float[N, 4] y) {
+        r = Relu(x)
+        s = Shape(r)
+        zero = Constant<value = int64 {0}>()
+        n = Gather<axis = 0>(s, zero)
+        f = Cast<to = 1>(n)
+        y = Div(r, f)
+    }"""))
+    placed = place(model)
+    assert list(placed.copies) == ["f"]
+    assert _ops(model, placed.feed) == ["Cast", "Gather"]
+
+
+def test_a_static_shape_is_folded_before_placement():
+    model = _sorted(_model(HEAD + """
+    g (float[2, 4] x) => (float[2, 4] y) {
+        s = Shape(x)
+        zero = Constant<value = int64 {0}>()
+        n = Gather<axis = 0>(s, zero)
+        f = Cast<to = 1>(n)
+        y = Div(x, f)
+    }"""))
+    placed = place(model)
+    assert not placed.copies and _ops(model, placed.folded) == ["Cast", "Gather", "Shape"]
+
+
+def test_a_node_without_a_cuda_kernel_for_its_type_runs_on_the_cpu():
+    # the CUDA EP registers ArgMax for float types only
+    model = _sorted(_model(HEAD + """
+    g (int64[N, 4] x, float[N] w) => (float[N] y) {
+        i = ArgMax<axis = 1, keepdims = 0>(x)
+        f = Cast<to = 1>(i)
+        y = Mul(w, f)
+    }"""))
+    placed = place(model)
+    assert _ops(model, placed.cpu) == ["ArgMax"] and not placed.preferred
+    # the walk starts only from CPU outputs of CUDA nodes: Cast stays on CUDA and i is copied to it
+    assert list(placed.copies) == ["i"]
+    floats = _sorted(_model(HEAD + """
+    g (float[N, 4] x) => (int64[N] i) {
+        i = ArgMax<axis = 1, keepdims = 0>(x)
+    }"""))
+    assert not place(floats).cpu
+
+
+def test_the_walk_stops_at_low_precision_inputs_and_device_tensors():
+    # GetCpuPreferredNodes: a float16 input, or a device tensor, keeps a node on CUDA
+    model = _sorted(_model(HEAD + """
+    g (float16[N, 4] x, int64[N] ids) => (float16[N, 4] y, int64[N] z) {
+        s = Shape(x)
+        zero = Constant<value = int64 {0}>()
+        n = Gather<axis = 0>(s, zero)
+        h = Cast<to = 10>(n)
+        y = Mul(x, h)
+        d = Add(ids, ids)
+        z = Add(d, n)
+    }"""))
+    placed = place(model)
+    # Cast reads only the CPU int64: to the CPU; Mul reads float16 x: CUDA, so h is copied;
+    # z's Add reads d, a device tensor: CUDA, so n is copied too
+    assert _ops(model, placed.preferred) == ["Cast", "Gather"]
+    assert sorted(placed.copies) == ["h", "n"]
+
+
+def test_memory_types_come_from_the_kernel_registrations():
+    assert memory_types("", "Reshape", 14) == (frozenset({1}), frozenset())
+    assert memory_types("", "Shape", 15) == (frozenset(), frozenset({0}))
+    assert memory_types("", "Squeeze", 11) == (frozenset(), frozenset())  # axes is an attribute there
+    assert memory_types("", "Add", 14) == (frozenset(), frozenset())
+
+
+def _sorted(model: onnx.ModelProto) -> onnx.ModelProto:
+    from onnxmp.normalize import toposort_all
+
+    toposort_all(model)
+    return model
