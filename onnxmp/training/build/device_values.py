@@ -77,33 +77,22 @@ def _rewrite(model: onnx.ModelProto, placement) -> int:
         b = Nodes(names, f"{node.name or node.op_type}/device", after.setdefault(i, []))
         if i not in placement.cpu:  # Shape or Size of a device tensor: the leaf of the arithmetic
             found = _shape_on_device(b, node, shapes.get(node.input[0]))
+        elif i in placement.preferred and (one := _one_dimension(node, nodes, producer, placement.values)):
+            # one dimension picked from a Shape (at any position, the rank unknown): counted on the device
+            count = node.output[0] if one == "vector" else b.op("Reshape", [node.output[0], b.ints([1])])
+            found = _count_on_device(b, count)
+            if one == "scalar":
+                found = b.op("Reshape", [found, b.ints([])])
         elif i in placement.preferred:
             inputs = [twin(x) if x else "" for x in node.input]
             if any(x is None for x in inputs):
                 return None
-            clone = onnx.NodeProto()
-            clone.CopyFrom(node)
-            clone.name = b.fresh(node.op_type)
-            clone.ClearField("input")
-            clone.input.extend(inputs)
-            clone.ClearField("output")
-            clone.output.extend(b.fresh(f"{o}") if o else "" for o in node.output)
-            b.nodes.append(clone)
-            device.update({o: c for o, c in zip(node.output, clone.output) if o})
-            found = device.get(name)
+            found = _clone(b, node, inputs, device)[list(node.output).index(name)]
         elif node.op_type in WIDEN and _index_like(node.input[0], nodes, producer, placement.bool_values):
             # no CUDA kernel for its integer type: the same kernel on float64 copies of values no
             # larger than a tensor's size (positions), which float64 holds exactly
             wide = b.op("Cast", [node.input[0]], to=onnx.TensorProto.DOUBLE)
-            clone = onnx.NodeProto()
-            clone.CopyFrom(node)
-            clone.name = b.fresh(node.op_type)
-            clone.input[0] = wide
-            clone.ClearField("output")
-            clone.output.extend(b.fresh(f"{o}") if o else "" for o in node.output)
-            b.nodes.append(clone)
-            device.update({o: c for o, c in zip(node.output, clone.output) if o})
-            found = device.get(name)
+            found = _clone(b, node, [wide, *node.input[1:]], device)[list(node.output).index(name)]
         else:
             return None  # no CUDA kernel for the node itself: it stays on the CPU EP
         device[name] = found
@@ -129,6 +118,42 @@ def _rewrite(model: onnx.ModelProto, placement) -> int:
     graph.ClearField("node")
     graph.node.extend(_live(ordered, {o.name for o in graph.output}, {id(nodes[i]) for i in placement.cpu}))
     return moved
+
+
+def _clone(b: Nodes, node: onnx.NodeProto, inputs: list[str], device: dict[str, str]) -> list[str]:
+    """A copy of ``node`` reading ``inputs``, with fresh outputs (recorded as the twins of its outputs)."""
+    clone = onnx.NodeProto()
+    clone.CopyFrom(node)
+    clone.name = b.fresh(node.op_type)
+    clone.ClearField("input")
+    clone.input.extend(inputs)
+    clone.ClearField("output")
+    clone.output.extend(b.fresh(o) if o else "" for o in node.output)
+    b.nodes.append(clone)
+    device.update({o: c for o, c in zip(node.output, clone.output) if o})
+    return list(clone.output)
+
+
+def _one_dimension(node: onnx.NodeProto, nodes, producer: dict, values: dict) -> str | None:
+    """``"scalar"`` or ``"vector"`` (of one element) where ``node`` picks one dimension from a ``Shape``
+    output (a ``Gather`` of one constant index, a unit-step ``Slice`` of one element on axis 0); None
+    otherwise."""
+    i = producer.get(node.input[0]) if node.input else None
+    if i is None or nodes[i].op_type != "Shape":
+        return None
+    const = [np.asarray(values[x]).astype(np.int64) if x in values else None for x in node.input[1:]]
+    if node.op_type == "Gather" and const and const[0] is not None and const[0].size == 1:
+        return "scalar" if const[0].ndim == 0 else "vector" if const[0].ndim == 1 else None
+    if node.op_type != "Slice" or len(const) < 2 or any(c is None for c in const):
+        return None
+    starts, ends, *rest = [c.reshape(-1) for c in const]
+    axes, steps = (rest + [None, None])[:2]
+    if starts.size != 1 or (axes is not None and axes.tolist() not in ([0], [-1])) or (
+            steps is not None and steps.tolist() != [1]):
+        return None
+    first, last = int(starts[0]), int(ends[0])
+    one = last == first + 1 and (first >= 0 or last < 0) or first == -1 and last >= 2**31
+    return "vector" if one else None
 
 
 def _live(nodes: list, outputs: set[str], removable: set[int]) -> list:
@@ -202,20 +227,25 @@ def _shape_on_device(b: Nodes, node: onnx.NodeProto, dims: tuple | None) -> str 
     return _dims_on_device(b, node.output[0], picked, dims, offset=picked.start)
 
 
-def _dims_on_device(b: Nodes, shape: str, picked, dims, offset: int = 0) -> str:
+def _dims_on_device(b: Nodes, shape: str, picked, dims: tuple | None, offset: int = 0) -> str:
+    """A device int64 vector of the dimensions ``picked`` of a tensor whose ``Shape`` (from dimension
+    ``offset`` on) is ``shape``, a CPU tensor; ``dims`` its static dimensions where known."""
     parts = []
     for k in picked:
-        if isinstance(dims[k], int):
+        if dims is not None and k < len(dims) and isinstance(dims[k], int):
             parts.append(b.ints([dims[k]]))
             continue
-        # ConstantOfShape reads its shape in CPU memory and writes on the device: n ones, summed, are n
-        at = b.ints([k - offset])
-        n = b.op("Slice", [shape, at, b.ints([k - offset + 1])])
-        ones = b.op("ConstantOfShape", [n], value=numpy_helper.from_array(np.array([1], np.int64)))
-        parts.append(b.op("ReduceSum", [ones], keepdims=1))
+        parts.append(_count_on_device(b, b.op("Slice", [shape, b.ints([k - offset]), b.ints([k - offset + 1])])))
     if len(parts) == 1:
         return parts[0]
     return b.op("Concat", parts, axis=0)
+
+
+def _count_on_device(b: Nodes, count: str) -> str:
+    """A device int64 ``[n]`` from ``count``, the CPU int64 ``[n]`` (n >= 0): ``ConstantOfShape`` reads its
+    shape in CPU memory and writes on the device; n ones, summed, are n (n elements of work)."""
+    ones = b.op("ConstantOfShape", [count], value=numpy_helper.from_array(np.array([1], np.int64)))
+    return b.op("ReduceSum", [ones], keepdims=1)
 
 
 def _static_dims(model: onnx.ModelProto) -> dict[str, tuple]:
