@@ -61,6 +61,26 @@ def test_a_count_dividing_device_data_is_computed_on_the_device():
     assert {"ConstantOfShape", "ReduceSum"} <= {n.op_type for n in model.graph.node}
 
 
+def test_the_last_dimension_of_a_tensor_of_unknown_rank_is_counted_on_the_device():
+    # Slice(Shape(t), -1, INT64_MAX): no rank is needed, the picked CPU value sizes a ConstantOfShape
+    text = """
+    g (float[N, 4] x, int64[K] reps) => (float[N, 4] y) {
+        t = Tile(x, reps)
+        s = Shape(t)
+        last = Constant<value = int64[1] {-1}>()
+        end = Constant<value = int64[1] {9223372036854775807}>()
+        n = Slice(s, last, end)
+        f = Cast<to = 1>(n)
+        r = Relu(x)
+        y = Div(r, f)
+    }"""
+    model = _model(text)
+    model.graph.value_info.clear()
+    assert list(place(model).copies) == ["f"]
+    found, _ = _rewritten(text, {"x": np.ones((3, 4), np.float32), "reps": np.array([1, 2], np.int64)})
+    assert found == {"rewritten": 1, "copies": 0}
+
+
 def test_a_size_is_multiplied_on_the_device():
     text = """
     g (float[N, M] x) => (float[N, M] y) {
@@ -171,3 +191,16 @@ def test_the_cuda_training_graphs_copy_nothing_host_to_device(entry, tmp_path):
     for part in ("training_model", "eval_model"):
         placed = place(onnx.load(str(artifacts.portable_path(part))))
         assert not placed.copies and not placed.feed, (part, sorted(placed.copies))
+
+
+def test_the_stage_leaves_cpu_builds_alone():
+    from onnxmp.training.build.pipeline import DeviceValues, TrainingBuild
+
+    model = _model(MEAN)
+    state = TrainingBuild(model, [], [], "cross_entropy", None, None, "float16", "cpu", Path("unused"))
+    state.lowered_training, state.lowered_evaluation = model, model
+    assert DeviceValues().call(state).modified is False
+    assert list(place(model).copies) == ["f"]  # what a cuda build's stage would have rewritten
+    state.target = "cuda"
+    result = DeviceValues().call(state)
+    assert result.modified and result.details["training"] == {"rewritten": 1, "copies": 0}

@@ -125,3 +125,16 @@ def _sorted(model: onnx.ModelProto) -> onnx.ModelProto:
 
     toposort_all(model)
     return model
+
+
+def test_the_packaged_facts_are_what_the_generator_writes():
+    import json
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    sys.path.insert(0, str(root / "scripts"))
+    import gen_cuda_placement
+
+    packaged = json.loads((root / "onnxmp" / "data" / "ort_cuda_placement.json").read_text())
+    assert json.loads(json.dumps(gen_cuda_placement.build())) == packaged
