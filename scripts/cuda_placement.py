@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """Host-to-device traffic of the CUDA training step, per export of the matrix (no GPU needed).
 
-For each entry of ``models/exports/matrix.json``, the float16 target-``cuda`` training graph (the
+For each entry of ``models/exports/matrix.json``, the float16 (``--precision``) target-``cuda`` training graph (the
 lowered graph the portable engine runs) is placed as onnxruntime's CUDA EP would place it
 (:func:`onnxmp.training.build.placement.place`):
 
@@ -30,8 +30,8 @@ sys.path.insert(0, str(ROOT / "scripts"))
 COLUMNS = ("a", "b", "c")
 
 
-def lowered(entry: str, builder: str, folder: Path):
-    """The CUDA float16 training graph of ``entry`` by ``builder``, as lowered (no device_values stage)."""
+def lowered(entry: str, builder: str, folder: Path, precision: str = "float16"):
+    """The CUDA training graph of ``entry`` by ``builder``, as lowered (no device_values stage)."""
     import onnx
 
     import bench_builders
@@ -40,22 +40,22 @@ def lowered(entry: str, builder: str, folder: Path):
     stages = pipeline.STAGES
     pipeline.STAGES = tuple(s for s in stages if s is not pipeline.DeviceValues)
     try:
-        artifacts, _ = bench_builders.build(entry, builder, "float16", "cuda", "adamw", folder)
+        artifacts, _ = bench_builders.build(entry, builder, precision, "cuda", "adamw", folder)
     finally:
         pipeline.STAGES = stages
     return onnx.load(str(artifacts.portable_path("training_model")))
 
 
-def measure(entry: str, tmp: Path, with_ort: bool) -> dict:
+def measure(entry: str, tmp: Path, with_ort: bool, precision: str = "float16") -> dict:
     from onnxmp.training.build.device_values import keep_on_device
     from onnxmp.training.build.placement import place
 
     row = {}
     if with_ort:
         (tmp / f"{entry}.ort").mkdir()
-        row["a"] = place(lowered(entry, "ort", tmp / f"{entry}.ort")).summary()
+        row["a"] = place(lowered(entry, "ort", tmp / f"{entry}.ort", precision)).summary()
     (tmp / f"{entry}.onnxmp").mkdir()
-    model = lowered(entry, "onnxmp", tmp / f"{entry}.onnxmp")
+    model = lowered(entry, "onnxmp", tmp / f"{entry}.onnxmp", precision)
     row["b"] = place(model).summary()
     row["rewritten"] = keep_on_device(model)["rewritten"]
     row["c"] = place(model).summary()
@@ -68,6 +68,7 @@ def main(argv=None) -> int:
     matrix = json.loads((ROOT / "models" / "exports" / "matrix.json").read_text())
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--entries", nargs="*", default=[k for k, e in matrix.items() if "file" in e])
+    parser.add_argument("--precision", default="float16", choices=["float16", "bfloat16", "float32"])
     parser.add_argument("--markdown", type=Path, help="also write the table here (markdown)")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args(argv)
@@ -80,7 +81,7 @@ def main(argv=None) -> int:
     with tempfile.TemporaryDirectory(prefix="onnxmp-cuda-placement-") as tmp:
         for entry in args.entries:
             try:
-                row = rows[entry] = measure(entry, Path(tmp), with_ort)
+                row = rows[entry] = measure(entry, Path(tmp), with_ort, args.precision)
             except Exception as exc:  # one entry's failure must not hide the others
                 failed += 1
                 line = f"| {entry} | error: {type(exc).__name__}: {str(exc).splitlines()[0][:120]} |"

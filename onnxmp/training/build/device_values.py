@@ -15,8 +15,12 @@ host to device on every run, and the device waits for the host's arithmetic.
   each dimension ``n`` it reads from a ``Shape`` becomes ``ReduceSum(ConstantOfShape([n], 1))``, a
   device int64 built from the CPU shape through ``ConstantOfShape``'s CPU-memory input (``n``
   elements of work); a static dimension becomes a constant; a ``Size`` becomes the product of
-  those dimensions.  The copied nodes read device tensors, so the CUDA EP keeps them; the CPU
-  subgraph stays for the consumers that take it in CPU memory.
+  those dimensions; one dimension picked from a ``Shape`` (a ``Gather`` of one index, a one-element
+  ``Slice``) is counted from the picked CPU value itself, which needs no rank.  The copied nodes
+  read device tensors, so the CUDA EP keeps them; the CPU subgraph stays for the consumers that take
+  it in CPU memory, and what nothing reads any more is dropped;
+- an ``ArgMax``/``ArgMin`` over positions (``Range`` outputs, masked or selected), for which the CUDA
+  EP has no int64 kernel, runs on the device on a float64 copy, which holds such values exactly.
 
 The values are the same integers, so no number the graph computes changes.
 """
@@ -60,8 +64,7 @@ def _rewrite(model: onnx.ModelProto, placement) -> int:
     graph = model.graph
     nodes = list(graph.node)
     producer = {o: i for i, n in enumerate(nodes) for o in n.output if o}
-    shapes = _static_dims(model)
-    opset = {(o.domain or "ai.onnx"): o.version for o in model.opset_import}
+    shapes = placement.shapes
     names = FreshNames(proto_names(graph))
     after: dict[int, list[onnx.NodeProto]] = {}   # node index -> device nodes written right after it
     device: dict[str, str] = {}                   # CPU value -> its device twin
@@ -246,15 +249,3 @@ def _count_on_device(b: Nodes, count: str) -> str:
     shape in CPU memory and writes on the device; n ones, summed, are n (n elements of work)."""
     ones = b.op("ConstantOfShape", [count], value=numpy_helper.from_array(np.array([1], np.int64)))
     return b.op("ReduceSum", [ones], keepdims=1)
-
-
-def _static_dims(model: onnx.ModelProto) -> dict[str, tuple]:
-    from onnxmp.normalize import infer_tensor_types
-
-    out = {}
-    for name, tp in infer_tensor_types(model).items():
-        if tp.HasField("tensor_type") and tp.tensor_type.HasField("shape"):
-            out[name] = tuple(d.dim_value if d.HasField("dim_value") else None for d in tp.tensor_type.shape.dim)
-    for t in model.graph.initializer:
-        out[t.name] = tuple(t.dims)
-    return out

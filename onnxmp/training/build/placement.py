@@ -126,6 +126,7 @@ class Placement:
     feed: set[int] = field(default_factory=set)         # CPU nodes whose results reach a host->device copy
     bool_values: frozenset[str] = frozenset()           # the graph's bool tensors (masks)
     values: dict = field(default_factory=dict)          # the constants' values (small ones, folded ones)
+    shapes: dict = field(default_factory=dict)          # value -> dims (int, or a name/None where dynamic)
 
     def summary(self) -> dict:
         return {"copies": len(self.copies), "feed": len(self.feed), "to_host": len(self.to_host),
@@ -156,9 +157,10 @@ def place(model: onnx.ModelProto, kernels: CudaKernels | None = None) -> Placeme
     types = {n: tp.tensor_type.elem_type for n, tp in tps.items() if tp.HasField("tensor_type")}
     types.update({t.name: t.data_type for t in graph.initializer})
     constant = {t.name: int(np.prod(t.dims, dtype=np.int64)) for t in graph.initializer}
-    folded_values = fold_constants(graph, model.opset_import, _shapes(tps), initial_values(graph))
+    shapes = _shapes(tps)
+    folded_values = fold_constants(graph, model.opset_import, shapes, initial_values(graph))
     result = Placement(bool_values=frozenset(n for n, t in types.items() if t == onnx.TensorProto.BOOL),
-                       values=folded_values)
+                       values=folded_values, shapes=shapes)
     nodes = list(graph.node)
     for i, node in enumerate(nodes):
         outs = [o for o in node.output if o]
