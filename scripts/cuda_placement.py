@@ -8,6 +8,8 @@ lowered graph the portable engine runs) is placed as onnxruntime's CUDA EP would
 - ``copies``: values copied host to device inside every step (a CPU-placed value read by a CUDA
   kernel's device-memory input);
 - ``feed``: the CPU-placed nodes whose results reach such a copy: shape arithmetic feeding device data;
+- ``to host``: values copied device to host (a device tensor read by a CPU node, or by a CUDA
+  kernel's CPU-memory input), a stall too;
 
 for (a) ORT's builder, lowered to standard ops (the portable path before onnxmp's builder; needs
 onnxruntime-training: Python 3.11), (b) onnxmp's builder without the ``device_values`` stage, (c) with
@@ -75,7 +77,9 @@ def main(argv=None) -> int:
     logging.basicConfig(level=logging.ERROR)
     with_ort = _ort.available()
     rows, failed = {}, 0
-    head = "| entry | copies a | b | c | feed a | b | c | rewritten |\n|---|--:|--:|--:|--:|--:|--:|--:|"
+    head = ("| entry | copies a | b | c | feed a | b | c | to host a | b | c | rewritten |\n"
+            "|---|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|")
+    kinds = ("copies", "feed", "to_host")
     print(head, flush=True)
     lines = [head]
     with tempfile.TemporaryDirectory(prefix="onnxmp-cuda-placement-") as tmp:
@@ -87,15 +91,14 @@ def main(argv=None) -> int:
                 line = f"| {entry} | error: {type(exc).__name__}: {str(exc).splitlines()[0][:120]} |"
             else:
                 cell = lambda c, k: str(row[c][k]) if c in row else "-"  # noqa: E731
-                line = (f"| {entry} | " + " | ".join(cell(c, "copies") for c in COLUMNS) + " | "
-                        + " | ".join(cell(c, "feed") for c in COLUMNS) + f" | {row['rewritten']} |")
+                line = (f"| {entry} | " + " | ".join(cell(c, k) for k in kinds for c in COLUMNS)
+                        + f" | {row['rewritten']} |")
             print(line, flush=True)
             lines.append(line)
     done = [r for r in rows.values()]
-    total = "| **total** | " + " | ".join(
-        str(sum(r[c]["copies"] for r in done)) if all(c in r for r in done) else "-" for c in COLUMNS) + " | " + \
-        " | ".join(str(sum(r[c]["feed"] for r in done)) if all(c in r for r in done) else "-" for c in COLUMNS) + \
-        f" | {sum(r['rewritten'] for r in done)} |"
+    total = ("| **total** | " + " | ".join(str(sum(r[c][k] for r in done)) if all(c in r for r in done) else "-"
+                                           for k in kinds for c in COLUMNS)
+             + f" | {sum(r['rewritten'] for r in done)} |")
     print(total)
     lines.append(total)
     from onnxmp.files import write_text_atomic
