@@ -138,3 +138,67 @@ def test_the_packaged_facts_are_what_the_generator_writes():
 
     packaged = json.loads((root / "onnxmp" / "data" / "ort_cuda_placement.json").read_text())
     assert json.loads(json.dumps(gen_cuda_placement.build())) == packaged
+
+
+# Rows corrected against the registrations (gen_cuda_placement.MEMORY_COMMIT): each changes the copies.
+
+def test_clip_reads_min_and_max_on_the_device():
+    # math/clip.cc registers Clip-11+ without a CPU-memory input: a shape-derived bound is copied to it
+    model = _sorted(_model(HEAD + """
+    g (float[N, 4] x) => (float[N, 4] y) {
+        r = Relu(x)
+        s = Shape(r)
+        zero = Constant<value = int64 {0}>()
+        n = Gather<axis = 0>(s, zero)
+        f = Cast<to = 1>(n)
+        y = Clip(r, f)
+    }"""))
+    assert memory_types("", "Clip", 13) == (frozenset(), frozenset())
+    placed = place(model)
+    assert list(placed.copies) == ["f"] and _ops(model, placed.feed) == ["Cast", "Gather"]
+    assert not placed.to_host
+
+
+def test_onehot_keeps_its_values_in_cpu_memory():
+    # tensor/onehot.cc: depth (1) and values (2) are CPU inputs: values made on the device go to the host
+    model = _sorted(_model(HEAD + """
+    g (int64[N] ids, float[2] v) => (float[N, 10] y) {
+        depth = Constant<value = int64[1] {10}>()
+        w = Neg(v)
+        y = OneHot(ids, depth, w)
+    }"""))
+    assert memory_types("", "OneHot", 11) == (frozenset({1, 2}), frozenset())
+    placed = place(model)
+    assert list(placed.to_host) == ["w"] and not placed.copies
+
+
+def test_resize_10_keeps_its_scales_in_cpu_memory():
+    # tensor/resize.cc registers Resize-10 with scales (1) on the CPU, as Resize-11+ with roi/scales/sizes
+    model = _sorted(_model('<ir_version: 5, opset_import: ["" : 10]>\n' + """
+    g (float[1, 1, N, 4] x, float[4] a) => (float[1, 1, M, 8] y) {
+        sc = Abs(a)
+        y = Resize<mode = "nearest">(x, sc)
+    }"""))
+    assert memory_types("", "Resize", 10) == (frozenset({1}), frozenset())
+    assert list(place(model).to_host) == ["sc"]
+
+
+def test_if_reads_its_condition_in_cpu_memory():
+    # controlflow/if.cc: 'cond' needs to be on the CPU (a row the table lacked): a device bool is copied back
+    model = _sorted(_model(HEAD + """
+    g (float[N] x) => (float[N] y) {
+        zero = Constant<value = float {0}>()
+        s = ReduceSum<keepdims = 0>(x)
+        c = Greater(s, zero)
+        y = If(c) <then_branch = t () => (float[N] a) { a = Identity(x) },
+                   else_branch = e () => (float[N] b) { b = Neg(x) }>
+    }"""))
+    assert memory_types("", "If", 17) == (frozenset({0}), frozenset())
+    placed = place(model)
+    assert list(placed.to_host) == ["c"] and not placed.copies
+
+
+def test_pad_takes_axes_in_cpu_memory_from_opset_18_only():
+    assert memory_types("", "Pad", 13) == (frozenset({1, 2}), frozenset())
+    assert memory_types("", "Pad", 18) == (frozenset({1, 2, 3}), frozenset())
+    assert memory_types("com.microsoft", "BitmaskBiasDropout", 1) == (frozenset({3, 4}), frozenset())
