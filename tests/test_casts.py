@@ -211,17 +211,41 @@ g (float[4,8] x, float[2,4,8] state, bool c) => (float[4,8] y) <""" + W + """, i
 FEEDS_GATHERS = [{"x": X, "state": np.stack([X, -X]) * 0.5, "c": np.array(c)} for c in (True, False)]
 
 
-def test_gathers_of_one_float32_input_read_low_take_one_cast_of_the_input():
-    # A tensor a body reads keeps its type in the coloring (outer reads are pinned): the Gathers
-    # stay float32 and each output is Cast in its branch.  One Cast of `state` serves both.
+def test_gathers_of_one_float32_input_read_low_in_branches_take_one_cast_of_the_input():
+    # A body's read of an outer tensor is an edge of the coloring: the Gathers feed low MatMuls
+    # and run low themselves, and one Cast of `state` serves both (none in the branches).
     out = _converted(_parse(GATHERS), FEEDS_GATHERS)
     assert [(src, to) for src, to in _cast_sources(out.graph) if to == FLOAT16] == [("state", FLOAT16)]
     assert {v.name: v.type.tensor_type.elem_type for v in out.graph.value_info}["a"] == FLOAT16
 
 
-def test_one_gather_keeps_its_cast_after_it():
-    out = _converted(_parse(GATHERS.replace("yf = MatMul(b, w)", "yf = Exp(x)")), FEEDS_GATHERS)
-    assert [(src, to) for src, to in _cast_sources(out.graph) if to == FLOAT16] == [("a", FLOAT16)]
+OUTER_LOW = """
+g (float[4,8] x, bool c, bool d) => (float[4,8] y) <""" + W + """> {
+    e = MatMul(x, w)
+    y = If(c) <
+        then_branch = t () => (float[4,8] yt) {
+            yt = If(d) <then_branch = tt () => (float[4,8] ytt) { ytt = MatMul(e, w) },
+                        else_branch = tf () => (float[4,8] ytf) { ytf = MatMul(e, w) }>
+        },
+        else_branch = f () => (float[4,8] yf) { yf = MatMul(e, w) }>
+}"""
+FEEDS_NESTED = [{"x": X, "c": np.array(c), "d": np.array(d)} for c in (True, False) for d in (True, False)]
+
+
+def test_nested_ifs_read_an_outer_low_value_as_it_is():
+    # Outer reads are edges: `e` is written low in place and every branch, however deep, reads it
+    # without a Cast (pinned, it was renamed, restored to float32 and Cast again in each branch).
+    out = _converted(_parse(OUTER_LOW), FEEDS_NESTED)
+    assert [src for src, to in _cast_sources(out.graph) if to == FLOAT16] == ["x"]
+    assert not any(src.startswith("e") for src, _ in _cast_sources(out.graph))
+
+
+def test_nested_ifs_reading_an_outer_low_value_in_float32_cast_it_once_beside_the_producer():
+    text = OUTER_LOW.replace("ytf = MatMul(e, w)", "ytf = Exp(e)").replace("yf = MatMul(e, w)", "yf = Sigmoid(e)")
+    out = _converted(_parse(text), FEEDS_NESTED)
+    # Both outer branches read `e` in float32: one Cast in the main graph, none in any body.
+    assert [src for src, _ in _cast_sources(out.graph) if src == "e"] == ["e"]  # one, in any graph
+    assert [c.input[0] for c in _casts(out.graph) if c.input[0] == "e"] == ["e"]  # and it is the main graph's
 
 
 
