@@ -28,7 +28,8 @@ import onnx
 
 from onnxmp.color.rules import Coloring
 from onnxmp.color.layouts import RETARGETABLE
-from onnxmp.rewrite.branches import lower_if_outputs
+from onnxmp.rewrite.branches import lower_if_outputs, raise_if_outputs
+from onnxmp.rewrite.idle import remove_idle_casts
 from onnxmp.rewrite.moves import move_casts_above_splits, move_casts_up
 from onnxmp.rewrite.casts import (GraphNodes, NewCast, ScopeTree, float_cast_inputs, foldable_constant,
                                   homes_and_producers, place_after_producers, read_counts)
@@ -98,10 +99,12 @@ def plan(index: ModelIndex, state: Coloring, *, precision: Precision, master_wei
     rewriter.convert_initializers()
     rewriter.fix_consumers()
     lower_if_outputs(rewriter)
+    raise_if_outputs(rewriter)
     move_casts_up(rewriter)
     move_casts_above_splits(rewriter)
     rewriter.place_shared_casts()
     rewriter.lower_main_outputs(keep_io_types)
+    remove_idle_casts(rewriter)
     for scope, nodes in zip(index.scopes, rewriter.nodes):
         rewriter.edits.graphs[scope.gid] = place_after_producers(nodes, rewriter.new_nodes[scope.gid])
     return rewriter.edits, rewriter.stats
