@@ -269,3 +269,80 @@ def test_a_split_with_an_output_read_in_low_precision_keeps_its_casts():
                                                                          "float[4,4] y) <" + W + ", float[4,4] v = {" + ",".join(["0.1"] * 16) + "}")
     out = _converted(onnx.parser.parse_model(header(18) + text), [{"x": X}])
     assert ("a", FLOAT) in _cast_sources(out.graph) and ("h", FLOAT) not in _cast_sources(out.graph)
+
+
+IDLE = """
+g (float[4,8] x) => (float[4,8] y) <""" + W + """> {
+    h = MatMul(x, w)
+    c = Cast <to = 1> (h)
+    y = MatMul(c, w)
+}"""
+
+
+def test_the_models_cast_of_a_value_made_low_is_idle_and_bypassed():
+    # The Cast's reader is low, so the coloring retargets it to float16; its input is float16
+    # already: the second MatMul reads `h` and the Cast goes.
+    out = _converted(_parse(IDLE), [{"x": X}])
+    matmuls = [n for n in out.graph.node if n.op_type == "MatMul"]
+    assert matmuls[1].input[0] == "h"
+    assert sorted(src for src, _ in _cast_sources(out.graph)) == ["x", "y_onnxmp_fp16"]
+
+
+PAIR = """
+g (float16[4,8] x, float[4,8] v) => (float16[4,8] z, float[4,8] y, float[4,8] e) <""" + W + """> {
+    c = Cast <to = 1> (x)
+    d = Cast <to = 10> (c)
+    z = Add(d, d)
+    y = MatMul(v, w)
+    e = Exp(c)
+}"""
+FEEDS_PAIR = [{"x": X.astype(np.float16), "v": X}]
+
+
+def test_a_cast_pair_that_cancels_is_bypassed_and_the_intermediate_kept_for_its_other_reader():
+    out = _converted(_parse(PAIR), FEEDS_PAIR)
+    add = next(n for n in out.graph.node if n.op_type == "Add")
+    assert list(add.input) == ["x", "x"]  # Cast(Cast(x, float32), float16) of a float16 x is x
+    assert ("c", FLOAT16) not in _cast_sources(out.graph)
+    assert ("x", FLOAT) in _cast_sources(out.graph)  # Exp still reads the float32 copy
+
+
+def test_a_lossy_cast_pair_is_kept():
+    # Cast(Cast(v, float16), float32) of a float32 v rounds: both Casts stay.
+    text = PAIR.replace("c = Cast <to = 1> (x)\n    d = Cast <to = 10> (c)",
+                        "c0 = Cast <to = 10> (v)\n    c = Cast <to = 1> (c0)\n    d = Cast <to = 10> (x)")
+    out = _converted(_parse(text), FEEDS_PAIR)
+    assert ("v", FLOAT16) in _cast_sources(out.graph) and ("c0", FLOAT) in _cast_sources(out.graph)
+    exp = next(n for n in out.graph.node if n.op_type == "Exp")
+    assert exp.input[0] == "c"
+
+
+RESTORED = """
+g (float[4,8] x, bool c, bool d) => (float[4,8] y) <""" + W + """> {
+    h = MatMul(x, w)
+    y = If(c) <
+        then_branch = t () => (float[4,8] o) {
+            o = If(d) <then_branch = tt () => (float[4,8] ot) {
+                           ot = If(d) <then_branch = ttt () => (float[4,8] ott) { ott = MatMul(x, w) },
+                                       else_branch = ttf () => (float[4,8] otf) { otf = MatMul(h, w) }>
+                       },
+                       else_branch = tf () => (float[4,8] of) { of = Identity(h) }>
+        },
+        else_branch = f () => (float[4,8] yf) { yf = Sigmoid(x) }>
+}"""
+
+
+def test_an_if_output_both_branches_compute_low_is_restored_once_after_the_if():
+    # `o` is an outer branch output, float32 for the coloring (the group's producers are an If and
+    # an Identity, not ALLOW vertices).  Both its branches compute it low: restored in each it costs
+    # two Casts; written low by the If and restored after it, one.
+    out = _converted(_parse(RESTORED), FEEDS_NESTED)
+    assert [(src, to) for src, to in _cast_sources(out.graph) if to == FLOAT] == [("o_onnxmp_fp16", FLOAT)]
+    assert [c.input[0] for c in _casts(_body(out.graph, "If", "then_branch"))] == ["o_onnxmp_fp16"]
+
+
+def test_an_if_output_one_branch_computes_in_float32_keeps_its_restore():
+    # One restore in the low branch against a narrowing in the float32 branch plus one after the If:
+    # nothing saved, the restore stays in its branch.
+    out = _converted(_parse(RESTORED.replace("of = Identity(h)", "of = Exp(x)")), FEEDS_NESTED)
+    assert [src for src, to in _cast_sources(out.graph) if to == FLOAT] == ["ot_onnxmp_fp16"]
