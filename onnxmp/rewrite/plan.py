@@ -151,7 +151,9 @@ class _Rewriter:
                 low_inputs[node_index[node]] |= 1 << i
 
         # (statistics node, its input) -> the fused normalization it belongs to (see fix_consumers)
-        self.fused_readers = {reader: i for i, unit in enumerate(view.fused) for reader in unit.readers}
+        # (a unit that stays float32 reads the one float32 copy of its input everybody shares)
+        self.fused_readers = {reader: i for i, unit in enumerate(view.fused) for reader in unit.readers
+                              if not self.allow.isdisjoint(unit.affine)}
         # Names the outside world may feed or read keep their type, and so do sparse initializers
         # (the writer converts dense ones only): low readers read a Cast of them.
         self.fixed = set(view.pinned)
