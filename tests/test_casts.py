@@ -346,3 +346,36 @@ def test_an_if_output_one_branch_computes_in_float32_keeps_its_restore():
     # nothing saved, the restore stays in its branch.
     out = _converted(_parse(RESTORED.replace("of = Identity(h)", "of = Exp(x)")), FEEDS_NESTED)
     assert [src for src, to in _cast_sources(out.graph) if to == FLOAT] == ["ot_onnxmp_fp16"]
+
+
+SHAPE_CAST = """
+g (float[4,8] x) => (float[8,4] y) <""" + W + """> {
+    s = Constant <value = int32[2] {8, 4}> ()
+    s64 = Cast <to = 7> (s)
+    h = MatMul(x, w)
+    y = Reshape(h, s64)
+}"""
+
+
+def test_the_models_cast_of_a_constant_is_folded_into_the_constant():
+    out = _converted(_parse(SHAPE_CAST), [{"x": X}])
+    assert not any(src == "s" for src, _ in _cast_sources(out.graph))
+    const = next(n for n in out.graph.node if n.op_type == "Constant")
+    assert const.attribute[0].t.data_type == onnx.TensorProto.INT64
+    assert next(n for n in out.graph.node if n.op_type == "Reshape").input[1] == "s"
+
+
+@pytest.mark.parametrize("change", ["lossy", "read twice"])
+def test_a_cast_of_a_constant_that_is_lossy_or_read_elsewhere_stays(change):
+    if change == "lossy":  # 2.5 -> int64 truncates: the Cast computes something, it stays
+        text = SHAPE_CAST.replace("int32[2] {8, 4}", "float[2] {8.0, 4.5}")
+        feeds_ok = False
+    else:  # the Constant is read in its own type too
+        text = SHAPE_CAST.replace("y = Reshape(h, s64)", "y = Reshape(h, s64)\n    z = Identity(s)").replace(
+            "(float[8,4] y)", "(float[8,4] y, int32[2] z)")
+        feeds_ok = True
+    model = _parse(text)
+    out = onnxmp.convert(model).model
+    assert ("s", onnx.TensorProto.INT64) in _cast_sources(out.graph)
+    if feeds_ok:
+        ort.InferenceSession(out.SerializeToString())

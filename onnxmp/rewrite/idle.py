@@ -10,15 +10,21 @@ Once the plan has retyped tensors and retargeted the model's own Casts, some Cas
   added either Cast: the outer Cast's readers read ``h``.  ``Cast(Cast(x, to=low), to=float32)``
   of a float32 ``x`` rounds and is never removed.
 
-Only Casts to float32 or the low type are looked at (the model's other Casts are its own
-business), and never one writing a name the outside world sees (a graph or body output).  The
-Casts left unread go in the writer's dead-node sweep, as does an intermediate Cast nothing else
-reads.
+* **Casts of constants.** The model's own Cast of a Constant node that nothing else reads
+  (exporters write ``Constant(int32) -> Cast(to=int64)`` for shapes) when every value converts
+  exactly (it converts back to itself): the Constant holds the converted values, its readers read
+  it.  onnxruntime folds such a Cast at load anyway; written, it is a node fewer to keep.
+
+Idle Casts and pairs are looked at only among Casts to float32 or the low type, and no Cast writing
+a name the outside world sees (a graph or body output) is bypassed.  The Casts left unread go in
+the writer's dead-node sweep, as does an intermediate Cast nothing else reads.
 """
 from __future__ import annotations
 
+import numpy as np
 import onnx
 
+from onnxmp.external import tensor_array
 from onnxmp.rewrite.casts import NewCast
 
 FLOAT = onnx.TensorProto.FLOAT
@@ -64,3 +70,68 @@ def remove_idle_casts(rw) -> int:
         renames[out] = target
     rw.reread(renames)
     return len(renames)
+
+
+def fold_constant_casts(rw) -> int:
+    """The model's Casts of Constant nodes read by nothing else, whose values convert exactly: the
+    Constant makes the Cast's type (``Edits.constant_types``), the Cast's readers read it; how many."""
+    seen = {t.name for scope in rw.graph.scopes for t in scope.graph.output}
+    constants: dict[str, tuple[int, int]] = {}  # Constant output -> (graph, position)
+    for s, nodes in enumerate(rw.nodes):
+        for k, (item, outs) in enumerate(zip(nodes.items, nodes.outputs)):
+            if type(item) is not NewCast and item.op_type == "Constant" and item.domain in ("", "ai.onnx") \
+                    and len(outs) == 1 and nodes.names[k] not in rw.edits.retargeted:
+                constants[outs[0]] = (s, k)
+    if not constants:
+        return 0
+    casts = []  # (Cast output, Constant output, type)
+    for nodes in rw.nodes:
+        for item, ins, outs in zip(nodes.items, nodes.inputs, nodes.outputs):
+            if type(item) is not NewCast and item.op_type == "Cast" and item.domain in ("", "ai.onnx") \
+                    and len(ins) == 1 and ins[0] in constants and len(outs) == 1 and outs[0] not in seen:
+                to = next((a.i for a in item.attribute if a.name == "to"), None)
+                if to is not None and nodes.names[nodes.items.index(item)] not in rw.edits.retargeted:
+                    casts.append((outs[0], ins[0], to))
+    if not casts:
+        return 0
+    reads = rw.read_counts({c for _, c, _ in casts})
+    renames: dict[str, str] = {}
+    for out, const, to in casts:
+        if reads[const] != 1 or const in seen:
+            continue  # another reader wants the Constant's own type
+        s, k = constants[const]
+        values = _constant_values(rw.nodes[s].items[k])
+        if values is None or not _exact(values, to):
+            continue
+        rw.edits.constant_types[rw.nodes[s].names[k]] = to
+        rw.edits.dtypes[const] = to
+        renames[out] = const
+    if renames:
+        rw.reread(renames)
+    return len(renames)
+
+
+def _constant_values(node: onnx.NodeProto) -> np.ndarray | None:
+    """A Constant node's values when it holds a dense tensor (``value``) or ints."""
+    for a in node.attribute:
+        if a.name == "value" and a.type == onnx.AttributeProto.TENSOR:
+            return tensor_array(a.t)
+        if a.name == "value_int":
+            return np.asarray(a.i, dtype=np.int64)
+        if a.name == "value_ints":
+            return np.asarray(list(a.ints), dtype=np.int64)
+    return None
+
+
+def _exact(values: np.ndarray, to: int) -> bool:
+    """Every value converts to ``to`` and back to itself (no rounding, wrap or truncation)."""
+    try:
+        dtype = onnx.helper.tensor_dtype_to_np_dtype(to)
+    except (KeyError, ValueError):
+        return False
+    if values.dtype.kind not in "biuf" or np.dtype(dtype).kind not in "biuf":
+        return False
+    with np.errstate(all="ignore"):
+        converted = values.astype(dtype)
+        return bool(np.array_equal(converted.astype(values.dtype), values, equal_nan=values.dtype.kind == "f")
+                    and np.all(np.isfinite(converted.astype(np.float64)) | ~np.isfinite(values.astype(np.float64))))

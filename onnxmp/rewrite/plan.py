@@ -29,7 +29,7 @@ import onnx
 from onnxmp.color.rules import Coloring
 from onnxmp.color.layouts import RETARGETABLE
 from onnxmp.rewrite.branches import lower_if_outputs, raise_if_outputs
-from onnxmp.rewrite.idle import remove_idle_casts
+from onnxmp.rewrite.idle import fold_constant_casts, remove_idle_casts
 from onnxmp.rewrite.moves import move_casts_above_splits, move_casts_up
 from onnxmp.rewrite.casts import (GraphNodes, NewCast, ScopeTree, float_cast_inputs, foldable_constant,
                                   homes_and_producers, place_after_producers, read_counts)
@@ -70,6 +70,7 @@ class Edits:
     converted: set[str] = field(default_factory=set)               # initializers stored in low precision
     twins: dict[str, str] = field(default_factory=dict)            # twin name -> fp32 source initializer
     retargeted: set[str] = field(default_factory=set)              # Cast/Constant/ConstantOfShape nodes
+    constant_types: dict[str, int] = field(default_factory=dict)   # Constant node -> the type it makes now
     mask_fills: dict = field(default_factory=dict)                 # constant -> MaskFill to write
     low: Precision = FLOAT16
 
@@ -105,6 +106,7 @@ def plan(index: ModelIndex, state: Coloring, *, precision: Precision, master_wei
     rewriter.place_shared_casts()
     rewriter.lower_main_outputs(keep_io_types)
     remove_idle_casts(rewriter)
+    fold_constant_casts(rewriter)
     for scope, nodes in zip(index.scopes, rewriter.nodes):
         rewriter.edits.graphs[scope.gid] = place_after_producers(nodes, rewriter.new_nodes[scope.gid])
     return rewriter.edits, rewriter.stats
