@@ -8,7 +8,7 @@
   read by both sides keeps its fp32 original and gets a low-precision twin.
   Master weights (training) always stay fp32 and are Cast at use.
 * Tensors whose name the outside world sees (graph inputs/outputs with
-  ``keep_io_types``, body formal I/O, outer-scope tensors read by a body) keep
+  ``keep_io_types``, body formal I/O) keep
   their name and dtype: the low-precision producer writes a renamed tensor and
   a Cast restores the original name.
 
