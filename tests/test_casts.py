@@ -379,3 +379,34 @@ def test_a_cast_of_a_constant_that_is_lossy_or_read_elsewhere_stays(change):
     assert ("s", onnx.TensorProto.INT64) in _cast_sources(out.graph)
     if feeds_ok:
         ort.InferenceSession(out.SerializeToString())
+
+
+SLICES = """
+g (float[4,8] x) => (float[4,2] y) <""" + W + """, int64[1] z = {0}, int64[1] two = {2}, int64[1] four = {4},
+                                     int64[1] eight = {8}, int64[1] ax = {1}> {
+    h = MatMul(x, w)
+    r = Slice(h, z, four, ax)
+    i = Slice(h, four, eight, ax)
+    ra = Slice(r, z, two, ax)
+    ia = Slice(i, z, two, ax)
+    p = Exp(ra)
+    q = Exp(ia)
+    y = Add(p, q)
+}"""
+V = "float[4,4] v = {" + ",".join(["0.1"] * 16) + "}"
+
+
+def test_slice_chains_of_a_low_value_read_in_float32_slice_one_float32_copy():
+    # Two chains of Slices end in float32 Exps: one float32 copy of `h`, sliced in float32,
+    # instead of a Cast at the end of each chain.
+    out = _converted(onnx.parser.parse_model(header(13) + SLICES), [{"x": X}])
+    assert [src for src, to in _cast_sources(out.graph) if to == FLOAT] == ["h"]
+
+
+def test_a_slice_chain_with_a_low_reader_on_the_way_keeps_its_casts():
+    # `r` is also read by a low MatMul: its chain stays low and is Cast at its end; the other
+    # chain alone would save nothing.
+    text = SLICES.replace("y = Add(p, q)", "m = MatMul(r, v)  ms = Slice(m, z, two, ax)  pq = Add(p, q)  y = Add(pq, ms)")
+    out = _converted(onnx.parser.parse_model(header(13) + text.replace("int64[1] z", V + ", int64[1] z")), [{"x": X}])
+    assert ("h", FLOAT) not in _cast_sources(out.graph)
+    assert {"ra", "ia"} <= {src for src, to in _cast_sources(out.graph) if to == FLOAT}

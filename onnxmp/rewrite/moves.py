@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import onnx
 
+from onnxmp.rewrite.casts import NewCast
+
 FLOAT = onnx.TensorProto.FLOAT
 # op -> position of the data input; every other input is an int64 index, shape or axes tensor.
 MOVERS = {"Gather": 0, "GatherElements": 0, "GatherND": 0, "Reshape": 0, "Transpose": 0, "Squeeze": 0,
@@ -63,35 +65,105 @@ def _capable(rw, node: str, out: str) -> bool:
 
 
 def move_casts_above_splits(rw) -> None:
-    """A Split whose every output is read only through its Cast to float32 (a low-precision Split
-    feeding float32 Sigmoids) reads one float32 copy of its input instead and runs in float32:
-    ``Cast(Split(h)[i]) == Split(Cast(h))[i]``, and k Casts become one (none when the input's
-    float32 copy exists already)."""
+    """The other way round: data-movement ops (a Split, Slices, chains of them) that run low on one
+    low tensor ``h`` and whose every final output is read only through its Cast to float32 (a low
+    Split feeding float32 Sigmoids, an STFT's real and imaginary Slices feeding float32 Pows) run in
+    float32 on one float32 copy of ``h`` instead: ``Cast(M(h)) == M(Cast(h))``, and k Casts become
+    one (none when the float32 copy of ``h`` exists already).  Done where the model gets fewer."""
     graph_outputs = {t.name for scope in rw.graph.scopes for t in scope.graph.output}
     restored = {low: name for name, low in rw.renamed.items()}  # low tensor -> its float32 name
-    found = []
+    readers: dict[str, list[tuple[int, int, int]]] = {}  # tensor -> (graph, position, input index)
     for s, nodes in enumerate(rw.nodes):
-        for k, (item, ins, outs) in enumerate(zip(nodes.items, nodes.inputs, nodes.outputs)):
-            if getattr(item, "op_type", None) != "Split" or item.domain not in ("", "ai.onnx") or not ins \
-                    or len(outs) < 2 or not all(outs) or not graph_outputs.isdisjoint(outs):
+        for k, ins in enumerate(nodes.inputs):
+            for i, t in enumerate(ins):
+                if t:
+                    readers.setdefault(t, []).append((s, k, i))
+    outputs = {o for nodes in rw.nodes for item, outs in zip(nodes.items, nodes.outputs)
+               if getattr(item, "op_type", None) in _MOVERS_OR_CASTS for o in outs if o}
+    all_reads = rw.read_counts(outputs) if outputs else {}  # by nodes and by the added Casts
+
+    def data_at(s: int, k: int) -> int | None:
+        item = rw.nodes[s].items[k]
+        op = getattr(item, "op_type", None)
+        at = 0 if op == "Split" else MOVERS.get(op)
+        if at is None or item.domain not in ("", "ai.onnx") or op in _GROWING:
+            return None
+        ins = rw.nodes[s].inputs[k]
+        if any(rw.dtype(t) in (FLOAT, rw.low_enum) for j, t in enumerate(ins) if j != at and t):
+            return None
+        return at
+
+    def leaves(s: int, k: int, tree: list) -> int | None:
+        """Outputs of the mover (s, k) and its mover readers read only through a Cast to float32:
+        how many, the movers joining ``tree``; None when some output has another reader."""
+        found = 0
+        for o in rw.nodes[s].outputs[k]:
+            if not o or o in graph_outputs or not rw.is_low(o) or o in rw.renamed or o in rw.constants:
+                return None
+            below = [r for r in readers.get(o, ()) if data_at(r[0], r[1]) == r[2]]
+            # the model's own Casts to float32 of o: idle once o is float32 (rewrite/idle.py)
+            own = [r for r in readers.get(o, ()) if _float_cast(rw, rw.nodes[r[0]].items[r[1]], rw.nodes[r[0]].names[r[1]])]
+            dead = [r for r in readers.get(o, ()) if _dead(rw.nodes[r[0]], r[1])]
+            if len(below) + len(own) + len(dead) != len(readers.get(o, ())):
+                return None  # a compute node reads o in low precision
+            below += dead  # nothing reads them: read o as they like
+            cast = (o, FLOAT, None) in rw.shared
+            if all_reads.get(o, 0) != len(below) + len(own) + int(cast) or not (below or own or cast):
+                return None  # read by another added Cast too, or by nothing
+            found += int(cast) + len(own)
+            for r in below:
+                if r in dead:
+                    continue
+                more = leaves(r[0], r[1], tree)
+                if more is None:
+                    return None
+                found += more
+        tree.append((s, k))
+        return found
+
+    def _dead(nodes, k: int) -> bool:
+        """A model's Cast whose output nothing reads (the writer's sweep takes it)."""
+        return getattr(nodes.items[k], "op_type", None) == "Cast" and type(nodes.items[k]) is not NewCast \
+            and all(not o or (all_reads.get(o, 0) == 0 and o not in graph_outputs) for o in nodes.outputs[k])
+
+    done: set[tuple[int, int]] = set()
+    for data in list(readers):
+        if not (data in restored or (rw.is_low(data) and data not in rw.renamed and data not in rw.constants)):
+            continue
+        roots, tree, saved = [], [], 0
+        for s, k, i in readers[data]:
+            if (s, k) in done or data_at(s, k) != i:
                 continue
-            data = ins[0]
-            if not (data in restored or (rw.is_low(data) and data not in rw.renamed and data not in rw.constants)):
-                continue
-            if all((o, FLOAT, None) in rw.shared and rw.is_low(o) and o not in rw.renamed for o in outs):
-                found.append((s, k))
-    if not found:
-        return
-    reads = rw.read_counts({o for s, k in found for o in rw.nodes[s].outputs[k]})
-    for s, k in found:
-        nodes = rw.nodes[s]
-        outs, data = nodes.outputs[k], nodes.inputs[k][0]
-        if any(reads[o] != 1 for o in outs):
-            continue  # an output is read in low precision too
-        for o in outs:
-            cast = rw.drop_shared((o, FLOAT, None))
-            rw.unretype(o)
-            rw.reread({cast.dst: o})
-        inputs = nodes.inputs[k] = list(nodes.inputs[k])
-        inputs[0] = restored.get(data) or rw.float_read(s, data)
-        rw.edits.inputs[nodes.names[k]] = inputs
+            sub: list = []
+            count = leaves(s, k, sub)
+            if count:
+                roots.append((s, k, i))
+                tree += sub
+                saved += count
+        copy = data in restored or (data, FLOAT, None) in rw.shared
+        if not roots or saved - (0 if copy else 1) <= 0:
+            continue  # no Cast saved
+        for s, k in tree:
+            done.add((s, k))
+            for o in rw.nodes[s].outputs[k]:
+                if (o, FLOAT, None) in rw.shared:
+                    cast = rw.drop_shared((o, FLOAT, None))
+                    rw.reread({cast.dst: o})
+                rw.unretype(o)
+        for s, k, i in roots:
+            nodes = rw.nodes[s]
+            inputs = nodes.inputs[k] = list(nodes.inputs[k])
+            inputs[i] = restored.get(data) or rw.float_read(s, data)
+            rw.edits.inputs[nodes.names[k]] = inputs
+
+
+def _float_cast(rw, item, name: str) -> bool:
+    """The model's own Cast to float32 (not one the coloring retargeted to the low type)."""
+    return type(item) is not NewCast and item.op_type == "Cast" and item.domain in ("", "ai.onnx") \
+        and name not in rw.edits.retargeted and any(a.name == "to" and a.i == FLOAT for a in item.attribute)
+
+
+# Ops whose output has more elements than their input: a Cast is not moved to their input side
+# when that would convert more values (it is moved only where it saves Casts, but not at that price).
+_GROWING = frozenset({"Expand", "Tile"})
+_MOVERS_OR_CASTS = frozenset({*MOVERS, "Split", "Cast"})
