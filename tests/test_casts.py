@@ -410,3 +410,28 @@ def test_a_slice_chain_with_a_low_reader_on_the_way_keeps_its_casts():
     out = _converted(onnx.parser.parse_model(header(13) + text.replace("int64[1] z", V + ", int64[1] z")), [{"x": X}])
     assert ("h", FLOAT) not in _cast_sources(out.graph)
     assert {"ra", "ia"} <= {src for src, to in _cast_sources(out.graph) if to == FLOAT}
+
+
+
+def _corpus_model(name: str) -> str:
+    import os
+    path = os.path.join(os.environ.get("ONNXMP_CORPUS", ""), f"{name}.onnx")
+    if not os.environ.get("ONNXMP_CORPUS") or not os.path.exists(path):
+        pytest.skip("set ONNXMP_CORPUS to a folder `python models/corpus.py --cache DIR` filled")
+    return path
+
+
+def test_silero_vads_lstm_states_are_restored_once_after_the_outer_if():
+    # silero-vad's LSTM states come out of three levels of Ifs, are Unsqueezed and concatenated in
+    # each branch of the outer If, and leave as a kept float32 output.  The inner Ifs write them low
+    # and restore them after (raise_if_outputs); the restores then move below the Unsqueezes and
+    # the Concat (move_restores_down), so each branch output is a restore, which the outer If makes
+    # one Cast in the main graph: 26 Casts become 23 (onnxruntime's converter writes 24).
+    from scripts.compare_casts import static_casts
+
+    out = onnxmp.convert(_corpus_model("silero_vad")).model
+    ort.InferenceSession(out.SerializeToString())
+    assert static_casts(out.graph) <= 23
+    for attr in ("then_branch", "else_branch"):
+        branch = _body(out.graph, "If", attr)
+        assert any(n.op_type == "Concat" and n.output[0].endswith("_onnxmp_fp16") for n in branch.node)

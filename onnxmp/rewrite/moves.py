@@ -6,6 +6,9 @@ such ops that read one float32 tensor ``x`` are each read only through their own
 type (two Gathers of a float32 state input, read by low-precision LSTMs), one shared Cast of ``x``
 replaces them all and the ops run in the low type.  Done only where the model gets fewer Casts,
 the op has a low-precision kernel (the coloring's capability facts) and no list denies it.
+
+The other way round, low data-movement ops (a Split, chains of Slices) whose final outputs are
+each read only through a Cast to float32 run in float32 on one float32 copy of their input.
 """
 from __future__ import annotations
 
@@ -167,3 +170,119 @@ def _float_cast(rw, item, name: str) -> bool:
 # when that would convert more values (it is moved only where it saves Casts, but not at that price).
 _GROWING = frozenset({"Expand", "Tile"})
 _MOVERS_OR_CASTS = frozenset({*MOVERS, "Split", "Cast"})
+
+
+def move_restores_down(rw) -> None:
+    """Casts to float32 of low values moved below the data-movement ops (and Concats) that read
+    them, where that needs fewer: ``M(Cast(h1), Cast(h2)) == Cast(M(h1, h2))`` bit for bit, so a
+    Concat of two restored values (silero-vad's LSTM states, Unsqueezed and concatenated) runs low
+    and one Cast restores its output.  An op whose output is an If branch's output moves its
+    Cast below it at no gain: the branch output then comes from a restore, which
+    ``raise_if_outputs`` can make one Cast after the If."""
+    graph_outputs = {t.name for scope in rw.graph.scopes for t in scope.graph.output}
+    branch_outputs = {t.name for scope in rw.graph.scopes[1:] if scope.parent.op_type == "If"
+                      for t in scope.graph.output}
+    low_of = dict(rw.renamed)  # float32 copy -> the low value it restores
+    for cast in (*rw.shared.values(), *(c for cs in rw.new_nodes.values() for c in cs)):
+        if cast.to == FLOAT and rw.dtype(cast.src) == rw.low_enum:
+            low_of[cast.dst] = cast.src
+    if not low_of:
+        return
+    for s, nodes in enumerate(rw.nodes):
+        producer = {o: k for k, outs in enumerate(nodes.outputs) for o in outs if o}
+        k = 0
+        while k < len(nodes.items):
+            region = _sink_region(rw, s, k, producer, low_of)
+            if region is not None:
+                freed = _freed(rw, s, region, low_of, graph_outputs)
+                out = nodes.outputs[k][0]
+                if len(freed) > 1 or (len(freed) == 1 and out in branch_outputs):
+                    _sink(rw, s, region, low_of)
+            k += 1
+
+
+def _sink_data(rw, s: int, k: int) -> list[int] | None:
+    """Positions of the data inputs of node k when it is an op a restore Cast moves below: a
+    data-movement op that does not grow its input, or a Concat, with one output, a low kernel
+    and float inputs only at its data positions; else None."""
+    nodes = rw.nodes[s]
+    item = nodes.items[k]
+    op = getattr(item, "op_type", None)
+    if type(item) is NewCast or item.domain not in ("", "ai.onnx") or len(nodes.outputs[k]) != 1 or op in _GROWING:
+        return None
+    ins = nodes.inputs[k]
+    if op == "Concat":
+        data = [i for i, t in enumerate(ins) if t]
+    elif op in MOVERS and len(ins) > MOVERS[op]:
+        data = [MOVERS[op]]
+    else:
+        return None
+    out = nodes.outputs[k][0]
+    if not out or rw.dtype(out) != FLOAT or rw.is_low(out) or out in rw.constants \
+            or not _capable(rw, nodes.names[k], out):
+        return None
+    if any(rw.dtype(t) in (FLOAT, rw.low_enum) for i, t in enumerate(ins) if i not in data and t):
+        return None
+    return data
+
+
+def _sink_region(rw, s: int, k: int, producer: dict[str, int], low_of: dict[str, str]) -> list | None:
+    """Node k and the sinkable ops above it whose every data input is a restored value or the
+    output of another such op read only by the region: [(position, data positions)], producers
+    first; None when some data input is neither."""
+    data = _sink_data(rw, s, k)
+    if data is None:
+        return None
+    region = []
+    for i in data:
+        t = rw.nodes[s].inputs[k][i]
+        if t in low_of:
+            continue
+        above = producer.get(t)
+        if above is None or rw.read_counts({t})[t] != 1:
+            return None
+        sub = _sink_region(rw, s, above, producer, low_of)
+        if sub is None:
+            return None
+        region += sub
+    return region + [(k, data)]
+
+
+def _freed(rw, s: int, region: list, low_of: dict[str, str], graph_outputs: set[str]) -> set[str]:
+    """The restored copies nothing but the region reads (their Casts go once it reads the low values)."""
+    reads: dict[str, int] = {}
+    for k, data in region:
+        for i in data:
+            t = rw.nodes[s].inputs[k][i]
+            if t in low_of:
+                reads[t] = reads.get(t, 0) + 1
+    if not reads:
+        return set()
+    total = rw.read_counts(set(reads))
+    return {t for t, n in reads.items() if total[t] == n and t not in graph_outputs}
+
+
+def _sink(rw, s: int, region: list, low_of: dict[str, str]) -> None:
+    """The region reads the low values and runs low; one Cast restores its last output."""
+    nodes, gid = rw.nodes[s], rw.graph.scopes[s].gid
+    for n, (k, data) in enumerate(region):
+        inputs = nodes.inputs[k] = list(nodes.inputs[k])
+        for i in data:
+            inputs[i] = low_of.get(inputs[i], inputs[i])
+        rw.edits.inputs[nodes.names[k]] = inputs
+        if n < len(region) - 1:
+            rw.retype(tuple(nodes.outputs[k]))  # read by the region alone
+    k = region[-1][0]
+    out = nodes.outputs[k][0]
+    low = rw.names(f"{out}_onnxmp_{rw.low_sfx}")
+    rw.edits.new_tensors[low] = rw.like(out, low, rw.low_enum)
+    outputs = nodes.outputs[k] = [low]
+    rw.edits.outputs[nodes.names[k]] = outputs
+    rw.retype((low,))
+    rw.add_cast(gid, low, out, FLOAT)
+    rw.renamed[out] = low
+    low_of[out] = low
+    shared = rw.shared.get((out, rw.low_enum, None))
+    if shared is not None:  # a low reader of the output reads the low value itself
+        rw.drop_shared((out, rw.low_enum, None))
+        rw.reread({shared.dst: low})

@@ -30,7 +30,7 @@ from onnxmp.color.rules import Coloring
 from onnxmp.color.layouts import RETARGETABLE
 from onnxmp.rewrite.branches import lower_if_outputs, raise_if_outputs
 from onnxmp.rewrite.idle import fold_constant_casts, remove_idle_casts
-from onnxmp.rewrite.moves import move_casts_above_splits, move_casts_up
+from onnxmp.rewrite.moves import move_casts_above_splits, move_casts_up, move_restores_down
 from onnxmp.rewrite.casts import (GraphNodes, NewCast, ScopeTree, float_cast_inputs, foldable_constant,
                                   homes_and_producers, place_after_producers, read_counts)
 from onnxmp.index import ModelIndex, TensorInfo, keeps_io
@@ -101,6 +101,8 @@ def plan(index: ModelIndex, state: Coloring, *, precision: Precision, master_wei
     rewriter.fix_consumers()
     lower_if_outputs(rewriter)
     raise_if_outputs(rewriter)
+    move_restores_down(rewriter)
+    raise_if_outputs(rewriter)  # the outer Ifs whose branch outputs are now restores
     move_casts_up(rewriter)
     move_casts_above_splits(rewriter)
     rewriter.place_shared_casts()
