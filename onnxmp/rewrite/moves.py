@@ -81,64 +81,17 @@ def move_casts_above_splits(rw) -> None:
             for i, t in enumerate(ins):
                 if t:
                     readers.setdefault(t, []).append((s, k, i))
-    outputs = {o for nodes in rw.nodes for item, outs in zip(nodes.items, nodes.outputs)
-               if getattr(item, "op_type", None) in _MOVERS_OR_CASTS for o in outs if o}
-    all_reads = rw.read_counts(outputs) if outputs else {}  # by nodes and by the added Casts
-
-    def data_at(s: int, k: int) -> int | None:
-        item = rw.nodes[s].items[k]
-        op = getattr(item, "op_type", None)
-        at = 0 if op == "Split" else MOVERS.get(op)
-        if at is None or item.domain not in ("", "ai.onnx") or op in _GROWING:
-            return None
-        ins = rw.nodes[s].inputs[k]
-        if any(rw.dtype(t) in (FLOAT, rw.low_enum) for j, t in enumerate(ins) if j != at and t):
-            return None
-        return at
-
-    def leaves(s: int, k: int, tree: list) -> int | None:
-        """Outputs of the mover (s, k) and its mover readers read only through a Cast to float32:
-        how many, the movers joining ``tree``; None when some output has another reader."""
-        found = 0
-        for o in rw.nodes[s].outputs[k]:
-            if not o or o in graph_outputs or not rw.is_low(o) or o in rw.renamed or o in rw.constants:
-                return None
-            below = [r for r in readers.get(o, ()) if data_at(r[0], r[1]) == r[2]]
-            # the model's own Casts to float32 of o: idle once o is float32 (rewrite/idle.py)
-            own = [r for r in readers.get(o, ()) if _float_cast(rw, rw.nodes[r[0]].items[r[1]], rw.nodes[r[0]].names[r[1]])]
-            dead = [r for r in readers.get(o, ()) if _dead(rw.nodes[r[0]], r[1])]
-            if len(below) + len(own) + len(dead) != len(readers.get(o, ())):
-                return None  # a compute node reads o in low precision
-            below += dead  # nothing reads them: read o as they like
-            cast = (o, FLOAT, None) in rw.shared
-            if all_reads.get(o, 0) != len(below) + len(own) + int(cast) or not (below or own or cast):
-                return None  # read by another added Cast too, or by nothing
-            found += int(cast) + len(own)
-            for r in below:
-                if r in dead:
-                    continue
-                more = leaves(r[0], r[1], tree)
-                if more is None:
-                    return None
-                found += more
-        tree.append((s, k))
-        return found
-
-    def _dead(nodes, k: int) -> bool:
-        """A model's Cast whose output nothing reads (the writer's sweep takes it)."""
-        return getattr(nodes.items[k], "op_type", None) == "Cast" and type(nodes.items[k]) is not NewCast \
-            and all(not o or (all_reads.get(o, 0) == 0 and o not in graph_outputs) for o in nodes.outputs[k])
-
+    trees = _FloatTrees(rw, readers, graph_outputs)
     done: set[tuple[int, int]] = set()
     for data in list(readers):
         if not (data in restored or (rw.is_low(data) and data not in rw.renamed and data not in rw.constants)):
             continue
         roots, tree, saved = [], [], 0
         for s, k, i in readers[data]:
-            if (s, k) in done or data_at(s, k) != i:
+            if (s, k) in done or trees.data_at(s, k) != i:
                 continue
             sub: list = []
-            count = leaves(s, k, sub)
+            count = trees.leaves(s, k, sub)
             if count:
                 roots.append((s, k, i))
                 tree += sub
@@ -158,6 +111,63 @@ def move_casts_above_splits(rw) -> None:
             inputs = nodes.inputs[k] = list(nodes.inputs[k])
             inputs[i] = restored.get(data) or rw.float_read(s, data)
             rw.edits.inputs[nodes.names[k]] = inputs
+
+
+class _FloatTrees:
+    """The trees of data-movement ops below a low tensor (:func:`move_casts_above_splits`); methods,
+    not closures, so that the recursion leaves no reference cycle behind."""
+
+    def __init__(self, rw, readers: dict[str, list[tuple[int, int, int]]], graph_outputs: set[str]):
+        self.rw, self.readers, self.graph_outputs = rw, readers, graph_outputs
+        outputs = {o for nodes in rw.nodes for item, outs in zip(nodes.items, nodes.outputs)
+                   if getattr(item, "op_type", None) in _MOVERS_OR_CASTS for o in outs if o}
+        self.all_reads = rw.read_counts(outputs) if outputs else {}  # by nodes and by the added Casts
+
+    def data_at(self, s: int, k: int) -> int | None:
+        """The data input's position of node k when it is a data-movement op (or a Split)."""
+        rw = self.rw
+        item = rw.nodes[s].items[k]
+        op = getattr(item, "op_type", None)
+        at = 0 if op == "Split" else MOVERS.get(op)
+        if at is None or item.domain not in ("", "ai.onnx") or op in _GROWING:
+            return None
+        ins = rw.nodes[s].inputs[k]
+        if any(rw.dtype(t) in (FLOAT, rw.low_enum) for j, t in enumerate(ins) if j != at and t):
+            return None
+        return at
+
+    def dead(self, nodes, k: int) -> bool:
+        """A model's Cast whose output nothing reads (the writer's sweep takes it)."""
+        return getattr(nodes.items[k], "op_type", None) == "Cast" and type(nodes.items[k]) is not NewCast \
+            and all(not o or (self.all_reads.get(o, 0) == 0 and o not in self.graph_outputs) for o in nodes.outputs[k])
+
+    def leaves(self, s: int, k: int, tree: list) -> int | None:
+        """Outputs of the mover (s, k) and its mover readers read only through a Cast to float32:
+        how many, the movers joining ``tree``; None when some output has another reader."""
+        rw, readers = self.rw, self.readers
+        found = 0
+        for o in rw.nodes[s].outputs[k]:
+            if not o or o in self.graph_outputs or not rw.is_low(o) or o in rw.renamed or o in rw.constants:
+                return None
+            reading = readers.get(o, ())
+            below = [r for r in reading if self.data_at(r[0], r[1]) == r[2]]
+            # the model's own Casts to float32 of o: idle once o is float32 (rewrite/idle.py)
+            own = [r for r in reading if _float_cast(rw, rw.nodes[r[0]].items[r[1]], rw.nodes[r[0]].names[r[1]])]
+            dead = [r for r in reading if self.dead(rw.nodes[r[0]], r[1])]
+            if len(below) + len(own) + len(dead) != len(reading):
+                return None  # a compute node reads o in low precision
+            cast = (o, FLOAT, None) in rw.shared
+            if self.all_reads.get(o, 0) != len(below) + len(own) + len(dead) + int(cast) \
+                    or not (below or own or cast):
+                return None  # read by another added Cast too, or by nothing
+            found += int(cast) + len(own)
+            for r in below:
+                more = self.leaves(r[0], r[1], tree)
+                if more is None:
+                    return None
+                found += more
+        tree.append((s, k))
+        return found
 
 
 def _float_cast(rw, item, name: str) -> bool:
