@@ -86,11 +86,12 @@ def fold_constant_casts(rw) -> int:
         return 0
     casts = []  # (Cast output, Constant output, type)
     for nodes in rw.nodes:
-        for item, ins, outs in zip(nodes.items, nodes.inputs, nodes.outputs):
+        for item, name, ins, outs in zip(nodes.items, nodes.names, nodes.inputs, nodes.outputs):
             if type(item) is not NewCast and item.op_type == "Cast" and item.domain in ("", "ai.onnx") \
-                    and len(ins) == 1 and ins[0] in constants and len(outs) == 1 and outs[0] not in seen:
+                    and len(ins) == 1 and ins[0] in constants and len(outs) == 1 and outs[0] not in seen \
+                    and name not in rw.edits.retargeted:
                 to = next((a.i for a in item.attribute if a.name == "to"), None)
-                if to is not None and nodes.names[nodes.items.index(item)] not in rw.edits.retargeted:
+                if to is not None:
                     casts.append((outs[0], ins[0], to))
     if not casts:
         return 0

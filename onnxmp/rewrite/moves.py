@@ -75,19 +75,19 @@ def move_casts_above_splits(rw) -> None:
     one (none when the float32 copy of ``h`` exists already).  Done where the model gets fewer."""
     graph_outputs = {t.name for scope in rw.graph.scopes for t in scope.graph.output}
     restored = {low: name for name, low in rw.renamed.items()}  # low tensor -> its float32 name
-    readers: dict[str, list[tuple[int, int, int]]] = {}  # tensor -> (graph, position, input index)
-    for s, nodes in enumerate(rw.nodes):
-        for k, ins in enumerate(nodes.inputs):
-            for i, t in enumerate(ins):
-                if t:
-                    readers.setdefault(t, []).append((s, k, i))
-    trees = _FloatTrees(rw, readers, graph_outputs)
+    trees = _FloatTrees(rw, graph_outputs)
+    roots = [t for t in trees.roots()
+             if t in restored or (rw.is_low(t) and t not in rw.renamed and t not in rw.constants)]
+    if not roots:
+        return
+    trees.read(roots)
+    readers = trees.readers
     done: set[tuple[int, int]] = set()
-    for data in list(readers):
+    for data in roots:
         if not (data in restored or (rw.is_low(data) and data not in rw.renamed and data not in rw.constants)):
             continue
         roots, tree, saved = [], [], 0
-        for s, k, i in readers[data]:
+        for s, k, i in readers.get(data, ()):
             if (s, k) in done or trees.data_at(s, k) != i:
                 continue
             sub: list = []
@@ -117,11 +117,59 @@ class _FloatTrees:
     """The trees of data-movement ops below a low tensor (:func:`move_casts_above_splits`); methods,
     not closures, so that the recursion leaves no reference cycle behind."""
 
-    def __init__(self, rw, readers: dict[str, list[tuple[int, int, int]]], graph_outputs: set[str]):
-        self.rw, self.readers, self.graph_outputs = rw, readers, graph_outputs
-        outputs = {o for nodes in rw.nodes for item, outs in zip(nodes.items, nodes.outputs)
-                   if getattr(item, "op_type", None) in _MOVERS_OR_CASTS for o in outs if o}
-        self.all_reads = rw.read_counts(outputs) if outputs else {}  # by nodes and by the added Casts
+    def __init__(self, rw, graph_outputs: set[str]):
+        self.rw, self.graph_outputs = rw, graph_outputs
+        self.readers: dict[str, list[tuple[int, int, int]]] = {}  # tensor -> (graph, position, input index)
+        self.all_reads: dict[str, int] = {}  # by nodes and by the added Casts
+        self.produced: dict[str, tuple[int, int]] = {}  # output of a data-movement op -> the op
+
+    def read(self, roots: list[str]) -> None:
+        """Who reads the roots and the outputs of data-movement ops and Casts (one sweep)."""
+        rw = self.rw
+        wanted = set(roots).union(self.produced)
+        for s, nodes in enumerate(rw.nodes):
+            for k, (item, outs) in enumerate(zip(nodes.items, nodes.outputs)):
+                if getattr(item, "op_type", None) == "Cast":
+                    wanted.update(outs)
+        readers, counts = self.readers, self.all_reads
+        for s, nodes in enumerate(rw.nodes):
+            for k, ins in enumerate(nodes.inputs):
+                if wanted.isdisjoint(ins):
+                    continue
+                for i, t in enumerate(ins):
+                    if t in wanted:
+                        readers.setdefault(t, []).append((s, k, i))
+                        counts[t] = counts.get(t, 0) + 1
+        for cast in (*rw.shared.values(), *(c for cs in rw.new_nodes.values() for c in cs)):
+            if cast.src in wanted:
+                counts[cast.src] = counts.get(cast.src, 0) + 1
+
+    def roots(self) -> list[str]:
+        """The tensors worth starting from: those a chain of data-movement ops leads from to a
+        Cast to float32 (most tensors of a model lead to none)."""
+        rw = self.rw
+        ends = {c.src for c in rw.shared.values() if c.to == FLOAT}
+        produced = self.produced
+        for s, nodes in enumerate(rw.nodes):
+            for k, (item, name, ins, outs) in enumerate(zip(nodes.items, nodes.names, nodes.inputs, nodes.outputs)):
+                op = getattr(item, "op_type", None)
+                if op == "Cast" and ins and _float_cast(rw, item, name):
+                    ends.add(ins[0])
+                elif op == "Split" or op in MOVERS:
+                    for o in outs:
+                        produced[o] = (s, k)
+        found: dict[str, None] = {}
+        for t in ends:
+            while t not in found:
+                found[t] = None
+                at = produced.get(t)
+                if at is None:
+                    break
+                i = self.data_at(*at)
+                if i is None or i >= len(rw.nodes[at[0]].inputs[at[1]]):
+                    break
+                t = rw.nodes[at[0]].inputs[at[1]][i]
+        return list(found)
 
     def data_at(self, s: int, k: int) -> int | None:
         """The data input's position of node k when it is a data-movement op (or a Split)."""
@@ -179,7 +227,6 @@ def _float_cast(rw, item, name: str) -> bool:
 # Ops whose output has more elements than their input: a Cast is not moved to their input side
 # when that would convert more values (it is moved only where it saves Casts, but not at that price).
 _GROWING = frozenset({"Expand", "Tile"})
-_MOVERS_OR_CASTS = frozenset({*MOVERS, "Split", "Cast"})
 
 
 def move_restores_down(rw) -> None:
@@ -199,16 +246,27 @@ def move_restores_down(rw) -> None:
     if not low_of:
         return
     for s, nodes in enumerate(rw.nodes):
-        producer = {o: k for k, outs in enumerate(nodes.outputs) for o in outs if o}
-        k = 0
-        while k < len(nodes.items):
-            region = _sink_region(rw, s, k, producer, low_of)
+        # The ops a restore reaches through other such ops (a cheap forward sweep: most reach none).
+        reach: list[int] = []
+        reached: set[str] = set(low_of)
+        for k, (item, ins) in enumerate(zip(nodes.items, nodes.inputs)):
+            op = getattr(item, "op_type", None)
+            if (op == "Concat" or op in MOVERS) and not reached.isdisjoint(ins) and _sink_data(rw, s, k) is not None:
+                reach.append(k)
+                reached.update(nodes.outputs[k])
+        if not reach:
+            continue
+        producer = {nodes.outputs[k][0]: k for k in reach}
+        # how often each output of a candidate op is read, counted once: a region's inner outputs
+        # keep their one reader when it sinks
+        counts = rw.read_counts(set(producer))
+        for k in reach:
+            region = _sink_region(rw, s, k, producer, low_of, counts)
             if region is not None:
                 freed = _freed(rw, s, region, low_of, graph_outputs)
                 out = nodes.outputs[k][0]
                 if len(freed) > 1 or (len(freed) == 1 and out in branch_outputs):
                     _sink(rw, s, region, low_of)
-            k += 1
 
 
 def _sink_data(rw, s: int, k: int) -> list[int] | None:
@@ -236,7 +294,8 @@ def _sink_data(rw, s: int, k: int) -> list[int] | None:
     return data
 
 
-def _sink_region(rw, s: int, k: int, producer: dict[str, int], low_of: dict[str, str]) -> list | None:
+def _sink_region(rw, s: int, k: int, producer: dict[str, int], low_of: dict[str, str],
+                 counts: dict[str, int]) -> list | None:
     """Node k and the sinkable ops above it whose every data input is a restored value or the
     output of another such op read only by the region: [(position, data positions)], producers
     first; None when some data input is neither."""
@@ -249,9 +308,9 @@ def _sink_region(rw, s: int, k: int, producer: dict[str, int], low_of: dict[str,
         if t in low_of:
             continue
         above = producer.get(t)
-        if above is None or rw.read_counts({t})[t] != 1:
+        if above is None or counts.get(t) != 1:
             return None
-        sub = _sink_region(rw, s, above, producer, low_of)
+        sub = _sink_region(rw, s, above, producer, low_of, counts)
         if sub is None:
             return None
         region += sub
