@@ -82,6 +82,7 @@ def move_casts_above_splits(rw) -> None:
         return
     trees.read(roots)
     readers = trees.readers
+    roots.sort(key=lambda t: readers[t][0] if t in readers else (len(rw.nodes), 0, 0))  # in the order first read
     done: set[tuple[int, int]] = set()
     for data in roots:
         if not (data in restored or (rw.is_low(data) and data not in rw.renamed and data not in rw.constants)):
