@@ -291,8 +291,11 @@ def seed_deny_from_initializer_range(state: Coloring, graph: ModelIndex, *,
             if cause:
                 for k in vids:
                     painted += state.paint(k, DENY, "seed_deny_from_initializer_range", cause)
+    producers = _constants_at(graph, view) if judged else {}
     for k in judged:
-        cause = _judged_cause(graph, view, k, low, underflow_share, constant_producers_of(graph, view))
+        if not any(f32[vid] and v_kind[vid].processed for vid in range(node_first[k], node_first[k + 1])):
+            continue
+        cause = _judged_cause(graph, view, k, low, underflow_share, producers)
         if cause:
             for vid in range(node_first[k], node_first[k + 1]):
                 if f32[vid] and v_kind[vid].processed:
@@ -300,7 +303,7 @@ def seed_deny_from_initializer_range(state: Coloring, graph: ModelIndex, *,
     return PassResult(painted > 0, {"painted": painted})
 
 
-def constant_producers_of(graph: ModelIndex, view) -> dict[str, onnx.NodeProto]:
+def _constants_at(graph: ModelIndex, view) -> dict[str, onnx.NodeProto]:
     """Tensor -> its Constant node, from the view's positions (no walk over every node)."""
     return {name: graph.scopes[s].graph.node[i] for name, (s, i) in view.constant_at.items()}
 
