@@ -211,17 +211,41 @@ g (float[4,8] x, float[2,4,8] state, bool c) => (float[4,8] y) <""" + W + """, i
 FEEDS_GATHERS = [{"x": X, "state": np.stack([X, -X]) * 0.5, "c": np.array(c)} for c in (True, False)]
 
 
-def test_gathers_of_one_float32_input_read_low_take_one_cast_of_the_input():
-    # A tensor a body reads keeps its type in the coloring (outer reads are pinned): the Gathers
-    # stay float32 and each output is Cast in its branch.  One Cast of `state` serves both.
+def test_gathers_of_one_float32_input_read_low_in_branches_take_one_cast_of_the_input():
+    # A body's read of an outer tensor is an edge of the coloring: the Gathers feed low MatMuls
+    # and run low themselves, and one Cast of `state` serves both (none in the branches).
     out = _converted(_parse(GATHERS), FEEDS_GATHERS)
     assert [(src, to) for src, to in _cast_sources(out.graph) if to == FLOAT16] == [("state", FLOAT16)]
     assert {v.name: v.type.tensor_type.elem_type for v in out.graph.value_info}["a"] == FLOAT16
 
 
-def test_one_gather_keeps_its_cast_after_it():
-    out = _converted(_parse(GATHERS.replace("yf = MatMul(b, w)", "yf = Exp(x)")), FEEDS_GATHERS)
-    assert [(src, to) for src, to in _cast_sources(out.graph) if to == FLOAT16] == [("a", FLOAT16)]
+OUTER_LOW = """
+g (float[4,8] x, bool c, bool d) => (float[4,8] y) <""" + W + """> {
+    e = MatMul(x, w)
+    y = If(c) <
+        then_branch = t () => (float[4,8] yt) {
+            yt = If(d) <then_branch = tt () => (float[4,8] ytt) { ytt = MatMul(e, w) },
+                        else_branch = tf () => (float[4,8] ytf) { ytf = MatMul(e, w) }>
+        },
+        else_branch = f () => (float[4,8] yf) { yf = MatMul(e, w) }>
+}"""
+FEEDS_NESTED = [{"x": X, "c": np.array(c), "d": np.array(d)} for c in (True, False) for d in (True, False)]
+
+
+def test_nested_ifs_read_an_outer_low_value_as_it_is():
+    # Outer reads are edges: `e` is written low in place and every branch, however deep, reads it
+    # without a Cast (pinned, it was renamed, restored to float32 and Cast again in each branch).
+    out = _converted(_parse(OUTER_LOW), FEEDS_NESTED)
+    assert [src for src, to in _cast_sources(out.graph) if to == FLOAT16] == ["x"]
+    assert not any(src.startswith("e") for src, _ in _cast_sources(out.graph))
+
+
+def test_nested_ifs_reading_an_outer_low_value_in_float32_cast_it_once_beside_the_producer():
+    text = OUTER_LOW.replace("ytf = MatMul(e, w)", "ytf = Exp(e)").replace("yf = MatMul(e, w)", "yf = Sigmoid(e)")
+    out = _converted(_parse(text), FEEDS_NESTED)
+    # Both outer branches read `e` in float32: one Cast in the main graph, none in any body.
+    assert [src for src, _ in _cast_sources(out.graph) if src == "e"] == ["e"]  # one, in any graph
+    assert [c.input[0] for c in _casts(out.graph) if c.input[0] == "e"] == ["e"]  # and it is the main graph's
 
 
 
@@ -245,3 +269,169 @@ def test_a_split_with_an_output_read_in_low_precision_keeps_its_casts():
                                                                          "float[4,4] y) <" + W + ", float[4,4] v = {" + ",".join(["0.1"] * 16) + "}")
     out = _converted(onnx.parser.parse_model(header(18) + text), [{"x": X}])
     assert ("a", FLOAT) in _cast_sources(out.graph) and ("h", FLOAT) not in _cast_sources(out.graph)
+
+
+IDLE = """
+g (float[4,8] x) => (float[4,8] y) <""" + W + """> {
+    h = MatMul(x, w)
+    c = Cast <to = 1> (h)
+    y = MatMul(c, w)
+}"""
+
+
+def test_the_models_cast_of_a_value_made_low_is_idle_and_bypassed():
+    # The Cast's reader is low, so the coloring retargets it to float16; its input is float16
+    # already: the second MatMul reads `h` and the Cast goes.
+    out = _converted(_parse(IDLE), [{"x": X}])
+    matmuls = [n for n in out.graph.node if n.op_type == "MatMul"]
+    assert matmuls[1].input[0] == "h"
+    assert sorted(src for src, _ in _cast_sources(out.graph)) == ["x", "y_onnxmp_fp16"]
+
+
+PAIR = """
+g (float16[4,8] x, float[4,8] v) => (float16[4,8] z, float[4,8] y, float[4,8] e) <""" + W + """> {
+    c = Cast <to = 1> (x)
+    d = Cast <to = 10> (c)
+    z = Add(d, d)
+    y = MatMul(v, w)
+    e = Exp(c)
+}"""
+FEEDS_PAIR = [{"x": X.astype(np.float16), "v": X}]
+
+
+def test_a_cast_pair_that_cancels_is_bypassed_and_the_intermediate_kept_for_its_other_reader():
+    out = _converted(_parse(PAIR), FEEDS_PAIR)
+    add = next(n for n in out.graph.node if n.op_type == "Add")
+    assert list(add.input) == ["x", "x"]  # Cast(Cast(x, float32), float16) of a float16 x is x
+    assert ("c", FLOAT16) not in _cast_sources(out.graph)
+    assert ("x", FLOAT) in _cast_sources(out.graph)  # Exp still reads the float32 copy
+
+
+def test_a_lossy_cast_pair_is_kept():
+    # Cast(Cast(v, float16), float32) of a float32 v rounds: both Casts stay.
+    text = PAIR.replace("c = Cast <to = 1> (x)\n    d = Cast <to = 10> (c)",
+                        "c0 = Cast <to = 10> (v)\n    c = Cast <to = 1> (c0)\n    d = Cast <to = 10> (x)")
+    out = _converted(_parse(text), FEEDS_PAIR)
+    assert ("v", FLOAT16) in _cast_sources(out.graph) and ("c0", FLOAT) in _cast_sources(out.graph)
+    exp = next(n for n in out.graph.node if n.op_type == "Exp")
+    assert exp.input[0] == "c"
+
+
+RESTORED = """
+g (float[4,8] x, bool c, bool d) => (float[4,8] y) <""" + W + """> {
+    h = MatMul(x, w)
+    y = If(c) <
+        then_branch = t () => (float[4,8] o) {
+            o = If(d) <then_branch = tt () => (float[4,8] ot) {
+                           ot = If(d) <then_branch = ttt () => (float[4,8] ott) { ott = MatMul(x, w) },
+                                       else_branch = ttf () => (float[4,8] otf) { otf = MatMul(h, w) }>
+                       },
+                       else_branch = tf () => (float[4,8] of) { of = Identity(h) }>
+        },
+        else_branch = f () => (float[4,8] yf) { yf = Sigmoid(x) }>
+}"""
+
+
+def test_an_if_output_both_branches_compute_low_is_restored_once_after_the_if():
+    # `o` is an outer branch output, float32 for the coloring (the group's producers are an If and
+    # an Identity, not ALLOW vertices).  Both its branches compute it low: restored in each it costs
+    # two Casts; written low by the If and restored after it, one.
+    out = _converted(_parse(RESTORED), FEEDS_NESTED)
+    assert [(src, to) for src, to in _cast_sources(out.graph) if to == FLOAT] == [("o_onnxmp_fp16", FLOAT)]
+    assert [c.input[0] for c in _casts(_body(out.graph, "If", "then_branch"))] == ["o_onnxmp_fp16"]
+
+
+def test_an_if_output_one_branch_computes_in_float32_keeps_its_restore():
+    # One restore in the low branch against a narrowing in the float32 branch plus one after the If:
+    # nothing saved, the restore stays in its branch.
+    out = _converted(_parse(RESTORED.replace("of = Identity(h)", "of = Exp(x)")), FEEDS_NESTED)
+    assert [src for src, to in _cast_sources(out.graph) if to == FLOAT] == ["ot_onnxmp_fp16"]
+
+
+SHAPE_CAST = """
+g (float[4,8] x) => (float[8,4] y) <""" + W + """> {
+    s = Constant <value = int32[2] {8, 4}> ()
+    s64 = Cast <to = 7> (s)
+    h = MatMul(x, w)
+    y = Reshape(h, s64)
+}"""
+
+
+def test_the_models_cast_of_a_constant_is_folded_into_the_constant():
+    out = _converted(_parse(SHAPE_CAST), [{"x": X}])
+    assert not any(src == "s" for src, _ in _cast_sources(out.graph))
+    const = next(n for n in out.graph.node if n.op_type == "Constant")
+    assert const.attribute[0].t.data_type == onnx.TensorProto.INT64
+    assert next(n for n in out.graph.node if n.op_type == "Reshape").input[1] == "s"
+
+
+@pytest.mark.parametrize("change", ["lossy", "read twice"])
+def test_a_cast_of_a_constant_that_is_lossy_or_read_elsewhere_stays(change):
+    if change == "lossy":  # 2.5 -> int64 truncates: the Cast computes something, it stays
+        text = SHAPE_CAST.replace("int32[2] {8, 4}", "float[2] {8.0, 4.5}")
+        feeds_ok = False
+    else:  # the Constant is read in its own type too
+        text = SHAPE_CAST.replace("y = Reshape(h, s64)", "y = Reshape(h, s64)\n    z = Identity(s)").replace(
+            "(float[8,4] y)", "(float[8,4] y, int32[2] z)")
+        feeds_ok = True
+    model = _parse(text)
+    out = onnxmp.convert(model).model
+    assert ("s", onnx.TensorProto.INT64) in _cast_sources(out.graph)
+    if feeds_ok:
+        ort.InferenceSession(out.SerializeToString())
+
+
+SLICES = """
+g (float[4,8] x) => (float[4,2] y) <""" + W + """, int64[1] z = {0}, int64[1] two = {2}, int64[1] four = {4},
+                                     int64[1] eight = {8}, int64[1] ax = {1}> {
+    h = MatMul(x, w)
+    r = Slice(h, z, four, ax)
+    i = Slice(h, four, eight, ax)
+    ra = Slice(r, z, two, ax)
+    ia = Slice(i, z, two, ax)
+    p = Exp(ra)
+    q = Exp(ia)
+    y = Add(p, q)
+}"""
+V = "float[4,4] v = {" + ",".join(["0.1"] * 16) + "}"
+
+
+def test_slice_chains_of_a_low_value_read_in_float32_slice_one_float32_copy():
+    # Two chains of Slices end in float32 Exps: one float32 copy of `h`, sliced in float32,
+    # instead of a Cast at the end of each chain.
+    out = _converted(onnx.parser.parse_model(header(13) + SLICES), [{"x": X}])
+    assert [src for src, to in _cast_sources(out.graph) if to == FLOAT] == ["h"]
+
+
+def test_a_slice_chain_with_a_low_reader_on_the_way_keeps_its_casts():
+    # `r` is also read by a low MatMul: its chain stays low and is Cast at its end; the other
+    # chain alone would save nothing.
+    text = SLICES.replace("y = Add(p, q)", "m = MatMul(r, v)  ms = Slice(m, z, two, ax)  pq = Add(p, q)  y = Add(pq, ms)")
+    out = _converted(onnx.parser.parse_model(header(13) + text.replace("int64[1] z", V + ", int64[1] z")), [{"x": X}])
+    assert ("h", FLOAT) not in _cast_sources(out.graph)
+    assert {"ra", "ia"} <= {src for src, to in _cast_sources(out.graph) if to == FLOAT}
+
+
+
+def _corpus_model(name: str) -> str:
+    import os
+    path = os.path.join(os.environ.get("ONNXMP_CORPUS", ""), f"{name}.onnx")
+    if not os.environ.get("ONNXMP_CORPUS") or not os.path.exists(path):
+        pytest.skip("set ONNXMP_CORPUS to a folder `python models/corpus.py --cache DIR` filled")
+    return path
+
+
+def test_silero_vads_lstm_states_are_restored_once_after_the_outer_if():
+    # silero-vad's LSTM states come out of three levels of Ifs, are Unsqueezed and concatenated in
+    # each branch of the outer If, and leave as a kept float32 output.  The inner Ifs write them low
+    # and restore them after (raise_if_outputs); the restores then move below the Unsqueezes and
+    # the Concat (move_restores_down), so each branch output is a restore, which the outer If makes
+    # one Cast in the main graph: 26 Casts become 23 (onnxruntime's converter writes 24).
+    from scripts.compare_casts import static_casts
+
+    out = onnxmp.convert(_corpus_model("silero_vad")).model
+    ort.InferenceSession(out.SerializeToString())
+    assert static_casts(out.graph) <= 23
+    for attr in ("then_branch", "else_branch"):
+        branch = _body(out.graph, "If", attr)
+        assert any(n.op_type == "Concat" and n.output[0].endswith("_onnxmp_fp16") for n in branch.node)

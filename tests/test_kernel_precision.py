@@ -85,10 +85,26 @@ def test_a_decomposed_layer_norm_is_colored_as_the_float32_kernel_ort_fuses_it_i
 
 
 def test_the_statistics_read_the_input_through_a_cast_of_their_own():
-    """A Cast the fusion absorbs must be read by the statistics alone."""
-    result = onnxmp.convert(block(extra_reader=True))
+    """A Cast the fusion absorbs must be read by the statistics alone: with no other float32
+    reader of the input, the statistics read a Cast of their own."""
+    result = onnxmp.convert(block())
     norm, = fused_norms(GraphFacts(result.model.graph))
     assert len(norm.casts) == 2 and norm.input == "r"
+
+
+@pytest.mark.parametrize("opset", [14, 17])
+def test_a_layer_norm_whose_input_is_also_read_in_float32_stays_float32_on_the_shared_copy(opset):
+    # The residual sum is low and also read by a float32 ReduceSum.  A Cast of the statistics' own
+    # beside the ReduceSum's would be merged with it by onnxruntime (1.32), whose fusion then reads
+    # the float32 copy with a float16 scale and refuses the model (opset 17).  The normalization
+    # stays float32 instead and reads the one float32 copy: loads, and one Cast fewer.
+    result = onnxmp.convert(block(opset, extra_reader=True))
+    colors = _colors(result.report)
+    assert colors["residual"][0] == "allow"
+    assert colors["ln/scale"] == colors["ln/bias"] == ("deny", "follow_input_in_fused_normalizations")
+    assert "merges the two float32 copies" in next(v.cause for v in result.report.vertices if v.node == "ln/scale")
+    assert [n.input[0] for n in result.model.graph.node if n.op_type == "Cast"].count("r") == 1
+    ort.InferenceSession(result.model.SerializeToString(), providers=["CPUExecutionProvider"])
 
 
 def test_the_affine_tail_takes_the_precision_of_the_normalized_input():

@@ -412,3 +412,45 @@ def test_range_seed_reads_constant_nodes_whichever_input_holds_the_cause():
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8)
     state = _state(model)
     assert state.is_deny("s1:T") and state.is_deny("s2:T") and not state.is_deny("s3:T")
+
+
+def _conv_bn(var: np.ndarray, eps: float, bias: np.ndarray | None = None) -> onnx.ModelProto:
+    """Conv -> BatchNormalization -> Relu -> Conv over 4 channels, the variance and bias given."""
+    c = var.size
+    inits = [onnx.numpy_helper.from_array(np.full((c, c, 1, 1), 0.25, np.float32), "w"),
+             onnx.numpy_helper.from_array(np.ones(c, np.float32), "scale"),
+             onnx.numpy_helper.from_array(np.zeros(c, np.float32) if bias is None else bias.astype(np.float32), "b"),
+             onnx.numpy_helper.from_array(np.zeros(c, np.float32), "mean"),
+             onnx.numpy_helper.from_array(var.astype(np.float32), "var")]
+    graph = onnx.helper.make_graph(
+        [onnx.helper.make_node("Conv", ["x", "w"], ["a"], name="conv"),
+         onnx.helper.make_node("BatchNormalization", ["a", "scale", "b", "mean", "var"], ["n"], name="bn", epsilon=eps),
+         onnx.helper.make_node("Relu", ["n"], ["r"], name="relu"),
+         onnx.helper.make_node("Conv", ["r", "w"], ["y"], name="conv2")],
+        "g", [onnx.helper.make_tensor_value_info("x", FLOAT, [1, c, 4, 4])],
+        [onnx.helper.make_tensor_value_info("y", FLOAT, [1, c, 4, 4])], inits)
+    model = onnx.helper.make_model(graph, opset_imports=[onnx.helper.make_opsetid("", 17)])
+    model.ir_version = 8
+    return model
+
+
+def test_batchnorm_variance_that_flushes_under_epsilon_is_no_cause():
+    # Every variance flushes to zero in float16, which the plain range seed counts as a cause; but
+    # it enters as 1/sqrt(var + 1e-5), which moves by far less than a float16 ulp: BN stays low.
+    # So does a bias of tiny values: it is added, off by at most 3e-8.
+    colors = onnxmp.explain(_conv_bn(np.full(4, 1e-9), 1e-5, bias=np.full(4, 1e-9))).node_colors()
+    assert colors["bn"] == ALLOW
+
+
+def test_batchnorm_variance_whose_inverse_root_moves_is_a_cause():
+    # With epsilon 1e-9 the subnormal variances decide 1/sqrt(var + eps): rounding them moves it
+    # by many ulps on every channel.
+    report = onnxmp.explain(_conv_bn(np.array([1.3e-7, 2.9e-7, 3.7e-7, 4.1e-7]), 1e-9))
+    bn = next(v for v in report.vertices if v.node == "bn")
+    assert bn.color == DENY and "1/sqrt(var + epsilon)" in bn.cause
+
+
+def test_batchnorm_variance_above_the_range_is_a_cause():
+    report = onnxmp.explain(_conv_bn(np.array([1.0, 1.0, 1.0, 9.8e7]), 1e-5))
+    bn = next(v for v in report.vertices if v.node == "bn")
+    assert bn.color == DENY and "max 9.8e+07 > 65504" in bn.cause

@@ -34,8 +34,11 @@ class Adjacency:
 
 def link(view: TypeView, read: list[str], n_read: array, written: list[str], n_written: array) -> None:
     """Edges producer -> consumer over float32 tensors, in first-link order: tensors in the order
-    they are first read, each tensor's readers in id order; no edge crosses a graph boundary
-    (bodies are colored on their own) except the control-flow groups' ephemeral ones.
+    they are first read, each tensor's readers in id order.  A body's read of an outer tensor is an edge
+    like any other (names are unique across graphs, so a reader in another graph than the
+    producer's reads it from an enclosing one): the value crosses into the body in the type its
+    producer writes, and the rules see through the boundary; the control-flow groups add ephemeral
+    edges for the values bound at it.
 
     ``read``/``written`` are the tensors each float32 vertex reads/writes, in id order, and
     ``n_read``/``n_written`` how many per vertex.  Also records ``producer_of`` and the readers
@@ -58,10 +61,6 @@ def link(view: TypeView, read: list[str], n_read: array, written: list[str], n_w
     src_np, dst_np = writer[tensor[order]], reader[linked[order]]
     view.consumers_of = _readers_of(view, read, source, reader, position)
 
-    if len(view.scope_gids) > 1 and len(src_np):
-        scope = np.frombuffer(view.node_scope, dtype=np.intc)[np.frombuffer(view.v_node, dtype=np.intc)]
-        same = scope[src_np] == scope[dst_np]
-        src_np, dst_np = src_np[same], dst_np[same]
     extra_src, extra_dst = [], []
     for group in view.groups:
         # TF colors one flat graph where NextIteration/Merge edges close the loop; here the

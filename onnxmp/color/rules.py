@@ -453,6 +453,28 @@ def _fused_float32_input(view: TypeView, k: int) -> str:
     return "the normalization ORT fuses it into reads a float32 input: one type in and out"
 
 
+def _fused_shared_input(view: TypeView, k: int, reader: int) -> str:
+    return (f"the normalization ORT fuses it into reads its input also read in float32 by {view.op_of(reader)} "
+            f"`{view.node_of(reader)}`: onnxruntime merges the two float32 copies, and the fused kernel then reads "
+            "the float32 one (one type in and out), so the normalization stays float32 and reads that copy")
+
+
+def _other_float32_readers(view: TypeView, state: Coloring) -> dict[int, int]:
+    """Unit index -> a float32 vertex, outside the unit, reading the unit's input and not ALLOW."""
+    inputs = {unit.norm.input: i for i, unit in enumerate(view.fused)}
+    inside = {name for unit in view.fused for name in (*unit.norm.statistics, *unit.norm.casts)}
+    found: dict[int, int] = {}
+    for k, ins in enumerate(view.node_ins):
+        if inputs.keys().isdisjoint(ins) or view.node_names[k] in inside:
+            continue
+        for vid in range(view.node_first[k], view.node_first[k + 1]):
+            if view.f32[vid] and not state.is_allow(vid):
+                for t in view.input_names(vid):
+                    if t in inputs:
+                        found.setdefault(inputs[t], vid)
+    return found
+
+
 def follow_input_in_fused_normalizations(state: Coloring) -> PassResult:
     """(onnxmp's, not TF's) A subgraph ORT fuses into one LayerNormalization or RMSNorm kernel, which
     computes its statistics in float32 whatever type it reads, takes its input's precision: its
@@ -461,13 +483,21 @@ def follow_input_in_fused_normalizations(state: Coloring) -> PassResult:
     The fused kernel reads and writes one type: LayerNormalization-17 refuses a float16 input with
     a float32 scale (session creation fails), and a float32 input with a float16 scale likewise.
     When the scale or bias cannot go low (a data seed, a blocked node), the input's producer is
-    kept float32 instead."""
+    kept float32 instead.  When a float32 reader outside the unit reads the input too, the unit
+    stays float32 and reads the one float32 copy of the input that reader needs: onnxruntime
+    (1.32) merges the statistics' own Cast with that copy, and its fusion then reads a float32
+    input with a low scale, which it refuses; one Cast fewer besides."""
     view = state.view
     rule = "follow_input_in_fused_normalizations"
     changed = 0
-    for unit in view.fused:
+    shared = _other_float32_readers(view, state) if view.fused else {}
+    for i, unit in enumerate(view.fused):
         producer = view.producer_of.get(unit.norm.input)
         low = producer is not None and state.is_allow(producer) and unit.norm.input not in view.pinned
+        if low and i in shared:
+            for vid in unit.affine:
+                changed += state.paint(vid, DENY, rule, Cause(_fused_shared_input, (shared[i],)))
+            continue
         blocked = [vid for vid in unit.affine if not view.ok[vid] or
                    (state.is_deny(vid) and state.colors[vid][1].startswith("seed_"))]
         if low and blocked:

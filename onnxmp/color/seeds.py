@@ -215,10 +215,15 @@ def seed_deny_from_initializer_range(state: Coloring, graph: ModelIndex, *,
 
     small: dict[str, np.ndarray] = {}  # other small constants, checked together
     constants = graph.constants.union(constant_at)
+    judged: list[int] = []  # nodes whose inputs at some positions have a judge of their own
     for k, ins in enumerate(view.node_ins):
         if constants.isdisjoint(ins):
             continue
         first, end = node_first[k], node_first[k + 1]
+        own = _INPUT_JUDGES.get(v_kind[first].group.op.op_type) if first < end else None
+        if own is not None and v_kind[first].group.op.domain in ("", "ai.onnx"):
+            judged.append(k)
+            ins = tuple("" if i in own else name for i, name in enumerate(ins))
         if end - first == 1:  # the common node: one vertex
             kind = v_kind[first]
             if not (kind.float32 and kind.processed and kind.list in listed):
@@ -286,7 +291,84 @@ def seed_deny_from_initializer_range(state: Coloring, graph: ModelIndex, *,
             if cause:
                 for k in vids:
                     painted += state.paint(k, DENY, "seed_deny_from_initializer_range", cause)
+    producers = _constants_at(graph, view) if judged else {}
+    for k in judged:
+        if not any(f32[vid] and v_kind[vid].processed for vid in range(node_first[k], node_first[k + 1])):
+            continue
+        cause = _judged_cause(graph, view, k, low, underflow_share, producers)
+        if cause:
+            for vid in range(node_first[k], node_first[k + 1]):
+                if f32[vid] and v_kind[vid].processed:
+                    painted += state.paint(vid, DENY, "seed_deny_from_initializer_range", cause)
     return PassResult(painted > 0, {"painted": painted})
+
+
+def _constants_at(graph: ModelIndex, view) -> dict[str, onnx.NodeProto]:
+    """Tensor -> its Constant node, from the view's positions (no walk over every node)."""
+    return {name: graph.scopes[s].graph.node[i] for name, (s, i) in view.constant_at.items()}
+
+
+def _node_proto(graph: ModelIndex, view, k: int) -> onnx.NodeProto:
+    """The NodeProto of the view's node ``k`` (the view numbers nodes graph after graph)."""
+    s = view.node_scope[k]
+    return graph.scopes[s].graph.node[k - view.node_index[graph.scopes[s].names[0]]]
+
+
+def _judged_cause(graph: ModelIndex, view, k: int, low, share: float, producers) -> str | None:
+    """The first cause the own judges of node ``k``'s inputs find (see :data:`_INPUT_JUDGES`)."""
+    node = _node_proto(graph, view, k)
+    for i, judge in _INPUT_JUDGES[node.op_type].items():
+        if i >= len(node.input) or not node.input[i] or graph.dtype(node.input[i]) != FLOAT:
+            continue
+        values = constant_values(graph, node.input[i], producers)
+        if values is not None and values.size:
+            cause = judge(node, node.input[i], np.asarray(values, dtype=np.float32), low, share)
+            if cause:
+                return cause
+    return None
+
+
+def _additive(node: onnx.NodeProto, name: str, values: np.ndarray, low, share: float) -> str | None:
+    """A term added to the output (a bias, a mean subtracted): only its range matters.  A value
+    that turns subnormal or flushes is off by less than half the smallest subnormal step (3e-8 in
+    float16), far below the output's own rounding wherever the output is a normal number."""
+    finite = np.abs(values[np.isfinite(values)])
+    top = float(finite.max()) if finite.size else 0.0
+    return f"initializer `{name}` max {top:.3g} > {low.max:g}" if top > low.max else None
+
+
+def _inverse_root(node: onnx.NodeProto, name: str, values: np.ndarray, low, share: float) -> str | None:
+    """A normalization's variance enters only as 1/sqrt(var + epsilon), computed in float32 by the
+    kernel from the low-precision var it reads.  Its tiny values may flush or turn subnormal
+    without harm where epsilon dominates them.  The variance is a cause when that factor overflows,
+    or when it moves by more than one low-precision ulp of its exact value for more than ``share``
+    of the channels (the share the other initializers are held to for values that flush)."""
+    too_big = _additive(node, name, values, low, share)
+    if too_big:
+        return too_big  # var itself overflows: the factor becomes 0
+    eps = next((a.f for a in node.attribute if a.name == "epsilon"), 1e-5)
+    with np.errstate(over="ignore", divide="ignore", invalid="ignore"):
+        exact = 1.0 / np.sqrt(values.astype(np.float64) + eps)
+        rounded = 1.0 / np.sqrt(values.astype(low.numpy).astype(np.float64) + eps)
+        ulp = np.abs(exact.astype(low.numpy).astype(np.float64) - np.nextafter(
+            exact.astype(low.numpy), np.array(np.inf, dtype=low.numpy)).astype(np.float64))
+        bad = ~(np.abs(rounded - exact) <= ulp) | ~(exact <= low.max)
+        over = np.isfinite(values) & ~(exact <= low.max)
+    bad &= np.isfinite(values)
+    if over.any():
+        j = int(np.flatnonzero(over)[0])
+        return f"initializer `{name}`: 1/sqrt(var + epsilon) = {exact.flat[j]:.3g} > {low.max:g} (var {values.flat[j]:.3g})"
+    if bad.sum() <= share * values.size:
+        return None
+    return (f"initializer `{name}`: 1/sqrt(var + epsilon) of {int(bad.sum())} of its {values.size} values moves by "
+            f"more than one {low.name} ulp when var is rounded (more than {share:.0%})")
+
+
+# op -> {input position: judge(node, name, values, low, share) -> cause or None}: inputs whose effect on
+# the result is not that of a weight, judged by what the kernel computes from them instead of by
+# the share of values that flush (BatchNormalization: scale is a weight, B and mean are added,
+# var enters as 1/sqrt(var + epsilon)).
+_INPUT_JUDGES = {"BatchNormalization": {2: _additive, 3: _additive, 4: _inverse_root}}
 
 
 def seed_deny_from_calibration(state: Coloring, magnitudes: Mapping[str, float], threshold: float

@@ -3,7 +3,7 @@
 All inputs and outputs of a node that share a type parameter in the op schema
 form one vertex and change dtype together.  Only vertices whose tensors are
 float32 take part; edges run producer vertex -> consumer vertex, one per
-float32 tensor that links them inside the same graph.
+float32 tensor that links them (a body reading an outer tensor included).
 
 The view follows TF's GraphTypeTopologyView: a vertex is an int, numbered in node
 order; what many vertices share (op, type parameter and positions, and the facts
@@ -351,11 +351,6 @@ def build_type_view(
     for name in initializer_inputs:
         # IR < 4 style (keep_initializers_as_inputs): callers may feed it, so its type is fixed.
         pinned[name] = "graph input that is also an initializer"
-    bodies_of: dict[int, list[int]] = {}
-    for body_index, body in enumerate(graph.scopes):
-        if body.parent_scope is not None:
-            bodies_of.setdefault(body.parent_scope, []).append(body_index)
-
     node_index, node_scope = view.node_index, view.node_scope
     v_node, v_kind = view.v_node, view.v_kind
     add_node, add_kind, code_of = v_node.append, v_kind.append, codes.__getitem__
@@ -375,10 +370,9 @@ def build_type_view(
         for t in g.output:
             if graph_id != "" or keeps_io(keep_io_types, t.name):
                 pinned.setdefault(t.name, f"output of {scope_name}")
-        # Bodies are scopes too, listed in node and attribute order: no need to walk every node here.
-        for body_index in bodies_of.get(scope_index, ()):
-            for t in graph.outer_references(body_index):
-                pinned.setdefault(t, f"read by a subgraph of {graph.scopes[body_index].parent.name}")
+        # An outer tensor a body reads is not pinned: the read is an edge like any other (link), so
+        # a body reads the outer value in the type its producer writes, or one Cast of it made in
+        # the outer graph (rewrite/casts.py), never a Cast per branch.
         # The index read every node's names once; the view shares its lists' tuples.
         first = len(view.node_ins)
         node_index.update(zip(scope.names, itertools.count(first)))  # normalize made node names unique

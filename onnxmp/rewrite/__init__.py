@@ -9,7 +9,7 @@
   sides keeps its float32 original and gets a low-precision twin.  Master weights
   (training) always stay float32 and are Cast at use.
 * Tensors whose name the outside world sees (graph inputs and outputs kept by
-  ``keep_io_types``, body formal inputs and outputs, outer tensors a body reads) keep their
+  ``keep_io_types``, body formal inputs and outputs) keep their
   name and type: the low-precision producer writes a renamed tensor and a Cast restores it.
 
 :mod:`~onnxmp.rewrite.plan` decides the edits, :mod:`~onnxmp.rewrite.write` applies them.

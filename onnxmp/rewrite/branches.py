@@ -54,6 +54,60 @@ def lower_if_outputs(rw) -> None:
             rw.reread({cast.dst: o})
 
 
+def raise_if_outputs(rw) -> None:
+    """The other way round: an If output left float32 whose branches compute it low and restore
+    float32 at each branch output (a Cast per branch) is written low by the If and restored once
+    after it, where that saves Casts:
+
+        low branch:     L --Cast f32--> out  ...  o --> readers    becomes    L = out  ...  o --Cast f32--> readers
+        float32 branch: F = out          ...                        becomes    F --Cast low--> out
+
+    A low reader of ``o`` then reads the If's low output, without its Cast.  Innermost Ifs first:
+    an If output that is a branch output of an outer If is then restored in that branch, where the
+    rule applies again to the outer If (silero-vad's LSTM state through nested Ifs).  Exact, as
+    :func:`lower_if_outputs` is: a low value widened once, the float32 value rounded once."""
+    scopes = rw.graph.scopes
+    branches: dict[str, list[int]] = {}
+    for s, scope in enumerate(scopes):
+        if scope.parent is not None and scope.parent.op_type == "If":
+            branches.setdefault(scope.parent.name, []).append(s)
+    if not branches:
+        return
+    graph_outputs = {t.name for scope in scopes for t in scope.graph.output}
+    ifs = [(s, k) for s, nodes in enumerate(rw.nodes) for k, name in enumerate(nodes.names)
+           if name in branches and len(branches[name]) == 2]
+    for s, k in sorted(ifs, key=lambda sk: -rw.graph_depth(sk[0])):
+        nodes = rw.nodes[s]
+        for j, o in enumerate(nodes.outputs[k]):
+            if not o or rw.dtype(o) != FLOAT or rw.is_low(o) or o in rw.renamed:
+                continue
+            plans = [_branch_plan(rw, b, j, graph_outputs) for b in branches[nodes.names[k]]]
+            if any(p is None or p[0] == "as is" for p in plans):
+                continue
+            restores = sum(kind == "low" for kind, _, _ in plans)
+            narrowings = sum(kind == "float" for kind, _, _ in plans)
+            shared = rw.shared.get((o, rw.low_enum, None))
+            float_reads = rw.read_counts({o})[o] - (shared is not None)
+            after = 1 if float_reads or o in graph_outputs else 0
+            if narrowings + after >= restores + (shared is not None):
+                continue  # no Cast saved
+            for plan in plans:
+                _apply(rw, *plan)
+            low = rw.names(f"{o}_onnxmp_{rw.low_sfx}")
+            rw.edits.new_tensors[low] = rw.like(o, low, rw.low_enum)
+            outputs = nodes.outputs[k] = [low if t == o else t for t in nodes.outputs[k]]
+            rw.edits.outputs[nodes.names[k]] = outputs
+            rw.retype((low,))
+            if after:
+                rw.add_cast(scopes[s].gid, low, o, FLOAT)
+                rw.renamed[o] = low
+            else:
+                rw.reread({o: low})
+            if shared is not None:
+                rw.drop_shared((o, rw.low_enum, None))
+                rw.reread({shared.dst: low})
+
+
 def _branch_plan(rw, s: int, j: int, graph_outputs: set[str]):
     """How branch ``s`` makes its output ``j`` low: ("low", name, (graph, position of the restore
     Cast)), ("float", name, (graph, position of its producer)), ("as is", name, None); None when

@@ -8,7 +8,7 @@
   read by both sides keeps its fp32 original and gets a low-precision twin.
   Master weights (training) always stay fp32 and are Cast at use.
 * Tensors whose name the outside world sees (graph inputs/outputs with
-  ``keep_io_types``, body formal I/O, outer-scope tensors read by a body) keep
+  ``keep_io_types``, body formal I/O) keep
   their name and dtype: the low-precision producer writes a renamed tensor and
   a Cast restores the original name.
 
@@ -28,8 +28,9 @@ import onnx
 
 from onnxmp.color.rules import Coloring
 from onnxmp.color.layouts import RETARGETABLE
-from onnxmp.rewrite.branches import lower_if_outputs
-from onnxmp.rewrite.moves import move_casts_above_splits, move_casts_up
+from onnxmp.rewrite.branches import lower_if_outputs, raise_if_outputs
+from onnxmp.rewrite.idle import fold_constant_casts, remove_idle_casts
+from onnxmp.rewrite.moves import move_casts_above_splits, move_casts_up, move_restores_down
 from onnxmp.rewrite.casts import (GraphNodes, NewCast, ScopeTree, float_cast_inputs, foldable_constant,
                                   homes_and_producers, place_after_producers, read_counts)
 from onnxmp.index import ModelIndex, TensorInfo, keeps_io
@@ -69,6 +70,7 @@ class Edits:
     converted: set[str] = field(default_factory=set)               # initializers stored in low precision
     twins: dict[str, str] = field(default_factory=dict)            # twin name -> fp32 source initializer
     retargeted: set[str] = field(default_factory=set)              # Cast/Constant/ConstantOfShape nodes
+    constant_types: dict[str, int] = field(default_factory=dict)   # Constant node -> the type it makes now
     mask_fills: dict = field(default_factory=dict)                 # constant -> MaskFill to write
     low: Precision = FLOAT16
 
@@ -98,10 +100,15 @@ def plan(index: ModelIndex, state: Coloring, *, precision: Precision, master_wei
     rewriter.convert_initializers()
     rewriter.fix_consumers()
     lower_if_outputs(rewriter)
+    raise_if_outputs(rewriter)
+    move_restores_down(rewriter)
+    raise_if_outputs(rewriter)  # the outer Ifs whose branch outputs are now restores
     move_casts_up(rewriter)
     move_casts_above_splits(rewriter)
     rewriter.place_shared_casts()
     rewriter.lower_main_outputs(keep_io_types)
+    remove_idle_casts(rewriter)
+    fold_constant_casts(rewriter)
     for scope, nodes in zip(index.scopes, rewriter.nodes):
         rewriter.edits.graphs[scope.gid] = place_after_producers(nodes, rewriter.new_nodes[scope.gid])
     return rewriter.edits, rewriter.stats
@@ -148,7 +155,9 @@ class _Rewriter:
                 low_inputs[node_index[node]] |= 1 << i
 
         # (statistics node, its input) -> the fused normalization it belongs to (see fix_consumers)
-        self.fused_readers = {reader: i for i, unit in enumerate(view.fused) for reader in unit.readers}
+        # (a unit that stays float32 reads the one float32 copy of its input everybody shares)
+        self.fused_readers = {reader: i for i, unit in enumerate(view.fused) for reader in unit.readers
+                              if not self.allow.isdisjoint(unit.affine)}
         # Names the outside world may feed or read keep their type, and so do sparse initializers
         # (the writer converts dense ones only): low readers read a Cast of them.
         self.fixed = set(view.pinned)
