@@ -457,6 +457,48 @@ def test_a_restore_also_read_elsewhere_in_float32_is_not_moved_below_the_concat(
     assert list(concat.output) == ["k"] and all(i.endswith("_onnxmp_fp32") for i in concat.input)
 
 
+def test_a_low_reader_of_the_concat_reads_its_low_output_once_the_restores_move_below():
+    # Before the move: the two restores, and a Cast of the float32 Concat back to float16 for the
+    # MatMul (3).  After: the MatMul reads the low Concat itself, one Cast feeds the Exp.
+    text = STATES.replace("y = Exp(k)", "e = Exp(k)  m = MatMul(k, w)  y = Add(e, m)")
+    out = _converted(_named(text), [{"x": X}], onnxmp.Options(forced_deny={"k": "test"}))
+    concat = next(n for n in out.graph.node if n.op_type == "Concat")
+    matmul = next(n for n in out.graph.node if n.op_type == "MatMul" and n.name == "m")
+    assert matmul.input[0] == concat.output[0] != "k"
+    assert sorted(src for src, _ in _cast_sources(out.graph)) == sorted(["x", concat.output[0], "m"])
+
+
+BRANCH_CONCAT = """
+g (float[4,8] x, bool c) => (float[2,4,8] y) <""" + W + """, int64[1] ax = {0}> {
+    r = If(c) <then_branch = t () => (float[2,4,8] k) { h = MatMul(x, w)  u = Unsqueeze(h, ax)  k = Concat <axis = 0> (u, u) },
+               else_branch = f () => (float[2,4,8] kf) { g = MatMul(x, w)  v = Unsqueeze(g, ax)  kf = Concat <axis = 0> (v, v) }>
+    y = Exp(r)
+}"""
+
+
+def _name_all(graph: onnx.GraphProto) -> None:
+    for node in graph.node:
+        node.name = node.output[0]
+        for a in node.attribute:
+            if a.type == onnx.AttributeProto.GRAPH:
+                _name_all(a.g)
+
+
+def test_a_float32_concat_writing_a_branch_output_moves_its_restore_below_it_and_out_of_the_if():
+    # The then-branch's Concat is kept float32: it reads one restore of `u` twice (one Cast either
+    # way), but as its output is the branch output, the restore moves below it at no gain; both
+    # branches then end in a restore, which raise_if_outputs makes one Cast after the If.
+    model = _parse(BRANCH_CONCAT)
+    _name_all(model.graph)
+    feeds = [{"x": X, "c": np.array(c)} for c in (True, False)]
+    out = _converted(model, feeds, onnxmp.Options(forced_deny={"k": "test"}))
+    assert not _casts(_body(out.graph, "If", "then_branch")) and not _casts(_body(out.graph, "If", "else_branch"))
+    if_node = next(n for n in out.graph.node if n.op_type == "If")
+    assert [(c.input[0], c.attribute[0].i) for c in _casts(out.graph)] == [("x", FLOAT16), (if_node.output[0], FLOAT)]
+    then = _body(out.graph, "If", "then_branch")
+    assert next(n for n in then.node if n.op_type == "Concat").input[:] == ["u", "u"]
+
+
 def _corpus_model(name: str) -> str:
     import os
     path = os.path.join(os.environ.get("ONNXMP_CORPUS", ""), f"{name}.onnx")
