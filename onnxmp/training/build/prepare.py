@@ -90,9 +90,11 @@ def prepare_for_gradient(model: onnx.ModelProto, requires_grad: Iterable[str], *
 
     ``ort_builder=False`` (onnxmp's builder) skips the refusal of :data:`NO_GRADIENT` ops: onnxmp's
     builder has rules for several of them (ReduceMax, Einsum, CumSum...) and names the op it lacks
-    itself, at build time."""
+    itself, at build time.  It also skips the rewrites that exist only for ORT's builder
+    (:data:`ORT_ONLY`): onnxmp's has a rule for each such op, and decides broadcasts from the
+    symbolic shapes itself, so they would only add nodes to its graph."""
     requires_grad = list(requires_grad)
-    result, done = _rewritten(model, requires_grad)
+    result, done = _rewritten(model, requires_grad, ort_builder=ort_builder)
     if ort_builder:
         _check_differentiable(result, requires_grad, infer_tensor_types(result))
     counts = Counter(p.op_type for p in done)
@@ -102,8 +104,10 @@ def prepare_for_gradient(model: onnx.ModelProto, requires_grad: Iterable[str], *
     return result, done
 
 
-def _rewritten(model: onnx.ModelProto, requires_grad: list[str]) -> tuple[onnx.ModelProto, list[Preparation]]:
-    """The rewrites of :func:`prepare_for_gradient`, without its checks."""
+def _rewritten(model: onnx.ModelProto, requires_grad: list[str], *,
+               ort_builder: bool = True) -> tuple[onnx.ModelProto, list[Preparation]]:
+    """The rewrites of :func:`prepare_for_gradient`, without its checks (without :data:`ORT_ONLY`
+    unless ``ort_builder``)."""
     result = onnx.ModelProto()
     result.CopyFrom(model)
     graph = result.graph
@@ -117,7 +121,7 @@ def _rewritten(model: onnx.ModelProto, requires_grad: list[str]) -> tuple[onnx.M
             nodes.append(node)
             continue
         rewrite = _REWRITES.get(node.op_type)
-        if rewrite is None:
+        if rewrite is None or (not ort_builder and node.op_type in ORT_ONLY):
             nodes.append(node)
             continue
         replacement = rewrite(node, Rewrite.of(names, node, types, trainable), types)
@@ -412,6 +416,14 @@ _REWRITES: dict[str, Callable] = {
     # ORT sums these back over broadcast axes, but decides which from static shapes.
     **dict.fromkeys(("Add", "Sub", "Mul", "Div", "Max", "Min", "Expand"), _runtime_broadcast),
 }
+
+# The rewrites only ORT's builder needs: it lacks a gradient for these activations, reads the
+# optional outputs and attributes exporters leave out, and gets broadcasts wrong (Where, Pow, and
+# symbolic dims).  onnxmp's builder has a rule for each op (``autodiff.VJP_RULES``), adds the
+# outputs it reads itself (``Vjp.forward_output``) and sums broadcasts back from the symbolic
+# shapes: for it these rewrites only add nodes.  BatchNormalization's rewrite is not here: it keeps
+# an eval-mode export training as the function it computes, whichever builder differentiates it.
+ORT_ONLY = frozenset(_REWRITES) - {"BatchNormalization"}
 
 
 # --- the differentiable path -----------------------------------------------------------
