@@ -44,6 +44,8 @@ def origin(node: onnx.NodeProto, forward_ops: dict[str, str]) -> str:
     if "_Grad/" in name or name.endswith("_Grad"):
         scope = name.split("_Grad")[0]
         return f"grad:{forward_ops.get(scope, '?')}"
+    if name.startswith("onnxmp/loss"):
+        return "loss"
     if name.startswith("onnxmp/") or "unscale" in name:
         return "unscale"
     if "ccumulat" in name or node.op_type in ("InPlaceAccumulatorV2",):
@@ -83,13 +85,13 @@ def build(entry: str, folder: Path) -> tuple[dict[str, str], onnx.ModelProto]:
     """The four graphs' paths, and the forward each builder read (for ``--by-origin``)."""
     import check_autodiff
 
-    from onnxmp.training.build.unscale import add_loss_scaling
+    from onnxmp.training.build.unscale import add_loss_scaling, proven_gradients
     from onnxmp.training.build.lower import lower_model
 
     forward, _, ours, theirs, _ = check_autodiff.both(entry, "float32")
     paths = {}
     for name, model in (("native", theirs[0]), ("onnxmp", ours[0])):
-        add_loss_scaling(model)
+        add_loss_scaling(model, proven_gradients(model) if name == "onnxmp" else ())  # as the build does
         for suffix, proto in (("", model), ("-lowered", lower_model(model))):
             paths[name + suffix] = str(folder / f"{entry}.{name}{suffix}.onnx")
             onnx.save(proto, paths[name + suffix])

@@ -196,7 +196,7 @@ def cuda_check(entry: str, precision: str) -> str:
     verdict (valid, resolved, every node a kernel of plain onnxruntime's CUDA EP)."""
     from onnxmp.training.build import autodiff
     from onnxmp.training.build.graph_check import check_graph
-    from onnxmp.training.build.unscale import add_loss_scaling
+    from onnxmp.training.build.unscale import add_loss_scaling, proven_gradients
     from onnxmp.training.build.lower import lower_model
     from onnxmp.training.losses import table_loss
 
@@ -204,7 +204,7 @@ def cuda_check(entry: str, precision: str) -> str:
     reports: list = []
     training, _, _ = autodiff.gradient_graph(forward, table_loss("cross_entropy"), "labels",
                                              requires_grad, frozen, reports=reports, target="cuda")
-    add_loss_scaling(training)
+    add_loss_scaling(training, proven_gradients(training))
     lowered = lower_model(training)
     verdict = check_graph(lowered, "cuda")
     ok = verdict.ok and not verdict.without_kernel

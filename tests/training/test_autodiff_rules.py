@@ -273,3 +273,17 @@ def _onnxmp_gradients(model: onnx.ModelProto, feeds: dict, wrt: list[str]) -> di
     session = ort.InferenceSession(grad_model.SerializeToString(), options, providers=["CPUExecutionProvider"])
     return dict(zip(wrt, session.run([f"{w}_grad" for w in wrt], feeds)))
 
+
+
+@pytest.mark.parametrize("name, einsum", [("Conv_1x1", True), ("Conv_1x1_strided", True),
+                                          ("Conv_1x1_padded", False), ("Conv", False)])
+def test_pointwise_conv_weight_gradient_is_one_einsum(name, einsum):
+    """A 1x1 Conv without pads: dW is one Einsum (no Transpose, no Conv); padded or wider: the Conv."""
+    from autodiff_cases import case_named
+
+    model, _, wrt = with_loss(case_named(name), np.float32)
+    grad_model, _ = backward(model, LOSS, wrt)
+    forward = {n.name for n in model.graph.node}
+    ops = [n.op_type for n in grad_model.graph.node if n.name not in forward]
+    assert ("Einsum" in ops) == einsum
+    assert ("Transpose" not in ops) == einsum

@@ -50,6 +50,7 @@ from onnx import helper, numpy_helper
 from onnxmp.normalize import infer_tensor_types
 from onnxmp.domains import is_onnx_domain
 from onnxmp.errors import OnnxMPError
+from onnxmp.training.build.fuse import fuse_gelus
 from onnxmp.naming import FreshNames, proto_names
 from onnxmp.training.nodes import FLOATS, Rewrite, attribute
 
@@ -92,9 +93,13 @@ def prepare_for_gradient(model: onnx.ModelProto, requires_grad: Iterable[str], *
     builder has rules for several of them (ReduceMax, Einsum, CumSum...) and names the op it lacks
     itself, at build time.  It also skips the rewrites that exist only for ORT's builder
     (:data:`ORT_ONLY`): onnxmp's has a rule for each such op, and decides broadcasts from the
-    symbolic shapes itself, so they would only add nodes to its graph."""
+    symbolic shapes itself, so they would only add nodes to its graph.  Instead, the exported GELU
+    subgraphs become one com.microsoft Gelu/FastGelu each (:func:`~onnxmp.training.build.fuse.fuse_gelus`)."""
     requires_grad = list(requires_grad)
     result, done = _rewritten(model, requires_grad, ort_builder=ort_builder)
+    if not ort_builder:
+        done += [Preparation(op_type, name, "fused from the exported GELU subgraph (one kernel, one gradient rule)")
+                 for op_type, name in fuse_gelus(result, requires_grad)]
     if ort_builder:
         _check_differentiable(result, requires_grad, infer_tensor_types(result))
     counts = Counter(p.op_type for p in done)

@@ -9,6 +9,8 @@ from standard ONNX ops so it runs on the CPU (ORT has no CPU ``IsAllFinite``).
 """
 from __future__ import annotations
 
+from typing import Iterable
+
 import onnx
 from onnx import TensorProto, helper
 
@@ -18,13 +20,34 @@ from onnxmp.training.contract import (ALL_FINITE, GRAD_SHAPE, GRAD_WEIGHT, LOSS_
                                       is_accumulation_out)
 
 
-def add_loss_scaling(training: onnx.ModelProto) -> None:
-    """Unscale each gradient before its accumulator (checking it has the parameter's shape)
-    and add the ``all_finite`` output.
+def proven_gradients(training: onnx.ModelProto) -> frozenset[str]:
+    """The accumulated gradients of ``training`` whose shape the build proves equal to their
+    buffer's (the parameter's, static): by the symbolic shapes of onnxmp's gradient builder
+    (:class:`~onnxmp.training.build.autodiff.info.GraphInfo`), which reads every op it emits."""
+    from onnxmp.training.build.autodiff.info import GraphInfo
+
+    info = GraphInfo(training)
+    graph = training.graph
+    buffers = {v.name: v for v in graph.input}
+    proven = set()
+    for node in graph.node:
+        if node.op_type != "InPlaceAccumulatorV2" or node.input[0] not in buffers:
+            continue
+        dims = buffers[node.input[0]].type.tensor_type.shape.dim
+        want = tuple(d.dim_value if d.HasField("dim_value") else None for d in dims)
+        if None not in want and info.shape(node.input[1]) == want:
+            proven.add(node.input[1])
+    return frozenset(proven)
+
+
+def add_loss_scaling(training: onnx.ModelProto, proven: Iterable[str] = ()) -> None:
+    """Unscale each gradient before its accumulator (checking it has the parameter's shape,
+    unless ``proven`` names it: :func:`proven_gradients`) and add the ``all_finite`` output.
 
     The accumulators move to the end of the node list: they now read the
     unscaled gradients, which are computed after every gradient exists.
     """
+    proven = frozenset(proven)
     graph = training.graph
     names = FreshNames(proto_names(graph))
     accumulators = [n for n in graph.node if n.op_type == "InPlaceAccumulatorV2"]
@@ -42,6 +65,15 @@ def add_loss_scaling(training: onnx.ModelProto) -> None:
     sums = []
     for acc in accumulators:
         grad, buffer = acc.input[1], acc.input[0]
+        if grad in proven:  # its shape is the buffer's by construction: no runtime check
+            unscaled = names(f"{grad}.unscaled")
+            added.append(helper.make_node("Mul", [grad, unscale], [unscaled], name=names(f"onnxmp/unscale/{grad}")))
+            total = names(f"{grad}.unscaled.sum")
+            added.append(helper.make_node("ReduceSum", [unscaled], [total], keepdims=0,
+                                          name=names(f"onnxmp/ReduceSum/{grad}")))
+            sums.append(total)
+            acc.input[1] = unscaled
+            continue
         scaled = names(f"{grad}.unscaled_any_shape")
         added.append(helper.make_node("Mul", [grad, unscale], [scaled], name=names(f"onnxmp/unscale/{grad}")))
         # InPlaceAccumulatorV2 does not check shapes: a gradient ORT did not sum back over a
