@@ -205,6 +205,9 @@ def fuse_gelus(model: onnx.ModelProto, requires_grad: Iterable[str] = ()) -> lis
     if not fused:
         return []
     kept = [fused.get(id(n), n) for n in nodes_in_order if id(n) not in removed or id(n) in fused]
+    # the formula's Constant nodes, now read by nothing
+    read = {name for n in kept for name in n.input} | g.outputs
+    kept = [n for n in kept if not (n.op_type == "Constant" and is_onnx_domain(n.domain) and n.output[0] not in read)]
     graph.ClearField("node")
     graph.node.extend(kept)
     if not any(o.domain == MS_DOMAIN for o in model.opset_import):
