@@ -270,6 +270,9 @@ CASES: list[Case] = [
     Case("ReduceMean_opset18", ("", "ReduceMean"), [N("ReduceMean", ["x", "a"], keepdims=0)],
          {"x": F((2, 3, 4), ("N", "S", 4)), "a": I([1])}, opset=18),
     Case("ReduceMax", ("", "ReduceMax"), [N("ReduceMax", ["x"], axes=[1], keepdims=0)], {"x": F((2, 4, 3))}),
+    # every axis to a scalar: the scalar gradient broadcasts, no Unsqueeze
+    Case("ReduceMax_all", ("", "ReduceMax"), [N("ReduceMax", ["x"], keepdims=0)], {"x": F((2, 4))}),
+    Case("ReduceL2_all", ("", "ReduceL2"), [N("ReduceL2", ["x"], keepdims=0)], {"x": F((2, 3))}),
     Case("ReduceMin", ("", "ReduceMin"), [N("ReduceMin", ["x"], axes=[0])], {"x": F((3, 2))}),
     Case("ReduceSumSquare", ("", "ReduceSumSquare"), [N("ReduceSumSquare", ["x"], axes=[1])], {"x": F((2, 3))}),
     Case("ReduceL2", ("", "ReduceL2"), [N("ReduceL2", ["x"], axes=[1], keepdims=0)], {"x": F((2, 3))}),

@@ -215,7 +215,8 @@ ORT_FAILS = {
     # no gradient builder, or the builder raises
     "Softplus", "Softsign", "Elu", "Selu", "Celu", "ThresholdedRelu", "HardSigmoid", "HardSwish", "Mish", "PRelu",
     "Gelu_tanh", "Pow_both", "Mean_two", "Sum_three", "InstanceNormalization", "GroupNormalization_18",
-    "BatchNormalization_inference", "BatchNormalization_training", "ReduceMax", "ReduceMin", "ReduceSumSquare",
+    "BatchNormalization_inference", "BatchNormalization_training", "ReduceMax", "ReduceMax_all", "ReduceMin",
+    "ReduceSumSquare", "ReduceL2_all",
     "ReduceL2", "CumSum", "CumSum_exclusive_reverse", "GlobalMaxPool", "Einsum", "Dropout_inference", "Mul_empty",
     "Mul_same_input", "MatMul_vector_left", "MatMul_vector_right", "MatMul_vectors", "FusedMatMul",
     "LayerNormalization", "LayerNormalization_axis1_outputs",
@@ -287,3 +288,15 @@ def test_pointwise_conv_weight_gradient_is_one_einsum(name, einsum):
     ops = [n.op_type for n in grad_model.graph.node if n.name not in forward]
     assert ("Einsum" in ops) == einsum
     assert ("Transpose" not in ops) == einsum
+
+
+@pytest.mark.parametrize("name, unsqueeze", [("ReduceSum_all", False), ("ReduceMax_all", False),
+                                             ("ReduceSum", True), ("ReduceL2", True)])
+def test_a_reduction_to_a_scalar_needs_no_unsqueeze(name, unsqueeze):
+    from autodiff_cases import case_named
+
+    model, _, wrt = with_loss(case_named(name), np.float32)
+    grad_model, _ = backward(model, LOSS, wrt)
+    scope = f"{model.graph.node[0].name or model.graph.node[0].output[0]}_Grad/"
+    ops = [n.op_type for n in grad_model.graph.node if n.name.startswith(scope)]
+    assert ops and ("Unsqueeze" in ops) == unsqueeze
