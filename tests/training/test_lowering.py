@@ -397,3 +397,32 @@ def test_a_lone_accumulator_or_another_flag_is_lowered_on_its_own():
         check_lowered(lowered)
         ops = [n.op_type for n in lowered.graph.node]
         assert ops.count("If") == ifs and ops.count("Where") == 1
+
+
+@pytest.mark.parametrize("reset", [True, False])
+def test_an_unscale_read_by_its_accumulator_alone_moves_into_the_if(reset):
+    """value = raw * scale, read by the accumulator only: multiplied inside the If's branches; a
+    product read elsewhere too stays where it was."""
+    model = _accumulators(3)
+    graph = model.graph
+    for i in range(3):
+        graph.node.insert(0, helper.make_node("Mul", [f"raw{i}", "scale"], [f"value{i}"]))
+        graph.input.append(helper.make_tensor_value_info(f"raw{i}", TensorProto.FLOAT, [3, i + 1]))
+    graph.input.append(helper.make_tensor_value_info("scale", TensorProto.FLOAT, []))
+    kept = [v for v in graph.input if not v.name.startswith("value")]
+    graph.ClearField("input")
+    graph.input.extend(kept)
+    graph.output.append(helper.make_tensor_value_info("value2", TensorProto.FLOAT, [3, 3]))  # read elsewhere
+    lowered = lower_model(model)
+    check_lowered(lowered)
+    onnx.checker.check_model(lowered, full_check=True)
+    top = [n.op_type for n in lowered.graph.node]
+    assert top.count("Mul") == 1 and top.count("If") == 1
+    rng = np.random.default_rng(0)
+    feeds = {v.name: rng.normal(size=[d.dim_value for d in v.type.tensor_type.shape.dim]).astype(np.float32)
+             for v in model.graph.input if v.name != "flag"}
+    feeds["flag"] = np.array([reset])
+    got = _session(lowered).run([f"out{i}" for i in range(3)], feeds)
+    for i, value in enumerate(got):
+        product = feeds[f"raw{i}"] * feeds["scale"]
+        _close(product if reset else feeds[f"buffer{i}"] + product, value, what=f"out{i}")

@@ -62,16 +62,18 @@ def add_loss_scaling(training: onnx.ModelProto, proven: Iterable[str] = ()) -> N
         helper.make_node("Reciprocal", [LOSS_SCALE], [inverse], name=names("onnxmp/Reciprocal")),
         helper.make_node("Mul", [inverse, GRAD_WEIGHT], [unscale], name=names("onnxmp/Mul_grad_weight")),
     ]
-    sums = []
+    sums, raw_sums = [], []
     for acc in accumulators:
         grad, buffer = acc.input[1], acc.input[0]
-        if grad in proven:  # its shape is the buffer's by construction: no runtime check
-            unscaled = names(f"{grad}.unscaled")
-            added.append(helper.make_node("Mul", [grad, unscale], [unscaled], name=names(f"onnxmp/unscale/{grad}")))
-            total = names(f"{grad}.unscaled.sum")
-            added.append(helper.make_node("ReduceSum", [unscaled], [total], keepdims=0,
-                                          name=names(f"onnxmp/ReduceSum/{grad}")))
-            sums.append(total)
+        if grad in proven:
+            # Its shape is the buffer's by construction: no runtime check.  The finite check sums the
+            # gradient before the unscale (the sum of sums is unscaled once, below), so that the
+            # unscale's Mul is read by the accumulator alone: the lowering computes it inside the
+            # accumulators' If, where it writes the new buffer directly on a reset step.
+            unscaled, total = names(f"{grad}.unscaled"), names(f"{grad}.sum")
+            added += [helper.make_node("ReduceSum", [grad], [total], keepdims=0, name=names(f"onnxmp/ReduceSum/{grad}")),
+                      helper.make_node("Mul", [grad, unscale], [unscaled], name=names(f"onnxmp/unscale/{grad}"))]
+            raw_sums.append(total)
             acc.input[1] = unscaled
             continue
         scaled = names(f"{grad}.unscaled_any_shape")
@@ -91,6 +93,11 @@ def add_loss_scaling(training: onnx.ModelProto, proven: Iterable[str] = ()) -> N
     # A sum of sums is non-finite iff some element is (or the sum overflows
     # float32, which also deserves a skipped step).
     grad_sum, is_inf, is_nan, bad = (names(f"onnxmp/{n}") for n in ("grad_sum", "is_inf", "is_nan", "non_finite"))
+    if raw_sums:
+        raw, raw_unscaled = names("onnxmp/raw_grad_sum"), names("onnxmp/raw_grad_sum_unscaled")
+        added += [helper.make_node("Sum", raw_sums, [raw], name=names("onnxmp/Sum_raw")),
+                  helper.make_node("Mul", [raw, unscale], [raw_unscaled], name=names("onnxmp/Mul_raw_sum"))]
+        sums.append(raw_unscaled)
     added += [
         helper.make_node("Sum", sums, [grad_sum], name=names("onnxmp/Sum")),
         helper.make_node("IsInf", [grad_sum], [is_inf], name=names("onnxmp/IsInf")),

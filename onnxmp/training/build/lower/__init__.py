@@ -94,19 +94,21 @@ def lower_model(model: onnx.ModelProto) -> onnx.ModelProto:
     for graph in list(iter_proto_graphs(lowered.graph)):
         nodes: list[onnx.NodeProto] = []
         changed = False
-        batch = nn.accumulator_batch(graph)
+        batch, scaled = nn.accumulator_batch(graph)
         batched = {id(n) for n in batch}
         for node in graph.node:
-            if standard(node) or kept(node.domain, node.op_type, versions.get(node.domain, 1)):
-                nodes.append(node)
-                continue
             if id(node) in batched:
                 if node is batch[-1]:  # where every gradient the batch reads exists
                     emit = Emit(names, node, types, declared)
-                    nn.in_place_accumulators(emit, batch)
+                    nn.in_place_accumulators(emit, batch, scaled)
+                    moved = {id(n) for n in scaled.values()}  # the Muls now inside the If
+                    nodes = [n for n in nodes if id(n) not in moved]
                     nodes.extend(emit.nodes)
                     retyped.update(emit.retyped)
                     changed = True
+                continue
+            if standard(node) or kept(node.domain, node.op_type, versions.get(node.domain, 1)):
+                nodes.append(node)
                 continue
             rule = LOWERINGS.get(node.op_type) if node.domain in (MS_DOMAIN, *ONNX_DOMAINS) else None
             if rule is None:
