@@ -85,3 +85,14 @@ def test_only_onnxmp_builder_gets_the_fused_gelu():
     assert [p.op_type for p in done] == ["Gelu"] and ours.graph.node[-1].domain == "com.microsoft"
     theirs, done = prepare_for_gradient(model, ["W"])
     assert "Gelu" not in {p.op_type for p in done} and "Erf" in [n.op_type for n in theirs.graph.node]
+
+
+def test_a_low_precision_build_keeps_the_forward_its_coloring_reads():
+    """float16/bfloat16: GELU stays as exported and the runtime-broadcast reads are made for
+    onnxmp's builder too (they move where the conversion casts), so both builders train one forward."""
+    model = _model(ERF)
+    model.graph.input[0].type.tensor_type.shape.dim[0].dim_param = "N"
+    low, done = prepare_for_gradient(model, ["W", "c_half"], ort_builder=False, low_precision=True)
+    theirs, want = prepare_for_gradient(model, ["W", "c_half"])
+    assert "Gelu" not in {p.op_type for p in done} and "Erf" in [n.op_type for n in low.graph.node]
+    assert want and sorted((p.op_type, p.action) for p in done) == sorted((p.op_type, p.action) for p in want)

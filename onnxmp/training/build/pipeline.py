@@ -138,8 +138,8 @@ class Prepare(PassBase[TrainingBuild]):
     name = "prepare"
 
     def call(self, state: TrainingBuild) -> PassResult:
-        state.prepared, state.preparations = prepare_for_gradient(state.trainable, state.requires_grad,
-                                                                   ort_builder=state.native)
+        state.prepared, state.preparations = prepare_for_gradient(
+            state.trainable, state.requires_grad, ort_builder=state.native, low_precision=state.precision != "float32")
         return PassResult(bool(state.preparations), {"rewritten": len(state.preparations)})
 
 
