@@ -20,8 +20,12 @@ build, where both builders exist):
 - step time: the median seconds per micro-step (an update every step) of onnxmp's builder on the
   portable engine, ORT's builder on the native engine and PyTorch (``--torch-python``:
   scripts/torch_step_time.py), on 1 and 2 intra-op threads.  Each runs in its own process, the
-  three in turn, so that each one's peak RSS is its own; ratios, not timed tests;
-- ``RSS``: each process's peak resident set (MiB), loading and stepping included.
+  three in turn, so that each one's peak RSS is its own; ``--repeat N`` runs each N times and keeps
+  the median, ``--alternate`` swaps the builders' order every round (the machine's load drifts);
+  ratios, not timed tests;
+- ``RSS``: each process's peak resident set (MiB), loading and stepping included;
+- ``bodies``: onnxmp's node count with the nodes of its If bodies (the accumulators' branches)
+  counted too, the honest comparison with ORT's one InPlaceAccumulatorV2 per parameter.
 """
 from __future__ import annotations
 
@@ -182,7 +186,7 @@ def bench_builders(args) -> int:
     print(f"{args.optimizer}, float32 steps on the CPU (median of {args.steps} after {args.warmup} of warm-up, an "
           f"update every step, one process per variant, in turn); nodes after onnxruntime's optimizations "
           f"(the engines' session options); int64: the CUDA float16 graph after basic optimizations")
-    head = (f"{'export':<22}{'nodes ort':>10}{'lowered':>8}{'onnxmp':>8}{'ratio':>7}{'int64 before':>13}{'after':>7}"
+    head = (f"{'export':<22}{'nodes ort':>10}{'lowered':>8}{'onnxmp':>8}{'bodies':>7}{'ratio':>7}{'int64 before':>13}{'after':>7}"
             + "".join(f"{f'ms ort/{t}':>11}{f'onnxmp/{t}':>10}{f'torch/{t}':>9}{f'o/ort':>7}{f'o/torch':>8}"
                       for t in THREADS)
             + f"{'RSS MiB ort':>12}{'onnxmp':>8}{'torch':>7}{'max rel loss':>14}{'build s ort':>12}{'onnxmp':>8}")
@@ -205,6 +209,7 @@ def bench_builders(args) -> int:
                 row["nodes_ort"] = len(ort_graph.graph.node) if ort_graph is not None else None
                 row["nodes_ort_lowered"] = len(lowered.graph.node) if lowered is not None else None
                 row["nodes_onnxmp"] = len(ours_graph.graph.node) if ours_graph is not None else None
+                row["nodes_onnxmp_bodies"] = all_nodes(ours_graph) if ours_graph is not None else None
                 for builder, when in (("ort", "before"), ("onnxmp", "after")):
                     cuda, _ = build(key, builder, "float16", "cuda", args.optimizer, tmp / f"{key}.{builder}.cuda")
                     row[f"int64_{when}"], row[f"int64_{when}_raw"] = cuda_int64(cuda, tmp / f"{builder}-cuda")
@@ -214,20 +219,37 @@ def bench_builders(args) -> int:
                 rows[key] = {**row, "refused": str(exc).splitlines()[0]}
                 continue
             for threads in THREADS:
-                for _ in range(args.repeat):  # alternating, the best of each: the machine's load moves all alike
-                    runs = {"ort": _run_child(cpu["ort"].directory, "native", key, threads, args),
-                            "onnxmp": _run_child(cpu["onnxmp"].directory, "portable", key, threads, args),
-                            "torch": _run_torch(key, threads, args)}
-                    for variant, run in runs.items():
-                        best = row.setdefault(f"{variant}_{threads}", run)
-                        if "seconds" in run and run["seconds"] < best.get("seconds", float("inf")):
-                            row[f"{variant}_{threads}"] = run
+                samples: dict[str, list] = {"ort": [], "onnxmp": [], "torch": []}
+                for round_ in range(args.repeat):  # in turn: the machine's load moves all alike
+                    order = ["ort", "onnxmp"] if not (args.alternate and round_ % 2) else ["onnxmp", "ort"]
+                    for variant in [*order, "torch"]:
+                        samples[variant].append(
+                            _run_torch(key, threads, args) if variant == "torch" else
+                            _run_child(cpu[variant].directory, "native" if variant == "ort" else "portable", key,
+                                       threads, args))
+                for variant, runs in samples.items():
+                    row[f"{variant}_{threads}"] = _median(runs)
             rows[key] = row
             print(_line(key, row), flush=True)
     if args.json:
         write_text_atomic(args.json, json.dumps({"steps": args.steps, "optimizer": args.optimizer, "rows": rows},
                                                 indent=2) + "\n")
     return 0
+
+
+def all_nodes(model) -> int:
+    """Nodes of ``model``'s graph and of every subgraph (If/Loop/Scan bodies)."""
+    from onnxmp.subgraphs import iter_proto_graphs
+
+    return sum(len(g.node) for g in iter_proto_graphs(model.graph))
+
+
+def _median(runs: list[dict]) -> dict:
+    """The run of median step time among ``runs`` (an error where none ran); ``samples`` lists them all."""
+    timed = sorted((r for r in runs if "seconds" in r), key=lambda r: r["seconds"])
+    if not timed:
+        return runs[0]
+    return {**timed[(len(timed) - 1) // 2], "samples": [r["seconds"] for r in timed]}
 
 
 def _line(key: str, row: dict) -> str:
@@ -242,6 +264,7 @@ def _line(key: str, row: dict) -> str:
         return "-" if value is None else f"{value}{' raw' if row.get(name + '_raw') else ''}"
 
     nodes = (f"{count('nodes_ort'):>10}{count('nodes_ort_lowered'):>8}{count('nodes_onnxmp'):>8}"
+             f"{count('nodes_onnxmp_bodies'):>7}"
              f"{(row['nodes_onnxmp'] / row['nodes_ort']) if row.get('nodes_ort') and row.get('nodes_onnxmp') else 0:>7.2f}")
     text = (f"{key:<22}{nodes}{count('int64_before'):>13}{count('int64_after'):>7}{count('copies_before'):>7}"
             f"{count('copies_after'):>6}{count('feed_before'):>5}{count('feed_after'):>6}")

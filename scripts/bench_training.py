@@ -180,7 +180,9 @@ def main(argv=None) -> int:
                         help="with --engines: an interpreter with torch and transformers (e.g. "
                              "/work/scratch/torchenv/bin/python) that times PyTorch on the same models and batches")
     parser.add_argument("--repeat", type=int, default=1,
-                        help="with --builders: runs of each variant, in turn; the fastest counts (default 1)")
+                        help="with --builders: runs of each variant, in turn; the median counts (default 1)")
+    parser.add_argument("--alternate", action="store_true",
+                        help="with --builders: swap the builders' order every round (with --repeat)")
     parser.add_argument("--json", type=Path, help="write the figures here")
     args = parser.parse_args(argv)
     guard_arguments(parser, {"--json": args.json})

@@ -42,8 +42,9 @@ FLOOR = 1e-3
 TOLERANCE = {"float32": 1e-5, "float16": 2 * 2.0**-10, "bfloat16": 2 * 2.0**-7}
 
 
-def forward_of(entry: str, precision: str, target: str = "cpu"):
-    """(training forward, requires_grad, frozen) as the build's load/prepare/convert stages make them."""
+def forward_of(entry: str, precision: str, target: str = "cpu", builder: str = "ort"):
+    """(training forward, requires_grad, frozen) as the build's load/prepare/convert stages make them
+    for ``builder`` (the prepare stage skips the rewrites only ORT's builder needs for onnxmp's)."""
     from onnxmp.training.build.pipeline import Convert, Load, Prepare, TrainingBuild
     from onnxmp.training.optimizer_settings import optimizer_named
     from onnxmp.training.build.prepare import without_gradient
@@ -53,7 +54,7 @@ def forward_of(entry: str, precision: str, target: str = "cpu"):
     frozen = without_gradient(model, names)
     requires_grad = [n for n in names if n not in frozen]
     state = TrainingBuild(model, requires_grad, list(frozen), "cross_entropy", None, optimizer_named("adamw"),
-                          precision, target, Path("unused"))
+                          precision, target, Path("unused"), builder)
     for stage in (Load, Prepare, Convert):
         stage().call(state)
     return state.train_forward, requires_grad, list(frozen)
@@ -67,7 +68,8 @@ def both(entry: str, precision: str, ours: bool = True):
     forward, requires_grad, frozen = forward_of(entry, precision)
     started = time.perf_counter()
     if ours:
-        ours = autodiff.gradient_graph(forward, table_loss("cross_entropy"), "labels", requires_grad, frozen)
+        own, _, _ = forward_of(entry, precision, builder="onnxmp")
+        ours = autodiff.gradient_graph(own, table_loss("cross_entropy"), "labels", requires_grad, frozen)
     seconds = time.perf_counter() - started
     theirs = ort_gradient_graph(forward, table_loss("cross_entropy"), "labels", requires_grad, frozen)
     return forward, requires_grad, ours, theirs, seconds
@@ -198,15 +200,15 @@ def cuda_check(entry: str, precision: str) -> str:
     from onnxmp.training.build.device_values import keep_on_device
     from onnxmp.training.build.graph_check import check_graph
     from onnxmp.training.build.placement import place
-    from onnxmp.training.build.unscale import add_loss_scaling
+    from onnxmp.training.build.unscale import add_loss_scaling, proven_gradients
     from onnxmp.training.build.lower import lower_model
     from onnxmp.training.losses import table_loss
 
-    forward, requires_grad, frozen = forward_of(entry, precision, "cuda")
+    forward, requires_grad, frozen = forward_of(entry, precision, "cuda", builder="onnxmp")
     reports: list = []
     training, _, _ = autodiff.gradient_graph(forward, table_loss("cross_entropy"), "labels",
                                              requires_grad, frozen, reports=reports, target="cuda")
-    add_loss_scaling(training)
+    add_loss_scaling(training, proven_gradients(training))
     lowered = lower_model(training)
     keep_on_device(lowered)  # the build's device_values stage
     verdict = check_graph(lowered, "cuda")

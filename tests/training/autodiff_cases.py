@@ -270,6 +270,9 @@ CASES: list[Case] = [
     Case("ReduceMean_opset18", ("", "ReduceMean"), [N("ReduceMean", ["x", "a"], keepdims=0)],
          {"x": F((2, 3, 4), ("N", "S", 4)), "a": I([1])}, opset=18),
     Case("ReduceMax", ("", "ReduceMax"), [N("ReduceMax", ["x"], axes=[1], keepdims=0)], {"x": F((2, 4, 3))}),
+    # every axis to a scalar: the scalar gradient broadcasts, no Unsqueeze
+    Case("ReduceMax_all", ("", "ReduceMax"), [N("ReduceMax", ["x"], keepdims=0)], {"x": F((2, 4))}),
+    Case("ReduceL2_all", ("", "ReduceL2"), [N("ReduceL2", ["x"], keepdims=0)], {"x": F((2, 3))}),
     Case("ReduceMin", ("", "ReduceMin"), [N("ReduceMin", ["x"], axes=[0])], {"x": F((3, 2))}),
     Case("ReduceSumSquare", ("", "ReduceSumSquare"), [N("ReduceSumSquare", ["x"], axes=[1])], {"x": F((2, 3))}),
     Case("ReduceL2", ("", "ReduceL2"), [N("ReduceL2", ["x"], axes=[1], keepdims=0)], {"x": F((2, 3))}),
@@ -294,6 +297,13 @@ CASES: list[Case] = [
          {"x": F((2, 4, 5, 4)), "w": F((6, 2, 3, 2))}),
     Case("Conv_depthwise", ("", "Conv"), [N("Conv", ["x", "w"], group=3, pads=[1, 1, 1, 1], strides=[2, 2])],
          {"x": F((2, 3, 5, 5), ("N", 3, 5, 5)), "w": F((6, 1, 3, 3))}),
+    # 1x1 without pads: the weight gradient is one Einsum (strided: of a strided Slice of X)
+    Case("Conv_1x1", ("", "Conv"), [N("Conv", ["x", "w", "b"])],
+         {"x": F((2, 3, 4, 5), ("N", 3, "H", "W")), "w": F((4, 3, 1, 1)), "b": F((4,))}),
+    Case("Conv_1x1_strided", ("", "Conv"), [N("Conv", ["x", "w"], strides=[2, 2])],
+         {"x": F((2, 3, 5, 4), ("N", 3, 5, 4)), "w": F((4, 3, 1, 1))}),
+    Case("Conv_1x1_padded", ("", "Conv"), [N("Conv", ["x", "w"], pads=[1, 0, 1, 0], strides=[2, 1])],
+         {"x": F((2, 3, 5, 4)), "w": F((4, 3, 1, 1))}),
     Case("Conv_1d_same", ("", "Conv"), [N("Conv", ["x", "w"], auto_pad="SAME_UPPER", strides=[2])],
          {"x": F((2, 2, 7)), "w": F((3, 2, 4))}),
     Case("ConvTranspose_grouped", ("", "ConvTranspose"),

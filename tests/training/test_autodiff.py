@@ -358,3 +358,49 @@ def test_a_custom_loss_must_declare_its_label():
     # named by the function's name (not "LossWriter", the wrapper that checks it)
     with pytest.raises(OnnxMPError, match="loss block forgetful did not declare its label input"):
         gradient_graph(model, forgetful, "labels", _trainable(model), [])
+
+
+def test_proven_gradient_shapes_skip_the_runtime_shape_check():
+    """onnxmp's gradients have their parameters' shapes, which the symbolic shapes prove: the
+    unscale reads no runtime Shape/Reshape for them.  A gradient whose shape the graph does not
+    tell keeps the check (the Reshape that fails cleanly instead of writing past the buffer)."""
+    from onnxmp.training.build.unscale import add_loss_scaling, proven_gradients
+    from onnxmp.training.contract import GRAD_SHAPE
+
+    model = _mlp()
+    names = _trainable(model)
+    training, _, _ = gradient_graph(model, table_loss("cross_entropy"), "labels", names, [])
+    proven = proven_gradients(training)
+    assert proven == {f"{n}_grad" for n in names}
+
+    # A gradient read through an op of unknown shape (a domain onnx does not know) stays checked.
+    first = f"{names[0]}_grad"
+    unknown = onnx.ModelProto()
+    unknown.CopyFrom(training)
+    nodes = list(unknown.graph.node)
+    at = next(i for i, n in enumerate(nodes) if first in n.output)
+    nodes[at].output[list(nodes[at].output).index(first)] = "hidden"
+    nodes.insert(at + 1, helper.make_node("Opaque", ["hidden"], [first], domain="example.unknown"))
+    unknown.graph.ClearField("node")
+    unknown.graph.node.extend(nodes)
+    unknown.opset_import.append(helper.make_opsetid("example.unknown", 1))
+    assert proven_gradients(unknown) == proven - {first}
+
+    checked = onnx.ModelProto()
+    checked.CopyFrom(training)
+    add_loss_scaling(checked)
+    add_loss_scaling(training, proven)
+    shape_checks = [n for n in checked.graph.node if n.name.startswith(GRAD_SHAPE)]
+    assert len(shape_checks) == len(names)
+    assert not any(n.name.startswith(GRAD_SHAPE) or n.op_type == "Shape" and n.name.startswith("onnxmp/Shape/")
+                   for n in training.graph.node)
+    # the same accumulated gradients, checked or not (lowered: plain onnxruntime runs them)
+    from onnxmp.training.build.lower import lower_model
+
+    feeds = _feeds(training, gradient_graph(model, table_loss("cross_entropy"), "labels", names, [])[2])
+    feeds["grad_weight"] = np.array(0.5, np.float32)
+    outputs = [o.name for o in training.graph.output]
+    want = run(lower_model(checked), feeds, outputs)
+    got = run(lower_model(training), feeds, outputs)
+    for w, g in zip(want, got):
+        np.testing.assert_allclose(g, w)

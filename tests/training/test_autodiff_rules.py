@@ -215,7 +215,8 @@ ORT_FAILS = {
     # no gradient builder, or the builder raises
     "Softplus", "Softsign", "Elu", "Selu", "Celu", "ThresholdedRelu", "HardSigmoid", "HardSwish", "Mish", "PRelu",
     "Gelu_tanh", "Pow_both", "Mean_two", "Sum_three", "InstanceNormalization", "GroupNormalization_18",
-    "BatchNormalization_inference", "BatchNormalization_training", "ReduceMax", "ReduceMin", "ReduceSumSquare",
+    "BatchNormalization_inference", "BatchNormalization_training", "ReduceMax", "ReduceMax_all", "ReduceMin",
+    "ReduceSumSquare", "ReduceL2_all",
     "ReduceL2", "CumSum", "CumSum_exclusive_reverse", "GlobalMaxPool", "Einsum", "Dropout_inference", "Mul_empty",
     "Mul_same_input", "MatMul_vector_left", "MatMul_vector_right", "MatMul_vectors", "FusedMatMul",
     "LayerNormalization", "LayerNormalization_axis1_outputs",
@@ -273,3 +274,29 @@ def _onnxmp_gradients(model: onnx.ModelProto, feeds: dict, wrt: list[str]) -> di
     session = ort.InferenceSession(grad_model.SerializeToString(), options, providers=["CPUExecutionProvider"])
     return dict(zip(wrt, session.run([f"{w}_grad" for w in wrt], feeds)))
 
+
+
+@pytest.mark.parametrize("name, einsum", [("Conv_1x1", True), ("Conv_1x1_strided", True),
+                                          ("Conv_1x1_padded", False), ("Conv", False)])
+def test_pointwise_conv_weight_gradient_is_one_einsum(name, einsum):
+    """A 1x1 Conv without pads: dW is one Einsum (no Transpose, no Conv); padded or wider: the Conv."""
+    from autodiff_cases import case_named
+
+    model, _, wrt = with_loss(case_named(name), np.float32)
+    grad_model, _ = backward(model, LOSS, wrt)
+    forward = {n.name for n in model.graph.node}
+    ops = [n.op_type for n in grad_model.graph.node if n.name not in forward]
+    assert ("Einsum" in ops) == einsum
+    assert ("Transpose" not in ops) == einsum
+
+
+@pytest.mark.parametrize("name, unsqueeze", [("ReduceSum_all", False), ("ReduceMax_all", False),
+                                             ("ReduceSum", True), ("ReduceL2", True)])
+def test_a_reduction_to_a_scalar_needs_no_unsqueeze(name, unsqueeze):
+    from autodiff_cases import case_named
+
+    model, _, wrt = with_loss(case_named(name), np.float32)
+    grad_model, _ = backward(model, LOSS, wrt)
+    scope = f"{model.graph.node[0].name or model.graph.node[0].output[0]}_Grad/"
+    ops = [n.op_type for n in grad_model.graph.node if n.name.startswith(scope)]
+    assert ops and ("Unsqueeze" in ops) == unsqueeze

@@ -356,3 +356,73 @@ def test_lowering_walks_subgraphs():
     want = _session(model).run(None, {"c": np.array(True), "dy": dy, "y": y})[0]
     got = _session(lowered).run(None, {"c": np.array(True), "dy": dy, "y": y})[0]
     _close(want, got)
+
+
+def _accumulators(count: int, second_flag: bool = False) -> onnx.ModelProto:
+    nodes, inputs, outputs = [], [], []
+    for i in range(count):
+        flag = "flag2" if second_flag and i == count - 1 else "flag"
+        nodes.append(helper.make_node("InPlaceAccumulatorV2", [f"buffer{i}", f"value{i}", flag], [f"out{i}"],
+                                      domain=MS))
+        inputs += [helper.make_tensor_value_info(f"buffer{i}", TensorProto.FLOAT, [3, i + 1]),
+                   helper.make_tensor_value_info(f"value{i}", TensorProto.FLOAT, [3, i + 1])]
+        outputs.append(helper.make_tensor_value_info(f"out{i}", TensorProto.BOOL, [1]))
+    inputs += [helper.make_tensor_value_info(f, TensorProto.BOOL, [1]) for f in ("flag", "flag2")[:1 + second_flag]]
+    graph = helper.make_graph(nodes, "accumulate", inputs, outputs)
+    return helper.make_model(graph, ir_version=8, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid(MS, 1)])
+
+
+@pytest.mark.parametrize("reset", [True, False])
+def test_accumulators_sharing_the_reset_flag_are_one_if(reset):
+    model = _accumulators(3)
+    lowered = lower_model(model)
+    check_lowered(lowered)
+    onnx.checker.check_model(lowered, full_check=True)
+    assert [n.op_type for n in lowered.graph.node].count("If") == 1
+    assert not {"Where", "Add"} & {n.op_type for n in lowered.graph.node}
+    rng = np.random.default_rng(0)
+    feeds = {v.name: rng.normal(size=(3, i // 2 + 1)).astype(np.float32)
+             for i, v in enumerate(model.graph.input) if v.name != "flag"}
+    feeds["flag"] = np.array([reset])
+    got = _session(lowered).run(None, feeds)
+    for i, value in enumerate(got):
+        want = feeds[f"value{i}"] if reset else feeds[f"buffer{i}"] + feeds[f"value{i}"]
+        _close(want, value, what=f"out{i}")
+        assert value.dtype == np.float32
+
+
+def test_a_lone_accumulator_or_another_flag_is_lowered_on_its_own():
+    for model, ifs in ((_accumulators(1), 0), (_accumulators(3, second_flag=True), 1)):
+        lowered = lower_model(model)
+        check_lowered(lowered)
+        ops = [n.op_type for n in lowered.graph.node]
+        assert ops.count("If") == ifs and ops.count("Where") == 1
+
+
+@pytest.mark.parametrize("reset", [True, False])
+def test_an_unscale_read_by_its_accumulator_alone_moves_into_the_if(reset):
+    """value = raw * scale, read by the accumulator only: multiplied inside the If's branches; a
+    product read elsewhere too stays where it was."""
+    model = _accumulators(3)
+    graph = model.graph
+    for i in range(3):
+        graph.node.insert(0, helper.make_node("Mul", [f"raw{i}", "scale"], [f"value{i}"]))
+        graph.input.append(helper.make_tensor_value_info(f"raw{i}", TensorProto.FLOAT, [3, i + 1]))
+    graph.input.append(helper.make_tensor_value_info("scale", TensorProto.FLOAT, []))
+    kept = [v for v in graph.input if not v.name.startswith("value")]
+    graph.ClearField("input")
+    graph.input.extend(kept)
+    graph.output.append(helper.make_tensor_value_info("value2", TensorProto.FLOAT, [3, 3]))  # read elsewhere
+    lowered = lower_model(model)
+    check_lowered(lowered)
+    onnx.checker.check_model(lowered, full_check=True)
+    top = [n.op_type for n in lowered.graph.node]
+    assert top.count("Mul") == 1 and top.count("If") == 1
+    rng = np.random.default_rng(0)
+    feeds = {v.name: rng.normal(size=[d.dim_value for d in v.type.tensor_type.shape.dim]).astype(np.float32)
+             for v in model.graph.input if v.name != "flag"}
+    feeds["flag"] = np.array([reset])
+    got = _session(lowered).run([f"out{i}" for i in range(3)], feeds)
+    for i, value in enumerate(got):
+        product = feeds[f"raw{i}"] * feeds["scale"]
+        _close(product if reset else feeds[f"buffer{i}"] + product, value, what=f"out{i}")

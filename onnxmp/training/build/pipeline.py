@@ -58,7 +58,7 @@ from onnxmp.training.build.load import (check_trainable_size, model_opset, ort_v
 from onnxmp.training.build.lower import check_lowered, lower_model
 from onnxmp.training.build.optimizer_graphs import build_optimizer_model, build_portable_optimizer
 from onnxmp.training.build.prepare import Preparation, describe, prepare_for_gradient
-from onnxmp.training.build.unscale import add_loss_scaling
+from onnxmp.training.build.unscale import add_loss_scaling, proven_gradients
 from onnxmp.training.contract import RESERVED
 from onnxmp.training.build.loss_forms import loss_writer
 from onnxmp.training.labels import check_output, output_shape
@@ -141,8 +141,8 @@ class Prepare(PassBase[TrainingBuild]):
     name = "prepare"
 
     def call(self, state: TrainingBuild) -> PassResult:
-        state.prepared, state.preparations = prepare_for_gradient(state.trainable, state.requires_grad,
-                                                                   ort_builder=state.native)
+        state.prepared, state.preparations = prepare_for_gradient(
+            state.trainable, state.requires_grad, ort_builder=state.native, low_precision=state.precision != "float32")
         return PassResult(bool(state.preparations), {"rewritten": len(state.preparations)})
 
 
@@ -183,8 +183,11 @@ class LossScale(PassBase[TrainingBuild]):
     name = "loss_scale"
 
     def call(self, state: TrainingBuild) -> PassResult:
-        add_loss_scaling(state.training)
-        return PassResult(True)
+        # onnxmp's gradients have the parameters' shapes by construction, which the symbolic shapes
+        # prove at build time; ORT's keep the runtime check (its Where/Pow gradients did not).
+        proven = proven_gradients(state.training) if state.builder == "onnxmp" else frozenset()
+        add_loss_scaling(state.training, proven)
+        return PassResult(True, {"proven_shapes": len(proven)})
 
 
 class Determinism(PassBase[TrainingBuild]):

@@ -50,6 +50,7 @@ from onnx import helper, numpy_helper
 from onnxmp.normalize import infer_tensor_types
 from onnxmp.domains import is_onnx_domain
 from onnxmp.errors import OnnxMPError
+from onnxmp.training.build.fuse import fuse_gelus
 from onnxmp.naming import FreshNames, proto_names
 from onnxmp.training.nodes import FLOATS, Rewrite, attribute
 
@@ -84,15 +85,28 @@ class Preparation:
     action: str
 
 
-def prepare_for_gradient(model: onnx.ModelProto, requires_grad: Iterable[str], *,
-                         ort_builder: bool = True) -> tuple[onnx.ModelProto, list[Preparation]]:
+def prepare_for_gradient(model: onnx.ModelProto, requires_grad: Iterable[str], *, ort_builder: bool = True,
+                         low_precision: bool = False) -> tuple[onnx.ModelProto, list[Preparation]]:
     """A copy of ``model`` that ORT 1.19 can differentiate, and the list of what changed.
 
     ``ort_builder=False`` (onnxmp's builder) skips the refusal of :data:`NO_GRADIENT` ops: onnxmp's
     builder has rules for several of them (ReduceMax, Einsum, CumSum...) and names the op it lacks
-    itself, at build time."""
+    itself, at build time.  It also skips the rewrites that exist only for ORT's builder
+    (:data:`ORT_ONLY`): onnxmp's has a rule for each such op, and decides broadcasts from the
+    symbolic shapes itself, so they would only add nodes to its graph.  Instead, the exported GELU
+    subgraphs become one com.microsoft Gelu/FastGelu each (:func:`~onnxmp.training.build.fuse.fuse_gelus`).
+
+    ``low_precision`` (a float16/bfloat16 build, whose ``convert`` stage colors this graph): the
+    rewrites that change what the AMP coloring runs in float32 (:data:`COLORING`) are made for
+    onnxmp's builder too, and GELU is not fused, so that both builders train the same
+    mixed-precision forward (measured: skipping them made onnxmp's float16 gradients of BERT up to
+    2.4x further from the float32 ones than ORT's)."""
     requires_grad = list(requires_grad)
-    result, done = _rewritten(model, requires_grad)
+    skipped = frozenset() if ort_builder else ORT_ONLY - COLORING if low_precision else ORT_ONLY
+    result, done = _rewritten(model, requires_grad, skipped=skipped)
+    if not ort_builder and not low_precision:
+        done += [Preparation(op_type, name, "fused from the exported GELU subgraph (one kernel, one gradient rule)")
+                 for op_type, name in fuse_gelus(result, requires_grad)]
     if ort_builder:
         _check_differentiable(result, requires_grad, infer_tensor_types(result))
     counts = Counter(p.op_type for p in done)
@@ -102,8 +116,9 @@ def prepare_for_gradient(model: onnx.ModelProto, requires_grad: Iterable[str], *
     return result, done
 
 
-def _rewritten(model: onnx.ModelProto, requires_grad: list[str]) -> tuple[onnx.ModelProto, list[Preparation]]:
-    """The rewrites of :func:`prepare_for_gradient`, without its checks."""
+def _rewritten(model: onnx.ModelProto, requires_grad: list[str], *,
+               skipped: frozenset[str] = frozenset()) -> tuple[onnx.ModelProto, list[Preparation]]:
+    """The rewrites of :func:`prepare_for_gradient` but those of the op types ``skipped``, without its checks."""
     result = onnx.ModelProto()
     result.CopyFrom(model)
     graph = result.graph
@@ -117,7 +132,7 @@ def _rewritten(model: onnx.ModelProto, requires_grad: list[str]) -> tuple[onnx.M
             nodes.append(node)
             continue
         rewrite = _REWRITES.get(node.op_type)
-        if rewrite is None:
+        if rewrite is None or node.op_type in skipped:
             nodes.append(node)
             continue
         replacement = rewrite(node, Rewrite.of(names, node, types, trainable), types)
@@ -412,6 +427,17 @@ _REWRITES: dict[str, Callable] = {
     # ORT sums these back over broadcast axes, but decides which from static shapes.
     **dict.fromkeys(("Add", "Sub", "Mul", "Div", "Max", "Min", "Expand"), _runtime_broadcast),
 }
+
+# The rewrites only ORT's builder needs: it lacks a gradient for these activations, reads the
+# optional outputs and attributes exporters leave out, and gets broadcasts wrong (Where, Pow, and
+# symbolic dims).  onnxmp's builder has a rule for each op (``autodiff.VJP_RULES``), adds the
+# outputs it reads itself (``Vjp.forward_output``) and sums broadcasts back from the symbolic
+# shapes: for it these rewrites only add nodes.  BatchNormalization's rewrite is not here: it keeps
+# an eval-mode export training as the function it computes, whichever builder differentiates it.
+ORT_ONLY = frozenset(_REWRITES) - {"BatchNormalization"}
+# Of those, the ones that change the AMP coloring of the graph: a trainable input read through
+# Reshape(x, Shape(x)) moves where the conversion casts it (parts of BERT's forward stay float32).
+COLORING = frozenset(("Add", "Sub", "Mul", "Div", "Max", "Min", "Expand"))
 
 
 # --- the differentiable path -----------------------------------------------------------

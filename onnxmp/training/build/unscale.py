@@ -9,6 +9,8 @@ from standard ONNX ops so it runs on the CPU (ORT has no CPU ``IsAllFinite``).
 """
 from __future__ import annotations
 
+from typing import Iterable
+
 import onnx
 from onnx import TensorProto, helper
 
@@ -18,13 +20,34 @@ from onnxmp.training.contract import (ALL_FINITE, GRAD_SHAPE, GRAD_WEIGHT, LOSS_
                                       is_accumulation_out)
 
 
-def add_loss_scaling(training: onnx.ModelProto) -> None:
-    """Unscale each gradient before its accumulator (checking it has the parameter's shape)
-    and add the ``all_finite`` output.
+def proven_gradients(training: onnx.ModelProto) -> frozenset[str]:
+    """The accumulated gradients of ``training`` whose shape the build proves equal to their
+    buffer's (the parameter's, static): by the symbolic shapes of onnxmp's gradient builder
+    (:class:`~onnxmp.training.build.autodiff.info.GraphInfo`), which reads every op it emits."""
+    from onnxmp.training.build.autodiff.info import GraphInfo
+
+    info = GraphInfo(training)
+    graph = training.graph
+    buffers = {v.name: v for v in graph.input}
+    proven = set()
+    for node in graph.node:
+        if node.op_type != "InPlaceAccumulatorV2" or node.input[0] not in buffers:
+            continue
+        dims = buffers[node.input[0]].type.tensor_type.shape.dim
+        want = tuple(d.dim_value if d.HasField("dim_value") else None for d in dims)
+        if None not in want and info.shape(node.input[1]) == want:
+            proven.add(node.input[1])
+    return frozenset(proven)
+
+
+def add_loss_scaling(training: onnx.ModelProto, proven: Iterable[str] = ()) -> None:
+    """Unscale each gradient before its accumulator (checking it has the parameter's shape,
+    unless ``proven`` names it: :func:`proven_gradients`) and add the ``all_finite`` output.
 
     The accumulators move to the end of the node list: they now read the
     unscaled gradients, which are computed after every gradient exists.
     """
+    proven = frozenset(proven)
     graph = training.graph
     names = FreshNames(proto_names(graph))
     accumulators = [n for n in graph.node if n.op_type == "InPlaceAccumulatorV2"]
@@ -39,9 +62,20 @@ def add_loss_scaling(training: onnx.ModelProto) -> None:
         helper.make_node("Reciprocal", [LOSS_SCALE], [inverse], name=names("onnxmp/Reciprocal")),
         helper.make_node("Mul", [inverse, GRAD_WEIGHT], [unscale], name=names("onnxmp/Mul_grad_weight")),
     ]
-    sums = []
+    sums, raw_sums = [], []
     for acc in accumulators:
         grad, buffer = acc.input[1], acc.input[0]
+        if grad in proven:
+            # Its shape is the buffer's by construction: no runtime check.  The finite check sums the
+            # gradient before the unscale (the sum of sums is unscaled once, below), so that the
+            # unscale's Mul is read by the accumulator alone: the lowering computes it inside the
+            # accumulators' If, where it writes the new buffer directly on a reset step.
+            unscaled, total = names(f"{grad}.unscaled"), names(f"{grad}.sum")
+            added += [helper.make_node("ReduceSum", [grad], [total], keepdims=0, name=names(f"onnxmp/ReduceSum/{grad}")),
+                      helper.make_node("Mul", [grad, unscale], [unscaled], name=names(f"onnxmp/unscale/{grad}"))]
+            raw_sums.append(total)
+            acc.input[1] = unscaled
+            continue
         scaled = names(f"{grad}.unscaled_any_shape")
         added.append(helper.make_node("Mul", [grad, unscale], [scaled], name=names(f"onnxmp/unscale/{grad}")))
         # InPlaceAccumulatorV2 does not check shapes: a gradient ORT did not sum back over a
@@ -59,6 +93,11 @@ def add_loss_scaling(training: onnx.ModelProto) -> None:
     # A sum of sums is non-finite iff some element is (or the sum overflows
     # float32, which also deserves a skipped step).
     grad_sum, is_inf, is_nan, bad = (names(f"onnxmp/{n}") for n in ("grad_sum", "is_inf", "is_nan", "non_finite"))
+    if raw_sums:
+        raw, raw_unscaled = names("onnxmp/raw_grad_sum"), names("onnxmp/raw_grad_sum_unscaled")
+        added += [helper.make_node("Sum", raw_sums, [raw], name=names("onnxmp/Sum_raw")),
+                  helper.make_node("Mul", [raw, unscale], [raw_unscaled], name=names("onnxmp/Mul_raw_sum"))]
+        sums.append(raw_unscaled)
     added += [
         helper.make_node("Sum", sums, [grad_sum], name=names("onnxmp/Sum")),
         helper.make_node("IsInf", [grad_sum], [is_inf], name=names("onnxmp/IsInf")),

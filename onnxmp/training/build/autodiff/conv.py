@@ -3,7 +3,7 @@
 Conv's input gradient is one ConvTranspose (its output_padding computed at build time when the
 spatial extents are static or the strides are 1); its weight gradient one Conv with the batch
 and channel axes swapped (strides and dilations exchanged), cropped to the kernel by a constant
-Slice.  MaxPool's gradient scatters into the forward's own Indices output (added when absent)."""
+Slice, or, for a 1x1 Conv without pads, one Einsum over the batch and positions.  MaxPool's gradient scatters into the forward's own Indices output (added when absent)."""
 from __future__ import annotations
 
 import math
@@ -85,6 +85,8 @@ def _weight_grad(c, x, w_shape, dy, kernel, strides, dilations, begin, end, grou
     n = len(kernel)
     swap = [1, 0, *range(2, 2 + n)]
     cout, cin_group = w_shape[0], w_shape[1]
+    if group == 1 and like is None and all(k == 1 for k in kernel) and not any(begin + end):
+        return _pointwise_weight_grad(c, x, w_shape, dy, strides)
     end = _unused_end(c, x_like, kernel, strides, dilations, begin, end)
     attrs = dict(strides=dilations, dilations=strides, pads=begin + end)
     if group == 1:
@@ -105,6 +107,20 @@ def _weight_grad(c, x, w_shape, dy, kernel, strides, dilations, begin, end, grou
     grad = c.op("Conv", xs, dys, group=group, **attrs)  # [cin_group, G*cout_group, *K']
     grad = _crop(c, grad, x_like, kernel, strides, dilations, begin, end)
     return c.transpose(grad, swap)
+
+
+def _pointwise_weight_grad(c: Vjp, x: str, w_shape, dy: str, strides: list[int]) -> str:
+    """A 1x1 Conv without pads is a matrix product over the channels at each (strided) position:
+    its weight gradient is one Einsum of dY with X (sampled at the strides by one Slice), summed
+    over the batch and positions, instead of the generic Conv between transposes."""
+    n = len(strides)
+    if any(s != 1 for s in strides):  # position i of Y reads X at i * stride
+        x = c.op("Slice", x, c.ints([0] * n), c.ints([INT64_MAX] * n), c.ints(list(range(2, 2 + n))),
+                 c.ints(list(strides)))
+    c.emit.needs_opset(12)
+    spatial = "xyz"[:n]
+    grad = c.op("Einsum", dy, x, equation=f"nk{spatial},nc{spatial}->kc")
+    return c.op("Reshape", grad, c.ints(list(w_shape)))
 
 
 def _regroup(c: Vjp, t: str, shape, group: int, per_group: int, n: int, kernel_layout: bool = False) -> str:

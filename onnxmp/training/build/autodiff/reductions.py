@@ -28,8 +28,11 @@ def _axes(c: Vjp, rank: int) -> list[int] | None:
 
 
 def _kept(c: Vjp, grad: str, axes: list[int]) -> str:
-    """The output's gradient with the reduced axes kept (as 1s)."""
-    return grad if c.attr("keepdims", 1) else c.unsqueeze(grad, axes)
+    """The output's gradient with the reduced axes kept (as 1s); a reduction of every axis to a
+    scalar needs no Unsqueeze: the scalar broadcasts against the input as the 1s would."""
+    if c.attr("keepdims", 1) or len(axes) == c.rank(c.x(0)):
+        return grad
+    return c.unsqueeze(grad, axes)
 
 
 def _expanded(c: Vjp, grad: str, x: str, axes: list[int]) -> str:

@@ -9,7 +9,9 @@ ops in the ai.onnx domain (MaxPoolGrad), where onnx defines no such op: those ar
 is an :class:`~onnxmp.errors.OnnxMPError` naming the op and node, at build time.
 
 ``InPlaceAccumulatorV2`` changes meaning (the portable contract, ``docs/training.md``): its
-output, ``<P>_grad.accumulation.out``, becomes the new buffer value instead of a bool flag.
+output, ``<P>_grad.accumulation.out``, becomes the new buffer value instead of a bool flag.  The
+accumulators sharing the graph's reset flag are lowered together, as one ``If`` on it
+(:func:`~onnxmp.training.build.lower.nn.in_place_accumulators`).
 Each lowering is proven equal to ORT's own kernel in ``tests/training/test_lowering.py`` and
 ``scripts/check_lowering.py``.
 """
@@ -92,7 +94,19 @@ def lower_model(model: onnx.ModelProto) -> onnx.ModelProto:
     for graph in list(iter_proto_graphs(lowered.graph)):
         nodes: list[onnx.NodeProto] = []
         changed = False
+        batch, scaled = nn.accumulator_batch(graph)
+        batched = {id(n) for n in batch}
         for node in graph.node:
+            if id(node) in batched:
+                if node is batch[-1]:  # where every gradient the batch reads exists
+                    emit = Emit(names, node, types, declared)
+                    nn.in_place_accumulators(emit, batch, scaled)
+                    moved = {id(n) for n in scaled.values()}  # the Muls now inside the If
+                    nodes = [n for n in nodes if id(n) not in moved]
+                    nodes.extend(emit.nodes)
+                    retyped.update(emit.retyped)
+                    changed = True
+                continue
             if standard(node) or kept(node.domain, node.op_type, versions.get(node.domain, 1)):
                 nodes.append(node)
                 continue

@@ -3,6 +3,7 @@
 InPlaceAccumulatorV2."""
 from __future__ import annotations
 
+import onnx
 from onnx import TensorProto, helper
 
 from onnxmp.errors import OnnxMPError
@@ -181,3 +182,74 @@ def in_place_accumulator_v2(e: Emit) -> None:
         e.op("Identity", [out], e.output(1))
         e.types[e.output(1)] = elem
         e.retyped[e.output(1)] = e.retyped[out]
+
+
+def accumulator_batch(graph: onnx.GraphProto) -> tuple[list[onnx.NodeProto], dict[str, onnx.NodeProto]]:
+    """The ``InPlaceAccumulatorV2`` nodes of ``graph`` that :func:`in_place_accumulators` lowers
+    together: those reading the most common reset flag, without the optional second output; none
+    when fewer than two do (each is then lowered on its own).  Also the float ``Mul`` nodes whose
+    output only such an accumulator reads (the unscale, ``unscale.add_loss_scaling``), by output:
+    they move into the ``If``'s branches."""
+    accumulators = [n for n in graph.node if n.op_type == "InPlaceAccumulatorV2" and len(n.input) > 2
+                    and n.input[2] and not (len(n.output) > 1 and n.output[1])]
+    flags = [n.input[2] for n in accumulators]
+    if not flags:
+        return [], {}
+    flag = max(set(flags), key=flags.count)
+    batch = [n for n in accumulators if n.input[2] == flag]
+    if len(batch) < 2:
+        return [], {}
+    readers: dict[str, int] = {}
+    for node in graph.node:
+        for name in set(node.input):
+            readers[name] = readers.get(name, 0) + 1
+    outputs = {o.name for o in graph.output}
+    values = {n.input[1] for n in batch}
+    scaled = {n.output[0]: n for n in graph.node if n.op_type == "Mul" and not n.domain and n.output[0] in values
+              and readers.get(n.output[0]) == 1 and n.output[0] not in outputs}
+    return batch, scaled
+
+
+def in_place_accumulators(e: Emit, batch: list[onnx.NodeProto], scaled: dict[str, onnx.NodeProto]) -> None:
+    """Every accumulator of ``batch`` (one reset flag) lowered as one ``If`` on the flag: its then
+    branch passes the new gradients through, its else branch adds them to the buffers.  A gradient
+    that is a ``Mul`` read by its accumulator alone (``scaled``: the unscale by
+    ``grad_weight / loss_scale``) is multiplied inside the branches.
+
+    The per-node lowering (:func:`in_place_accumulator_v2`) computes ``buffer + value`` for every
+    parameter and then picks by ``Where``: two passes over every gradient, and the sum thrown
+    away on a reset step.  The flag is one bool for the whole step, so one branch decides them all;
+    on a reset step (every step without accumulation) the unscale writes the new buffer directly.
+    ``e`` emits for the last node of the batch, where every gradient exists."""
+    then_nodes, else_nodes, then_out, else_out, outputs = [], [], [], [], []
+    for node in batch:
+        buffer, value, out = node.input[0], node.input[1], node.output[0]
+        elem = e.types.get(buffer) or e.dtype(buffer)
+        known = e.shapes.get(buffer)
+        declared = known if known is not None else helper.make_tensor_type_proto(elem, None)
+        passed, added = e.names(f"{out}/reset"), e.names(f"{out}/accumulated")
+        mul = scaled.get(value)
+        if mul is not None and e.dtype(value) == elem:
+            then_nodes.append(helper.make_node("Mul", list(mul.input), [passed], name=e.names(f"{out}/Mul")))
+            product = e.names(f"{out}/value")
+            else_nodes += [helper.make_node("Mul", list(mul.input), [product], name=e.names(f"{out}/Mul")),
+                           helper.make_node("Add", [buffer, product], [added], name=e.names(f"{out}/Add"))]
+        else:
+            if mul is not None:  # typed otherwise: the Mul stays where it was
+                scaled.pop(value)
+            if e.dtype(value) != elem:
+                value = e.cast(value, elem)
+            then_nodes.append(helper.make_node("Identity", [value], [passed], name=e.names(f"{out}/Identity")))
+            else_nodes.append(helper.make_node("Add", [buffer, value], [added], name=e.names(f"{out}/Add")))
+        for branch, name in ((then_out, passed), (else_out, added)):
+            info = onnx.ValueInfoProto(name=name)
+            info.type.CopyFrom(declared)
+            branch.append(info)
+        outputs.append(out)
+        e.types[out] = elem
+        e.retyped[out] = declared
+    flag = e.op("Reshape", [batch[0].input[2], e.ints([])])  # If reads a one-element bool tensor
+    then_branch = helper.make_graph(then_nodes, e.names("accumulators/reset"), [], then_out)
+    else_branch = helper.make_graph(else_nodes, e.names("accumulators/accumulate"), [], else_out)
+    e.nodes.append(helper.make_node("If", [flag], outputs, name=e.names("accumulators/If"),
+                                    then_branch=then_branch, else_branch=else_branch))

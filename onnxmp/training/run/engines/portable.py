@@ -5,7 +5,8 @@ Parameters, accumulation buffers and optimizer state live on the device as OrtVa
 whole run.  Each graph run binds them as inputs through I/O binding and writes their next values
 into a second set of OrtValues on the same device (an output may not alias an input of the same
 run), and the two sets swap afterwards: no state crosses to the host.  Only ``loss`` and
-``all_finite`` are bound to the CPU.
+``all_finite`` are bound to the CPU.  The state's bindings are made once per pairing of the two
+sets (at most four) and kept: a step rebinds only the batch and the reset flag.
 """
 from __future__ import annotations
 
@@ -57,12 +58,20 @@ class PortableEngine(Engine):
         # The second set of state buffers, each run's outputs; made at first use.
         self._spare_grads: dict | None = None
         self._spare_params: dict | None = None
+        # training bindings with the state bound, by which of the two sets is current (_bound_state)
+        self._bindings: dict[tuple[int, int], object] = {}
 
     # --- graphs ---------------------------------------------------------------------------
 
-    def train(self, feeds: Mapping[str, np.ndarray]) -> tuple[float, bool]:
+    def _bound_state(self):
+        """The training binding with the current parameters, buffers and next buffers bound (the
+        batch and the flag are bound per step): the two sets swap, so one binding per pairing."""
         if self._spare_grads is None:
             self._spare_grads = {p: runtime.empty_like(v, self._where) for p, v in self._grads.items()}
+        first = self.requires_grad[0]
+        key = (id(self._params[first]), id(self._grads[first]))
+        if key in self._bindings:
+            return self._bindings[key]
         binding = self._train_session.io_binding()
         buffers = {accumulation_buffer(p): p for p in self.requires_grad}
         for name in self._train_inputs:
@@ -70,22 +79,28 @@ class PortableEngine(Engine):
                 binding.bind_ortvalue_input(name, self._params[name])
             elif name in buffers:
                 binding.bind_ortvalue_input(name, self._grads[buffers[name]])
-            elif name == LAZY_RESET_GRAD:
-                binding.bind_cpu_input(name, np.array([self._reset]))
-            else:
-                binding.bind_cpu_input(name, feeds[name])
         outputs = {out: buffers[into] for into, out in self._grad_pairs.items()}
-        host = (LOSS, ALL_FINITE)
         for name in self._train_outputs:
             if name in outputs:
                 binding.bind_ortvalue_output(name, self._spare_grads[outputs[name]])
-            elif name in host:
+            elif name in (LOSS, ALL_FINITE):
                 binding.bind_output(name, "cpu")
             else:  # loss_scaled: nobody reads it, it stays where it was computed
                 binding.bind_output(name, *self._where)
+        self._bindings[key] = binding
+        return binding
+
+    def train(self, feeds: Mapping[str, np.ndarray]) -> tuple[float, bool]:
+        binding = self._bound_state()
+        state = set(self._params) | {accumulation_buffer(p) for p in self.requires_grad}
+        for name in self._train_inputs:
+            if name == LAZY_RESET_GRAD:
+                binding.bind_cpu_input(name, np.array([self._reset]))
+            elif name not in state:
+                binding.bind_cpu_input(name, feeds[name])
         self._train_session.run_with_iobinding(binding)
         produced = binding.get_outputs()  # in binding order: self._train_outputs'
-        values = {name: produced[i].numpy() for i, name in enumerate(self._train_outputs) if name in host}
+        values = {name: produced[i].numpy() for i, name in enumerate(self._train_outputs) if name in (LOSS, ALL_FINITE)}
         self._grads, self._spare_grads = self._spare_grads, self._grads
         self._reset = False
         return float(values[LOSS]), bool(values[ALL_FINITE])
