@@ -157,21 +157,3 @@ def test_the_driver_reports_the_release_and_the_written_model_meets_the_toleranc
     assert worst <= 5e-4 and worst == pytest.approx(cal.final.worst, rel=1e-3, abs=1e-7)
     text = "\n".join(cal.summary_lines())
     assert "release:" in text
-
-
-def test_a_stalled_bisection_takes_the_passing_prefix_after_three_rounds_and_real_culprits_do_not_stall():
-    from onnxmp.calibrate.search import STALL_ROUNDS, find_fp32_set
-
-    n = 400
-    order = [f"n{i}" for i in range(n)]
-    spread = lambda fp32: (n - len(fp32)) / 250  # noqa: E731  (every node adds a little: 150 must go)
-    plain, stalled = Oracle(spread, max_runs=10**6), Oracle(spread, max_runs=10**6)
-    find_fp32_set(order, plain, gallop=True)
-    found = find_fp32_set(order, stalled, gallop=True, stall=0.75)
-    assert stalled(c.node for c in found).passed
-    assert sum(c.score_with is not None for c in found) <= STALL_ROUNDS  # then the prefix
-    assert stalled.runs < 0.6 * plain.runs, (stalled.runs, plain.runs)
-    # Five real culprits spread over the ranking: each round moves the prefix far; all five are named.
-    guilty = {"n390", "n300", "n200", "n100", "n7"}
-    exact = Oracle(lambda fp32: 0.5 if guilty <= fp32 else 2.0, max_runs=10**6)
-    assert {c.node for c in find_fp32_set(order, exact, gallop=True, stall=0.75)} == guilty

@@ -39,7 +39,6 @@ from typing import Any
 log = logging.getLogger("onnxmp.search")
 
 RUNS_C = 5
-STALL_ROUNDS = 3  # rounds before ``stall`` may call the error spread
 
 
 def run_bound(candidates: int, culprits: int) -> float:
@@ -141,8 +140,7 @@ def segment_ranking(nodes: Sequence[str], oracle: Oracle, heavy: Callable[[str],
 
 
 def find_fp32_set(order: Sequence[str], oracle: Oracle, fixed: Iterable[str] = (),
-                  max_rounds: int | None = None, gallop: bool = False,
-                  stall: float | None = None) -> list[Culprit]:
+                  max_rounds: int | None = None, gallop: bool = False) -> list[Culprit]:
     """A small set of ``order``'s nodes whose return to float32 makes the candidate pass.
 
     ``fixed`` nodes are in float32 throughout.  After ``max_rounds`` rounds
@@ -150,10 +148,7 @@ def find_fp32_set(order: Sequence[str], oracle: Oracle, fixed: Iterable[str] = (
     nodes rather than held by a few culprits; bisecting node by node would cost
     ``log2 N`` runs per node, so the search returns the culprits found plus the
     smallest passing prefix of the ranking (the bisection invariant) instead,
-    keeping the runs at ``O(log2(N) ** 2)``.  With ``stall``, the prefix is taken
-    sooner: after ``STALL_ROUNDS`` rounds, when the smallest passing prefix is
-    still longer than ``stall`` times the first round's (each culprit named moved
-    it by a node or two: the error is spread).  Raises :class:`BudgetExhausted`
+    keeping the runs at ``O(log2(N) ** 2)``.  Raises :class:`BudgetExhausted`
     from the oracle; callers then fall back on ``oracle.best_passing``.
     """
     base = frozenset(fixed)
@@ -162,13 +157,10 @@ def find_fp32_set(order: Sequence[str], oracle: Oracle, fixed: Iterable[str] = (
     chosen: list[str] = []
     prefix: list[str] = []
     hi = len(order)
-    first_hi: int | None = None
     while not oracle(base | frozenset(chosen)).passed:
         if hi == 0:
             break  # nothing left to give (only when more float32 can hurt: not monotone)
-        stalled = (stall is not None and first_hi is not None and len(chosen) >= STALL_ROUNDS
-                   and hi > stall * first_hi)
-        if len(chosen) >= max_rounds or stalled:
+        if len(chosen) >= max_rounds:
             prefix = list(order[:hi])  # with ``chosen`` it passes: the bisection's invariant
             break
         lo = 0
@@ -188,7 +180,6 @@ def find_fp32_set(order: Sequence[str], oracle: Oracle, fixed: Iterable[str] = (
             else:
                 lo = mid
         chosen.append(order[hi - 1])
-        first_hi = hi if first_hi is None else first_hi
         hi -= 1
     # One-minimal: later finds (ranked higher) may make earlier ones redundant.
     result: list[Culprit] = []
