@@ -59,11 +59,6 @@ log = logging.getLogger("onnxmp.calibrate")
 
 MAX_CYCLES = 4            # search + confirm cycles before the all-float32 fallback
 MEASURE_EACH = 32         # a set this small gets each member's own measurement in the report
-# Culprits bisected one by one before the error counts as spread and the ranking's passing prefix is
-# taken (the release step then frees its Conv/MatMul/Gemm).  PP-OCRv4's recognizer: each round cost
-# about 15 runs and moved the passing prefix by a few nodes (311, 283, 280, 275, 270 ...), so the
-# default ceil(log2 N) + 1 = 11 rounds spent some 165 runs to name 11 nodes of a 270-node prefix.
-SPREAD_ROUNDS = 5
 
 
 # --- the loop ---------------------------------------------------------------------------
@@ -316,7 +311,7 @@ class _Calibration:
             # Hardest sample first (largest all-low error): a failing candidate usually fails on it.
             order_samples.sort(key=lambda i: -sample_error[i])
             order = attribution_ranking(board.nodes, added, lambda m: m in heavy)
-            culprits = find_fp32_set(order, oracle, max_rounds=SPREAD_ROUNDS, gallop=True)
+            culprits = find_fp32_set(order, oracle, gallop=True)
             found = [MovedNode(c.node, low[c.node].op, "measurement", c.score_with * tune_tol,
                                c.score_without * tune_tol) if c.score_with is not None else
                      MovedNode(c.node, low[c.node].op, "ranking prefix", None, c.score_without * tune_tol)
