@@ -8,6 +8,8 @@ One module per concern:
 * :mod:`~onnxmp.calibrate.attribution`: the error each node adds, and the ranking;
 * :mod:`~onnxmp.calibrate.search`: the bisection (the algorithm only) and its run bound;
 * :mod:`~onnxmp.calibrate.islands`: shaping the float32 set into cheap islands;
+* :mod:`~onnxmp.calibrate.release`: Conv/MatMul/Gemm back to low precision after landing, and the proof;
+* :mod:`~onnxmp.calibrate.colorings`: the candidates' colorings, from seeds computed once;
 * :mod:`~onnxmp.calibrate.session`: onnxruntime sessions and runs;
 * :mod:`~onnxmp.calibrate.records`: the report; :mod:`~onnxmp.calibrate.progress`: the bar.
 """

@@ -36,14 +36,15 @@ import numpy as np
 import onnx
 
 from onnxmp.calibrate.attribution import attribution_ranking, local_attribution
+from onnxmp.calibrate.colorings import Colorings
 from onnxmp.calibrate.islands import fewer_casts, spare_heavy
 from onnxmp.calibrate.progress import RunBar
 from onnxmp.calibrate.records import REASONS, CalibrationReport, CycleRecord, Measurement, MovedNode, SeededTensor
+from onnxmp.calibrate.release import release_heavy
 from onnxmp.calibrate.samples import _check_references, _fold_magnitudes, _probe, samples_from, split_holdout
 from onnxmp.calibrate.search import BudgetExhausted, Oracle, find_fp32_set
 from onnxmp.calibrate.session import cpu_session, run_samples
 from onnxmp.calibrate.switchboard import LowNode, Switchboard
-from onnxmp.color import color
 from onnxmp.external import discard_spilled
 from onnxmp.fusions import inside_fused_kernels
 from onnxmp.load import ModelLike, load
@@ -51,7 +52,7 @@ from onnxmp.normalize import normalize
 from onnxmp.options import DEFAULT_TOLERANCE, MAX_RUNS, Options
 from onnxmp.parity.metrics import MetricPlan, metric_plan
 from onnxmp.pipeline import ACCURACY_FALLBACK, Conversion, ConversionResult, Load, Normalize, convert_once
-from onnxmp.report import TENSOR_CORE_OPS, Report, vertex_rows
+from onnxmp.report import TENSOR_CORE_OPS, Report
 from onnxmp.subgraphs import proto_nodes
 
 log = logging.getLogger("onnxmp.calibrate")
@@ -150,9 +151,7 @@ class _Calibration:
         self.search_samples, self.search_refs = list(self.tune), list(self.ref_tune)
         self.runs = 0
         self.forced: dict[str, str] = {}
-        self._colorable = None  # (index, options) of convert's own load + normalize, for colorings alone
-        self._colorings: dict[frozenset[str], frozenset[str]] = {}  # forced set -> the nodes that end low
-        self.colorings_seconds = 0.0
+        self._colorings: Colorings | None = None  # candidates' colorings, on convert's own load + normalize
         self.report = CalibrationReport(
             tolerance=self.tolerance, metric=self.plan.describe(), threshold=calibration_threshold,
             samples=len(samples), tune_samples=len(self.tune), holdout_samples=len(self.held),
@@ -166,22 +165,14 @@ class _Calibration:
     def low_after(self, forced: Iterable[str]) -> frozenset[str]:
         """The nodes the written model computes in low precision when ``forced`` nodes are denied:
         the coloring stage alone, as :meth:`convert` runs it (same load, retarget and normalize), so
-        TF's propagation moves the same neighbours.  Cached by forced set."""
-        key = frozenset(forced)
-        if key not in self._colorings:
-            start = time.perf_counter()
-            if self._colorable is None:
-                state = Conversion(self.original, self.resolved)
-                Load().call(state)
-                Normalize().call(state)
-                self._colorable = state.normalized.index, state.resolved
-            index, options = self._colorable
-            coloring = color(index, options.replace(
-                magnitudes=self.magnitudes,
-                forced_deny={**options.forced_deny, **dict.fromkeys(key, ACCURACY_FALLBACK)}))
-            self._colorings[key] = frozenset(v.node for v in vertex_rows(coloring) if v.color == "allow")
-            self.colorings_seconds += time.perf_counter() - start
-        return self._colorings[key]
+        TF's propagation moves the same neighbours.  Cached by forced set, and every coloring starts
+        from the seeds computed once (:mod:`onnxmp.calibrate.colorings`)."""
+        if self._colorings is None:
+            state = Conversion(self.original, self.resolved)
+            Load().call(state)
+            Normalize().call(state)
+            self._colorings = Colorings(state.normalized.index, state.resolved.replace(magnitudes=self.magnitudes))
+        return self._colorings.low(forced)
 
     def written_off(self, board: Switchboard, fp32: Iterable[str]) -> frozenset[str]:
         """The switches a candidate turns off: not just its nodes but every node its written model
@@ -328,6 +319,7 @@ class _Calibration:
             names = [c.node for c in culprits]
             if oracle(names).passed:
                 found = self._islands(found, order, low, heavy, oracle, tune_tol)
+                found = self._release(found, order, low, heavy, oracle, tune_tol)
         except BudgetExhausted:
             self.report.budget_exhausted = True
             # The cheapest passing candidate seen (a bisection prefix always passes).
@@ -364,6 +356,16 @@ class _Calibration:
                 out.append(MovedNode(name, low[name].op, "measurement",
                                      oracle.score(set(grown) - {name}) * tune_tol, whole))
         return out
+
+    def _release(self, found: list[MovedNode], order: Sequence[str], low: Mapping[str, LowNode],
+                 heavy: frozenset[str], oracle: Oracle, tune_tol: float) -> list[MovedNode]:
+        """Conv/MatMul/Gemm of the landed set back to low precision where the tolerance allows, and the
+        proof for the rest (:mod:`onnxmp.calibrate.release`)."""
+        names = [m.node for m in found]
+        kept, record = release_heavy(names, heavy, order, oracle, {n: low[n].op for n in names}, tune_tol)
+        self.report.release = record
+        keep = set(kept)
+        return [m for m in found if m.node in keep]
 
     def _out_of_time(self) -> bool:
         return self.deadline is not None and time.perf_counter() > self.deadline
@@ -426,7 +428,7 @@ class _Calibration:
         rep.casts_final = _added_casts(self.original, result.model)
         if self._colorings:
             log.info("calibration: %d candidate coloring(s), %.1f s of %.1f s", len(self._colorings),
-                     self.colorings_seconds, rep.seconds)
+                     self._colorings.seconds, rep.seconds)
         result.report.calibration = rep
         return result
 

@@ -9,8 +9,9 @@ candidate pass.  Two refinements, each checked on the switchboard:
   exhaustively (every subset, fewest kept in float32 first, up to
   ``EXHAUSTIVE_HEAVY`` of them), so when the share cannot rise, the one found is
   the best achievable over the ranked candidates; more of them (a spread
-  error's passing prefix) are bisected instead.  The cheap part is then shrunk
-  again by the bisection.
+  error's passing prefix, a large island) are left to the release step
+  (:mod:`onnxmp.calibrate.release`).  The cheap part is then shrunk again by
+  the bisection.
 * :func:`fewer_casts`: a cheap node whose every low-precision neighbour is in
   float32 (an activation or a Reshape between two float32 nodes) costs a Cast
   on each side; it joins the float32 island when the candidate still passes.
@@ -26,7 +27,7 @@ import onnx
 from onnxmp.calibrate.search import Oracle, find_fp32_set
 from onnxmp.calibrate.switchboard import LowNode
 
-EXHAUSTIVE_HEAVY = 5  # 2 ** 5 - 1 candidates at most; more Conv/MatMul/Gemm members are bisected instead
+EXHAUSTIVE_HEAVY = 5  # 2 ** 5 - 1 candidates at most; more Conv/MatMul/Gemm members go to the release step
 
 
 @dataclass
@@ -57,12 +58,9 @@ def spare_heavy(found: Sequence[str], order: Sequence[str], heavy: frozenset[str
                     break
             if best is not None:
                 break
-    elif oracle(cheap | frozenset(members)).passed:
-        # Too many for every subset (a spread error's passing prefix): bisect the members, in ranking
-        # order, with every cheap candidate in fp32; the set found is one-minimal, not proven best.
-        best = tuple(c.node for c in find_fp32_set(members, oracle, fixed=cheap, gallop=True))
-        if len(best) >= len(members):
-            best = None
+    # More than EXHAUSTIVE_HEAVY (a spread error's passing prefix, a large island): not forced to fp32
+    # whole here, but handed to the release step (onnxmp.calibrate.release), which frees them one at a
+    # time on the set as it is and proves each one it keeps.
     check = HeavyCheck(len(members), len(members) if best is None else len(best), oracle.runs - before, exhaustive)
     if best is None:
         return None, check

@@ -4,6 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from onnxmp.calibrate.islands import HeavyCheck
+from onnxmp.calibrate.release import ReleaseRecord
 from onnxmp.report import head
 
 SUMMARY_ROWS = 10
@@ -94,6 +95,7 @@ class CalibrationReport:
     seconds: float = 0.0
     budget_exhausted: bool = False
     heavy_check: HeavyCheck | None = None  # the exhaustive pass over the set's Conv/MatMul/Gemm (last cycle)
+    release: ReleaseRecord | None = None  # the release step and its proof (last cycle)
     share_plain: float | None = None
     share_final: float | None = None
     share_all_plain: float | None = None  # low-precision share of every non-Constant node
@@ -137,9 +139,11 @@ class CalibrationReport:
             lines.append(f"  no search needed: {self.runs} emulated run(s), {self.seconds:.1f} s")
         if self.heavy_check is not None and self.heavy_check.members:
             c = self.heavy_check
-            how = "exhaustive over" if c.exhaustive else "bisected: too many for every subset of"
-            lines.append(f"  Conv/MatMul/Gemm the search needed in fp32: {c.kept_fp32} of the {c.members} its "
-                         f"bisection named ({how} them, {c.candidates_run} run(s))")
+            if c.exhaustive:
+                lines.append(f"  Conv/MatMul/Gemm the search needed in fp32: {c.kept_fp32} of the {c.members} its "
+                             f"bisection named (exhaustive over them, {c.candidates_run} run(s))")
+        if self.release is not None:
+            lines += self.release.summary_lines(precision, self.tolerance, SUMMARY_ROWS)
         if self.share_all_final is not None:
             before = f"{self.share_all_plain:.0%} -> " if self.share_all_plain is not None else ""
             lines.append(f"  {precision} share of all nodes: {before}{self.share_all_final:.0%}; Casts added: "

@@ -26,7 +26,7 @@ from onnxmp.options import Resolved
 from onnxmp.passes import FunctionPass, PassBase, PassManager
 from onnxmp.precision import BFLOAT16
 
-__all__ = ["ALLOW", "DENY", "FP32", "Coloring", "Reason", "TypeView", "Vertex", "color", "color_passes"]
+__all__ = ["ALLOW", "DENY", "FP32", "Coloring", "Reason", "TypeView", "Vertex", "color", "color_passes", "uncolored"]
 
 log = logging.getLogger("onnxmp.color")
 
@@ -75,14 +75,20 @@ def color_passes(index: ModelIndex, options: Resolved, kernels: KernelTable | No
     return passes
 
 
-def color(index: ModelIndex, options: Resolved, *, kernels: KernelTable | None = None,
-          timings: dict[str, float] | None = None) -> Coloring:
-    """Color every (node, type parameter) vertex of ``index``'s graphs for ``options``."""
+def uncolored(index: ModelIndex, options: Resolved, *, kernels: KernelTable | None = None) -> Coloring:
+    """The state before any pass: the vertices and edges of ``index`` for ``options``, nothing painted
+    (calibration starts many colorings from one, :mod:`onnxmp.calibrate.colorings`)."""
     view = build_type_view(index, options.lists, low=options.precision, provider=options.target.provider,
                            kernels=_for(kernels, options), block_nodes=options.block_nodes,
                            keep_io_types=options.keep_io_types, initializer_inputs=index.initializer_inputs,
                            ort_version=options.ort_version)
-    state = Coloring(view, low_name=options.precision.name, mask_fills=mask_fills(index, options.precision))
+    return Coloring(view, low_name=options.precision.name, mask_fills=mask_fills(index, options.precision))
+
+
+def color(index: ModelIndex, options: Resolved, *, kernels: KernelTable | None = None,
+          timings: dict[str, float] | None = None) -> Coloring:
+    """Color every (node, type parameter) vertex of ``index``'s graphs for ``options``."""
+    state = uncolored(index, options, kernels=kernels)
     result = PassManager(color_passes(index, options, kernels), log=log, timings=timings)(state)
     if result.details.get("add_allow_ops") and result.details["add_allow_ops"].stop:
         log.info("no allow-list op can run in %s here; the model is left unchanged", options.precision.name)

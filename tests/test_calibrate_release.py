@@ -1,0 +1,159 @@
+"""The release step (Conv/MatMul/Gemm back to fp16 after the search lands, with the proof for those kept)
+and the candidates' colorings computed from seeds done once."""
+from __future__ import annotations
+
+import numpy as np
+import onnx
+import pytest
+from onnx import TensorProto, helper, numpy_helper
+
+import onnxmp
+from onnxmp.calibrate.release import release_heavy
+from onnxmp.calibrate.search import Oracle
+
+pytest.importorskip("onnxruntime")
+
+
+def _convs(n: int) -> list[str]:
+    return [f"conv{i}" for i in range(n)]
+
+
+def test_a_conv_whose_release_keeps_the_tolerance_goes_back_to_fp16_and_the_one_that_breaks_it_stays():
+    convs = _convs(8)
+    cheap = ["bn0", "bn1"]
+    # conv5 in fp16 costs 3x the tolerance; every other Conv is free to go back.
+    oracle = Oracle(lambda fp32: 0.5 if "conv5" in fp32 else 3.0, max_runs=100)
+    kept, record = release_heavy([*cheap, *convs], frozenset(convs), [*convs, *cheap], oracle,
+                                 dict.fromkeys(convs, "Conv"), tolerance=1e-2)
+    assert sorted(kept) == ["bn0", "bn1", "conv5"]
+    assert sorted(record.released) == sorted(set(convs) - {"conv5"})
+    assert record.proven and [k.node for k in record.kept] == ["conv5"]
+    assert record.kept[0].error_released == pytest.approx(3e-2)  # the proof's number: above the tolerance
+    assert record.error == pytest.approx(5e-3)
+    # All at once fails (1 run), then one at a time (8); conv5 again against the final set is the
+    # all-at-once candidate, which the oracle has cached.
+    assert record.runs == 9
+    lines = record.summary_lines("float16", 1e-2, 10)
+    assert "7 of the 8" in lines[0] and "conv5 (Conv): >= 0.03" in lines[-1] and "each breaks" in lines[1]
+
+
+def test_no_conv_is_released_when_each_one_breaks_the_tolerance():
+    convs = _convs(3)
+    oracle = Oracle(lambda fp32: 0.9 if set(convs) <= fp32 else 1.5 + len(set(convs) - fp32), max_runs=100)
+    kept, record = release_heavy(convs, frozenset(convs), convs, oracle, dict.fromkeys(convs, "Conv"), 1e-2)
+    assert kept == convs and record.released == [] and record.proven
+    assert [round(k.error_released, 4) for k in record.kept] == [0.025, 0.025, 0.025]
+
+
+def test_every_conv_goes_back_at_once_in_one_run_when_the_set_passes_without_them():
+    convs = _convs(6)
+    oracle = Oracle(lambda fp32: 0.5 if "bn" in fp32 else 2.0, max_runs=100)
+    kept, record = release_heavy(["bn", *convs], frozenset(convs), convs, oracle, {}, 1e-2)
+    assert kept == ["bn"] and record.runs == 1 and record.kept == []
+
+
+def test_a_conv_that_failed_before_a_later_release_is_measured_again_against_the_final_set():
+    # Not monotone: conv0 passes only once conv1 is back in fp16 too (their roundings cancel, as twins'
+    # do); conv3 must stay.  conv0 is tried first (least blamed) and fails, conv1 goes, then conv0 again.
+    def score(fp32):
+        if "conv3" not in fp32 or ("conv0" not in fp32 and "conv1" in fp32):
+            return 2.0
+        return 0.5
+
+    oracle = Oracle(score, max_runs=100)
+    heavy = frozenset({"conv0", "conv1", "conv3"})
+    kept, record = release_heavy(["conv0", "conv1", "bn", "conv3"], heavy, ["conv3", "conv1", "conv0"],
+                                 oracle, {}, 1e-2)
+    assert kept == ["bn", "conv3"] and record.released == ["conv1", "conv0"]
+    assert [k.node for k in record.kept] == ["conv3"] and record.proven
+
+
+def test_the_run_budget_stops_the_release_and_the_report_says_the_proof_is_incomplete():
+    convs = _convs(6)
+    oracle = Oracle(lambda fp32: 0.5 if set(convs) <= fp32 else 2.0, max_runs=3)
+    kept, record = release_heavy(convs, frozenset(convs), convs, oracle, {}, 1e-2)
+    assert kept == convs and not record.proven
+    assert "run budget ran out" in record.summary_lines("float16", 1e-2, 10)[1]
+
+
+def test_an_island_of_more_convs_than_the_exhaustive_pass_takes_is_left_to_the_release_step():
+    from onnxmp.calibrate.islands import EXHAUSTIVE_HEAVY, spare_heavy
+
+    convs = _convs(3 * EXHAUSTIVE_HEAVY)
+    cheap = [f"bn{i}" for i in range(3 * EXHAUSTIVE_HEAVY)]
+    order = [*cheap, *convs]
+    oracle = Oracle(lambda fp32: 0.5 if "conv5" in fp32 and set(cheap) <= fp32 else 2.0, max_runs=1000)
+    spared, check = spare_heavy(order, order, frozenset(convs), oracle)
+    assert spared is None and not check.exhaustive and check.candidates_run == 0
+    kept, record = release_heavy(order, frozenset(convs), order, oracle, {}, 1e-2)
+    assert set(kept) == {"conv5", *cheap} and record.proven
+
+
+# --- colorings: cached from the seeds, identical to coloring from scratch ---------------------
+
+
+def _block_net(blocks: int = 4, width: int = 16) -> onnx.ModelProto:
+    """MatMul -> Add -> Relu -> Softmax-free blocks with a large-valued weight (an initializer-range
+    seed) and a Reshape between blocks (a clear op the propagation moves)."""
+    rng = np.random.default_rng(2)
+    nodes, inits, cur = [], [numpy_helper.from_array(np.array([1, width], np.int64), "shape")], "x"
+    for i in range(blocks):
+        scale = 1e5 if i == 2 else 0.2  # block 2's bias exceeds float16's range: seeded deny
+        inits += [numpy_helper.from_array(rng.standard_normal((width, width)).astype(np.float32) * 0.2, f"w{i}"),
+                  numpy_helper.from_array(rng.standard_normal(width).astype(np.float32) * scale, f"b{i}")]
+        nodes += [helper.make_node("MatMul", [cur, f"w{i}"], [f"m{i}"], name=f"mm{i}"),
+                  helper.make_node("Add", [f"m{i}", f"b{i}"], [f"a{i}"], name=f"add{i}"),
+                  helper.make_node("Relu", [f"a{i}"], [f"r{i}"], name=f"relu{i}"),
+                  helper.make_node("Reshape", [f"r{i}", "shape"], [f"s{i}"], name=f"reshape{i}")]
+        cur = f"s{i}"
+    nodes.append(helper.make_node("Identity", [cur], ["y"], name="out"))
+    graph = helper.make_graph(nodes, "blocks", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, width])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, width])], inits)
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8)
+
+
+def test_cached_colorings_are_the_colorings_from_scratch_for_every_forced_set():
+    from onnxmp.calibrate.colorings import Colorings
+    from onnxmp.calibrate.driver import _Calibration
+    from onnxmp.options import Options
+    from onnxmp.pipeline import Conversion, Load, Normalize
+
+    model = _block_net()
+    samples = [{"x": np.random.default_rng(i).standard_normal((1, 16)).astype(np.float32)} for i in range(2)]
+    cal = _Calibration(model, Options(calibration=samples, tolerance=1e-2, holdout=0))
+    state = Conversion(cal.original, cal.resolved)
+    Load().call(state)
+    Normalize().call(state)
+    options = state.resolved.replace(magnitudes=cal.magnitudes)
+    cached, scratch = Colorings(state.normalized.index, options), Colorings(state.normalized.index, options, False)
+    assert cached._seeded is not None and scratch._seeded is None  # the cache is really in use
+    names = [n.name for n in cal.original.graph.node]
+    sets = [(), ("mm0",), ("add1", "relu1"), ("reshape0",), ("mm1", "mm3"), names[::3], names]
+    results = [cached.low(s) for s in sets]
+    assert results == [scratch.low(s) for s in sets]
+    assert len(set(results)) > 3  # the sets color differently: the comparison is not between equal answers
+    assert "mm0" in results[0] and "mm0" not in results[1]
+    # The per-vertex colors and rules agree too, not only the nodes that end low.
+    a, b = cached.coloring(("mm1",)), scratch.coloring(("mm1",))
+    assert {k: v[:2] for k, v in a.colors.items()} == {k: v[:2] for k, v in b.colors.items()}
+    # The seeded state is left as it was: a second candidate starts from the same seeds.
+    assert cached.low(()) == results[0] and cached.low(("mm0",)) == results[1]
+
+
+def test_the_driver_reports_the_release_and_the_written_model_meets_the_tolerance():
+    from onnxmp.parity.emulate import emulate
+    from onnxmp.calibrate.session import cpu_session, run_samples
+    from onnxmp.parity.metrics import relative_error
+
+    from tests.test_calibrate_truth import _conv_net, _samples
+
+    model, samples = _conv_net(layers=6), _samples(4)
+    result = onnxmp.convert(model, calibration=samples, tolerance=5e-4, holdout=1)
+    cal = result.report.calibration
+    assert cal.met and cal.release is not None
+    ref = list(run_samples(cpu_session(model, "model"), samples, ["y"]))
+    out = list(run_samples(cpu_session(emulate(result.model, keep_io_types=False), "written"), samples, ["y"]))
+    worst = max(relative_error(r["y"], o["y"]) for r, o in zip(ref, out))
+    assert worst <= 5e-4 and worst == pytest.approx(cal.final.worst, rel=1e-3, abs=1e-7)
+    text = "\n".join(cal.summary_lines())
+    assert "release:" in text
