@@ -190,6 +190,7 @@ def test_the_cuda_training_graphs_copy_nothing_host_to_device(entry, tmp_path):
     for part in ("training_model", "eval_model"):
         placed = place(onnx.load(str(artifacts.portable_path(part))))
         assert not placed.copies and not placed.feed, (part, sorted(placed.copies))
+        assert not placed.to_host, (part, sorted(placed.to_host))  # nor device to host (If's flag)
 
 
 def test_the_stage_leaves_cpu_builds_alone():

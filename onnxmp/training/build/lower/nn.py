@@ -248,7 +248,10 @@ def in_place_accumulators(e: Emit, batch: list[onnx.NodeProto], scaled: dict[str
         outputs.append(out)
         e.types[out] = elem
         e.retyped[out] = declared
-    flag = e.op("Reshape", [batch[0].input[2], e.ints([])])  # If reads a one-element bool tensor
+    # If takes a condition of one element, of any rank, so it reads the flag as it is: the CUDA EP
+    # holds If's condition in host memory, and a Reshape here would run on the device and copy its
+    # result back to the host inside every step.
+    flag = batch[0].input[2]
     then_branch = helper.make_graph(then_nodes, e.names("accumulators/reset"), [], then_out)
     else_branch = helper.make_graph(else_nodes, e.names("accumulators/accumulate"), [], else_out)
     e.nodes.append(helper.make_node("If", [flag], outputs, name=e.names("accumulators/If"),
