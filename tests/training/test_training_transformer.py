@@ -47,6 +47,12 @@ def test_the_exported_inference_model_is_unchanged(artifacts, classifier):
     assert forward.graph == classifier.graph  # still single-output LayerNormalization
     prepared = artifacts["float32"].manifest["prepared_for_gradient"]
     rows = {row["op_type"]: row["nodes"] for row in prepared}
+    if artifacts["float32"].builder == "onnxmp":
+        # onnxmp's builder differentiates LayerNormalization and sums broadcasts back from the symbolic
+        # shapes itself: a float32 build skips every rewrite only ORT's builder needs (prepare.ORT_ONLY);
+        # what is left is each layer's exported erf GELU fused into one Gelu (build/fuse.py)
+        assert rows == {"Gelu": zoo.TC_LAYERS}
+        return
     assert rows.pop("LayerNormalization") == 1 + 2 * zoo.TC_LAYERS
     # The residual and mask Adds of tensors whose dims onnx could not name alike: summed back by
     # runtime shapes (prepare._runtime_broadcast).
