@@ -21,26 +21,31 @@ import onnx
 FLOAT = onnx.TensorProto.FLOAT
 
 
+def _ifs_innermost_first(rw):
+    """(the If's scope, that scope's node table, the If's position in it, its two branch scopes) of
+    every If, innermost first, so that what a rule does to an inner If's output is seen by the
+    outer If's."""
+    branches: dict[str, list[int]] = {}
+    for s, scope in enumerate(rw.graph.scopes):
+        if scope.parent is not None and scope.parent.op_type == "If":
+            branches.setdefault(scope.parent.name, []).append(s)
+    ifs = [(s, k) for s, nodes in enumerate(rw.nodes) for k, name in enumerate(nodes.names)
+           if len(branches.get(name, ())) == 2]
+    for s, k in sorted(ifs, key=lambda sk: -rw.graph_depth(sk[0])):
+        nodes = rw.nodes[s]
+        yield s, nodes, k, branches[nodes.names[k]]
+
+
 def lower_if_outputs(rw) -> None:
     """Apply the rule to every If output of the model, innermost Ifs first.  ``rw`` is the
     plan's ``_Rewriter`` after fix_consumers (its shared Casts not yet placed)."""
-    scopes = rw.graph.scopes
-    branches: dict[str, list[int]] = {}
-    for s, scope in enumerate(scopes):
-        if scope.parent is not None and scope.parent.op_type == "If":
-            branches.setdefault(scope.parent.name, []).append(s)
-    if not branches:
-        return
-    graph_outputs = {t.name for scope in scopes for t in scope.graph.output}
-    ifs = [(s, k) for s, nodes in enumerate(rw.nodes) for k, name in enumerate(nodes.names)
-           if name in branches and len(branches[name]) == 2]
-    for s, k in sorted(ifs, key=lambda sk: -rw.graph_depth(sk[0])):
-        nodes = rw.nodes[s]
+    graph_outputs = {t.name for scope in rw.graph.scopes for t in scope.graph.output}
+    for s, nodes, k, pair in _ifs_innermost_first(rw):
         for j, o in enumerate(nodes.outputs[k]):
             cast = rw.shared.get((o, rw.low_enum, None))
             if not o or cast is None or o in graph_outputs or rw.dtype(o) != FLOAT or rw.is_low(o):
                 continue
-            plans = [_branch_plan(rw, b, j, graph_outputs) for b in branches[nodes.names[k]]]
+            plans = [_branch_plan(rw, b, j, graph_outputs) for b in pair]
             if any(p is None for p in plans) or rw.read_counts({o}) != {o: 1}:
                 continue  # something other than its Cast to the low type reads o, or a branch can't
             restores = sum(kind == "low" for kind, _, _ in plans)
@@ -66,22 +71,12 @@ def raise_if_outputs(rw) -> None:
     an If output that is a branch output of an outer If is then restored in that branch, where the
     rule applies again to the outer If (silero-vad's LSTM state through nested Ifs).  Exact, as
     :func:`lower_if_outputs` is: a low value widened once, the float32 value rounded once."""
-    scopes = rw.graph.scopes
-    branches: dict[str, list[int]] = {}
-    for s, scope in enumerate(scopes):
-        if scope.parent is not None and scope.parent.op_type == "If":
-            branches.setdefault(scope.parent.name, []).append(s)
-    if not branches:
-        return
-    graph_outputs = {t.name for scope in scopes for t in scope.graph.output}
-    ifs = [(s, k) for s, nodes in enumerate(rw.nodes) for k, name in enumerate(nodes.names)
-           if name in branches and len(branches[name]) == 2]
-    for s, k in sorted(ifs, key=lambda sk: -rw.graph_depth(sk[0])):
-        nodes = rw.nodes[s]
+    graph_outputs = {t.name for scope in rw.graph.scopes for t in scope.graph.output}
+    for s, nodes, k, pair in _ifs_innermost_first(rw):
         for j, o in enumerate(nodes.outputs[k]):
             if not o or rw.dtype(o) != FLOAT or rw.is_low(o) or o in rw.renamed:
                 continue
-            plans = [_branch_plan(rw, b, j, graph_outputs) for b in branches[nodes.names[k]]]
+            plans = [_branch_plan(rw, b, j, graph_outputs) for b in pair]
             if any(p is None or p[0] == "as is" for p in plans):
                 continue
             restores = sum(kind == "low" for kind, _, _ in plans)
@@ -99,7 +94,7 @@ def raise_if_outputs(rw) -> None:
             rw.edits.outputs[nodes.names[k]] = outputs
             rw.retype((low,))
             if after:
-                rw.add_cast(scopes[s].gid, low, o, FLOAT)
+                rw.add_cast(rw.graph.scopes[s].gid, low, o, FLOAT)
                 rw.renamed[o] = low
             else:
                 rw.reread({o: low})
