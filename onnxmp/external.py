@@ -212,6 +212,26 @@ def tensor_array(tensor: onnx.TensorProto) -> np.ndarray:
     return onnx.numpy_helper.to_array(tensor)
 
 
+def constant_node_values(node: onnx.NodeProto) -> np.ndarray | None:
+    """A Constant node's values, whichever attribute holds them (``value``, ``value_float(s)``,
+    ``value_int(s)``), in the type that attribute makes; None for the sparse and string forms.
+
+    The one reader of a Constant's values: the range seed, the idle-Cast fold, the writer and the
+    training build all read Constants through it, so each sees every attribute form alike."""
+    for attr in node.attribute:
+        if attr.name == "value" and attr.type == onnx.AttributeProto.TENSOR:
+            return tensor_array(attr.t)
+        if attr.name == "value_float":
+            return np.asarray(attr.f, dtype=np.float32)
+        if attr.name == "value_floats":
+            return np.asarray(list(attr.floats), dtype=np.float32)
+        if attr.name == "value_int":
+            return np.asarray(attr.i, dtype=np.int64)
+        if attr.name == "value_ints":
+            return np.asarray(list(attr.ints), dtype=np.int64)
+    return None
+
+
 def converted_external(source: onnx.TensorProto, low_dtype: np.dtype, low_enum: int) -> onnx.TensorProto:
     """An external fp32 initializer converted to low precision, spilled to disk.
 

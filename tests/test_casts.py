@@ -365,6 +365,16 @@ def test_the_models_cast_of_a_constant_is_folded_into_the_constant():
     assert next(n for n in out.graph.node if n.op_type == "Reshape").input[1] == "s"
 
 
+@pytest.mark.parametrize("form", ["value_floats = [8.0, 4.0]", "value = float[2] {8.0, 4.0}"])
+def test_a_constant_cast_folds_whichever_attribute_holds_the_values(form):
+    # One reader of a Constant's values serves every attribute form: value_floats folds as value does.
+    out = _converted(_parse(SHAPE_CAST.replace("value = int32[2] {8, 4}", form)), [{"x": X}])
+    assert not any(src == "s" for src, _ in _cast_sources(out.graph))
+    const = next(n for n in out.graph.node if n.op_type == "Constant")
+    assert [a.name for a in const.attribute] == ["value"]
+    assert onnx.numpy_helper.to_array(const.attribute[0].t).tolist() == [8, 4]
+
+
 @pytest.mark.parametrize("change", ["lossy", "read twice"])
 def test_a_cast_of_a_constant_that_is_lossy_or_read_elsewhere_stays(change):
     if change == "lossy":  # 2.5 -> int64 truncates: the Cast computes something, it stays

@@ -16,7 +16,7 @@ import numpy as np
 import onnx
 
 from onnxmp.color.rules import DENY, Coloring
-from onnxmp.external import tensor_array
+from onnxmp.external import constant_node_values, tensor_array
 from onnxmp.index import TENSOR_KIND, ModelIndex
 from onnxmp.options import DEFAULT_UNDERFLOW_SHARE
 from onnxmp.passes import PassResult
@@ -158,19 +158,7 @@ def constant_values(graph: ModelIndex, name: str, producers: Mapping[str, onnx.N
     node = producers.get(name)
     if node is None or node.op_type != "Constant":
         return None
-    return _constant_node_values(node)
-
-
-def _constant_node_values(node: onnx.NodeProto) -> np.ndarray | None:
-    tensor = _value_tensor(node)
-    if tensor is not None:
-        return tensor_array(tensor)
-    for attr in node.attribute:
-        if attr.name == "value_float":
-            return np.asarray(attr.f, dtype=np.float32)
-        if attr.name == "value_floats":
-            return np.asarray(list(attr.floats), dtype=np.float32)
-    return None
+    return constant_node_values(node)
 
 
 def _value_tensor(node: onnx.NodeProto) -> onnx.TensorProto | None:
@@ -271,7 +259,7 @@ def seed_deny_from_initializer_range(state: Coloring, graph: ModelIndex, *,
                 if raw_size >= CHECK_CHUNK:
                     check_raw()
                 continue
-            values = tensor_array(init) if node is None else _constant_node_values(node)
+            values = tensor_array(init) if node is None else constant_node_values(node)
             if values is not None and 0 < values.size < BATCH_BELOW:
                 small[name] = values
             else:

@@ -24,7 +24,7 @@ from __future__ import annotations
 import numpy as np
 import onnx
 
-from onnxmp.external import tensor_array
+from onnxmp.external import constant_node_values
 from onnxmp.rewrite.casts import NewCast
 
 FLOAT = onnx.TensorProto.FLOAT
@@ -101,7 +101,7 @@ def fold_constant_casts(rw) -> int:
         if reads[const] != 1 or const in seen:
             continue  # another reader wants the Constant's own type
         s, k = constants[const]
-        values = _constant_values(rw.nodes[s].items[k])
+        values = constant_node_values(rw.nodes[s].items[k])
         if values is None or not _exact(values, to):
             continue
         rw.edits.constant_types[rw.nodes[s].names[k]] = to
@@ -110,18 +110,6 @@ def fold_constant_casts(rw) -> int:
     if renames:
         rw.reread(renames)
     return len(renames)
-
-
-def _constant_values(node: onnx.NodeProto) -> np.ndarray | None:
-    """A Constant node's values when it holds a dense tensor (``value``) or ints."""
-    for a in node.attribute:
-        if a.name == "value" and a.type == onnx.AttributeProto.TENSOR:
-            return tensor_array(a.t)
-        if a.name == "value_int":
-            return np.asarray(a.i, dtype=np.int64)
-        if a.name == "value_ints":
-            return np.asarray(list(a.ints), dtype=np.int64)
-    return None
 
 
 def _exact(values: np.ndarray, to: int) -> bool:

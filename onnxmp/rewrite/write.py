@@ -26,7 +26,7 @@ import onnx
 from onnx.external_data_helper import uses_external_data
 
 from onnxmp.color.masks import replace_fills
-from onnxmp.external import converted_external, tensor_array
+from onnxmp.external import constant_node_values, converted_external, tensor_array
 from onnxmp.index import ModelIndex
 from onnxmp.rewrite.plan import Edits, GraphNodes, NewCast
 
@@ -190,23 +190,19 @@ def _retarget(node: onnx.NodeProto, edits: Edits) -> None:
         value = attrs["value"].t if "value" in attrs else attrs["sparse_value"].sparse_tensor.values
         value.CopyFrom(_raw_tensor(value.name, low.onnx_type, tensor_array(value).astype(low.numpy)))
         return
-    values = np.zeros((1,), dtype=np.float32)  # ConstantOfShape's default value is a float32 zero
-    for key in ("value_float", "value_floats"):  # a Constant's float attributes become a value tensor
-        if key in attrs:
-            attr = attrs[key]
-            values = np.asarray(attr.f if key == "value_float" else list(attr.floats), dtype=np.float32)
-            node.attribute.remove(attr)
+    # A Constant's float attributes become a value tensor; ConstantOfShape's default is a float32 zero.
+    values = constant_node_values(node) if node.op_type == "Constant" else None
+    values = np.zeros((1,), dtype=np.float32) if values is None else values
+    for attr in [a for a in node.attribute if a.name in ("value_float", "value_floats")]:
+        node.attribute.remove(attr)
     node.attribute.append(onnx.helper.make_attribute(
         "value", _raw_tensor(node.output[0] + "_value", low.onnx_type, values.astype(low.numpy))))
 
 
 def _recast_constant(node: onnx.NodeProto, to: int) -> None:
     """A Constant whose Cast was folded holds its values in the Cast's type (exact: idle.py checked)."""
-    attr = next(a for a in node.attribute if a.name in ("value", "value_int", "value_ints"))
-    if attr.name == "value":
-        values = tensor_array(attr.t)
-    else:
-        values = np.asarray(attr.i if attr.name == "value_int" else list(attr.ints), dtype=np.int64)
-    node.attribute.remove(attr)
+    values = constant_node_values(node)
+    for attr in [a for a in node.attribute if a.name.startswith("value")]:
+        node.attribute.remove(attr)
     node.attribute.append(onnx.helper.make_attribute(
         "value", _raw_tensor(node.output[0] + "_value", to, values.astype(onnx.helper.tensor_dtype_to_np_dtype(to)))))

@@ -26,6 +26,7 @@ import onnx
 from onnx import helper, numpy_helper
 
 from onnxmp.domains import is_onnx_domain
+from onnxmp.external import constant_node_values
 from onnxmp.naming import FreshNames, proto_names
 
 log = logging.getLogger("onnxmp.training.build.fuse")
@@ -57,10 +58,9 @@ class _Graph:
             node = self.producer.get(name)
             if node is None or node.op_type != "Constant" or not is_onnx_domain(node.domain):
                 return None
-            attr = next((a for a in node.attribute if a.name in ("value", "value_float")), None)
-            if attr is None:
+            array = constant_node_values(node)
+            if array is None:
                 return None
-            array = numpy_helper.to_array(attr.t) if attr.name == "value" else np.array(attr.f)
         return float(array.ravel()[0]) if array.size == 1 and array.dtype.kind == "f" else None
 
     def is_(self, name: str, want: float) -> bool:

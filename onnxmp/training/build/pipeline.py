@@ -42,6 +42,7 @@ from onnx import TensorProto, helper, numpy_helper
 
 from onnxmp.domains import is_onnx_domain
 from onnxmp.errors import OnnxMPError
+from onnxmp.external import constant_node_values
 from onnxmp.files import destination
 from onnxmp.naming import FreshNames, proto_names
 from onnxmp.normalize import infer_tensor_types
@@ -446,12 +447,9 @@ def _constant_value(name: str, initializers: dict, constant_nodes: dict) -> np.n
     """The value of ``name`` when an initializer or a Constant node holds it (floats), else None."""
     if name in initializers:
         return numpy_helper.to_array(initializers[name])
-    for a in constant_nodes[name].attribute if name in constant_nodes else ():
-        if a.name == "value":
-            return numpy_helper.to_array(a.t)
-        if a.name in ("value_float", "value_floats"):
-            return np.asarray(helper.get_attribute_value(a), np.float32)
-    return None
+    value = constant_node_values(constant_nodes[name]) if name in constant_nodes else None
+    # an integer exponent keeps its own type: only float values are retyped to the base's
+    return value if value is not None and value.dtype.kind == "f" else None
 
 
 def _elem_type(tp: onnx.TypeProto | None) -> int:

@@ -12,6 +12,7 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
+from onnxmp.external import constant_node_values
 from onnxmp.domains import is_onnx_domain, onnx_opset
 from onnxmp.training.build.autodiff.fold import fold_constants, initial_values, small
 from onnxmp.training.build.autodiff.symbolic import shape_hints
@@ -169,14 +170,7 @@ class GraphInfo:
             # parameter, which a rule must not take as a constant
             array = self.folded.get(name)
             return array if array is not None and array.dtype.kind in "iub" else None
-        for a in node.attribute:
-            if a.name == "value":
-                return numpy_helper.to_array(a.t)
-            if a.name in ("value_int", "value_ints"):
-                return np.asarray(helper.get_attribute_value(a), np.int64)
-            if a.name in ("value_float", "value_floats"):
-                return np.asarray(helper.get_attribute_value(a), np.float32)
-        return None
+        return constant_node_values(node)
 
     def ints(self, name: str) -> list[int] | None:
         value = self.value(name)
