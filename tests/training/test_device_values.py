@@ -9,18 +9,12 @@ import onnx
 import onnx.parser
 import pytest
 
-from onnxmp.normalize import toposort_all
 from onnxmp.training.build.device_values import keep_on_device
 from onnxmp.training.build.placement import place
+from placement_graphs import divide_by_first_dim, parsed
 
 ROOT = Path(__file__).resolve().parents[2]
-HEAD = '<ir_version: 8, opset_import: ["" : 17]>\n'
-
-
-def _model(text: str) -> onnx.ModelProto:
-    model = onnx.parser.parse_model(HEAD + text)
-    toposort_all(model)
-    return model
+_model = parsed
 
 
 def _run(model: onnx.ModelProto, feeds: dict) -> list[np.ndarray]:
@@ -40,15 +34,7 @@ def _rewritten(text: str, feeds: dict) -> tuple[dict, onnx.ModelProto]:
     return found, model
 
 
-MEAN = """
-g (float[N, 4] x) => (float[N, 4] y) {
-    r = Relu(x)
-    s = Shape(r)
-    zero = Constant<value = int64 {0}>()
-    n = Gather<axis = 0>(s, zero)
-    f = Cast<to = 1>(n)
-    y = Div(r, f)
-}"""
+MEAN = divide_by_first_dim()
 
 
 def test_a_count_dividing_device_data_is_computed_on_the_device():

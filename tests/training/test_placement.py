@@ -5,13 +5,11 @@ import onnx
 import onnx.parser
 
 from onnxmp.training.build.placement import memory_types, place
+from placement_graphs import HEAD, divide_by_first_dim, parsed
 
 
 def _model(text: str) -> onnx.ModelProto:
     return onnx.parser.parse_model(text)
-
-
-HEAD = '<ir_version: 8, opset_import: ["" : 17]>\n'
 
 
 def _ops(model, indices):
@@ -20,14 +18,7 @@ def _ops(model, indices):
 
 def test_a_graph_input_lets_float32_math_follow_the_shape_to_the_cpu():
     # GetCpuPreferredNodes skips graph inputs: Div(x, f) with x fed goes to the CPU, nothing is copied
-    model = _sorted(_model(HEAD + """
-    g (float[N, 4] x) => (float[N, 4] y) {
-        s = Shape(x)
-        zero = Constant<value = int64 {0}>()
-        n = Gather<axis = 0>(s, zero)
-        f = Cast<to = 1>(n)
-        y = Div(x, f)
-    }"""))
+    model = parsed(divide_by_first_dim(divided="x"))
     placed = place(model)
     assert not placed.copies and _ops(model, placed.preferred) == ["Cast", "Div", "Gather"]
 
@@ -48,29 +39,14 @@ def test_a_shape_read_as_reshapes_cpu_input_is_no_copy():
 
 
 def test_a_size_cast_into_float_math_is_a_copy_and_its_arithmetic_the_feed():
-    model = _sorted(_model(HEAD + """
-    g (float[N, 4] x) => (float[N, 4] y) {
-        r = Relu(x)
-        s = Shape(r)
-        zero = Constant<value = int64 {0}>()
-        n = Gather<axis = 0>(s, zero)
-        f = Cast<to = 1>(n)
-        y = Div(r, f)
-    }"""))
+    model = parsed(divide_by_first_dim())
     placed = place(model)
     assert list(placed.copies) == ["f"]
     assert _ops(model, placed.feed) == ["Cast", "Gather"]
 
 
 def test_a_static_shape_is_folded_before_placement():
-    model = _sorted(_model(HEAD + """
-    g (float[2, 4] x) => (float[2, 4] y) {
-        s = Shape(x)
-        zero = Constant<value = int64 {0}>()
-        n = Gather<axis = 0>(s, zero)
-        f = Cast<to = 1>(n)
-        y = Div(x, f)
-    }"""))
+    model = parsed(divide_by_first_dim("2, 4", divided="x"))
     placed = place(model)
     assert not placed.copies and _ops(model, placed.folded) == ["Cast", "Gather", "Shape"]
 
