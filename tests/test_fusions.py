@@ -2,7 +2,7 @@
 
 The fp32 forms are checked against what onnxruntime 1.19.2 fuses on the CPU (the same
 LayerNormFusion code serves the CUDA EP); the forms with Casts absorb only on a GPU, so they
-are checked against the conditions of ORT's source that fusions.py restates.
+are checked against the conditions of ORT's source that onnxmp.fusions restates.
 """
 from __future__ import annotations
 
