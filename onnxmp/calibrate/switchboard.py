@@ -146,6 +146,7 @@ class Switchboard:
 
     def _rewrite(self, graph: onnx.GraphProto, low: Mapping[str, LowNode]) -> None:
         rounded: dict[str, str] = {}  # tensor -> its rounded copy in this graph
+        gated_output: dict[str, tuple[str, str]] = {}  # a low node's output -> (its switch, its raw value)
         out: list[onnx.NodeProto] = []
         for node in graph.node:
             for sub in bodies(node):
@@ -164,8 +165,19 @@ class Switchboard:
                         rounded[tensor] = self._names(f"{tensor}__rounded")
                         out.extend(self._round(tensor, rounded[tensor]))
                     gated[tensor] = self._names(f"{tensor}__{node.name}__in")
-                    out.append(helper.make_node("Where", [switch, rounded[tensor], tensor], [gated[tensor]],
-                                                name=gated[tensor]))
+                    if tensor in gated_output:
+                        # Read rounded when either end is low: one Where over the producer's raw value,
+                        # so the producer's own gate runs only for readers that are not low nodes.
+                        producer_switch, raw = gated_output[tensor]
+                        either = switch
+                        if producer_switch != switch:
+                            either = self._names(f"{tensor}__{node.name}__either")
+                            out.append(helper.make_node("Or", [producer_switch, switch], [either], name=either))
+                        out.append(helper.make_node("Where", [either, rounded[tensor], raw], [gated[tensor]],
+                                                    name=gated[tensor]))
+                    else:
+                        out.append(helper.make_node("Where", [switch, rounded[tensor], tensor], [gated[tensor]],
+                                                    name=gated[tensor]))
                 node.input[k] = gated[tensor]
             tail: list[onnx.NodeProto] = []
             for k, tensor in enumerate(node.output):
@@ -176,6 +188,10 @@ class Switchboard:
                 tail.extend(self._round(raw, self._names(f"{tensor}__raw_rounded")))
                 tail.append(helper.make_node("Where", [switch, tail[-1].output[0], raw], [tensor],
                                              name=self._names(f"{tensor}__gate")))
+                # Rounding is idempotent, so round(tensor) is round(raw) whatever this node's switch
+                # says: a low reader takes that copy instead of two more Casts over the tensor.
+                rounded[tensor] = tail[-2].output[0]
+                gated_output[tensor] = (switch, raw)
             out.append(node)
             out.extend(tail)
         graph.ClearField("node")
