@@ -184,3 +184,82 @@ def test_the_search_scores_the_coloring_a_candidate_writes_not_just_its_nodes():
     # rounding residue, so a MatMul summing in another order moves it by a percent or so).
     assert score(off) > 1e-2
     assert score(off) == pytest.approx(written, rel=0.05)
+
+
+def _every_kind_of_reader() -> tuple[onnx.ModelProto, list[dict[str, np.ndarray]]]:
+    """``h = x @ W`` read by a low node (the MatMul after it), a float32 node (ReduceLogSumExp, on the
+    deny list), an If body and the graph output: only the last three need ``h`` gated under its name."""
+    rng = np.random.default_rng(11)
+    inits = [numpy_helper.from_array((rng.standard_normal((32, 32)) / 5).astype(np.float32), "w"),
+             numpy_helper.from_array((rng.standard_normal((32, 32)) / 5).astype(np.float32), "v")]
+    body = lambda name, op: helper.make_graph(  # noqa: E731
+        [helper.make_node(op, ["h"], [f"{name}_out"], name=f"{name}_op")], name, [],
+        [helper.make_tensor_value_info(f"{name}_out", TensorProto.FLOAT, [1, 32])])
+    nodes = [helper.make_node("MatMul", ["x", "w"], ["h"], name="m0"),
+             helper.make_node("MatMul", ["h", "v"], ["y"], name="m1"),
+             helper.make_node("ReduceLogSumExp", ["h"], ["z"], name="lse", keepdims=1),
+             helper.make_node("If", ["flag"], ["b"], name="branch", then_branch=body("then", "Relu"),
+                              else_branch=body("else", "Neg"))]
+    graph = helper.make_graph(
+        nodes, "readers", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 32]),
+                           helper.make_tensor_value_info("flag", TensorProto.BOOL, [])],
+        [helper.make_tensor_value_info(n, TensorProto.FLOAT, s) for n, s in
+         (("y", [1, 32]), ("z", [1, 1]), ("b", [1, 32]), ("h", [1, 32]))], inits)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8)
+    return model, [{"x": rng.standard_normal((1, 32)).astype(np.float32) * 3, "flag": np.array(k % 2 == 0)}
+                   for k in range(2)]
+
+
+def _board(model, samples):
+    cal = _Calibration(model, Options(calibration=samples, tolerance=1e-2, holdout=0))
+    plain = cal.convert({})
+    low = _low_nodes(cal.original, plain.report)
+    assert {"m0", "m1"} <= set(low)
+    return Switchboard(cal.original, low, "float16", {}, _low_io(cal.original, plain.model)), plain
+
+
+def _low_readers_only(model: onnx.ModelProto) -> onnx.ModelProto:
+    """The same graph with ``h`` no output, and the float32 reader and the body reading ``y``."""
+    changed = onnx.ModelProto()
+    changed.CopyFrom(model)
+    changed.graph.output.pop()
+    changed.graph.node[2].input[0] = "y"
+    for name in ("then", "else"):
+        next(a.g for a in changed.graph.node[3].attribute if a.name == f"{name}_branch").node[0].input[0] = "y"
+    return changed
+
+
+@pytest.mark.parametrize("drop_output", [False, True], ids=["h an output", "h read by low nodes only"])
+def test_a_low_output_is_gated_only_where_a_reader_needs_its_name(drop_output):
+    # With every switch on the switchboard is the written model bit for bit, with every switch off the
+    # float32 model (to its last bits), whichever readers a low output has; the gate that only low
+    # readers would bypass is not built (onnxruntime runs every node, fetched or not).
+    from onnxmp import runtime
+
+    model, samples = _every_kind_of_reader()
+    if drop_output:
+        model = _low_readers_only(model)
+    names = [o.name for o in model.graph.output]
+    board, plain = _board(model, samples)
+    assert ("h" in board._ungated) == drop_output
+    written = cpu_session(emulate(plain.model, keep_io_types=False), "written")
+    fp32 = cpu_session(model, "fp32", runtime.session_options(optimization="disable"))  # as the switchboard runs
+    for sample in samples:
+        on, off = next(board.iter_run((), [sample], names)), next(board.iter_run(board.nodes, [sample], names))
+        for name, want in zip(names, written.run(names, sample)):
+            np.testing.assert_array_equal(on[name], want)
+        for name, want in zip(names, fp32.run(names, sample)):  # a MatMul fed through Where sums in another order
+            np.testing.assert_allclose(off[name], want, rtol=1e-5, atol=1e-6)
+
+
+def test_a_probe_of_an_output_without_a_gate_is_what_the_gate_would_give():
+    # Attribution fetches every low output: one without a gate is fetched as its rounded value where
+    # its node is low and as its raw value where not, the same numbers as the gated output.
+    model, samples = _every_kind_of_reader()
+    gated, _ = _board(model, samples)
+    ungated, _ = _board(_low_readers_only(model), samples)
+    assert "h" in ungated._ungated and "h" not in gated._ungated
+    for fp32 in ((), ["m0"], ["m1"], gated.nodes):
+        for sample in samples:
+            want = next(gated.iter_run(fp32, [sample], ["h"]))["h"]
+            np.testing.assert_array_equal(next(ungated.iter_run(fp32, [sample], ["h"]))["h"], want)

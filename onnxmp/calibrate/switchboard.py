@@ -63,6 +63,7 @@ class Switchboard:
             replace_fills(proto.graph, fills, low_precision(precision))
         self._names = FreshNames(proto_names(proto.graph))
         self._switch: dict[str, str] = {}
+        self._ungated: dict[str, tuple[str, str, str]] = {}  # low output with no gate -> (its node, raw, rounded)
         self.follows = _single_reader_constants(proto.graph, low)
         self.followers: dict[str, list[str]] = {}
         for constant, reader in self.follows.items():
@@ -82,7 +83,9 @@ class Switchboard:
         main = {n.name for n in proto.graph.node}
         self.probed = [t for name in self.nodes if name in main for t in sorted(low[name].outputs) if t not in present]
         for t in self.probed:
-            proto.graph.output.append(helper.make_tensor_value_info(t, TensorProto.FLOAT, None))
+            # an output with no gate is fetched as its raw or its rounded value, as its switch says
+            for fetched in self._ungated[t][1:] if t in self._ungated else (t,):
+                proto.graph.output.append(helper.make_tensor_value_info(fetched, TensorProto.FLOAT, None))
         self.low = dict(low)
         options = runtime.session_options(optimization="disable")
         # ORT's memory-reuse planner is superlinear in the number of values: it took 5 s of a
@@ -147,6 +150,7 @@ class Switchboard:
     def _rewrite(self, graph: onnx.GraphProto, low: Mapping[str, LowNode]) -> None:
         rounded: dict[str, str] = {}  # tensor -> its rounded copy in this graph
         gated_output: dict[str, tuple[str, str]] = {}  # a low node's output -> (its switch, its raw value)
+        gate_read = _read_other_than_low(graph, low)
         out: list[onnx.NodeProto] = []
         for node in graph.node:
             for sub in bodies(node):
@@ -186,12 +190,15 @@ class Switchboard:
                 raw = self._names(f"{tensor}__raw")
                 node.output[k] = raw
                 tail.extend(self._round(raw, self._names(f"{tensor}__raw_rounded")))
-                tail.append(helper.make_node("Where", [switch, tail[-1].output[0], raw], [tensor],
-                                             name=self._names(f"{tensor}__gate")))
                 # Rounding is idempotent, so round(tensor) is round(raw) whatever this node's switch
                 # says: a low reader takes that copy instead of two more Casts over the tensor.
-                rounded[tensor] = tail[-2].output[0]
+                rounded[tensor] = tail[-1].output[0]
                 gated_output[tensor] = (switch, raw)
+                if tensor in gate_read:
+                    tail.append(helper.make_node("Where", [switch, rounded[tensor], raw], [tensor],
+                                                 name=self._names(f"{tensor}__gate")))
+                else:  # onnxruntime runs every node, fetched or not: no gate that only low readers bypass
+                    self._ungated[tensor] = (self.follows.get(node.name, node.name), raw, rounded[tensor])
             out.append(node)
             out.extend(tail)
         graph.ClearField("node")
@@ -216,11 +223,36 @@ class Switchboard:
         names = list(self.outputs if outputs is None else outputs)
         if self._feed:
             samples = ({self._feed.get(k, k): v for k, v in s.items()} for s in samples)
-        runs = run_samples(self.session, samples, [self._fetch.get(n, n) for n in names],
-                           {SWITCH_INPUT: self.mask(fp32)})
-        if not self._fetch:
+        mask = self.mask(fp32)
+        fetch = {n: self._fetch.get(n, n) for n in names}
+        for n in names:
+            if n in self._ungated:
+                node, raw, rounded = self._ungated[n]
+                fetch[n] = rounded if mask[self._index[node]] else raw
+        runs = run_samples(self.session, samples, list(fetch.values()), {SWITCH_INPUT: mask})
+        if all(n == f for n, f in fetch.items()):
             return runs
-        return ({n: out[self._fetch.get(n, n)] for n in names} for out in runs)
+        return ({n: out[fetch[n]] for n in names} for out in runs)
+
+
+def _read_other_than_low(graph: onnx.GraphProto, low: Mapping[str, LowNode]) -> set[str]:
+    """Tensors of ``graph`` that something reads other than as a low node's low-precision input: a
+    float32 reader, a body (outer-scope reads), or the graph's outputs.  Only these need the gated
+    value under their own name; a low reader takes the raw or the rounded value directly."""
+    read = {o.name for o in graph.output}
+
+    def captured(g: onnx.GraphProto) -> None:
+        for n in g.node:
+            read.update(n.input)
+            for sub in bodies(n):
+                captured(sub)
+
+    for node in graph.node:
+        spec = low.get(node.name)
+        read.update(t for t in node.input if spec is None or t not in spec.inputs)
+        for sub in bodies(node):
+            captured(sub)
+    return read
 
 
 def _single_reader_constants(graph: onnx.GraphProto, low: Mapping[str, LowNode]) -> dict[str, str]:
