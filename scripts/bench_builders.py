@@ -139,14 +139,20 @@ def child(argv) -> int:
     trainer = Trainer(artifacts, engine=args.engine, threads=args.threads,
                       lr=tasks.LR.get(entry["arch"], tasks.DEFAULT_LR), scaler=scaler)
     batches = tasks.batches(entry["arch"], entry["inputs"], 32)
-    times, losses = [], []
+    times, thread_cpu, process_cpu, losses = [], [], [], []
     for i in range(args.warmup + args.steps):
-        start = time.perf_counter()
+        start, start_thread, start_process = time.perf_counter(), time.thread_time(), time.process_time()
         result = trainer.train_step(*batches[i % len(batches)])
         if i >= args.warmup:
             times.append(time.perf_counter() - start)
+            # CPU time barely moves with the machine's load where wall time does; on one intra-op
+            # thread onnxruntime computes on this thread, so thread and process time agree (the
+            # process's covers any work on other threads, and the one the table shows)
+            thread_cpu.append(time.thread_time() - start_thread)
+            process_cpu.append(time.process_time() - start_process)
             losses.append(result.loss)
-    print(json.dumps({"seconds": statistics.median(times), "losses": losses,
+    print(json.dumps({"seconds": statistics.median(times), "cpu_s": statistics.median(process_cpu),
+                      "thread_cpu_s": statistics.median(thread_cpu), "losses": losses,
                       "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}))
     return 0
 
@@ -170,7 +176,8 @@ def _run_torch(key: str, threads: int, args) -> dict:
     rows = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
     if not rows or "torch_s" not in rows[-1]:
         return {"error": (rows[-1].get("error") if rows else (done.stderr.strip().splitlines() or ["?"])[-1])[:120]}
-    return {"seconds": rows[-1]["torch_s"], "peak_rss_mib": rows[-1].get("peak_rss_mib")}
+    return {"seconds": rows[-1]["torch_s"], "cpu_s": rows[-1].get("cpu_s"),
+            "thread_cpu_s": rows[-1].get("thread_cpu_s"), "peak_rss_mib": rows[-1].get("peak_rss_mib")}
 
 
 def bench_builders(args) -> int:
@@ -187,6 +194,8 @@ def bench_builders(args) -> int:
           f"update every step, one process per variant, in turn); nodes after onnxruntime's optimizations "
           f"(the engines' session options); int64: the CUDA float16 graph after basic optimizations")
     head = (f"{'export':<22}{'nodes ort':>10}{'lowered':>8}{'onnxmp':>8}{'bodies':>7}{'ratio':>7}{'int64 before':>13}{'after':>7}"
+            f"{'copies':>7}{'after':>6}{'feed':>5}{'after':>6}"
+            + f"{'cpu ms ort/1':>13}{'onnxmp/1':>9}{'torch/1':>8}{'o/ort':>7}{'o/torch':>8}"
             + "".join(f"{f'ms ort/{t}':>11}{f'onnxmp/{t}':>10}{f'torch/{t}':>9}{f'o/ort':>7}{f'o/torch':>8}"
                       for t in THREADS)
             + f"{'RSS MiB ort':>12}{'onnxmp':>8}{'torch':>7}{'max rel loss':>14}{'build s ort':>12}{'onnxmp':>8}")
@@ -210,7 +219,7 @@ def bench_builders(args) -> int:
                 row["nodes_ort_lowered"] = len(lowered.graph.node) if lowered is not None else None
                 row["nodes_onnxmp"] = len(ours_graph.graph.node) if ours_graph is not None else None
                 row["nodes_onnxmp_bodies"] = all_nodes(ours_graph) if ours_graph is not None else None
-                for builder, when in (("ort", "before"), ("onnxmp", "after")):
+                for builder, when in (() if args.no_cuda else (("ort", "before"), ("onnxmp", "after"))):
                     cuda, _ = build(key, builder, "float16", "cuda", args.optimizer, tmp / f"{key}.{builder}.cuda")
                     row[f"int64_{when}"], row[f"int64_{when}_raw"] = cuda_int64(cuda, tmp / f"{builder}-cuda")
                     row[f"copies_{when}"], row[f"feed_{when}"] = cuda_copies(cuda)
@@ -245,19 +254,27 @@ def all_nodes(model) -> int:
 
 
 def _median(runs: list[dict]) -> dict:
-    """The run of median step time among ``runs`` (an error where none ran); ``samples`` lists them all."""
+    """The run of median step time among ``runs`` (an error where none ran); ``samples`` lists them all,
+    ``cpu_s`` is the median of the runs' CPU seconds per step (``cpu_samples``) on its own."""
     timed = sorted((r for r in runs if "seconds" in r), key=lambda r: r["seconds"])
     if not timed:
         return runs[0]
-    return {**timed[(len(timed) - 1) // 2], "samples": [r["seconds"] for r in timed]}
+    cpu = sorted(r["cpu_s"] for r in timed if r.get("cpu_s") is not None)
+    thread = sorted(r["thread_cpu_s"] for r in timed if r.get("thread_cpu_s") is not None)
+    return {**timed[(len(timed) - 1) // 2], "samples": [r["seconds"] for r in timed],
+            "cpu_s": cpu[(len(cpu) - 1) // 2] if cpu else None, "cpu_samples": cpu,
+            "thread_cpu_s": thread[(len(thread) - 1) // 2] if thread else None}
 
 
 def _line(key: str, row: dict) -> str:
     def ms(run):
         return f"{run['seconds'] * 1e3:.1f}" if "seconds" in run else "err"
 
-    def ratio(a, b):
-        return f"{a['seconds'] / b['seconds']:.2f}" if "seconds" in a and "seconds" in b else "-"
+    def ratio(a, b, key="seconds"):
+        return f"{a[key] / b[key]:.2f}" if a.get(key) and b.get(key) else "-"
+
+    def cpu_ms(run):
+        return f"{run['cpu_s'] * 1e3:.1f}" if run.get("cpu_s") else "err"
 
     def count(name):
         value = row.get(name)
@@ -268,6 +285,9 @@ def _line(key: str, row: dict) -> str:
              f"{(row['nodes_onnxmp'] / row['nodes_ort']) if row.get('nodes_ort') and row.get('nodes_onnxmp') else 0:>7.2f}")
     text = (f"{key:<22}{nodes}{count('int64_before'):>13}{count('int64_after'):>7}{count('copies_before'):>7}"
             f"{count('copies_after'):>6}{count('feed_before'):>5}{count('feed_after'):>6}")
+    ort, ours, torch = row["ort_1"], row["onnxmp_1"], row["torch_1"]
+    text += (f"{cpu_ms(ort):>13}{cpu_ms(ours):>9}{cpu_ms(torch):>8}{ratio(ours, ort, 'cpu_s'):>7}"
+             f"{ratio(ours, torch, 'cpu_s'):>8}")
     for t in THREADS:
         ort, ours, torch = row[f"ort_{t}"], row[f"onnxmp_{t}"], row[f"torch_{t}"]
         text += f"{ms(ort):>11}{ms(ours):>10}{ms(torch):>9}{ratio(ours, ort):>7}{ratio(ours, torch):>8}"
