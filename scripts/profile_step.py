@@ -4,8 +4,8 @@ graph, by op type and by origin (the forward, each forward op type's gradient, l
 accumulate: :func:`autodiff_nodes.origin`), for onnxmp's graph on the portable engine's session
 options against ORT's native training graph (Python 3.11, the training build, which runs it).
 
-One intra-op thread, ``--steps`` runs after ``--warmup``; the figures are microseconds per step
-summed over the nodes (onnxruntime's ``Node`` events, each node's median over the steps), so they leave out the session's own overhead.
+One intra-op thread, ``--steps`` runs after ``--warmup``, the two graphs' runs in turn; the figures are microseconds per step
+summed over the nodes (onnxruntime's ``Node`` events, each node's least over the steps), so they leave out the session's own overhead.
 
     PYTHONPATH=. python scripts/profile_step.py resnet.torchscript17 [--top 25]
 """
@@ -26,13 +26,11 @@ sys.path.insert(0, str(ROOT / "scripts"))
 sys.path.insert(0, str(ROOT / "models" / "exports"))
 
 
-def profile(path: Path, artifacts, entry: dict, args, folder: Path) -> tuple[Counter, Counter, Counter]:
-    """(microseconds per step by op type, by origin, by node name) of the graph at ``path``."""
+def prepare(path: Path, artifacts, entry: dict, args, folder: Path):
+    """(a profiling session of the graph at ``path``, its feeds)."""
     import onnxruntime
 
     import tasks
-    from autodiff_nodes import origin
-    from bench_builders import EXPORTS, _matrix
     from onnxmp.training.contract import GRAD_WEIGHT, LAZY_RESET_GRAD, LOSS_SCALE
     from onnxmp.training.run.engines.base import session_options
 
@@ -55,8 +53,14 @@ def profile(path: Path, artifacts, entry: dict, args, folder: Path) -> tuple[Cou
             feeds[i.name] = batch[names.index(i.name)]
         else:  # an accumulation buffer: its parameter's shape
             feeds[i.name] = np.zeros_like(params[i.name.split("_grad")[0]])
-    for _ in range(args.warmup + args.steps):
-        session.run(None, feeds)
+    return session, feeds
+
+
+def summarize(session, args) -> tuple[Counter, Counter, Counter]:
+    """(microseconds per step by op type, by origin, by node name) of ``session``'s profile."""
+    from autodiff_nodes import origin
+    from bench_builders import EXPORTS, _matrix
+
     trace = json.loads(Path(session.end_profiling()).read_text())
     if args.dump:
         Path(args.dump).write_text(json.dumps(trace))
@@ -76,8 +80,8 @@ def profile(path: Path, artifacts, entry: dict, args, folder: Path) -> tuple[Cou
         durations.setdefault((e["args"].get("op_name", "?"), e["name"][:-len("_kernel_time")]), []).append(e["dur"])
     by_type, by_origin, by_node = Counter(), Counter(), Counter()
     for (op, name), runs in durations.items():
-        # each node's median over the steps: a step preempted by another process counts for nothing
-        us = float(np.median(runs))
+        # each node's least time over the steps: the one other processes disturbed least
+        us = float(np.min(runs))
         by_type[op] += us
         by_origin[origin(onnx.helper.make_node(op, [], [], name=name), forward_ops)] += us
         by_node[f"{op} {name}"] += us
@@ -101,11 +105,15 @@ def main(argv=None) -> int:
     entry = _matrix()[args.entry]
     with tempfile.TemporaryDirectory(prefix="onnxmp-profile-") as tmp:
         tmp = Path(tmp)
-        results = {}
+        sessions = {}
         for builder in ("ort", "onnxmp"):
             artifacts, _ = build(args.entry, builder, "float32", "cpu", args.optimizer, tmp / builder)
             path = artifacts.training_model if builder == "ort" else artifacts.portable_path("training_model")
-            results[builder] = profile(path, artifacts, entry, args, tmp)
+            sessions[builder] = prepare(path, artifacts, entry, args, tmp)
+        for _ in range(args.warmup + args.steps):  # in turn, step by step: the load moves both alike
+            for session, feeds in sessions.values():
+                session.run(None, feeds)
+        results = {builder: summarize(session, args) for builder, (session, _) in sessions.items()}
     for i, what in enumerate(("op type", "origin", "node")):
         print(f"\n{args.entry}: us per step by {what} (ort native | onnxmp portable)")
         keys = sorted(set(results["ort"][i]) | set(results["onnxmp"][i]),
