@@ -4,8 +4,12 @@ graph, by op type and by origin (the forward, each forward op type's gradient, l
 accumulate: :func:`autodiff_nodes.origin`), for onnxmp's graph on the portable engine's session
 options against ORT's native training graph (Python 3.11, the training build, which runs it).
 
-One intra-op thread, ``--steps`` runs after ``--warmup``, the two graphs' runs in turn; the figures are microseconds per step
-summed over the nodes (onnxruntime's ``Node`` events, each node's least over the steps), so they leave out the session's own overhead.
+One intra-op thread, ``--steps`` runs after ``--warmup``, the two graphs' runs in turn; the figures
+are microseconds per step summed over the nodes (onnxruntime's ``Node`` events, each node's least
+over the steps), so they leave out the session's own overhead.  The nodes inside an ``If`` count once,
+in the If.  Profiling inflates an If's branches: MobileNetV2's accumulators' If shows 11 ms in the
+profile while its whole training graph runs in 15.5 ms unprofiled (21 ms profiled): read the If's
+figure as an upper bound, the other nodes' against each other.
 
     PYTHONPATH=. python scripts/profile_step.py resnet.torchscript17 [--top 25]
 """
