@@ -23,6 +23,13 @@ build, where both builders exist):
   three in turn, so that each one's peak RSS is its own; ``--repeat N`` runs each N times and keeps
   the median, ``--alternate`` swaps the builders' order every round (the machine's load drifts);
   ratios, not timed tests;
+- CPU time per step on 1 thread (``cpu min``): the process's CPU seconds of its least step (each
+  run's ``time.process_time()`` around every step; the median of the runs' least).  One intra-op
+  thread computes on the calling thread (the thread's and the process's CPU time agree, both
+  recorded), so other processes do not add to it the way they add to wall time; a step they
+  interrupt still costs more (caches refilled), which the least step leaves out.  ``med o/ort`` is
+  the ratio of the steps' median CPU time.  Wall time stays for 2 threads (the pool's workers
+  spin: their CPU time is not the step's cost);
 - ``RSS``: each process's peak resident set (MiB), loading and stepping included;
 - ``bodies``: onnxmp's node count with the nodes of its If bodies (the accumulators' branches)
   counted too, the honest comparison with ORT's one InPlaceAccumulatorV2 per parameter.
@@ -139,14 +146,22 @@ def child(argv) -> int:
     trainer = Trainer(artifacts, engine=args.engine, threads=args.threads,
                       lr=tasks.LR.get(entry["arch"], tasks.DEFAULT_LR), scaler=scaler)
     batches = tasks.batches(entry["arch"], entry["inputs"], 32)
-    times, losses = [], []
+    times, thread_cpu, process_cpu, losses = [], [], [], []
     for i in range(args.warmup + args.steps):
-        start = time.perf_counter()
+        start, start_thread, start_process = time.perf_counter(), time.thread_time(), time.process_time()
         result = trainer.train_step(*batches[i % len(batches)])
         if i >= args.warmup:
             times.append(time.perf_counter() - start)
+            # CPU time moves less with the machine's load than wall time; on one intra-op thread
+            # onnxruntime computes on this thread, so thread and process time agree (the process's
+            # covers any work on other threads, and is the one the table shows).  A step that other
+            # processes interrupt still costs more CPU time (its caches refilled): the least over
+            # the steps is the figure the load moves least
+            thread_cpu.append(time.thread_time() - start_thread)
+            process_cpu.append(time.process_time() - start_process)
             losses.append(result.loss)
-    print(json.dumps({"seconds": statistics.median(times), "losses": losses,
+    print(json.dumps({"seconds": statistics.median(times), "cpu_s": statistics.median(process_cpu),
+                      "cpu_min_s": min(process_cpu), "thread_cpu_s": statistics.median(thread_cpu), "losses": losses,
                       "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}))
     return 0
 
@@ -170,7 +185,8 @@ def _run_torch(key: str, threads: int, args) -> dict:
     rows = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
     if not rows or "torch_s" not in rows[-1]:
         return {"error": (rows[-1].get("error") if rows else (done.stderr.strip().splitlines() or ["?"])[-1])[:120]}
-    return {"seconds": rows[-1]["torch_s"], "peak_rss_mib": rows[-1].get("peak_rss_mib")}
+    return {"seconds": rows[-1]["torch_s"], "cpu_s": rows[-1].get("cpu_s"), "cpu_min_s": rows[-1].get("cpu_min_s"),
+            "thread_cpu_s": rows[-1].get("thread_cpu_s"), "peak_rss_mib": rows[-1].get("peak_rss_mib")}
 
 
 def bench_builders(args) -> int:
@@ -187,6 +203,8 @@ def bench_builders(args) -> int:
           f"update every step, one process per variant, in turn); nodes after onnxruntime's optimizations "
           f"(the engines' session options); int64: the CUDA float16 graph after basic optimizations")
     head = (f"{'export':<22}{'nodes ort':>10}{'lowered':>8}{'onnxmp':>8}{'bodies':>7}{'ratio':>7}{'int64 before':>13}{'after':>7}"
+            f"{'copies':>7}{'after':>6}{'feed':>5}{'after':>6}"
+            + f"{'cpu min ort/1':>14}{'onnxmp/1':>9}{'torch/1':>8}{'o/ort':>7}{'o/torch':>8}{'med o/ort':>10}"
             + "".join(f"{f'ms ort/{t}':>11}{f'onnxmp/{t}':>10}{f'torch/{t}':>9}{f'o/ort':>7}{f'o/torch':>8}"
                       for t in THREADS)
             + f"{'RSS MiB ort':>12}{'onnxmp':>8}{'torch':>7}{'max rel loss':>14}{'build s ort':>12}{'onnxmp':>8}")
@@ -210,7 +228,7 @@ def bench_builders(args) -> int:
                 row["nodes_ort_lowered"] = len(lowered.graph.node) if lowered is not None else None
                 row["nodes_onnxmp"] = len(ours_graph.graph.node) if ours_graph is not None else None
                 row["nodes_onnxmp_bodies"] = all_nodes(ours_graph) if ours_graph is not None else None
-                for builder, when in (("ort", "before"), ("onnxmp", "after")):
+                for builder, when in (() if args.no_cuda else (("ort", "before"), ("onnxmp", "after"))):
                     cuda, _ = build(key, builder, "float16", "cuda", args.optimizer, tmp / f"{key}.{builder}.cuda")
                     row[f"int64_{when}"], row[f"int64_{when}_raw"] = cuda_int64(cuda, tmp / f"{builder}-cuda")
                     row[f"copies_{when}"], row[f"feed_{when}"] = cuda_copies(cuda)
@@ -245,19 +263,30 @@ def all_nodes(model) -> int:
 
 
 def _median(runs: list[dict]) -> dict:
-    """The run of median step time among ``runs`` (an error where none ran); ``samples`` lists them all."""
+    """The run of median step time among ``runs`` (an error where none ran); ``samples`` lists them all,
+    ``cpu_s`` is the median of the runs' CPU seconds per step (``cpu_samples``) on its own."""
     timed = sorted((r for r in runs if "seconds" in r), key=lambda r: r["seconds"])
     if not timed:
         return runs[0]
-    return {**timed[(len(timed) - 1) // 2], "samples": [r["seconds"] for r in timed]}
+    def middle(key):
+        values = sorted(r[key] for r in timed if r.get(key) is not None)
+        return (values[(len(values) - 1) // 2] if values else None), values
+
+    (cpu, cpu_samples), (least, least_samples) = middle("cpu_s"), middle("cpu_min_s")
+    return {**timed[(len(timed) - 1) // 2], "samples": [r["seconds"] for r in timed],
+            "cpu_s": cpu, "cpu_samples": cpu_samples, "cpu_min_s": least, "cpu_min_samples": least_samples,
+            "thread_cpu_s": middle("thread_cpu_s")[0]}
 
 
 def _line(key: str, row: dict) -> str:
     def ms(run):
         return f"{run['seconds'] * 1e3:.1f}" if "seconds" in run else "err"
 
-    def ratio(a, b):
-        return f"{a['seconds'] / b['seconds']:.2f}" if "seconds" in a and "seconds" in b else "-"
+    def ratio(a, b, key="seconds"):
+        return f"{a[key] / b[key]:.2f}" if a.get(key) and b.get(key) else "-"
+
+    def cpu_ms(run):
+        return f"{run['cpu_min_s'] * 1e3:.2f}" if run.get("cpu_min_s") else "err"
 
     def count(name):
         value = row.get(name)
@@ -268,6 +297,9 @@ def _line(key: str, row: dict) -> str:
              f"{(row['nodes_onnxmp'] / row['nodes_ort']) if row.get('nodes_ort') and row.get('nodes_onnxmp') else 0:>7.2f}")
     text = (f"{key:<22}{nodes}{count('int64_before'):>13}{count('int64_after'):>7}{count('copies_before'):>7}"
             f"{count('copies_after'):>6}{count('feed_before'):>5}{count('feed_after'):>6}")
+    ort, ours, torch = row["ort_1"], row["onnxmp_1"], row["torch_1"]
+    text += (f"{cpu_ms(ort):>14}{cpu_ms(ours):>9}{cpu_ms(torch):>8}{ratio(ours, ort, 'cpu_min_s'):>7}"
+             f"{ratio(ours, torch, 'cpu_min_s'):>8}{ratio(ours, ort, 'cpu_s'):>10}")
     for t in THREADS:
         ort, ours, torch = row[f"ort_{t}"], row[f"onnxmp_{t}"], row[f"torch_{t}"]
         text += f"{ms(ort):>11}{ms(ours):>10}{ms(torch):>9}{ratio(ours, ort):>7}{ratio(ours, torch):>8}"

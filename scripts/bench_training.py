@@ -183,6 +183,9 @@ def main(argv=None) -> int:
                         help="with --builders: runs of each variant, in turn; the median counts (default 1)")
     parser.add_argument("--alternate", action="store_true",
                         help="with --builders: swap the builders' order every round (with --repeat)")
+    parser.add_argument("--no-cuda", action="store_true",
+                        help="with --builders: skip the CUDA float16 builds (int64/copies/feed columns), which "
+                             "double the build time and do not bear on the CPU step time")
     parser.add_argument("--json", type=Path, help="write the figures here")
     args = parser.parse_args(argv)
     guard_arguments(parser, {"--json": args.json})

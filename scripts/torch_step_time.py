@@ -6,7 +6,9 @@ entry's architecture as ``models/exports/export.py`` does (same config, seed and
 mode as exported: no dropout), and times forward, cross-entropy, backward, ``torch.optim.AdamW`` /
 ``SGD`` step and ``zero_grad`` on the same batches the ONNX engines train on.  Prints one JSON
 line per entry: ``{"entry", "torch_s", "peak_rss_mib"}`` (median seconds per step; the process's peak
-resident set so far), or ``{"entry", "error"}``.
+resident set so far; ``cpu_s``/``thread_cpu_s``: the median CPU seconds per step of the process and of
+the calling thread, ``cpu_min_s`` the process's least, the figure the machine's load moves least),
+or ``{"entry", "error"}``.
 """
 from __future__ import annotations
 
@@ -55,17 +57,21 @@ def main(argv=None) -> int:
                          else torch.optim.SGD(params, lr=lr))
             batches = [[torch.from_numpy(a) for a in batch]
                        for batch in tasks.batches(entry["arch"], entry["inputs"], 32)]
-            times = []
+            times, thread_cpu, process_cpu = [], [], []
             for i in range(args.warmup + args.steps):
                 *inputs, labels = batches[i % len(batches)]
-                start = time.perf_counter()
+                start, start_thread, start_process = time.perf_counter(), time.thread_time(), time.process_time()
                 loss = torch.nn.functional.cross_entropy(wrapped(*inputs), labels)
                 loss.backward()
                 optimizer.step()
                 optimizer.zero_grad()
                 if i >= args.warmup:
                     times.append(time.perf_counter() - start)
+                    thread_cpu.append(time.thread_time() - start_thread)
+                    process_cpu.append(time.process_time() - start_process)
             print(json.dumps({"entry": key, "torch_s": statistics.median(times),
+                              "cpu_s": statistics.median(process_cpu), "cpu_min_s": min(process_cpu),
+                              "thread_cpu_s": statistics.median(thread_cpu),
                               # the process's peak so far: run one entry per process for each one's own
                               "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}), flush=True)
         except Exception as exc:  # one entry's failure is reported in its row, the others still run

@@ -87,6 +87,22 @@ def test_non_finite_step_is_skipped_bit_for_bit(adamw_linear, data):
     assert _digest(clean) == _digest(trainer)
 
 
+def test_kept_bindings_step_as_fresh_ones(adamw_linear, data):
+    # The engine keeps one training and one optimizer binding per pairing of its swapped state
+    # sets; binding everything anew each step must give the same bits (the learning rate and step
+    # count, rebound per run, included).
+    kept = Trainer(adamw_linear, engine="portable", lr=1e-2)
+    fresh = Trainer(adamw_linear, engine="portable", lr=1e-2)
+    for i, batch in enumerate(data):
+        if i == 3:
+            kept.engine.learning_rate = fresh.engine.learning_rate = 5e-3
+        fresh.engine._bindings.clear()
+        fresh.engine._update._bindings.clear()
+        assert kept.train_step(*batch).loss == fresh.train_step(*batch).loss
+    assert _digest(kept) == _digest(fresh)
+    assert len(kept.engine._bindings) == len(kept.engine._update._bindings) == 2
+
+
 def test_save_and_resume_continue_bit_for_bit(adamw_linear, data, tmp_path):
     straight = Trainer(adamw_linear, engine="portable", lr=1e-2, grad_accum_steps=2)
     for batch in data:

@@ -8,6 +8,21 @@ from onnx import TensorProto
 from onnxmp.training.build.autodiff.context import Vjp
 
 BOOL = TensorProto.BOOL
+# Where a mask's gradient is multiplied by the mask rather than picked by Where: onnxruntime's CPU
+# Where is about 5x slower than Cast+Mul (131k float32: 600 us against 100 us, 1.19 and 1.32)
+_MASK_BY_MUL = frozenset({TensorProto.FLOAT, TensorProto.DOUBLE})
+
+
+def masked(c: Vjp, mask: str, dy: str) -> str:
+    """``dy`` where ``mask`` holds, else 0.  In float32/64, ``dy * Cast(mask)``: equal for finite
+    ``dy`` (a -0.0 where dy < 0 is masked), while a non-finite ``dy`` at a masked position gives NaN
+    instead of 0.  In float16/bfloat16 (loss-scaled, where an overflowed upstream gradient that the
+    mask drops must stay dropped, as in ORT's kernels, for the finite check to decide as ORT's does)
+    and other types, Where."""
+    elem = c.elem(dy)
+    if elem in _MASK_BY_MUL:
+        return c.op("Mul", dy, c.cast(mask, elem))
+    return c.op("Where", mask, dy, c.scalar(0.0, dy))
 
 
 def _each(c: Vjp, full) -> None:
@@ -100,7 +115,7 @@ def sigmoid(c: Vjp) -> None:
 
 def relu(c: Vjp) -> None:
     y = c.y(0)
-    _unary(c, c.op("Where", c.op("Greater", y, c.scalar(0.0, y), elem=BOOL), c.dy(), c.scalar(0.0, y)))
+    _unary(c, masked(c, c.op("Greater", y, c.scalar(0.0, y), elem=BOOL), c.dy()))
 
 
 def erf(c: Vjp) -> None:
@@ -183,19 +198,29 @@ def mean(c: Vjp) -> None:
 
 
 def clip(c: Vjp) -> None:
-    """torch.clamp's: the gradient where min <= x <= max (bounds get none, as in ORT)."""
+    """torch.clamp's: the gradient where min <= x <= max (bounds get none, as in ORT); with both
+    bounds constant, where the output equals the input."""
     x, dy = c.x(0), c.dy()
     if c.info.opset < 11:
         bounds = [(c.attr("min"), "GreaterOrEqual"), (c.attr("max"), "LessOrEqual")]
+        values = [np.asarray(v) for v, _ in bounds if v is not None]
         bounds = [(c.scalar(v, x), op) for v, op in bounds if v is not None]
     else:
         bounds = [(c.x(i), op) for i, op in ((1, "GreaterOrEqual"), (2, "LessOrEqual")) if c.x(i)]
-    masks = [c.op(op, x, bound, elem=BOOL) for bound, op in bounds]
-    if not masks:
+        values = [c.info.value(bound) for bound, _ in bounds]
+    if not bounds:
         c.set(0, dy)
         return
-    mask = masks[0] if len(masks) == 1 else c.op("And", *masks, elem=BOOL)
-    c.set(0, c.op("Where", mask, dy, c.scalar(0.0, x)))
+    if (len(bounds) == 2 and c.elem(x) in _MASK_BY_MUL and all(v is not None and v.size == 1 for v in values)
+            and values[0] <= values[1]):
+        # min <= x <= max exactly where the output is x (NaN: neither): one Equal for two
+        # comparisons and an And (ReLU6's gradient); with min > max the output is max everywhere
+        # and the comparisons hold nowhere, so the shortcut needs the bounds' values
+        mask = c.op("Equal", x, c.y(0), elem=BOOL)
+    else:
+        masks = [c.op(op, x, bound, elem=BOOL) for bound, op in bounds]
+        mask = masks[0] if len(masks) == 1 else c.op("And", *masks, elem=BOOL)
+    c.set(0, masked(c, mask, dy))
 
 
 def dropout(c: Vjp) -> None:

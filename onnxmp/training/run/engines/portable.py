@@ -24,6 +24,8 @@ from onnxmp.training.contract import ALL_FINITE, LAZY_RESET_GRAD, LOSS, accumula
 
 log = logging.getLogger("onnxmp.training")
 
+_NUMPY = {"tensor(float)": np.float32, "tensor(float16)": np.float16, "tensor(bool)": np.bool_}
+
 
 class PortableEngine(Engine):
     name = "portable"
@@ -43,6 +45,12 @@ class PortableEngine(Engine):
             for graph in ("training_model", "eval_model"))
         self._train_inputs = [i.name for i in self._train_session.get_inputs()]
         self._train_outputs = [o.name for o in self._train_session.get_outputs()]
+        # loss and all_finite land in host buffers made once where their shapes are static (the
+        # contract's scalars), read without fetching every bound output each step
+        self._host_outputs = {o.name: runtime.ort().OrtValue.ortvalue_from_shape_and_type(o.shape, _NUMPY[o.type], "cpu", 0)
+                              for o in self._train_session.get_outputs()
+                              if o.name in (LOSS, ALL_FINITE) and o.type in _NUMPY
+                              and all(isinstance(d, int) for d in o.shape)}
         self._eval_inputs = [i.name for i in self._eval_session.get_inputs()]
         self._eval_outputs = [o.name for o in self._eval_session.get_outputs()]
 
@@ -60,6 +68,7 @@ class PortableEngine(Engine):
         self._spare_params: dict | None = None
         # training bindings with the state bound, by which of the two sets is current (_bound_state)
         self._bindings: dict[tuple[int, int], object] = {}
+        self._batch_inputs: list[str] | None = None  # the training inputs bound per step, in order
 
     # --- graphs ---------------------------------------------------------------------------
 
@@ -83,6 +92,8 @@ class PortableEngine(Engine):
         for name in self._train_outputs:
             if name in outputs:
                 binding.bind_ortvalue_output(name, self._spare_grads[outputs[name]])
+            elif name in self._host_outputs:
+                binding.bind_ortvalue_output(name, self._host_outputs[name])
             elif name in (LOSS, ALL_FINITE):
                 binding.bind_output(name, "cpu")
             else:  # loss_scaled: nobody reads it, it stays where it was computed
@@ -92,15 +103,21 @@ class PortableEngine(Engine):
 
     def train(self, feeds: Mapping[str, np.ndarray]) -> tuple[float, bool]:
         binding = self._bound_state()
-        state = set(self._params) | {accumulation_buffer(p) for p in self.requires_grad}
-        for name in self._train_inputs:
+        if self._batch_inputs is None:
+            state = set(self._params) | {accumulation_buffer(p) for p in self.requires_grad}
+            self._batch_inputs = [name for name in self._train_inputs if name not in state]
+        for name in self._batch_inputs:
             if name == LAZY_RESET_GRAD:
                 binding.bind_cpu_input(name, np.array([self._reset]))
-            elif name not in state:
+            else:
                 binding.bind_cpu_input(name, feeds[name])
         self._train_session.run_with_iobinding(binding)
-        produced = binding.get_outputs()  # in binding order: self._train_outputs'
-        values = {name: produced[i].numpy() for i, name in enumerate(self._train_outputs) if name in (LOSS, ALL_FINITE)}
+        if len(self._host_outputs) == 2:
+            values = {name: value.numpy() for name, value in self._host_outputs.items()}
+        else:
+            produced = binding.get_outputs()  # in binding order: self._train_outputs'
+            values = {name: produced[i].numpy() for i, name in enumerate(self._train_outputs)
+                      if name in (LOSS, ALL_FINITE)}
         self._grads, self._spare_grads = self._spare_grads, self._grads
         self._reset = False
         return float(values[LOSS]), bool(values[ALL_FINITE])
@@ -120,7 +137,7 @@ class PortableEngine(Engine):
     def step(self) -> None:
         if self._spare_params is None:
             self._spare_params = {p: runtime.empty_like(self._params[p], self._where) for p in self.requires_grad}
-        self._update.run(self._params, self._grads, self._spare_params)
+        self._update.run(self._params, self._grads, self._spare_params, stable=True)
         for p in self.requires_grad:
             self._params[p], self._spare_params[p] = self._spare_params[p], self._params[p]
 

@@ -65,24 +65,50 @@ class Update:
         self._state = {slot_input(p, slot): runtime.to_ortvalue(zeros[p], where)
                        for p in self.requires_grad for slot in self.slots}
         self._spare: dict | None = None
+        # io bindings by the identities of the state they bind, for callers whose OrtValues are
+        # only ever swapped or written in place (run's ``stable``)
+        self._bindings: dict[tuple, tuple] = {}
         self.step = 0  # applied updates
         self.lr = default_learning_rate(artifacts)
 
     def empty_like(self, ortvalue):
         return runtime.empty_like(ortvalue, self._where)
 
-    def run(self, params: Mapping[str, object], grads: Mapping[str, object], into: Mapping[str, object]) -> None:
+    def run(self, params: Mapping[str, object], grads: Mapping[str, object], into: Mapping[str, object],
+            *, stable: bool = False) -> None:
         """One update: reads ``params`` and ``grads`` (OrtValues by parameter name), writes the new
-        parameters into ``into`` and advances the slots and the step count."""
+        parameters into ``into`` and advances the slots and the step count.  ``stable``: the caller
+        passes the same few OrtValues every step (swapped, or written in place), so the binding of
+        each pairing is kept (:meth:`_bound`); otherwise it is made anew."""
         if self._spare is None:
             self._spare = {k: self.empty_like(v) for k, v in self._state.items()}
+        binding = self._bound(params, grads, into, keep=stable)
+        # the two scalars change every step; rebinding a name replaces its value
+        if LEARNING_RATE in self._inputs:
+            binding.bind_cpu_input(LEARNING_RATE, np.array(self.lr, dtype=np.float32))
+        if STEP in self._inputs:
+            binding.bind_cpu_input(STEP, np.array(self.step + 1, dtype=np.int64))
+        self._session.run_with_iobinding(binding)
+        self._state, self._spare = self._spare, self._state
+        self.step += 1
+
+    def _bound(self, params: Mapping[str, object], grads: Mapping[str, object], into: Mapping[str, object],
+               keep: bool):
+        """The binding of the state OrtValues for this pairing of the parameter, gradient and slot
+        sets.  Each set swaps with its spare every step, so a run sees at most a few pairings;
+        binding every input and output anew (several per parameter) cost about as much Python time
+        as the optimizer graph's run on a small model.  The learning rate and step are bound per run."""
+        first = self.requires_grad[0]
+        slot = next(iter(self._state), None)
+        which = (params[first], grads[first], into[first], *((self._state[slot], self._spare[slot]) if slot else ()))
+        key = tuple(map(id, which))
+        if key in self._bindings:
+            return self._bindings[key][0]
         binding = self._session.io_binding()
         grad_of = {grad_input(p): p for p in grads}
         for name in self._inputs:
-            if name == LEARNING_RATE:
-                binding.bind_cpu_input(name, np.array(self.lr, dtype=np.float32))
-            elif name == STEP:
-                binding.bind_cpu_input(name, np.array(self.step + 1, dtype=np.int64))
+            if name in (LEARNING_RATE, STEP):
+                continue  # bound by run()
             elif name in params:
                 binding.bind_ortvalue_input(name, params[name])
             elif name in grad_of:
@@ -99,9 +125,9 @@ class Update:
                 binding.bind_ortvalue_output(name, self._spare[source])
             else:
                 raise OnnxMPError(f"the optimizer graph has an unknown output {name!r}", _REBUILD)
-        self._session.run_with_iobinding(binding)
-        self._state, self._spare = self._spare, self._state
-        self.step += 1
+        if keep:
+            self._bindings[key] = (binding, which)  # holding ``which`` keeps its ids from being reused
+        return binding
 
     def state_dict(self) -> dict[str, np.ndarray]:
         """The slots (``P.<slot>``) and the update count, as arrays."""
