@@ -304,6 +304,13 @@ CASES: list[Case] = [
          {"x": F((2, 3, 5, 4), ("N", 3, 5, 4)), "w": F((4, 3, 1, 1))}),
     Case("Conv_1x1_padded", ("", "Conv"), [N("Conv", ["x", "w"], pads=[1, 0, 1, 0], strides=[2, 1])],
          {"x": F((2, 3, 5, 4)), "w": F((4, 3, 1, 1))}),
+    # float32, kernel positions <= Cout: the weight gradient is X's patches (a one-hot depthwise
+    # Conv) and one Einsum with dY
+    Case("Conv_patches", ("", "Conv"), [N("Conv", ["x", "w", "b"], pads=[1, 1, 1, 1])],
+         {"x": F((2, 3, 5, 5), ("N", 3, 5, 5)), "w": F((9, 3, 3, 3)), "b": F((9,))}),
+    Case("Conv_patches_strided_dilated", ("", "Conv"),
+         [N("Conv", ["x", "w"], strides=[2, 1], dilations=[1, 2], pads=[1, 2, 0, 1])],
+         {"x": F((2, 2, 7, 6), ("N", 2, "H", "W")), "w": F((6, 2, 3, 2))}),
     Case("Conv_1d_same", ("", "Conv"), [N("Conv", ["x", "w"], auto_pad="SAME_UPPER", strides=[2])],
          {"x": F((2, 2, 7)), "w": F((3, 2, 4))}),
     Case("ConvTranspose_grouped", ("", "ConvTranspose"),

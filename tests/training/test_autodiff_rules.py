@@ -290,6 +290,28 @@ def test_pointwise_conv_weight_gradient_is_one_einsum(name, einsum):
     assert ("Transpose" not in ops) == einsum
 
 
+@pytest.mark.parametrize("name, patches", [("Conv_patches", True), ("Conv_patches_strided_dilated", True),
+                                           ("Conv", False), ("Conv_strided", False), ("Conv_grouped", False),
+                                           ("Conv_1x1", False)])
+def test_conv_weight_gradient_by_patches(name, patches):
+    """float32, kernel positions <= Cout, one group: dW is a one-hot depthwise Conv of X (its
+    patches) and one Einsum, no Transpose; fewer output channels (Conv: 4 < 9), grouped or 1x1:
+    not.  Neither in float64 (onnxruntime's CPU Conv is float32 only)."""
+    from autodiff_cases import case_named
+
+    for dtype in (np.float32, np.float64):
+        model, _, wrt = with_loss(case_named(name), dtype)
+        grad_model, _ = backward(model, LOSS, wrt)
+        forward = {n.name for n in model.graph.node}
+        added = [n for n in grad_model.graph.node if n.name not in forward]
+        onehot = [n for n in added if n.op_type == "Conv" and "patch_kernel" in n.input[1]]
+        fires = patches and dtype == np.float32
+        assert bool(onehot) == fires, dtype
+        if fires:
+            assert "Transpose" not in [n.op_type for n in added]
+            assert [n.op_type for n in added].count("Einsum") == 1
+
+
 @pytest.mark.parametrize("name, unsqueeze", [("ReduceSum_all", False), ("ReduceMax_all", False),
                                              ("ReduceSum", True), ("ReduceL2", True)])
 def test_a_reduction_to_a_scalar_needs_no_unsqueeze(name, unsqueeze):
