@@ -304,13 +304,17 @@ CASES: list[Case] = [
          {"x": F((2, 3, 5, 4), ("N", 3, 5, 4)), "w": F((4, 3, 1, 1))}),
     Case("Conv_1x1_padded", ("", "Conv"), [N("Conv", ["x", "w"], pads=[1, 0, 1, 0], strides=[2, 1])],
          {"x": F((2, 3, 5, 4)), "w": F((4, 3, 1, 1))}),
-    # float32, kernel positions <= Cout: the weight gradient is X's patches (a one-hot depthwise
-    # Conv) and one Einsum with dY
+    # float32, static extents, 8 or more channels: the weight gradient is one Gather of X's
+    # patches and one Gemm with dY (symbolic extents: not)
     Case("Conv_patches", ("", "Conv"), [N("Conv", ["x", "w", "b"], pads=[1, 1, 1, 1])],
-         {"x": F((2, 3, 5, 5), ("N", 3, 5, 5)), "w": F((9, 3, 3, 3)), "b": F((9,))}),
+         {"x": F((2, 8, 5, 5), ("N", 8, 5, 5)), "w": F((4, 8, 3, 3)), "b": F((4,))}),
     Case("Conv_patches_strided_dilated", ("", "Conv"),
          [N("Conv", ["x", "w"], strides=[2, 1], dilations=[1, 2], pads=[1, 2, 0, 1])],
-         {"x": F((2, 2, 7, 6), ("N", 2, "H", "W")), "w": F((6, 2, 3, 2))}),
+         {"x": F((2, 8, 7, 6), ("N", 8, 7, 6)), "w": F((3, 8, 3, 2))}),
+    Case("Conv_patches_1d", ("", "Conv"), [N("Conv", ["x", "w"], strides=[3], pads=[2, 0])],
+         {"x": F((2, 9, 8)), "w": F((2, 9, 4))}),
+    Case("Conv_patches_symbolic_extents", ("", "Conv"), [N("Conv", ["x", "w"], pads=[1, 1, 1, 1])],
+         {"x": F((1, 8, 4, 5), ("N", 8, "H", "W")), "w": F((2, 8, 3, 3))}),
     Case("Conv_1d_same", ("", "Conv"), [N("Conv", ["x", "w"], auto_pad="SAME_UPPER", strides=[2])],
          {"x": F((2, 2, 7)), "w": F((3, 2, 4))}),
     Case("ConvTranspose_grouped", ("", "ConvTranspose"),

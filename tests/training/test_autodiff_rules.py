@@ -291,12 +291,12 @@ def test_pointwise_conv_weight_gradient_is_one_einsum(name, einsum):
 
 
 @pytest.mark.parametrize("name, patches", [("Conv_patches", True), ("Conv_patches_strided_dilated", True),
-                                           ("Conv", False), ("Conv_strided", False), ("Conv_grouped", False),
-                                           ("Conv_1x1", False)])
+                                           ("Conv_patches_1d", True), ("Conv_patches_symbolic_extents", False),
+                                           ("Conv", False), ("Conv_grouped", False), ("Conv_1x1", False)])
 def test_conv_weight_gradient_by_patches(name, patches):
-    """float32, kernel positions <= Cout, one group: dW is a one-hot depthwise Conv of X (its
-    patches) and one Einsum, no Transpose; fewer output channels (Conv: 4 < 9), grouped or 1x1:
-    not.  Neither in float64 (onnxruntime's CPU Conv is float32 only)."""
+    """float32, static extents, 8 or more channels, one group, a kernel wider than 1x1: dW is one
+    Gather of X's patches and one Gemm, and the Conv's only Conv-like node is its dX; symbolic
+    extents, 3 channels (Conv), grouped or 1x1: not.  Nor in float64."""
     from autodiff_cases import case_named
 
     for dtype in (np.float32, np.float64):
@@ -304,12 +304,12 @@ def test_conv_weight_gradient_by_patches(name, patches):
         grad_model, _ = backward(model, LOSS, wrt)
         forward = {n.name for n in model.graph.node}
         added = [n for n in grad_model.graph.node if n.name not in forward]
-        onehot = [n for n in added if n.op_type == "Conv" and "patch_kernel" in n.input[1]]
+        gathers = [n for n in added if n.op_type == "Gather" and "patch_positions" in n.input[1]]
         fires = patches and dtype == np.float32
-        assert bool(onehot) == fires, dtype
+        assert bool(gathers) == fires, dtype
         if fires:
-            assert "Transpose" not in [n.op_type for n in added]
-            assert [n.op_type for n in added].count("Einsum") == 1
+            ops = [n.op_type for n in added]
+            assert ops.count("Gemm") == 1 and "Conv" not in ops and "Einsum" not in ops
 
 
 @pytest.mark.parametrize("name, unsqueeze", [("ReduceSum_all", False), ("ReduceMax_all", False),

@@ -4,8 +4,8 @@ Conv's input gradient is one ConvTranspose (its output_padding computed at build
 spatial extents are static or the strides are 1); its weight gradient one Conv with the batch
 and channel axes swapped (strides and dilations exchanged), cropped to the kernel by a constant
 Slice; for a 1x1 Conv without pads, one Einsum over the batch and positions; for a float32 Conv
-whose kernel has at most Cout positions, X's patches (a depthwise Conv by a one-hot kernel) and
-one Einsum with dY, as onnxruntime's ConvGrad computes it.  MaxPool's gradient scatters into the
+of static extents and 8 or more input channels, X's patches (one Gather of X channels-last) and
+one Gemm with dY, as onnxruntime's ConvGrad computes it.  MaxPool's gradient scatters into the
 forward's own Indices output (added when absent)."""
 from __future__ import annotations
 
@@ -90,8 +90,10 @@ def _weight_grad(c, x, w_shape, dy, kernel, strides, dilations, begin, end, grou
     cout, cin_group = w_shape[0], w_shape[1]
     if group == 1 and like is None and all(k == 1 for k in kernel) and not any(begin + end):
         return _pointwise_weight_grad(c, x, w_shape, dy, strides)
-    if group == 1 and like is None and _patches_pay(c, x, w_shape, kernel):
-        return _patch_weight_grad(c, x, w_shape, dy, kernel, strides, dilations, begin, end)
+    geometry = _patch_geometry(c, x, w_shape, kernel, strides, dilations, begin, end) \
+        if group == 1 and like is None else None
+    if geometry is not None:
+        return _patch_weight_grad(c, x, w_shape, dy, kernel, strides, dilations, begin, end, *geometry)
     end = _unused_end(c, x_like, kernel, strides, dilations, begin, end)
     attrs = dict(strides=dilations, dilations=strides, pads=begin + end)
     if group == 1:
@@ -128,40 +130,51 @@ def _pointwise_weight_grad(c: Vjp, x: str, w_shape, dy: str, strides: list[int])
     return c.op("Reshape", grad, c.ints(list(w_shape)))
 
 
-# The one-hot patch conv's constant kernel is C * K * K elements (K = the kernel's positions).
-PATCH_KERNEL_LIMIT = 1 << 20
+# The patches of one sample (positions x kernel positions x channels) at most this many elements:
+# they exist for the whole batch at once, K times X.
+PATCH_LIMIT = 1 << 22
 
 
-def _patches_pay(c: Vjp, x: str, w_shape, kernel: list[int]) -> bool:
-    """Whether :func:`_patch_weight_grad` is the cheaper form: float32 (onnxruntime's CPU Conv
-    and Einsum), a kernel of more than one position, and the patch conv's K multiply-adds per
-    patch element at most the matrix product's ``Cout`` per element (ResNet's 3x3 convs of 16
-    channels and more; not its 7x7 stem of 16, where the patches cost 49 per element and the
-    swapped Conv is 2x faster)."""
-    positions = int(np.prod(kernel))
-    return (c.elem(x) == TensorProto.FLOAT and 1 < positions <= w_shape[0]
-            and w_shape[1] * positions * positions <= PATCH_KERNEL_LIMIT)
+def _patch_geometry(c: Vjp, x: str, w_shape, kernel, strides, dilations, begin, end):
+    """(padded extents, output extents) when :func:`_patch_weight_grad` is the cheaper form, else
+    None: float32, one group, static spatial extents, a kernel of more than one position and at
+    least 8 input channels (each gathered block 32 bytes or more: ResNet's 3x3 convs of 16 and 32
+    channels take 45-60% of the swapped Conv's time; its 7x7 stem of 3 channels, gathered 3
+    floats at a time, 180%)."""
+    sizes = _spatial(c, x, len(kernel))
+    if (c.elem(x) != TensorProto.FLOAT or not all(isinstance(d, int) for d in sizes)
+            or int(np.prod(kernel)) < 2 or w_shape[1] < 8):
+        return None
+    padded = [d + b + e for d, b, e in zip(sizes, begin, end)]
+    outs = [(p - (k - 1) * dl - 1) // s + 1 for p, k, s, dl in zip(padded, kernel, strides, dilations)]
+    if min(outs) < 1 or int(np.prod(outs)) * int(np.prod(kernel)) * w_shape[1] > PATCH_LIMIT:
+        return None
+    return padded, outs
 
 
-def _patch_weight_grad(c: Vjp, x: str, w_shape, dy: str, kernel, strides, dilations, begin, end) -> str:
-    """The weight gradient as onnxruntime's ConvGrad computes it: X's patches (im2col) by one
-    depthwise Conv with a constant one-hot kernel (the forward's geometry; output channel
-    ``c * K + k`` is input channel ``c`` at kernel position ``k``, so [N, C*K, *O]), then one
-    Einsum of dY with them over the batch and positions, [Cout, C*K], which is the weight's
-    layout.  No transposes of X or dY.  On ResNet's (batch 8, one thread, profile_step) the
-    16-channel 3x3 convs' dW 110 -> 85 us each (the swapped Conv's matrix products are Cout x K over
-    N*positions, narrow for onnxruntime's CPU GEMM; these are Cout x C*K), the 32-channel ones even.
-    The patches are exact (one product by 1, the rest by 0) while X is finite."""
-    channels, positions = w_shape[1], int(np.prod(kernel))
-    onehot = np.zeros([channels * positions, 1, positions], np.float32)
-    onehot[:, 0, :] = np.tile(np.eye(positions, dtype=np.float32), (channels, 1))
-    onehot = onehot.reshape([channels * positions, 1, *kernel])
-    patches = c.op("Conv", x, c.emit.constant(onehot, "patch_kernel"), strides=strides, dilations=dilations,
-                   pads=list(begin) + list(end), group=channels if channels != 1 else None)
-    c.emit.needs_opset(12)
-    grad = c.op("Einsum", c.op("Reshape", dy, c.ints([0, w_shape[0], -1])),
-                c.op("Reshape", patches, c.ints([0, channels * positions, -1])), equation="nkp,njp->kj")
-    return c.op("Reshape", grad, c.ints(list(w_shape)))
+def _patch_weight_grad(c: Vjp, x: str, w_shape, dy: str, kernel, strides, dilations, begin, end,
+                       padded, outs) -> str:
+    """The weight gradient as onnxruntime's ConvGrad computes it, X's patches (im2col) times dY,
+    in standard ops: X channels-last and padded, [N, *S', C], flattened to [N, S, C]; one Gather
+    of its positions by a constant table [P, K] (output position p, kernel position k: the input
+    position p reads at k), [N, P, K, C], each gathered row C floats; as [N*P, K*C], one Gemm with
+    dY as [N*P, Cout] (transposed), [Cout, K*C], the weight up to a transpose of its last axes.
+    On ResNet's 3x3 convs (batch 8, one thread) 45-60% of the swapped Conv's time, whose matrix
+    products are Cout x K over N*positions, narrow for onnxruntime's CPU GEMM."""
+    n = len(kernel)
+    cout, channels, positions = w_shape[0], w_shape[1], int(np.prod(kernel))
+    last = [0, *range(2, 2 + n), 1]
+    xp = c.op("Pad", c.transpose(x, last), c.ints([0, *begin, 0, 0, *end, 0]))
+    rows = c.op("Reshape", xp, c.ints([0, int(np.prod(padded)), channels]))
+    grids = np.meshgrid(*[np.arange(o) for o in outs], *[np.arange(k) for k in kernel], indexing="ij")
+    flat = np.zeros(grids[0].shape, np.int64)
+    for a in range(n):
+        flat = flat * padded[a] + grids[a] * strides[a] + grids[n + a] * dilations[a]
+    table = c.emit.constant(flat.reshape(int(np.prod(outs)), positions), "patch_positions")
+    patches = c.op("Reshape", c.op("Gather", rows, table, axis=1), c.ints([-1, positions * channels]))
+    dys = c.op("Reshape", c.transpose(c.op("Reshape", dy, c.ints([0, cout, -1])), [0, 2, 1]), c.ints([-1, cout]))
+    grad = c.op("Reshape", c.op("Gemm", dys, patches, transA=1), c.ints([cout, positions, channels]))
+    return c.op("Reshape", c.transpose(grad, [0, 2, 1]), c.ints(list(w_shape)))
 
 
 def _regroup(c: Vjp, t: str, shape, group: int, per_group: int, n: int, kernel_layout: bool = False) -> str:
