@@ -312,6 +312,23 @@ def test_conv_weight_gradient_by_patches(name, patches):
             assert ops.count("Gemm") == 1 and "Conv" not in ops and "Einsum" not in ops
 
 
+def test_conv_patches_over_the_limit_keep_the_swapped_conv(monkeypatch):
+    """A sample's patches above PATCH_LIMIT elements (Conv_patches: 25 positions x 9 x 8 = 1800):
+    the swapped Conv, no patch Gather."""
+    from autodiff_cases import case_named
+
+    from onnxmp.training.build.autodiff import conv
+
+    def patch_gathers(limit):
+        monkeypatch.setattr(conv, "PATCH_LIMIT", limit)
+        model, _, wrt = with_loss(case_named("Conv_patches"), np.float32)
+        grad_model, _ = backward(model, LOSS, wrt)
+        return [n for n in grad_model.graph.node if n.op_type == "Gather" and "patch_positions" in n.input[1]]
+
+    assert not patch_gathers(1799)
+    assert len(patch_gathers(1800)) == 1
+
+
 @pytest.mark.parametrize("name, unsqueeze", [("ReduceSum_all", False), ("ReduceMax_all", False),
                                              ("ReduceSum", True), ("ReduceL2", True)])
 def test_a_reduction_to_a_scalar_needs_no_unsqueeze(name, unsqueeze):

@@ -130,9 +130,9 @@ def _pointwise_weight_grad(c: Vjp, x: str, w_shape, dy: str, strides: list[int])
     return c.op("Reshape", grad, c.ints(list(w_shape)))
 
 
-# The patches of one sample (positions x kernel positions x channels) at most this many elements:
-# they exist for the whole batch at once, K times X.
-PATCH_LIMIT = 1 << 22
+# The patches of one sample (positions x kernel positions x channels) at most this many elements
+# (4 MiB): they exist for the whole batch at once, K times X, where ConvGrad holds one sample's.
+PATCH_LIMIT = 1 << 20
 
 
 def _patch_geometry(c: Vjp, x: str, w_shape, kernel, strides, dilations, begin, end):
