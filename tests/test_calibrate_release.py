@@ -248,3 +248,25 @@ def test_the_driver_releases_what_an_earlier_cycle_forced_and_each_accepted_cand
     calibration = state["cal"]
     for candidate in accepted:
         assert calibration.measure(calibration.convert(candidate)).tune_error <= 5e-4, sorted(candidate)
+
+
+def test_a_gemm_a_range_seed_keeps_in_fp32_is_listed_with_the_seed_not_tried():
+    from onnxmp.calibrate.driver import _Calibration
+    from onnxmp.options import Options
+    from tests.test_calibrate_truth import _conv_net, _samples
+
+    model = _conv_net(layers=6)
+    head = next(t for t in model.graph.initializer if t.name == "head")
+    # Weights that turn subnormal in float16: the range seed keeps the Gemm in fp32, whatever the search says.
+    head.CopyFrom(numpy_helper.from_array(numpy_helper.to_array(head) * 1e-6, "head"))
+    cal = _Calibration(model, Options(calibration=_samples(4), tolerance=5e-4, holdout=1))
+    plain = cal.convert({})
+    assert plain.report.node_colors()["gemm"] != "allow"
+    cal.run()
+    forced = {**cal.forced, "conv3": "accuracy fallback: an earlier cycle"}
+    best = cal.convert(forced)
+    model, _ = cal.release_landed(best, cal.measure(best), forced)
+    record = cal.report.release
+    ruled = {r.node: r.reason for r in record.ruled}
+    assert "seed_deny_from_initializer_range" in ruled["gemm"] and "gemm" not in {k.node for k in record.kept}
+    assert "gemm (Gemm): seed_deny_from_initializer_range" in "\n".join(record.summary_lines("float16", 5e-4, 10))
