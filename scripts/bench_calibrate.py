@@ -64,7 +64,9 @@ def _run_onnxmp(model, samples, holdout: int, tolerance: float):
                           "fallback": any(m.reason == "all-float32 fallback" for m in cal.moved),
                           "released": None if release is None else len(release.released),
                           "kept_proven": None if release is None or not release.proven
-                          else {k.node: k.error_released for k in release.kept}}
+                          else {k.node: k.error_released for k in release.kept},
+                          "ruled": None if release is None else {r.node: r.reason for r in release.ruled},
+                          "release_landed": None if release is None else release.landed}
 
 
 def _run_occ(model, samples, holdout: int, tolerance: float):
