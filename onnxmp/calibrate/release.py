@@ -17,6 +17,11 @@ error with it alone back in low precision and everything else as written, above 
 A failing candidate's error may stop at the first failing sample, so the figure is a lower bound
 ("at least"), which is all a proof of failure needs.  Cost: ``1 + m`` runs for ``m`` members plus
 the re-measures.
+
+The driver calls it twice: in each cycle over that cycle's set, and once the search lands over every
+Conv/MatMul/Gemm the landed model forces, whichever cycle forced it (``driver.release_landed``); the
+second record is the one reported, with the Conv/MatMul/Gemm that the coloring itself keeps in fp32
+(:class:`RuledHeavy`), so the proof covers every one the written model computes in fp32.
 """
 from __future__ import annotations
 
