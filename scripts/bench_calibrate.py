@@ -65,8 +65,9 @@ def _run_onnxmp(model, samples, holdout: int, tolerance: float):
                           "released": None if release is None else len(release.released),
                           "kept_proven": None if release is None or not release.proven
                           else {k.node: k.error_released for k in release.kept},
-                          "ruled": None if release is None else {r.node: r.reason for r in release.ruled},
-                          "release_landed": None if release is None else release.landed}
+                          # getattr: a --before checkout may predate the landed-model release
+                          "ruled": None if release is None else {r.node: r.reason for r in getattr(release, "ruled", [])},
+                          "release_landed": None if release is None else getattr(release, "landed", None)}
 
 
 def _run_occ(model, samples, holdout: int, tolerance: float):
