@@ -66,7 +66,8 @@ def _run_onnxmp(model, samples, holdout: int, tolerance: float):
                           "kept_proven": None if release is None or not release.proven
                           else {k.node: k.error_released for k in release.kept},
                           # getattr: a --before checkout may predate the landed-model release
-                          "ruled": None if release is None else {r.node: r.reason for r in getattr(release, "ruled", [])},
+                          "ruled": None if release is None
+                          else {r.node: r.reason for r in getattr(release, "ruled", [])},
                           "release_landed": None if release is None else getattr(release, "landed", None)}
 
 
