@@ -405,7 +405,7 @@ class _Calibration:
 
         Each cycle's release tries only that cycle's set: a cycle's board switches only the nodes still
         low after the cycles before it, so what an earlier cycle forced is never tried again, and the
-        last cycle's proof left it out (PP-OCRv4's detector: 3 of its 28 fp32 Conv listed).  Here every
+        last cycle's proof left it out (PP-OCRv4's detector: 3 of its 27 fp32 Conv listed).  Here every
         forced Conv/MatMul/Gemm is tried back in low precision on the first cycle's board (every node
         plain conversion makes low), each candidate scored as the model it writes; the releases that
         pass are converted and confirmed, and kept when the confirmed model is the better one.  A
