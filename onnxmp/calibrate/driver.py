@@ -46,7 +46,7 @@ from onnxmp.calibrate.samples import _check_references, _fold_magnitudes, _probe
 from onnxmp.calibrate.search import BudgetExhausted, Oracle, find_fp32_set
 from onnxmp.calibrate.session import cpu_session, run_samples
 from onnxmp.calibrate.switchboard import LowNode, Switchboard
-from onnxmp.external import discard_spilled
+from onnxmp.external import discard_spilled, is_large
 from onnxmp.fusions import inside_fused_kernels
 from onnxmp.load import ModelLike, load
 from onnxmp.normalize import normalize
@@ -125,12 +125,14 @@ class _PlainSearch:
     """The first cycle's search: its board switches every node plain conversion makes low, and its
     oracle scored candidates with nothing forced before them (keys: the whole fp32 set)."""
 
-    board: Switchboard
+    board: Switchboard | None  # None once a later cycle built its own (one board alive at a time)
     low: Mapping[str, LowNode]
     heavy: frozenset[str]
-    oracle: Oracle
+    oracle: Oracle | None
     order: list[str]  # the attribution ranking, most blamed first
     joined: bool  # whether the held-out samples were among its samples
+    fills: Mapping[str, float]
+    low_io: frozenset[str]
 
 
 class _Calibration:
@@ -293,6 +295,10 @@ class _Calibration:
 
     def search(self, low: Mapping[str, LowNode], fills: Mapping[str, float], tune_tol: float,
                bar: RunBar, low_io: frozenset[str] = frozenset()) -> list[MovedNode]:
+        if self._plain is not None:
+            # A board holds a session and rounded copies of the weights: two alive at once doubled the
+            # peak on a 2.25 GB model.  The release over the landed model builds it again if needed.
+            self._plain.board = self._plain.oracle = None
         board = Switchboard(self.original, low, self.precision, fills, low_io)
         heavy = frozenset(name for name, n in low.items() if n.op in TENSOR_CORE_OPS)
         bar.heavy, bar.tolerance = heavy, tune_tol
@@ -309,7 +315,7 @@ class _Calibration:
         if self._plain is None:
             # The first cycle's board switches every node plain conversion makes low: the release over
             # the landed model (release_landed) tries there what later cycles no longer switch.
-            self._plain = _PlainSearch(board, low, heavy, oracle, [], bool(self.report.holdout_joined))
+            self._plain = _PlainSearch(board, low, heavy, oracle, [], bool(self.report.holdout_joined), fills, low_io)
         try:
             if max(self.plan.errors(self.search_refs, self.search_refs).values(), default=0.0) > tune_tol:
                 log.warning("the metric rejects the float32 model itself; no mix can pass")
@@ -343,6 +349,8 @@ class _Calibration:
                 for name in board.nodes if name in probe.fp32]
         finally:
             self.runs += oracle.runs
+            if self._plain.board is board and is_large(self.original):
+                self._plain.board = self._plain.oracle = None  # not alive beside the confirmation's session
         return [*found, *(MovedNode(c, low[c].op, "follows its reader", None, None)
                           for item in found for c in board.followers.get(item.node, ()))]
 
@@ -413,6 +421,8 @@ class _Calibration:
         plain = self._plain
         if plain is None:
             return best, best_m
+        if plain.board is None:
+            plain.board = Switchboard(self.original, plain.low, self.precision, plain.fills, plain.low_io)
         ops = {v.node: v.op for v in best.report.vertices}
         colors = best.report.node_colors()
         fp32_heavy = [n for n, op in ops.items() if op in TENSOR_CORE_OPS and colors.get(n) != "allow"]
@@ -423,7 +433,7 @@ class _Calibration:
             if self.report.release is not None:
                 self.report.release.ruled = ruled
             return best, best_m
-        if bool(self.report.holdout_joined) == plain.joined and not extra:
+        if plain.oracle is not None and bool(self.report.holdout_joined) == plain.joined and not extra:
             oracle = plain.oracle  # same board, samples and base: its cache holds what cycle 1 measured
         else:
             evaluate = self._scorer(plain.board, self._order_samples, self.tolerance)
@@ -438,6 +448,7 @@ class _Calibration:
         finally:
             self.forced = saved
             self.runs += oracle.runs - before
+            plain.board = plain.oracle = None  # done with: not alive beside the confirmation's session
         record.landed, record.ruled = True, ruled
         self.report.release = record
         if not record.released:
