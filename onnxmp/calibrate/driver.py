@@ -423,6 +423,7 @@ class _Calibration:
             return best, best_m
         if plain.board is None:
             plain.board = Switchboard(self.original, plain.low, self.precision, plain.fills, plain.low_io)
+        followers = plain.board.followers
         ops = {v.node: v.op for v in best.report.vertices}
         colors = best.report.node_colors()
         fp32_heavy = [n for n, op in ops.items() if op in TENSOR_CORE_OPS and colors.get(n) != "allow"]
@@ -453,7 +454,7 @@ class _Calibration:
         self.report.release = record
         if not record.released:
             return best, best_m
-        gone = set(record.released) | {c for n in record.released for c in plain.board.followers.get(n, ())}
+        gone = set(record.released) | {c for n in record.released for c in followers.get(n, ())}
         forced = {n: c for n, c in best_forced.items() if n not in gone}
         cand = self.convert(forced)
         cand_m = self.measure(cand)
