@@ -64,7 +64,11 @@ def _run_onnxmp(model, samples, holdout: int, tolerance: float):
                           "fallback": any(m.reason == "all-float32 fallback" for m in cal.moved),
                           "released": None if release is None else len(release.released),
                           "kept_proven": None if release is None or not release.proven
-                          else {k.node: k.error_released for k in release.kept}}
+                          else {k.node: k.error_released for k in release.kept},
+                          # getattr: a --before checkout may predate the landed-model release
+                          "ruled": None if release is None
+                          else {r.node: r.reason for r in getattr(release, "ruled", [])},
+                          "release_landed": None if release is None else getattr(release, "landed", None)}
 
 
 def _run_occ(model, samples, holdout: int, tolerance: float):

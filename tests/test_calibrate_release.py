@@ -157,3 +157,116 @@ def test_the_driver_reports_the_release_and_the_written_model_meets_the_toleranc
     assert worst <= 5e-4 and worst == pytest.approx(cal.final.worst, rel=1e-3, abs=1e-7)
     text = "\n".join(cal.summary_lines())
     assert "release:" in text
+
+
+# --- the release over the landed model: what earlier cycles forced, and the proof for every one ------
+
+
+def _landed(tolerance: float = 5e-4):
+    """A calibration of the Conv/BN/HardSwish net that lands with bn1 and the Gemm head in fp32."""
+    from onnxmp.calibrate.driver import _Calibration
+    from onnxmp.options import Options
+    from tests.test_calibrate_truth import _conv_net, _samples
+
+    cal = _Calibration(_conv_net(layers=6), Options(calibration=_samples(4), tolerance=tolerance, holdout=1))
+    result = cal.run()
+    assert result.report.calibration.met and "gemm" in cal.forced
+    return cal
+
+
+def test_a_conv_an_earlier_cycle_forced_goes_back_to_fp16_when_the_landed_set_passes_without_it():
+    # conv3 forced as an earlier cycle would have left it: not in the last search's set, so its
+    # release never tried it.  The release over the landed model does (fires).
+    cal = _landed()
+    forced = {**cal.forced, "conv3": "accuracy fallback: an earlier cycle"}
+    best = cal.convert(forced)
+    assert best.report.node_colors()["conv3"] != "allow"
+    best_m = cal.measure(best)
+    model, measured = cal.release_landed(best, best_m, forced)
+    record = cal.report.release
+    assert record.landed and "conv3" in record.released and record.proven
+    assert model.report.node_colors()["conv3"] == "allow" and "conv3" not in cal.forced
+    assert measured.meets(cal.tolerance)
+    assert (model.report.tensor_core_share() or 0) > (best.report.tensor_core_share() or 0)
+
+
+def test_a_forced_gemm_whose_release_breaks_the_tolerance_stays_and_is_listed_with_its_error():
+    cal = _landed()
+    forced = dict(cal.forced)
+    best = cal.convert(forced)
+    model, _ = cal.release_landed(best, cal.measure(best), forced)
+    record = cal.report.release
+    assert record.landed and record.proven and "gemm" not in record.released  # does not fire
+    kept = {k.node: k.error_released for k in record.kept}
+    assert kept["gemm"] > cal.tolerance
+    assert model.report.node_colors()["gemm"] != "allow"
+    # Every Conv/MatMul/Gemm of the written model in fp32 is in the proof: measured, or ruled by the coloring.
+    colors, ops = model.report.node_colors(), {v.node: v.op for v in model.report.vertices}
+    fp32 = {n for n, op in ops.items() if op in ("Conv", "MatMul", "Gemm") and colors[n] != "allow"}
+    assert fp32 == set(kept) | {r.node for r in record.ruled}
+    text = "\n".join(record.summary_lines("float16", cal.tolerance, 10))
+    assert "all cycles" in text and "gemm (Gemm): >= " in text
+
+
+def test_the_driver_releases_what_an_earlier_cycle_forced_and_each_accepted_candidate_passes_written(monkeypatch):
+    import onnxmp.calibrate.driver as driver
+    from tests.test_calibrate_truth import _conv_net, _samples
+
+    real_search, real_release = driver._Calibration.search, driver._Calibration.release_landed
+    state = {"releasing": False}
+    accepted: list[dict[str, str]] = []
+
+    def search(self, low, *args, **kwargs):
+        self._test = self  # the calibration, for the checks below
+        found = real_search(self, low, *args, **kwargs)
+        if "conv3" in low and all(m.node != "conv3" for m in found):  # as an earlier cycle forcing it
+            found.append(driver.MovedNode("conv3", "Conv", "measurement", None, None))
+        return found
+
+    def release_landed(self, *args, **kwargs):
+        state["releasing"], state["cal"] = True, self
+        try:
+            return real_release(self, *args, **kwargs)
+        finally:
+            state["releasing"] = False
+
+    class Recording(driver.Oracle):
+        def __call__(self, fp32):
+            probe = super().__call__(fp32)
+            if state["releasing"] and probe.passed:
+                accepted.append({**state["cal"].forced, **dict.fromkeys(probe.fp32, "accepted")})
+            return probe
+
+    monkeypatch.setattr(driver._Calibration, "search", search)
+    monkeypatch.setattr(driver._Calibration, "release_landed", release_landed)
+    monkeypatch.setattr(driver, "Oracle", Recording)
+    result = onnxmp.convert(_conv_net(layers=6), calibration=_samples(4), tolerance=5e-4, holdout=1)
+    cal = result.report.calibration
+    assert cal.met and cal.release.landed and "conv3" in cal.release.released
+    assert result.report.node_colors()["conv3"] == "allow"
+    assert accepted, "the release accepted no candidate: nothing was checked"
+    calibration = state["cal"]
+    for candidate in accepted:
+        assert calibration.measure(calibration.convert(candidate)).tune_error <= 5e-4, sorted(candidate)
+
+
+def test_a_gemm_a_range_seed_keeps_in_fp32_is_listed_with_the_seed_not_tried():
+    from onnxmp.calibrate.driver import _Calibration
+    from onnxmp.options import Options
+    from tests.test_calibrate_truth import _conv_net, _samples
+
+    model = _conv_net(layers=6)
+    head = next(t for t in model.graph.initializer if t.name == "head")
+    # Weights that turn subnormal in float16: the range seed keeps the Gemm in fp32, whatever the search says.
+    head.CopyFrom(numpy_helper.from_array(numpy_helper.to_array(head) * 1e-6, "head"))
+    cal = _Calibration(model, Options(calibration=_samples(4), tolerance=5e-4, holdout=1))
+    plain = cal.convert({})
+    assert plain.report.node_colors()["gemm"] != "allow"
+    cal.run()
+    forced = {**cal.forced, "conv3": "accuracy fallback: an earlier cycle"}
+    best = cal.convert(forced)
+    model, _ = cal.release_landed(best, cal.measure(best), forced)
+    record = cal.report.release
+    ruled = {r.node: r.reason for r in record.ruled}
+    assert "seed_deny_from_initializer_range" in ruled["gemm"] and "gemm" not in {k.node for k in record.kept}
+    assert "gemm (Gemm): seed_deny_from_initializer_range" in "\n".join(record.summary_lines("float16", 5e-4, 10))

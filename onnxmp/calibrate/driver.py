@@ -31,6 +31,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
 
 import numpy as np
 import onnx
@@ -40,12 +41,12 @@ from onnxmp.calibrate.colorings import Colorings
 from onnxmp.calibrate.islands import fewer_casts, spare_heavy
 from onnxmp.calibrate.progress import RunBar
 from onnxmp.calibrate.records import REASONS, CalibrationReport, CycleRecord, Measurement, MovedNode, SeededTensor
-from onnxmp.calibrate.release import release_heavy
+from onnxmp.calibrate.release import RuledHeavy, release_heavy
 from onnxmp.calibrate.samples import _check_references, _fold_magnitudes, _probe, samples_from, split_holdout
 from onnxmp.calibrate.search import BudgetExhausted, Oracle, find_fp32_set
 from onnxmp.calibrate.session import cpu_session, run_samples
 from onnxmp.calibrate.switchboard import LowNode, Switchboard
-from onnxmp.external import discard_spilled
+from onnxmp.external import discard_spilled, is_large
 from onnxmp.fusions import inside_fused_kernels
 from onnxmp.load import ModelLike, load
 from onnxmp.normalize import normalize
@@ -119,6 +120,21 @@ def _low_nodes(model: onnx.ModelProto, report: Report) -> dict[str, LowNode]:
     return low
 
 
+@dataclass
+class _PlainSearch:
+    """The first cycle's search: its board switches every node plain conversion makes low, and its
+    oracle scored candidates with nothing forced before them (keys: the whole fp32 set)."""
+
+    board: Switchboard | None  # None once a later cycle built its own (one board alive at a time)
+    low: Mapping[str, LowNode]
+    heavy: frozenset[str]
+    oracle: Oracle | None
+    order: list[str]  # the attribution ranking, most blamed first
+    joined: bool  # whether the held-out samples were among its samples
+    fills: Mapping[str, float]
+    low_io: frozenset[str]
+
+
 class _Calibration:
     def __init__(self, model: ModelLike, options: Options):
         options.check_calibration()
@@ -152,6 +168,8 @@ class _Calibration:
         self.runs = 0
         self.forced: dict[str, str] = {}
         self._colorings: Colorings | None = None  # candidates' colorings, on convert's own load + normalize
+        self._plain: _PlainSearch | None = None  # the first cycle's board, oracle and ranking
+        self._order_samples: list[int] = []  # the last search's samples, hardest first
         self.report = CalibrationReport(
             tolerance=self.tolerance, metric=self.plan.describe(), threshold=calibration_threshold,
             samples=len(samples), tune_samples=len(self.tune), holdout_samples=len(self.held),
@@ -214,6 +232,7 @@ class _Calibration:
         best_m = rep.plain = self.measure(plain)
         current, current_m = plain, best_m
         forced = self.forced  # the nodes forced to float32 so far, and why
+        best_forced: dict[str, str] = {}  # what the best model forced
         moved: dict[str, MovedNode] = {}
         tune_tol = self.tolerance
         bar = RunBar("onnxmp calibrate")
@@ -253,12 +272,16 @@ class _Calibration:
                 current = self.convert(forced)
                 current_m = self.measure(current)
                 best, best_m = self._better(best, best_m, current, current_m)
+                if best is current:
+                    best_forced = dict(forced)
                 rep.cycles.append(CycleRecord(cycle, len(forced), current_m, best_m.worst, tune_tol))
                 held = "" if current_m.holdout_error is None else f", held-out {current_m.holdout_error:.3g}"
                 log.info("calibration cycle %d: %d node(s) back in fp32, error %.3g%s, tolerance %g",
                          cycle, len(forced), current_m.tune_error, held, self.tolerance)
             if not best_m.meets(self.tolerance) and not rep.budget_exhausted:
                 best, best_m = self.fallback_all_fp32(best, best_m, forced, moved)
+            elif best_forced and not rep.budget_exhausted and not self._out_of_time():
+                best, best_m = self.release_landed(best, best_m, best_forced, bar)
         finally:
             bar.close()
         rep.final = best_m
@@ -272,32 +295,27 @@ class _Calibration:
 
     def search(self, low: Mapping[str, LowNode], fills: Mapping[str, float], tune_tol: float,
                bar: RunBar, low_io: frozenset[str] = frozenset()) -> list[MovedNode]:
+        if self._plain is not None:
+            # A board holds a session and rounded copies of the weights: two alive at once doubled the
+            # peak on a 2.25 GB model.  The release over the landed model builds it again if needed.
+            self._plain.board = self._plain.oracle = None
         board = Switchboard(self.original, low, self.precision, fills, low_io)
         heavy = frozenset(name for name, n in low.items() if n.op in TENSOR_CORE_OPS)
         bar.heavy, bar.tolerance = heavy, tune_tol
-        early = _worst_sample(self.plan, self.search_refs)
         sample_error = [0.0] * len(self.search_samples)
         order_samples = list(range(len(self.search_samples)))
-
-        def evaluate(fp32: frozenset[str], full: bool = False) -> float:
-            # Samples hardest first; with a worst-sample metric a candidate fails as soon as one sample
-            # does, so most failing candidates cost one session run instead of one per sample.
-            refs, outs = [], []
-            off = self.written_off(board, fp32)
-            for i, out in zip(order_samples, board.iter_run(off, [self.search_samples[i] for i in order_samples])):
-                refs.append(self.search_refs[i])
-                outs.append(out)
-                if early and not full and max(self.plan.errors(refs[-1:], outs[-1:]).values(),
-                                              default=0.0) > tune_tol:
-                    break
-            return max(self.plan.errors(refs, outs).values(), default=0.0) / tune_tol
-
+        self._order_samples = order_samples
+        evaluate = self._scorer(board, order_samples, tune_tol)
         budget = self.max_runs - self.runs - 2  # the attribution's two passes come first
         if budget <= 0 or self._out_of_time():
             self.report.budget_exhausted = True
             return []
         oracle = Oracle(evaluate, max_runs=budget, on_run=bar, full=lambda fp32: evaluate(fp32, full=True),
                         deadline=self.deadline)
+        if self._plain is None:
+            # The first cycle's board switches every node plain conversion makes low: the release over
+            # the landed model (release_landed) tries there what later cycles no longer switch.
+            self._plain = _PlainSearch(board, low, heavy, oracle, [], bool(self.report.holdout_joined), fills, low_io)
         try:
             if max(self.plan.errors(self.search_refs, self.search_refs).values(), default=0.0) > tune_tol:
                 log.warning("the metric rejects the float32 model itself; no mix can pass")
@@ -311,6 +329,8 @@ class _Calibration:
             # Hardest sample first (largest all-low error): a failing candidate usually fails on it.
             order_samples.sort(key=lambda i: -sample_error[i])
             order = attribution_ranking(board.nodes, added, lambda m: m in heavy)
+            if self._plain.board is board:
+                self._plain.order[:] = order
             culprits = find_fp32_set(order, oracle, gallop=True)
             found = [MovedNode(c.node, low[c.node].op, "measurement", c.score_with * tune_tol,
                                c.score_without * tune_tol) if c.score_with is not None else
@@ -329,8 +349,29 @@ class _Calibration:
                 for name in board.nodes if name in probe.fp32]
         finally:
             self.runs += oracle.runs
+            if self._plain.board is board and is_large(self.original):
+                self._plain.board = self._plain.oracle = None  # not alive beside the confirmation's session
         return [*found, *(MovedNode(c, low[c].op, "follows its reader", None, None)
                           for item in found for c in board.followers.get(item.node, ()))]
+
+    def _scorer(self, board: Switchboard, order_samples: Sequence[int], tune_tol: float):
+        """``evaluate(fp32, full=False)``: a candidate's worst error over the search's samples, as a
+        multiple of ``tune_tol``, scored as the model it writes (:meth:`written_off`)."""
+        early = _worst_sample(self.plan, self.search_refs)
+
+        def evaluate(fp32: frozenset[str], full: bool = False) -> float:
+            # Samples hardest first; with a worst-sample metric a candidate fails as soon as one sample
+            # does, so most failing candidates cost one session run instead of one per sample.
+            refs, outs = [], []
+            off = self.written_off(board, fp32)
+            for i, out in zip(order_samples, board.iter_run(off, [self.search_samples[i] for i in order_samples])):
+                refs.append(self.search_refs[i])
+                outs.append(out)
+                if early and not full and max(self.plan.errors(refs[-1:], outs[-1:]).values(),
+                                              default=0.0) > tune_tol:
+                    break
+            return max(self.plan.errors(refs, outs).values(), default=0.0) / tune_tol
+        return evaluate
 
     def _islands(self, found: list[MovedNode], order: Sequence[str], low: Mapping[str, LowNode],
                  heavy: frozenset[str], oracle: Oracle, tune_tol: float) -> list[MovedNode]:
@@ -366,6 +407,71 @@ class _Calibration:
         self.report.release = record
         keep = set(kept)
         return [m for m in found if m.node in keep]
+
+    def release_landed(self, best, best_m: Measurement, best_forced: Mapping[str, str], bar: RunBar | None = None):
+        """The release step over every Conv/MatMul/Gemm the landed model keeps in float32.
+
+        Each cycle's release tries only that cycle's set: a cycle's board switches only the nodes still
+        low after the cycles before it, so what an earlier cycle forced is never tried again, and the
+        last cycle's proof left it out (PP-OCRv4's detector: 3 of its 27 fp32 Conv listed).  Here every
+        forced Conv/MatMul/Gemm is tried back in low precision on the first cycle's board (every node
+        plain conversion makes low), each candidate scored as the model it writes; the releases that
+        pass are converted and confirmed, and kept when the confirmed model is the better one.  A
+        Conv/MatMul/Gemm the coloring keeps in fp32 by a rule or seed is listed with that reason."""
+        plain = self._plain
+        if plain is None:
+            return best, best_m
+        if plain.board is None:
+            plain.board = Switchboard(self.original, plain.low, self.precision, plain.fills, plain.low_io)
+        followers = plain.board.followers
+        ops = {v.node: v.op for v in best.report.vertices}
+        colors = best.report.node_colors()
+        fp32_heavy = [n for n, op in ops.items() if op in TENSOR_CORE_OPS and colors.get(n) != "allow"]
+        switched = [n for n in best_forced if n in plain.board.nodes]
+        extra = {n: c for n, c in best_forced.items() if n not in plain.board.nodes and n not in plain.board.follows}
+        ruled = [RuledHeavy(n, ops[n], _why(best.report, n)) for n in fp32_heavy if n not in best_forced]
+        if not any(n in best_forced for n in fp32_heavy):
+            if self.report.release is not None:
+                self.report.release.ruled = ruled
+            return best, best_m
+        if plain.oracle is not None and bool(self.report.holdout_joined) == plain.joined and not extra:
+            oracle = plain.oracle  # same board, samples and base: its cache holds what cycle 1 measured
+        else:
+            evaluate = self._scorer(plain.board, self._order_samples, self.tolerance)
+            oracle = Oracle(evaluate, max_runs=0, full=lambda fp32: evaluate(fp32, full=True), deadline=self.deadline)
+        oracle.on_run = bar
+        oracle.max_runs = oracle.runs + max(self.max_runs - self.runs, 0)
+        before, saved = oracle.runs, self.forced
+        self.forced = extra  # the candidates name every other forced node themselves
+        try:
+            kept, record = release_heavy(switched, plain.heavy, plain.order, oracle,
+                                         {n: ops.get(n, "") for n in switched}, self.tolerance)
+        finally:
+            self.forced = saved
+            self.runs += oracle.runs - before
+            plain.board = plain.oracle = None  # done with: not alive beside the confirmation's session
+        record.landed, record.ruled = True, ruled
+        self.report.release = record
+        if not record.released:
+            return best, best_m
+        gone = set(record.released) | {c for n in record.released for c in followers.get(n, ())}
+        forced = {n: c for n, c in best_forced.items() if n not in gone}
+        cand = self.convert(forced)
+        cand_m = self.measure(cand)
+        self.report.cycles.append(CycleRecord(len(self.report.cycles) + 1, len(forced), cand_m,
+                                              min(best_m.worst, cand_m.worst), self.tolerance))
+        if not cand_m.meets(self.tolerance):
+            record.note = (f"the model with {len(record.released)} released measured {cand_m.tune_error:.3g}"
+                           + ("" if cand_m.holdout_error is None else f" (held-out {cand_m.holdout_error:.3g})")
+                           + f" against the tolerance {self.tolerance:g}")
+            record.proven = False
+            self._drop(cand)
+            return best, best_m
+        log.info("calibration: the release over the landed model freed %d Conv/MatMul/Gemm",
+                 len(record.released))
+        self.forced.clear()
+        self.forced.update(forced)
+        return self._better(best, best_m, cand, cand_m)
 
     def _out_of_time(self) -> bool:
         return self.deadline is not None and time.perf_counter() > self.deadline
@@ -431,6 +537,12 @@ class _Calibration:
                      self._colorings.seconds, rep.seconds)
         result.report.calibration = rep
         return result
+
+
+def _why(report: Report, node: str) -> str:
+    """The coloring's rule and cause for a node that ends in float32 (its first non-allow vertex)."""
+    row = next((v for v in report.vertices if v.node == node and v.color != "allow"), None)
+    return "" if row is None else f"{row.rule}: {row.cause}"
 
 
 def calibrate(model: ModelLike, options: Options) -> ConversionResult:

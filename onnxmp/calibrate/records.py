@@ -95,7 +95,7 @@ class CalibrationReport:
     seconds: float = 0.0
     budget_exhausted: bool = False
     heavy_check: HeavyCheck | None = None  # the exhaustive pass over the set's Conv/MatMul/Gemm (last cycle)
-    release: ReleaseRecord | None = None  # the release step and its proof (last cycle)
+    release: ReleaseRecord | None = None  # the release and its proof: over the landed model, else the last cycle
     share_plain: float | None = None
     share_final: float | None = None
     share_all_plain: float | None = None  # low-precision share of every non-Constant node

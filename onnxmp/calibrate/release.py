@@ -17,6 +17,11 @@ error with it alone back in low precision and everything else as written, above 
 A failing candidate's error may stop at the first failing sample, so the figure is a lower bound
 ("at least"), which is all a proof of failure needs.  Cost: ``1 + m`` runs for ``m`` members plus
 the re-measures.
+
+The driver calls it twice: in each cycle over that cycle's set, and once the search lands over every
+Conv/MatMul/Gemm the landed model forces, whichever cycle forced it (``driver.release_landed``); the
+second record is the one reported, with the Conv/MatMul/Gemm that the coloring itself keeps in fp32
+(:class:`RuledHeavy`), so the proof covers every one the written model computes in fp32.
 """
 from __future__ import annotations
 
@@ -39,9 +44,21 @@ class KeptHeavy:
 
 
 @dataclass
+class RuledHeavy:
+    """A Conv/MatMul/Gemm in float32 that no release can try: the coloring keeps it there for a reason
+    that is not the search's (a range or calibration seed, a rule such as one type through a fused
+    normalization), which the written model must honour."""
+
+    node: str
+    op: str
+    reason: str  # the coloring's rule and cause
+
+
+@dataclass
 class ReleaseRecord:
     """What the release step tried, freed and kept (``proven``: every kept member was measured failing
-    against the final set; False when the run budget stopped it first)."""
+    against the final set; False when the run budget stopped it first, or when the release's model
+    missed its confirmation and the set before it was kept, ``note`` saying so)."""
 
     members: int  # Conv/MatMul/Gemm in the landed set
     released: list[str] = field(default_factory=list)
@@ -49,14 +66,21 @@ class ReleaseRecord:
     runs: int = 0
     error: float | None = None  # tuning error of the final set
     proven: bool = False
+    ruled: list[RuledHeavy] = field(default_factory=list)  # fp32 by the coloring, not by the search
+    landed: bool = False  # over every Conv/MatMul/Gemm the landed model keeps in fp32, all cycles
+    note: str | None = None
 
     def summary_lines(self, precision: str, tolerance: float, rows: int) -> list[str]:
-        if not self.members:
-            return []
-        lines = [f"  release: {len(self.released)} of the {self.members} Conv/MatMul/Gemm the search kept in fp32 "
-                 f"went back to {precision} ({self.runs} run(s))"]
+        lines = []
+        if self.members:
+            scope = "the calibrated model kept in fp32 (all cycles)" if self.landed else "the search kept in fp32"
+            lines.append(f"  release: {len(self.released)} of the {self.members} Conv/MatMul/Gemm {scope} "
+                         f"went back to {precision} ({self.runs} run(s))")
+        if self.note:
+            lines.append(f"  release not kept: {self.note}")
         if self.kept:
             proof = ("each breaks the tolerance back in " + precision if self.proven
+                     else "measured against a set that was not kept" if self.note
                      else "not all measured: the run budget ran out")
             lines.append(f"  kept in fp32: {len(self.kept)} ({proof}; tuning error with it alone back, "
                          f"tolerance {tolerance:g}):")
@@ -64,6 +88,11 @@ class ReleaseRecord:
             lines += [f"    {k.node} ({k.op}): >= {k.error_released:.3g}" for k in shown]
             if len(self.kept) > rows:
                 lines.append(f"    ... and {len(self.kept) - rows} more (see --report JSON)")
+        if self.ruled:
+            lines.append(f"  kept in fp32 by the coloring, not the search: {len(self.ruled)}")
+            lines += [f"    {r.node} ({r.op}): {r.reason}" for r in self.ruled[:rows]]
+            if len(self.ruled) > rows:
+                lines.append(f"    ... and {len(self.ruled) - rows} more (see --report JSON)")
         return lines
 
 
@@ -112,4 +141,4 @@ def release_heavy(fp32: Sequence[str], heavy: frozenset[str], order: Sequence[st
     return [m for m in fp32 if m in current], record
 
 
-__all__ = ["KeptHeavy", "ReleaseRecord", "release_heavy"]
+__all__ = ["KeptHeavy", "ReleaseRecord", "RuledHeavy", "release_heavy"]
