@@ -312,6 +312,17 @@ def test_conv_weight_gradient_by_patches(name, patches):
             assert ops.count("Gemm") == 1 and "Conv" not in ops and "Einsum" not in ops
 
 
+def test_a_cuda_build_keeps_one_conv_for_the_weight_gradient():
+    """The patches are the CPU target's form: for CUDA, dW stays the swapped Conv (cuDNN's own)."""
+    from autodiff_cases import case_named
+
+    model, _, wrt = with_loss(case_named("Conv_patches"), np.float32)
+    for target, patches in (("cpu", True), ("cuda", False)):
+        grad_model, _ = backward(model, LOSS, wrt, target=target)
+        added = [n.op_type for n in grad_model.graph.node if n.name not in {m.name for m in model.graph.node}]
+        assert ("Gemm" in added) == patches and added.count("Conv") == (0 if patches else 1), target
+
+
 def test_conv_patches_over_the_limit_keep_the_swapped_conv(monkeypatch):
     """A sample's patches above PATCH_LIMIT elements (Conv_patches: 25 positions x 9 x 8 = 1800):
     the swapped Conv, no patch Gather."""

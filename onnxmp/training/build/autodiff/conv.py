@@ -14,6 +14,7 @@ import math
 import numpy as np
 from onnx import TensorProto
 
+from onnxmp import targets
 from onnxmp.training.build.autodiff.context import Vjp
 from onnxmp.training.build.autodiff.emit import INT64_MAX
 
@@ -140,9 +141,11 @@ def _patch_geometry(c: Vjp, x: str, w_shape, kernel, strides, dilations, begin, 
     None: float32, one group, static spatial extents, a kernel of more than one position and at
     least 8 input channels (each gathered block 32 bytes or more: ResNet's 3x3 convs of 16 and 32
     channels take 45-60% of the swapped Conv's time; its 7x7 stem of 3 channels, gathered 3
-    floats at a time, 180%)."""
+    floats at a time, 180%).  On the CPU target only: the CUDA EP runs the swapped Conv as cuDNN's
+    own convolution (onnxruntime's ConvGrad there is cudnnConvolutionBackwardFilter), one kernel
+    where the patches would be a 9x copy of X and a dozen launches."""
     sizes = _spatial(c, x, len(kernel))
-    if (c.elem(x) != TensorProto.FLOAT or not all(isinstance(d, int) for d in sizes)
+    if (targets.target(c.emit.target).provider != "CPUExecutionProvider" or c.elem(x) != TensorProto.FLOAT or not all(isinstance(d, int) for d in sizes)
             or int(np.prod(kernel)) < 2 or w_shape[1] < 8):
         return None
     padded = [d + b + e for d, b, e in zip(sizes, begin, end)]
