@@ -115,6 +115,11 @@ def sigmoid(c: Vjp) -> None:
 
 def relu(c: Vjp) -> None:
     y = c.y(0)
+    if c.elem(y) in _MASK_BY_MUL:
+        # y >= 0, so Sign(y) is the mask itself, 1 where x > 0 and 0 elsewhere: two nodes, not a
+        # compare, a Cast and a Mul (the same numbers, with masked()'s non-finite-dy caveat)
+        _unary(c, c.op("Mul", c.dy(), c.op("Sign", y)))
+        return
     _unary(c, masked(c, c.op("Greater", y, c.scalar(0.0, y), elem=BOOL), c.dy()))
 
 
