@@ -24,7 +24,7 @@ from onnxmp.color.masks import replace_fills
 from onnxmp.external import is_large
 from onnxmp.naming import FreshNames, proto_names
 from onnxmp.precision import low_precision
-from onnxmp.subgraphs import bodies
+from onnxmp.subgraphs import bodies, proto_nodes
 
 SWITCH_INPUT = "onnxmp_low_switches"
 
@@ -239,20 +239,16 @@ def _read_other_than_low(graph: onnx.GraphProto, low: Mapping[str, LowNode]) -> 
     """Tensors of ``graph`` that something reads other than as a low node's low-precision input: a
     float32 reader, a body (outer-scope reads), or the graph's outputs.  Only these need the gated
     value under their own name; a low reader takes the raw or the rounded value directly."""
-    read = {o.name for o in graph.output}
-
-    def captured(g: onnx.GraphProto) -> None:
-        for n in g.node:
-            read.update(n.input)
-            for sub in bodies(n):
-                captured(sub)
-
+    read = {o.name for o in graph.output} | _body_reads(graph)
     for node in graph.node:
         spec = low.get(node.name)
         read.update(t for t in node.input if spec is None or t not in spec.inputs)
-        for sub in bodies(node):
-            captured(sub)
     return read
+
+
+def _body_reads(graph: onnx.GraphProto) -> set[str]:
+    """Every name a node inside ``graph``'s bodies reads (outer-scope reads among them)."""
+    return {t for node in graph.node for body in bodies(node) for n in proto_nodes(body) for t in n.input}
 
 
 def _single_reader_constants(graph: onnx.GraphProto, low: Mapping[str, LowNode]) -> dict[str, str]:
@@ -264,17 +260,7 @@ def _single_reader_constants(graph: onnx.GraphProto, low: Mapping[str, LowNode])
     for node in graph.node:
         for t in node.input:
             uses.setdefault(t, []).append(node.name)
-    captured: set[str] = set()
-
-    def scan(g: onnx.GraphProto) -> None:
-        for n in g.node:
-            captured.update(n.input)
-            for sub in bodies(n):
-                scan(sub)
-
-    for node in graph.node:
-        for sub in bodies(node):
-            scan(sub)
+    captured = _body_reads(graph)
     outputs = {o.name for o in graph.output}
     follows = {}
     for node in graph.node:
