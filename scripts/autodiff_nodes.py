@@ -81,14 +81,14 @@ def optimized_counts(path: str) -> dict:
     return {"nodes": len(model.graph.node), "int64": int64, "ort": ort.__version__}
 
 
-def build(entry: str, folder: Path) -> tuple[dict[str, str], onnx.ModelProto]:
+def build(entry: str, folder: Path, target: str = "cpu") -> tuple[dict[str, str], onnx.ModelProto]:
     """The four graphs' paths, and the forward each builder read (for ``--by-origin``)."""
     import check_autodiff
 
     from onnxmp.training.build.unscale import add_loss_scaling, proven_gradients
     from onnxmp.training.build.lower import lower_model
 
-    forward, _, ours, theirs, _ = check_autodiff.both(entry, "float32")
+    forward, _, ours, theirs, _ = check_autodiff.both(entry, "float32", target=target)
     paths = {}
     for name, model in (("native", theirs[0]), ("onnxmp", ours[0])):
         add_loss_scaling(model, proven_gradients(model) if name == "onnxmp" else ())  # as the build does
@@ -104,6 +104,9 @@ def main(argv=None) -> int:
     parser.add_argument("--plain", help="a Python with plain onnxruntime, to optimize the portable graphs too")
     parser.add_argument("--by-origin", action="store_true",
                         help="split each optimized graph's nodes by origin (forward, each op's gradient...)")
+    parser.add_argument("--target", default="cpu", choices=["cpu", "cuda"],
+                        help="the target onnxmp's builder builds for (its gradient forms differ: the CPU's Conv "
+                             "weight gradient by patches); ORT's builder has one form")
     parser.add_argument("--count", help=argparse.SUPPRESS)  # internal: count one file, print JSON
     args = parser.parse_args(argv)
     if args.count:
@@ -112,7 +115,7 @@ def main(argv=None) -> int:
     print(f"{'entry':22} {'graph':15} {'raw':>6} {'nodes':>6} {'int64':>6}  onnxruntime")
     with tempfile.TemporaryDirectory() as tmp:
         for entry in args.entries:
-            paths, forward = build(entry, Path(tmp))
+            paths, forward = build(entry, Path(tmp), args.target)
             for name, path in paths.items():
                 raw = len(onnx.load(path, load_external_data=False).graph.node)
                 runs = [optimized_counts(path)]

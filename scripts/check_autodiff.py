@@ -60,7 +60,7 @@ def forward_of(entry: str, precision: str, target: str = "cpu", builder: str = "
     return state.train_forward, requires_grad, list(frozen)
 
 
-def both(entry: str, precision: str, ours: bool = True):
+def both(entry: str, precision: str, ours: bool = True, target: str = "cpu"):
     from onnxmp.training.build import autodiff
     from onnxmp.training.build.gradient import gradient_graph as ort_gradient_graph
     from onnxmp.training.losses import table_loss
@@ -69,7 +69,8 @@ def both(entry: str, precision: str, ours: bool = True):
     started = time.perf_counter()
     if ours:
         own, _, _ = forward_of(entry, precision, builder="onnxmp")
-        ours = autodiff.gradient_graph(own, table_loss("cross_entropy"), "labels", requires_grad, frozen)
+        ours = autodiff.gradient_graph(own, table_loss("cross_entropy"), "labels", requires_grad, frozen,
+                                       target=target)
     seconds = time.perf_counter() - started
     theirs = ort_gradient_graph(forward, table_loss("cross_entropy"), "labels", requires_grad, frozen)
     return forward, requires_grad, ours, theirs, seconds
