@@ -183,7 +183,7 @@ class Switchboard:
                         out.extend(self._round(tensor, rounded[tensor]))
                     gated[tensor] = self._names(f"{tensor}__{node.name}__in")
                     if tensor in gated_output:
-                        # Read rounded when either end is low: one Where over the producer's raw value,
+                        # Read rounded when either end is low: one selection over the producer's raw value,
                         # so the producer's own gate runs only for readers that are not low nodes.
                         producer_switch, raw = gated_output[tensor]
                         either = switch
