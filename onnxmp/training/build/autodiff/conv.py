@@ -144,8 +144,10 @@ def _patch_geometry(c: Vjp, x: str, w_shape, kernel, strides, dilations, begin, 
     floats at a time, 180%).  On the CPU target only: the CUDA EP runs the swapped Conv as cuDNN's
     own convolution (onnxruntime's ConvGrad there is cudnnConvolutionBackwardFilter), one kernel
     where the patches would be a 9x copy of X and a dozen launches."""
+    if targets.target(c.emit.target).provider != "CPUExecutionProvider":
+        return None
     sizes = _spatial(c, x, len(kernel))
-    if (targets.target(c.emit.target).provider != "CPUExecutionProvider" or c.elem(x) != TensorProto.FLOAT or not all(isinstance(d, int) for d in sizes)
+    if (c.elem(x) != TensorProto.FLOAT or not all(isinstance(d, int) for d in sizes)
             or int(np.prod(kernel)) < 2 or w_shape[1] < 8):
         return None
     padded = [d + b + e for d, b, e in zip(sizes, begin, end)]
