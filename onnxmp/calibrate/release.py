@@ -84,16 +84,17 @@ class ReleaseRecord:
                      else "not all measured: the run budget ran out")
             lines.append(f"  kept in fp32: {len(self.kept)} ({proof}; tuning error with it alone back, "
                          f"tolerance {tolerance:g}):")
-            shown = self.kept[:rows]
-            lines += [f"    {k.node} ({k.op}): >= {k.error_released:.3g}" for k in shown]
-            if len(self.kept) > rows:
-                lines.append(f"    ... and {len(self.kept) - rows} more (see --report JSON)")
+            lines += _first(rows, [f"    {k.node} ({k.op}): >= {k.error_released:.3g}" for k in self.kept])
         if self.ruled:
             lines.append(f"  kept in fp32 by the coloring, not the search: {len(self.ruled)}")
-            lines += [f"    {r.node} ({r.op}): {r.reason}" for r in self.ruled[:rows]]
-            if len(self.ruled) > rows:
-                lines.append(f"    ... and {len(self.ruled) - rows} more (see --report JSON)")
+            lines += _first(rows, [f"    {r.node} ({r.op}): {r.reason}" for r in self.ruled])
         return lines
+
+
+def _first(rows: int, lines: list[str]) -> list[str]:
+    """The first ``rows`` lines, and how many more the report JSON holds."""
+    more = [f"    ... and {len(lines) - rows} more (see --report JSON)"] if len(lines) > rows else []
+    return lines[:rows] + more
 
 
 def release_heavy(fp32: Sequence[str], heavy: frozenset[str], order: Sequence[str], oracle: Oracle,
