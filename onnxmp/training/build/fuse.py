@@ -14,6 +14,11 @@ ORT's builder is the reference and gets the graph as exported: these run for onn
 (``prepare_for_gradient(..., ort_builder=False)``).  A subgraph is fused only where every value
 inside it is read inside it alone (not a graph output, not read by another node), and its
 constants are the formula's, within float32 rounding.
+
+These are not :mod:`onnxmp.fusions.gelus`: that module predicts what onnxruntime's GeluFusion and
+FastGeluFusion will fuse, by their exact conditions, so the coloring and the emulation see the
+kernels ORT runs; this one is onnxmp's own rewrite, broader on purpose (dynamo's Mul forms, either
+association of the halves), because what it fuses is what the gradient builder differentiates.
 """
 from __future__ import annotations
 
