@@ -305,7 +305,7 @@ CASES: list[Case] = [
     Case("Conv_1x1_padded", ("", "Conv"), [N("Conv", ["x", "w"], pads=[1, 0, 1, 0], strides=[2, 1])],
          {"x": F((2, 3, 5, 4)), "w": F((4, 3, 1, 1))}),
     # float32, static extents, 8 or more channels: the weight gradient is one Gather of X's
-    # patches and one Gemm with dY (symbolic extents: not)
+    # patches and one Einsum with dY (symbolic extents: not)
     Case("Conv_patches", ("", "Conv"), [N("Conv", ["x", "w", "b"], pads=[1, 1, 1, 1])],
          {"x": F((2, 8, 5, 5), ("N", 8, 5, 5)), "w": F((4, 8, 3, 3)), "b": F((4,))}),
     Case("Conv_patches_strided_dilated", ("", "Conv"),

@@ -295,7 +295,8 @@ def test_pointwise_conv_weight_gradient_is_one_einsum(name, einsum):
                                            ("Conv", False), ("Conv_grouped", False), ("Conv_1x1", False)])
 def test_conv_weight_gradient_by_patches(name, patches):
     """float32, static extents, 8 or more channels, one group, a kernel wider than 1x1: dW is one
-    Gather of X's patches and one Gemm, and the Conv's only Conv-like node is its dX; symbolic
+    Gather of X's patches and one Einsum (no Gemm, no Reshape: it lands on the weight's layout), and
+    the Conv's only Conv-like node is its dX; symbolic
     extents, 3 channels (Conv), grouped or 1x1: not.  Nor in float64."""
     from autodiff_cases import case_named
 
@@ -309,7 +310,8 @@ def test_conv_weight_gradient_by_patches(name, patches):
         assert bool(gathers) == fires, dtype
         if fires:
             ops = [n.op_type for n in added]
-            assert ops.count("Gemm") == 1 and "Conv" not in ops and "Einsum" not in ops
+            assert ops.count("Einsum") == 1 and "Conv" not in ops and "Gemm" not in ops
+            assert ops.count("Transpose") == 1 and "Reshape" in ops and ops.count("Reshape") == 1
 
 
 def test_a_cuda_build_keeps_one_conv_for_the_weight_gradient():
@@ -320,7 +322,7 @@ def test_a_cuda_build_keeps_one_conv_for_the_weight_gradient():
     for target, patches in (("cpu", True), ("cuda", False)):
         grad_model, _ = backward(model, LOSS, wrt, target=target)
         added = [n.op_type for n in grad_model.graph.node if n.name not in {m.name for m in model.graph.node}]
-        assert ("Gemm" in added) == patches and added.count("Conv") == (0 if patches else 1), target
+        assert ("Einsum" in added) == patches and added.count("Conv") == (0 if patches else 1), target
 
 
 def test_conv_patches_over_the_limit_keep_the_swapped_conv(monkeypatch):
