@@ -192,6 +192,17 @@ CASES: list[Case] = [
     Case("Softmax", ("", "Softmax"), [N("Softmax", ["x"], axis=1)], {"x": F((2, 3, 4))}),
     Case("Softmax_opset11", ("", "Softmax"), [N("Softmax", ["x"], axis=1)], {"x": F((2, 3, 4))}, opset=11),
     Case("LogSoftmax", ("", "LogSoftmax"), [N("LogSoftmax", ["x"])], {"x": F((2, 5))}),
+    # a cross-entropy's pick: LogSoftmax's gradient one scatter-add of the picked rows (one index per
+    # row: no sum; several, with a repeat: summed); across another axis, the plain form
+    Case("LogSoftmax_picked", ("", "LogSoftmax"),
+         [N("LogSoftmax", ["x"], ["p"], axis=-1), N("GatherElements", ["p", "i"], axis=-1)],
+         {"x": F((3, 5)), "i": I([[0], [4], [-3]])}),
+    Case("LogSoftmax_picked_several", ("", "LogSoftmax"),
+         [N("LogSoftmax", ["x"], ["p"], axis=1), N("GatherElements", ["p", "i"], axis=1)],
+         {"x": F((2, 4, 3)), "i": I([[[0, 1, 3], [0, 2, 3]], [[3, 3, 1], [2, 0, 0]]])}),
+    Case("LogSoftmax_picked_other_axis", ("", "LogSoftmax"),
+         [N("LogSoftmax", ["x"], ["p"], axis=0), N("GatherElements", ["p", "i"], axis=1)],
+         {"x": F((3, 5)), "i": I([[0], [4], [2]])}),
     # shapes
     Case("Reshape", ("", "Reshape"), [N("Reshape", ["x", "s"])], {"x": F((2, 3, 4), ("N", 3, 4)), "s": I([0, -1])}),
     Case("Reshape_symbolic", ("", "Reshape"), [N("Reshape", ["x", "s"])],

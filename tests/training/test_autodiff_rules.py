@@ -290,6 +290,27 @@ def test_pointwise_conv_weight_gradient_is_one_einsum(name, einsum):
     assert ("Transpose" not in ops) == einsum
 
 
+@pytest.mark.parametrize("name, dtype, scatters, summed", [
+    ("LogSoftmax_picked", np.float32, 1, False), ("LogSoftmax_picked", np.float64, 1, False),
+    ("LogSoftmax_picked_several", np.float32, 1, True), ("LogSoftmax_picked_other_axis", np.float32, 1, True),
+    ("LogSoftmax_picked", np.float16, 1, True)])
+def test_log_softmax_of_a_pick_is_one_scatter(name, dtype, scatters, summed):
+    """GatherElements along LogSoftmax's axis (a cross-entropy): its scatter into zeros folds into
+    LogSoftmax's gradient, one ScatterElements and no zeros; a ReduceSum only where the indices
+    have several per row; across another axis (or in float16, whose scatter runs in float32
+    between Casts) the plain form, zeros scattered then the sum, product and difference."""
+    from autodiff_cases import case_named
+
+    model, _, wrt = with_loss(case_named(name), dtype)
+    grad_model, _ = backward(model, LOSS, wrt)
+    forward = {n.name for n in model.graph.node}
+    ops = [n.op_type for n in grad_model.graph.node if n.name not in forward]
+    fused = name != "LogSoftmax_picked_other_axis" and dtype != np.float16
+    assert ops.count("ScatterElements") == scatters
+    assert ("ConstantOfShape" not in ops and "Sub" not in ops) == fused, ops
+    assert ("ReduceSum" in ops) == summed, ops
+
+
 @pytest.mark.parametrize("name, patches", [("Conv_patches", True), ("Conv_patches_strided_dilated", True),
                                            ("Conv_patches_1d", True), ("Conv_patches_symbolic_extents", False),
                                            ("Conv", False), ("Conv_grouped", False), ("Conv_1x1", False)])
