@@ -311,6 +311,21 @@ def test_log_softmax_of_a_pick_is_one_scatter(name, dtype, scatters, summed):
     assert ("ReduceSum" in ops) == summed, ops
 
 
+@pytest.mark.parametrize("name, spread", [("ReduceMean", True), ("GlobalAveragePool", True),
+                                          ("ReduceMean_opset18", False), ("GlobalAveragePool_symbolic", False)])
+def test_a_mean_over_static_extents_spreads_by_one_mul(name, spread):
+    """A mean's gradient over static reduced extents: one Mul by a constant of those extents (it
+    broadcasts to X's shape), no Expand; over symbolic extents: the scaled gradient expanded."""
+    from autodiff_cases import case_named
+
+    for dtype in (np.float32, np.float16):
+        model, _, wrt = with_loss(case_named(name), dtype)
+        grad_model, _ = backward(model, LOSS, wrt)
+        scope = f"{case_named(name).nodes[0].name}_Grad"
+        ops = [n.op_type for n in grad_model.graph.node if n.name.startswith(scope)]
+        assert ("Expand" not in ops) == spread and ops.count("Mul") == 1, (dtype, ops)
+
+
 @pytest.mark.parametrize("name, patches", [("Conv_patches", True), ("Conv_patches_strided_dilated", True),
                                            ("Conv_patches_1d", True), ("Conv_patches_symbolic_extents", False),
                                            ("Conv", False), ("Conv_grouped", False), ("Conv_1x1", False)])
