@@ -339,6 +339,14 @@ CASES: list[Case] = [
          {"x": F((1, 3, 3, 4), ("N", 3, "H", "W")), "w": F((3, 2, 2, 3))}),
     Case("MaxPool", ("", "MaxPool"), [N("MaxPool", ["x"], kernel_shape=[3, 3], strides=[2, 2], pads=[1, 1, 1, 1])],
          {"x": F((2, 2, 5, 5), ("N", 2, 5, 5))}),
+    # a ReLU before it (ResNet's stem): the ReLU's mask applied to the pooled gradient, before the
+    # scatter; with its output read elsewhere too (a second output here): after it, as alone
+    Case("MaxPool_after_Relu", ("", "MaxPool"),
+         [N("Relu", ["x"], ["r"]), N("MaxPool", ["r"], kernel_shape=[3, 3], strides=[2, 2], pads=[1, 1, 1, 1])],
+         {"x": F((2, 2, 5, 5), ("N", 2, 5, 5))}),
+    Case("MaxPool_after_Relu_shared", ("", "MaxPool"),
+         [N("Relu", ["x"], ["r"]), N("MaxPool", ["r"], kernel_shape=[3, 3], strides=[2, 2], pads=[1, 1, 1, 1])],
+         {"x": F((2, 2, 5, 5))}, outputs=("y", "r")),
     Case("MaxPool_ceil_indices", ("", "MaxPool"), [N("MaxPool", ["x"], ["y", "i"], kernel_shape=[2, 2], ceil_mode=1,
                                                       strides=[2, 2])], {"x": F((1, 2, 5, 3))}),
     Case("AveragePool", ("", "AveragePool"), [N("AveragePool", ["x"], kernel_shape=[3, 3], strides=[2, 2],

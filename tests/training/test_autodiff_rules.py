@@ -329,6 +329,25 @@ def test_a_mean_over_static_extents_spreads_by_one_mul(name, spread):
         assert ("Expand" not in ops) == spread and ops.count("Mul") == 1, (dtype, ops)
 
 
+@pytest.mark.parametrize("name, dtype, pooled", [("MaxPool_after_Relu", np.float32, True),
+                                                  ("MaxPool_after_Relu", np.float64, True),
+                                                  ("MaxPool_after_Relu_shared", np.float32, False),
+                                                  ("MaxPool_after_Relu", np.float16, False)])
+def test_a_relu_before_a_max_pool_masks_the_pooled_gradient(name, dtype, pooled):
+    """A ReLU whose output only a MaxPool reads: its gradient's Sign reads the pooled output and
+    the mask multiplies dY before the one scatter; read elsewhere too (its gradient a Sum), or in
+    float16 (a Greater and a Where): the mask after the scatter, on the ReLU's own output."""
+    from autodiff_cases import case_named
+
+    model, _, wrt = with_loss(case_named(name), dtype)
+    grad_model, _ = backward(model, LOSS, wrt)
+    forward = {n.name for n in model.graph.node}
+    added = [n for n in grad_model.graph.node if n.name not in forward]
+    assert [n.op_type for n in added].count("ScatterElements") == 1
+    signs = [n.input[0] for n in added if n.op_type == "Sign"]
+    assert signs == (["y"] if pooled else (["r"] if dtype != np.float16 else [])), signs
+
+
 @pytest.mark.parametrize("name, patches", [("Conv_patches", True), ("Conv_patches_strided_dilated", True),
                                            ("Conv_patches_1d", True), ("Conv_patches_symbolic_extents", False),
                                            ("Conv", False), ("Conv_grouped", False), ("Conv_1x1", False)])

@@ -248,9 +248,17 @@ def max_pool(c: Vjp) -> None:
         c.runtime(f"MaxPool gradient of {x} (symbolic extents)")
         zeros = c.emit.zeros(c.op("Reshape", c.op("Size", x, elem=INT64), c.ints([1]), elem=INT64), wide)
     c.emit.needs_opset(16)
-    flat = c.op("ScatterElements", zeros, c.op("Reshape", indices, c.ints([-1]), elem=INT64),
-                c.op("Reshape", c.cast(dy, wide), c.ints([-1])), axis=0, reduction="add")
-    c.set(0, c.cast(c.reshape_like(flat, x), c.elem(x)))
+    positions = c.op("Reshape", indices, c.ints([-1]), elem=INT64)
+
+    def scatter(grad: str) -> str:
+        flat = c.op("ScatterElements", zeros, positions, c.op("Reshape", c.cast(grad, wide), c.ints([-1])),
+                    axis=0, reduction="add")
+        return c.cast(c.reshape_like(flat, x), c.elem(x))
+
+    result = scatter(dy)
+    if wide == c.elem(x):
+        c.emit.pooled[result] = (dy, c.y(0), scatter)
+    c.set(0, result)
 
 
 def average_pool(c: Vjp) -> None:
