@@ -6,7 +6,8 @@ and channel axes swapped (strides and dilations exchanged), cropped to the kerne
 Slice; for a 1x1 Conv without pads, one Einsum over the batch and positions; for a float32 Conv
 of static extents and 8 or more input channels, X's patches (one Gather of X channels-last) and
 one Einsum with dY, as onnxruntime's ConvGrad computes it.  MaxPool's gradient scatters into the
-forward's own Indices output (added when absent)."""
+forward's own Indices output (added when absent); a ReLU before it masks the pooled gradient
+before the scatter (elementwise.relu)."""
 from __future__ import annotations
 
 import math

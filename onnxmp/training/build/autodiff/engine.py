@@ -195,8 +195,8 @@ def _named(emit: Emitter, value: str, name: str, elem: int, shared: bool) -> str
 
 def _prune(emit: Emitter, outputs: set[str]) -> None:
     """Drops the emitted nodes and constants nothing reads: a rule may take over what an earlier
-    one emitted (LogSoftmax's gradient re-scatters GatherElements' scattered row), which then has
-    no reader left."""
+    one emitted (LogSoftmax's gradient re-scatters GatherElements' picked values, a ReLU's the
+    MaxPool after it), which then has no reader left."""
     from onnxmp.subgraphs import bodies
 
     def reads(node: onnx.NodeProto) -> set[str]:
