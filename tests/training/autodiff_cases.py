@@ -192,6 +192,17 @@ CASES: list[Case] = [
     Case("Softmax", ("", "Softmax"), [N("Softmax", ["x"], axis=1)], {"x": F((2, 3, 4))}),
     Case("Softmax_opset11", ("", "Softmax"), [N("Softmax", ["x"], axis=1)], {"x": F((2, 3, 4))}, opset=11),
     Case("LogSoftmax", ("", "LogSoftmax"), [N("LogSoftmax", ["x"])], {"x": F((2, 5))}),
+    # a cross-entropy's pick: LogSoftmax's gradient one scatter-add of the picked rows (one index per
+    # row: no sum; several, with a repeat: summed); across another axis, the plain form
+    Case("LogSoftmax_picked", ("", "LogSoftmax"),
+         [N("LogSoftmax", ["x"], ["p"], axis=-1), N("GatherElements", ["p", "i"], axis=-1)],
+         {"x": F((3, 5)), "i": I([[0], [4], [-3]])}),
+    Case("LogSoftmax_picked_several", ("", "LogSoftmax"),
+         [N("LogSoftmax", ["x"], ["p"], axis=1), N("GatherElements", ["p", "i"], axis=1)],
+         {"x": F((2, 4, 3)), "i": I([[[0, 1, 3], [0, 2, 3]], [[3, 3, 1], [2, 0, 0]]])}),
+    Case("LogSoftmax_picked_other_axis", ("", "LogSoftmax"),
+         [N("LogSoftmax", ["x"], ["p"], axis=0), N("GatherElements", ["p", "i"], axis=1)],
+         {"x": F((3, 5)), "i": I([[0], [4], [2]])}),
     # shapes
     Case("Reshape", ("", "Reshape"), [N("Reshape", ["x", "s"])], {"x": F((2, 3, 4), ("N", 3, 4)), "s": I([0, -1])}),
     Case("Reshape_symbolic", ("", "Reshape"), [N("Reshape", ["x", "s"])],
@@ -305,7 +316,7 @@ CASES: list[Case] = [
     Case("Conv_1x1_padded", ("", "Conv"), [N("Conv", ["x", "w"], pads=[1, 0, 1, 0], strides=[2, 1])],
          {"x": F((2, 3, 5, 4)), "w": F((4, 3, 1, 1))}),
     # float32, static extents, 8 or more channels: the weight gradient is one Gather of X's
-    # patches and one Gemm with dY (symbolic extents: not)
+    # patches and one Einsum with dY (symbolic extents: not)
     Case("Conv_patches", ("", "Conv"), [N("Conv", ["x", "w", "b"], pads=[1, 1, 1, 1])],
          {"x": F((2, 8, 5, 5), ("N", 8, 5, 5)), "w": F((4, 8, 3, 3)), "b": F((4,))}),
     Case("Conv_patches_strided_dilated", ("", "Conv"),
@@ -328,6 +339,14 @@ CASES: list[Case] = [
          {"x": F((1, 3, 3, 4), ("N", 3, "H", "W")), "w": F((3, 2, 2, 3))}),
     Case("MaxPool", ("", "MaxPool"), [N("MaxPool", ["x"], kernel_shape=[3, 3], strides=[2, 2], pads=[1, 1, 1, 1])],
          {"x": F((2, 2, 5, 5), ("N", 2, 5, 5))}),
+    # a ReLU before it (ResNet's stem): the ReLU's mask applied to the pooled gradient, before the
+    # scatter; with its output read elsewhere too (a second output here): after it, as alone
+    Case("MaxPool_after_Relu", ("", "MaxPool"),
+         [N("Relu", ["x"], ["r"]), N("MaxPool", ["r"], kernel_shape=[3, 3], strides=[2, 2], pads=[1, 1, 1, 1])],
+         {"x": F((2, 2, 5, 5), ("N", 2, 5, 5))}),
+    Case("MaxPool_after_Relu_shared", ("", "MaxPool"),
+         [N("Relu", ["x"], ["r"]), N("MaxPool", ["r"], kernel_shape=[3, 3], strides=[2, 2], pads=[1, 1, 1, 1])],
+         {"x": F((2, 2, 5, 5))}, outputs=("y", "r")),
     Case("MaxPool_ceil_indices", ("", "MaxPool"), [N("MaxPool", ["x"], ["y", "i"], kernel_shape=[2, 2], ceil_mode=1,
                                                       strides=[2, 2])], {"x": F((1, 2, 5, 3))}),
     Case("AveragePool", ("", "AveragePool"), [N("AveragePool", ["x"], kernel_shape=[3, 3], strides=[2, 2],

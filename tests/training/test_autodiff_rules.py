@@ -279,7 +279,8 @@ def _onnxmp_gradients(model: onnx.ModelProto, feeds: dict, wrt: list[str]) -> di
 @pytest.mark.parametrize("name, einsum", [("Conv_1x1", True), ("Conv_1x1_strided", True),
                                           ("Conv_1x1_padded", False), ("Conv", False)])
 def test_pointwise_conv_weight_gradient_is_one_einsum(name, einsum):
-    """A 1x1 Conv without pads: dW is one Einsum (no Transpose, no Conv); padded or wider: the Conv."""
+    """A 1x1 Conv without pads: dW is one Einsum (no Transpose, no Conv, no Reshape: a third operand
+    of ones gives it the kernel's unit axes); padded or wider: the Conv."""
     from autodiff_cases import case_named
 
     model, _, wrt = with_loss(case_named(name), np.float32)
@@ -288,6 +289,63 @@ def test_pointwise_conv_weight_gradient_is_one_einsum(name, einsum):
     ops = [n.op_type for n in grad_model.graph.node if n.name not in forward]
     assert ("Einsum" in ops) == einsum
     assert ("Transpose" not in ops) == einsum
+    if einsum:
+        assert "Reshape" not in ops and "Conv" not in ops, ops
+
+
+@pytest.mark.parametrize("name, dtype, scatters, summed", [
+    ("LogSoftmax_picked", np.float32, 1, False), ("LogSoftmax_picked", np.float64, 1, False),
+    ("LogSoftmax_picked_several", np.float32, 1, True), ("LogSoftmax_picked_other_axis", np.float32, 1, True),
+    ("LogSoftmax_picked", np.float16, 1, True)])
+def test_log_softmax_of_a_pick_is_one_scatter(name, dtype, scatters, summed):
+    """GatherElements along LogSoftmax's axis (a cross-entropy): its scatter into zeros folds into
+    LogSoftmax's gradient, one ScatterElements and no zeros; a ReduceSum only where the indices
+    have several per row; across another axis (or in float16, whose scatter runs in float32
+    between Casts) the plain form, zeros scattered then the sum, product and difference."""
+    from autodiff_cases import case_named
+
+    model, _, wrt = with_loss(case_named(name), dtype)
+    grad_model, _ = backward(model, LOSS, wrt)
+    forward = {n.name for n in model.graph.node}
+    ops = [n.op_type for n in grad_model.graph.node if n.name not in forward]
+    fused = name != "LogSoftmax_picked_other_axis" and dtype != np.float16
+    assert ops.count("ScatterElements") == scatters
+    assert ("ConstantOfShape" not in ops and "Sub" not in ops) == fused, ops
+    assert ("ReduceSum" in ops) == summed, ops
+
+
+@pytest.mark.parametrize("name, spread", [("ReduceMean", True), ("GlobalAveragePool", True),
+                                          ("ReduceMean_opset18", False), ("GlobalAveragePool_symbolic", False)])
+def test_a_mean_over_static_extents_spreads_by_one_mul(name, spread):
+    """A mean's gradient over static reduced extents: one Mul by a constant of those extents (it
+    broadcasts to X's shape), no Expand; over symbolic extents: the scaled gradient expanded."""
+    from autodiff_cases import case_named
+
+    for dtype in (np.float32, np.float16):
+        model, _, wrt = with_loss(case_named(name), dtype)
+        grad_model, _ = backward(model, LOSS, wrt)
+        scope = f"{case_named(name).nodes[0].name}_Grad"
+        ops = [n.op_type for n in grad_model.graph.node if n.name.startswith(scope)]
+        assert ("Expand" not in ops) == spread and ops.count("Mul") == 1, (dtype, ops)
+
+
+@pytest.mark.parametrize("name, dtype, pooled", [("MaxPool_after_Relu", np.float32, True),
+                                                  ("MaxPool_after_Relu", np.float64, True),
+                                                  ("MaxPool_after_Relu_shared", np.float32, False),
+                                                  ("MaxPool_after_Relu", np.float16, False)])
+def test_a_relu_before_a_max_pool_masks_the_pooled_gradient(name, dtype, pooled):
+    """A ReLU whose output only a MaxPool reads: its gradient's Sign reads the pooled output and
+    the mask multiplies dY before the one scatter; read elsewhere too (its gradient a Sum), or in
+    float16 (a Greater and a Where): the mask after the scatter, on the ReLU's own output."""
+    from autodiff_cases import case_named
+
+    model, _, wrt = with_loss(case_named(name), dtype)
+    grad_model, _ = backward(model, LOSS, wrt)
+    forward = {n.name for n in model.graph.node}
+    added = [n for n in grad_model.graph.node if n.name not in forward]
+    assert [n.op_type for n in added].count("ScatterElements") == 1
+    signs = [n.input[0] for n in added if n.op_type == "Sign"]
+    assert signs == (["y"] if pooled else (["r"] if dtype != np.float16 else [])), signs
 
 
 @pytest.mark.parametrize("name, patches", [("Conv_patches", True), ("Conv_patches_strided_dilated", True),
@@ -295,7 +353,8 @@ def test_pointwise_conv_weight_gradient_is_one_einsum(name, einsum):
                                            ("Conv", False), ("Conv_grouped", False), ("Conv_1x1", False)])
 def test_conv_weight_gradient_by_patches(name, patches):
     """float32, static extents, 8 or more channels, one group, a kernel wider than 1x1: dW is one
-    Gather of X's patches and one Gemm, and the Conv's only Conv-like node is its dX; symbolic
+    Gather of X's patches and one Einsum (no Gemm, no Reshape: it lands on the weight's layout), and
+    the Conv's only Conv-like node is its dX; symbolic
     extents, 3 channels (Conv), grouped or 1x1: not.  Nor in float64."""
     from autodiff_cases import case_named
 
@@ -309,7 +368,8 @@ def test_conv_weight_gradient_by_patches(name, patches):
         assert bool(gathers) == fires, dtype
         if fires:
             ops = [n.op_type for n in added]
-            assert ops.count("Gemm") == 1 and "Conv" not in ops and "Einsum" not in ops
+            assert ops.count("Einsum") == 1 and "Conv" not in ops and "Gemm" not in ops
+            assert ops.count("Transpose") == 1 and "Reshape" in ops and ops.count("Reshape") == 1
 
 
 def test_a_cuda_build_keeps_one_conv_for_the_weight_gradient():
@@ -320,7 +380,7 @@ def test_a_cuda_build_keeps_one_conv_for_the_weight_gradient():
     for target, patches in (("cpu", True), ("cuda", False)):
         grad_model, _ = backward(model, LOSS, wrt, target=target)
         added = [n.op_type for n in grad_model.graph.node if n.name not in {m.name for m in model.graph.node}]
-        assert ("Gemm" in added) == patches and added.count("Conv") == (0 if patches else 1), target
+        assert ("Einsum" in added) == patches and added.count("Conv") == (0 if patches else 1), target
 
 
 def test_conv_patches_over_the_limit_keep_the_swapped_conv(monkeypatch):

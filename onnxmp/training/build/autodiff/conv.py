@@ -5,8 +5,9 @@ spatial extents are static or the strides are 1); its weight gradient one Conv w
 and channel axes swapped (strides and dilations exchanged), cropped to the kernel by a constant
 Slice; for a 1x1 Conv without pads, one Einsum over the batch and positions; for a float32 Conv
 of static extents and 8 or more input channels, X's patches (one Gather of X channels-last) and
-one Gemm with dY, as onnxruntime's ConvGrad computes it.  MaxPool's gradient scatters into the
-forward's own Indices output (added when absent)."""
+one Einsum with dY, as onnxruntime's ConvGrad computes it.  MaxPool's gradient scatters into the
+forward's own Indices output (added when absent); a ReLU before it masks the pooled gradient
+before the scatter (elementwise.relu)."""
 from __future__ import annotations
 
 import math
@@ -120,15 +121,18 @@ def _weight_grad(c, x, w_shape, dy, kernel, strides, dilations, begin, end, grou
 def _pointwise_weight_grad(c: Vjp, x: str, w_shape, dy: str, strides: list[int]) -> str:
     """A 1x1 Conv without pads is a matrix product over the channels at each (strided) position:
     its weight gradient is one Einsum of dY with X (sampled at the strides by one Slice), summed
-    over the batch and positions, instead of the generic Conv between transposes."""
+    over the batch and positions, instead of the generic Conv between transposes.  A third operand,
+    ones shaped [1] * n, gives the Einsum's output the kernel's unit axes: the weight's own shape
+    without a Reshape (one node less per 1x1 Conv: MobileNetV2 has 35)."""
     n = len(strides)
     if any(s != 1 for s in strides):  # position i of Y reads X at i * stride
         x = c.op("Slice", x, c.ints([0] * n), c.ints([INT64_MAX] * n), c.ints(list(range(2, 2 + n))),
                  c.ints(list(strides)))
     c.emit.needs_opset(12)
     spatial = "xyz"[:n]
-    grad = c.op("Einsum", dy, x, equation=f"nk{spatial},nc{spatial}->kc")
-    return c.op("Reshape", grad, c.ints(list(w_shape)))
+    units = "abd"[:n]
+    ones = c.emit.constant(np.ones([1] * n, np.float32), "unit", elem=c.elem(dy))
+    return c.op("Einsum", dy, x, ones, equation=f"nk{spatial},nc{spatial},{units}->kc{units}")
 
 
 # The patches of one sample (positions x kernel positions x channels) at most this many elements
@@ -143,7 +147,7 @@ def _patch_geometry(c: Vjp, x: str, w_shape, kernel, strides, dilations, begin, 
     channels take 45-60% of the swapped Conv's time; its 7x7 stem of 3 channels, gathered 3
     floats at a time, 180%).  On the CPU target only: the CUDA EP runs the swapped Conv as cuDNN's
     own convolution (onnxruntime's ConvGrad there is cudnnConvolutionBackwardFilter), one kernel
-    where the patches would be a 9x copy of X and a dozen launches."""
+    where the patches would be a 9x copy of X and five launches."""
     if targets.target(c.emit.target).provider != "CPUExecutionProvider":
         return None
     sizes = _spatial(c, x, len(kernel))
@@ -160,14 +164,16 @@ def _patch_geometry(c: Vjp, x: str, w_shape, kernel, strides, dilations, begin, 
 def _patch_weight_grad(c: Vjp, x: str, w_shape, dy: str, kernel, strides, dilations, begin, end,
                        padded, outs) -> str:
     """The weight gradient as onnxruntime's ConvGrad computes it, X's patches (im2col) times dY,
-    in standard ops: X channels-last and padded, [N, *S', C], flattened to [N, S, C]; one Gather
-    of its positions by a constant table [P, K] (output position p, kernel position k: the input
-    position p reads at k), [N, P, K, C], each gathered row C floats; as [N*P, K*C], one Gemm with
-    dY as [N*P, Cout] (transposed), [Cout, K*C], the weight up to a transpose of its last axes.
-    On ResNet's 3x3 convs (batch 8, one thread) 45-60% of the swapped Conv's time, whose matrix
-    products are Cout x K over N*positions, narrow for onnxruntime's CPU GEMM."""
+    in five standard ops: X channels-last and padded, [N, *S', C], flattened to [N, S, C]; one
+    Gather of its positions by a constant table [*O, *K] (output position o, kernel position k:
+    the input position o reads at k), [N, *O, *K, C], each gathered row C floats; one Einsum with
+    dY over the batch and output positions, which lands on the weight's own layout [Cout, C, *K].
+    On ResNet's 3x3 convs (batch 8, one thread) about half of the swapped Conv's time, whose
+    matrix products are Cout x K over N*positions, narrow for onnxruntime's CPU GEMM; the Einsum
+    (onnxruntime moves dY's batch beside its positions and runs one GEMM) costs what the Gemm
+    between reshapes and transposes did, in 5 nodes where that form took 12."""
     n = len(kernel)
-    cout, channels, positions = w_shape[0], w_shape[1], int(np.prod(kernel))
+    channels = w_shape[1]
     last = [0, *range(2, 2 + n), 1]
     xp = c.op("Pad", c.transpose(x, last), c.ints([0, *begin, 0, 0, *end, 0]))
     rows = c.op("Reshape", xp, c.ints([0, int(np.prod(padded)), channels]))
@@ -175,11 +181,10 @@ def _patch_weight_grad(c: Vjp, x: str, w_shape, dy: str, kernel, strides, dilati
     flat = np.zeros(grids[0].shape, np.int64)
     for a in range(n):
         flat = flat * padded[a] + grids[a] * strides[a] + grids[n + a] * dilations[a]
-    table = c.emit.constant(flat.reshape(int(np.prod(outs)), positions), "patch_positions")
-    patches = c.op("Reshape", c.op("Gather", rows, table, axis=1), c.ints([-1, positions * channels]))
-    dys = c.op("Reshape", c.transpose(c.op("Reshape", dy, c.ints([0, cout, -1])), [0, 2, 1]), c.ints([-1, cout]))
-    grad = c.op("Reshape", c.op("Gemm", dys, patches, transA=1), c.ints([cout, positions, channels]))
-    return c.op("Reshape", c.transpose(grad, [0, 2, 1]), c.ints(list(w_shape)))
+    patches = c.op("Gather", rows, c.emit.constant(flat, "patch_positions"), axis=1)
+    at, within = "xyz"[:n], "hwd"[:n]  # output and kernel positions
+    c.emit.needs_opset(12)
+    return c.op("Einsum", dy, patches, equation=f"no{at},n{at}{within}c->oc{within}")
 
 
 def _regroup(c: Vjp, t: str, shape, group: int, per_group: int, n: int, kernel_layout: bool = False) -> str:
@@ -244,9 +249,17 @@ def max_pool(c: Vjp) -> None:
         c.runtime(f"MaxPool gradient of {x} (symbolic extents)")
         zeros = c.emit.zeros(c.op("Reshape", c.op("Size", x, elem=INT64), c.ints([1]), elem=INT64), wide)
     c.emit.needs_opset(16)
-    flat = c.op("ScatterElements", zeros, c.op("Reshape", indices, c.ints([-1]), elem=INT64),
-                c.op("Reshape", c.cast(dy, wide), c.ints([-1])), axis=0, reduction="add")
-    c.set(0, c.cast(c.reshape_like(flat, x), c.elem(x)))
+    positions = c.op("Reshape", indices, c.ints([-1]), elem=INT64)
+
+    def scatter(grad: str) -> str:
+        flat = c.op("ScatterElements", zeros, positions, c.op("Reshape", c.cast(grad, wide), c.ints([-1])),
+                    axis=0, reduction="add")
+        return c.cast(c.reshape_like(flat, x), c.elem(x))
+
+    result = scatter(dy)
+    if wide == c.elem(x):
+        c.emit.pooled[result] = (dy, c.y(0), scatter)
+    c.set(0, result)
 
 
 def average_pool(c: Vjp) -> None:

@@ -116,6 +116,14 @@ def sigmoid(c: Vjp) -> None:
 def relu(c: Vjp) -> None:
     y = c.y(0)
     if c.elem(y) in _MASK_BY_MUL:
+        pooled = c.emit.pooled.get(c.dy())
+        if pooled is not None:
+            # Only a MaxPool reads y: each value its gradient scatters lands where its window's
+            # maximum is, so the mask there is the sign of the pooled maximum.  Masked before the
+            # scatter, the Sign and Mul run over the pooled extents (a quarter, stride 2), the same sums.
+            grad, maxima, scatter = pooled
+            _unary(c, scatter(c.op("Mul", grad, c.op("Sign", maxima))))
+            return
         # y >= 0, so Sign(y) is the mask itself, 1 where x > 0 and 0 elsewhere: two nodes, not a
         # compare, a Cast and a Mul (the same numbers, with masked()'s non-finite-dy caveat)
         _unary(c, c.op("Mul", c.dy(), c.op("Sign", y)))

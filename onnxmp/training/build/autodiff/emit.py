@@ -49,6 +49,12 @@ class Emitter(Nodes):
         self.kernels = None if targets.target(target).emulated else KernelTable.default()
         self.float32_ops: Counter = Counter()
         self._takes: dict[tuple, bool | None] = {}
+        # GatherElements' gradient, a scatter-add into zeros: its name -> (indices, values, axis,
+        # the indices' shape), for a rule that folds it into its own (LogSoftmax's).
+        self.scatters: dict[str, tuple] = {}
+        # MaxPool's gradient: its name -> (dY, the pooled output, its scatter as a function of dY),
+        # for the ReLU before it to mask the pooled dY instead (elementwise.relu).
+        self.pooled: dict[str, tuple] = {}
 
     def ops(self, op_type: str, inputs: list[str], outputs: list[str], *, elem: int | None = None,
             domain: str = "", **attrs) -> list[str]:

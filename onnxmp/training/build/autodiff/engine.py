@@ -132,6 +132,7 @@ def backward(model: onnx.ModelProto, seed: str, wrt: Sequence[str], *,
         grad = _named(emit, finals[w], gradient_output(w), info.types.get(w), shared[finals[w]] > 1)
         outputs.append(onnx.helper.make_tensor_value_info(grad, info.types[w], info.shape(w)))
 
+    _prune(emit, {o.name for o in outputs})
     added = len(emit.nodes)
     graph.node.extend(emit.nodes)
     graph.initializer.extend(emit.initializers)
@@ -190,6 +191,30 @@ def _named(emit: Emitter, value: str, name: str, elem: int, shared: bool) -> str
         return name
     emit.scope = name
     return emit.op("Identity", [value], name)
+
+
+def _prune(emit: Emitter, outputs: set[str]) -> None:
+    """Drops the emitted nodes and constants nothing reads: a rule may take over what an earlier
+    one emitted (LogSoftmax's gradient re-scatters GatherElements' picked values, a ReLU's the
+    MaxPool after it), which then has no reader left."""
+    from onnxmp.subgraphs import bodies
+
+    def reads(node: onnx.NodeProto) -> set[str]:
+        names = set(node.input)
+        for body in bodies(node):
+            names |= {name for n in body.node for name in n.input} | _outer_reads(body)
+        return names
+
+    nodes = list(emit.nodes)
+    while True:
+        read = outputs.union(*(reads(n) for n in nodes))
+        kept = [n for n in nodes if any(o in read for o in n.output if o)]
+        if len(kept) == len(nodes):
+            break
+        nodes = kept
+    if len(nodes) < len(emit.nodes):
+        emit.nodes[:] = nodes
+        emit.initializers[:] = [t for t in emit.initializers if t.name in read]
 
 
 def _opsets(model: onnx.ModelProto, emit: Emitter) -> None:

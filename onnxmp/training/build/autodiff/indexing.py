@@ -66,8 +66,10 @@ def gather_elements(c: Vjp) -> None:
     axis = normalize_axes([c.attr("axis", 0)], c.rank(x))[0]
     wide = _wide(c, x)
     c.emit.needs_opset(SCATTER_ADD_OPSET)
-    result = c.op("ScatterElements", _zeros(c, x, wide), _int64(c, idx), c.cast(dy, wide), axis=axis,
-                  reduction="add")
+    idx, dy = _int64(c, idx), c.cast(dy, wide)
+    result = c.op("ScatterElements", _zeros(c, x, wide), idx, dy, axis=axis, reduction="add")
+    if wide == c.elem(x):
+        c.emit.scatters[result] = (idx, dy, axis, c.shape(c.x(1)))
     c.set(0, c.cast(result, c.elem(x)))
 
 

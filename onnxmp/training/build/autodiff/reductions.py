@@ -71,8 +71,26 @@ def reduce_mean(c: Vjp) -> None:
     if not axes:
         c.set(0, c.dy())
         return
-    scaled = c.op("Mul", _kept(c, c.dy(), axes), _count(c, x, axes, c.dy()))
-    c.set(0, _expanded(c, scaled, x, axes))
+    c.set(0, _spread_mean(c, _kept(c, c.dy(), axes), x, axes))
+
+
+# Elements of the constant a mean's gradient broadcasts against (its reduced extents, 1/count each).
+SPREAD_LIMIT = 1 << 16
+
+
+def _spread_mean(c: Vjp, grad: str, x: str, axes: list[int]) -> str:
+    """A mean's gradient (``grad`` with the reduced axes kept as 1s) spread over ``x``: with static
+    reduced extents, one Mul by a constant of those extents filled with 1/count, which broadcasts as
+    the Expand would (the same products, one node where the Mul and Expand were two)."""
+    shape = c.shape(x)
+    dims = [shape[a] for a in axes]
+    if all(isinstance(d, int) for d in dims) and int(np.prod(dims)) <= SPREAD_LIMIT:
+        extents = [shape[a] if a in axes else 1 for a in range(len(shape))]
+        scale = 1.0 / max(int(np.prod(dims)), 1)
+        elem = c.elem(grad)
+        fill = np.full(extents, scale, np.float32 if elem == TensorProto.BFLOAT16 else np.float64)
+        return c.op("Mul", grad, c.emit.constant(fill, "mean_scale", elem=elem))
+    return _expanded(c, c.op("Mul", grad, _count(c, x, axes, grad)), x, axes)
 
 
 def _extreme(c: Vjp) -> None:
@@ -117,7 +135,7 @@ def cumsum(c: Vjp) -> None:
 def global_average_pool(c: Vjp) -> None:
     x = c.x(0)
     axes = list(range(2, c.rank(x)))
-    c.set(0, _expanded(c, c.op("Mul", c.dy(), _count(c, x, axes, c.dy())), x, axes))
+    c.set(0, _spread_mean(c, c.dy(), x, axes))
 
 
 def global_max_pool(c: Vjp) -> None:
