@@ -1,0 +1,117 @@
+"""The search's scorer (``driver._Calibration._scorer``): what a candidate costs in switchboard runs,
+and that the savings never change a pass or a fail."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from onnxmp.options import Options
+
+pytest.importorskip("onnxruntime")
+
+from onnxmp.calibrate.driver import _Calibration, _low_nodes  # noqa: E402
+from onnxmp.calibrate.switchboard import Switchboard  # noqa: E402
+
+from tests.test_calibrate import _culprit_chain, _samples  # noqa: E402
+
+
+def _setup(metric=None):
+    """A calibration over a one-culprit chain, its board, and each sample's all-low error."""
+    options = Options(calibration=_samples(4, seed=7), tolerance=3e-2, holdout=0,
+                      **({} if metric is None else {"metric": metric}))
+    cal = _Calibration(_culprit_chain(6, {2}), options)
+    low = _low_nodes(cal.original, cal.convert({}).report)
+    board = Switchboard(cal.original, low)
+    runs = []
+    iter_run = board.iter_run
+
+    def counted(off, samples, outputs=None):
+        for out in iter_run(off, samples, outputs):
+            runs.append(frozenset(off))
+            yield out
+
+    board.iter_run = counted
+    errors = [max(cal.plan.errors([r], [o]).values()) for r, o in zip(cal.search_refs, board.run((), cal.search_samples))]
+    runs.clear()
+    return cal, board, runs, errors
+
+
+def test_a_failing_sample_is_tried_first_by_the_next_candidates():
+    cal, board, runs, errors = _setup()
+    worst = int(np.argmax(errors))
+    tol = (max(errors) + sorted(errors)[-2]) / 2  # only the worst sample fails all-low
+    order = [i for i in range(4) if i != worst] + [worst]  # ... and it comes last
+    evaluate = cal._scorer(board, order, tol)
+    assert evaluate(frozenset()) > 1
+    assert len(runs) == 4 and order[0] == worst
+    # The next candidate that fails there fails on its first run.
+    assert evaluate(frozenset({"relu0"})) > 1
+    assert len(runs) == 5
+
+
+def test_passing_candidates_run_every_sample_and_keep_the_order():
+    cal, board, runs, errors = _setup()
+    order = [3, 2, 1, 0]
+    evaluate = cal._scorer(board, order, max(errors) * 2)
+    assert evaluate(frozenset()) <= 1
+    assert len(runs) == 4 and order == [3, 2, 1, 0]
+
+
+def test_a_pooled_metric_runs_every_sample_even_when_it_fails():
+    cal, board, runs, _ = _setup(metric="argmax")
+    order = [0, 1, 2, 3]
+    evaluate = cal._scorer(board, order, 1e-9)
+    evaluate(frozenset())
+    evaluate(frozenset())
+    assert len(runs) == 8 and order == [0, 1, 2, 3]
+
+
+def test_the_same_switches_are_one_model_and_run_once(monkeypatch):
+    cal, board, runs, errors = _setup()
+    evaluate = cal._scorer(board, [0, 1, 2, 3], max(errors) * 2)
+    same = cal.written_off(board, frozenset({"culprit2"}))
+    monkeypatch.setattr(cal, "written_off", lambda b, fp32: same if "culprit2" in fp32 else frozenset())
+    first = evaluate(frozenset({"culprit2"}))
+    assert len(runs) == 4
+    # Another forced set that writes the same model: no run; a different model: its own runs.
+    assert evaluate(frozenset({"culprit2", "relu5"})) == first
+    assert len(runs) == 4
+    evaluate(frozenset({"relu5"}))
+    assert len(runs) == 8
+
+
+def test_the_full_score_of_a_failing_candidate_runs_only_the_samples_it_skipped():
+    cal, board, runs, errors = _setup()
+    worst = int(np.argmax(errors))
+    tol = min(errors) / 2  # every sample fails all-low
+    evaluate = cal._scorer(board, [worst, *(i for i in range(4) if i != worst)], tol)
+    early = evaluate(frozenset())
+    assert len(runs) == 1
+    full = evaluate(frozenset(), full=True)
+    assert len(runs) == 4
+    assert full == pytest.approx(max(errors) / tol) and full >= early
+    assert evaluate(frozenset(), full=True) == full and len(runs) == 4
+
+
+@pytest.mark.parametrize("given", [False, True])
+def test_calibration_sessions_do_not_spin(given):
+    # Spinning intra-op threads burn a core through the Python work between runs; a caller's
+    # options (the switchboard's) get the same.
+    from onnxmp import runtime
+    from onnxmp.calibrate.session import cpu_session
+
+    model = _culprit_chain(2, set())
+    options = runtime.session_options(optimization="disable") if given else None
+    session = cpu_session(model, "model", options)
+    assert session.get_session_options().get_session_config_entry("session.intra_op.allow_spinning") == "0"
+
+
+def test_magnitudes_fold_the_finite_peak_with_or_without_inf_and_nan():
+    from onnxmp.calibrate.samples import _fold_magnitudes
+
+    out: dict[str, float] = {}
+    _fold_magnitudes(out, {"plain": np.array([-7.0, 2.0], np.float32),
+                           "inf": np.array([1.0, np.inf, -3.0], np.float32),
+                           "nan": np.array([np.nan, -5.0], np.float32),
+                           "all_nan": np.array([np.nan], np.float32)})
+    assert out == {"plain": 7.0, "inf": 3.0, "nan": 5.0, "all_nan": 0.0}
