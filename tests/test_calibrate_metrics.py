@@ -133,3 +133,5 @@ def test_relative_error_of_finite_floats_takes_the_short_way_to_the_same_figure(
     assert metrics._relative_error_finite(np.zeros(0, np.float32), np.zeros(0, np.float32)) is None
     # Taken, and a candidate non-finite where the reference is finite fails outright.
     assert metrics.relative_error(np.ones(3, np.float32), np.array([1, np.nan, 1], np.float32)) == math.inf
+    # Scalars (0-d outputs) too.
+    assert metrics.relative_error(np.array(2.0, np.float32), np.array(2.5, np.float32)) == 0.25
