@@ -125,3 +125,32 @@ def test_the_switchboard_alone_runs_without_a_memory_pattern():
     cal, board, _, _ = _setup()
     assert board.session.get_session_options().enable_mem_pattern is False
     assert cpu_session(cal.original, "model").get_session_options().enable_mem_pattern is True
+
+
+@pytest.mark.parametrize("precision", ["float16", "bfloat16"])
+def test_float16_selections_cast_back_a_shared_low_copy_bfloat16_keeps_the_pair(precision):
+    # float16: one Cast makes the low copy and each selection's "on" branch casts it back, so the
+    # rounded values never take a float32 pass of their own; the values are the pair's, bit for bit.
+    import onnx
+
+    cal, _, _, _ = _setup()
+    low = _low_nodes(cal.original, cal.convert({}).report)
+    captured = {}
+    from onnxmp.calibrate import switchboard as module
+    create = module.cpu_session
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(module, "cpu_session", lambda proto, *a: captured.setdefault("proto", proto) and create(proto, *a))
+        board = Switchboard(cal.original, low, precision)
+    graph = captured["proto"].graph
+    ons = [a.g.node[0] for n in graph.node if n.op_type == "If" for a in n.attribute if a.name == "then_branch"]
+    assert ons
+    if precision == "float16":
+        assert all(n.op_type == "Cast" and n.attribute[0].i == onnx.TensorProto.FLOAT for n in ons)
+        assert board._low_copies
+    else:
+        assert all(n.op_type == "Identity" for n in ons) and not board._low_copies
+    # Fetched rounded or raw, every probed value is float32.
+    names = [*board.outputs, *board.probed]
+    for off in ((), board.nodes):
+        outs = next(board.iter_run(off, cal.search_samples[:1], names))
+        assert all(outs[n].dtype == np.float32 for n in names)
