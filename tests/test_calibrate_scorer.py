@@ -118,8 +118,8 @@ def test_magnitudes_fold_the_finite_peak_with_or_without_inf_and_nan():
 
 
 def test_the_switchboard_alone_runs_without_a_memory_pattern():
-    # Without memory reuse a pattern is one block the size of a whole run, planned again whenever a
-    # run allocates otherwise (1.4 to 3.4 s a run on layout_cdla); the measurement keeps the default.
+    # Without memory reuse a pattern is one block the size of a whole run; with it, runs after a
+    # change of switches took 1.4 to 3.4 s on layout_cdla.  The measurement keeps the default.
     from onnxmp.calibrate.session import cpu_session
 
     cal, board, _, _ = _setup()

@@ -99,9 +99,8 @@ class Switchboard:
         # 4,500-node switchboard's 5.5 s start-up.  Runs are short; allocation is cheap by comparison.
         options.enable_mem_reuse = False
         # Nor a memory pattern: without reuse the pattern is one block as large as every value of a
-        # run together, and onnxruntime plans it again when a run's allocations differ from the last;
-        # on layout_cdla (1 GB of values a sample) the first runs took 1.4 to 3.4 s instead of 0.2, and
-        # the attribution's eight runs 9.6 s instead of 4.5 to 5.8.
+        # run together.  With it, layout_cdla's (1 GB of values a sample) first runs after a change of
+        # switches took 1.4 to 3.4 s instead of 0.2, and the attribution's eight runs 9.6 s, not 4.5-5.8.
         options.enable_mem_pattern = False
         # No optimization at all, as the measurement of the written model (session.py).
         if is_large(proto):
