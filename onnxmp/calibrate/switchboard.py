@@ -167,10 +167,11 @@ class Switchboard:
         return [helper.make_node("Cast", [src], [dst], name=dst, to=self.low_type)]
 
     def _select(self, switch: str, on: str, off: str, out: str) -> onnx.NodeProto:
-        """``on`` where the scalar ``switch`` holds, else ``off``: an If whose branches are one Identity
-        each.  Not ``Where``: onnxruntime's CPU Where broadcasting a scalar condition costs 2-2.5x the
-        If's copy (250k floats: 99-114 us against 40-66, onnxruntime 1.19 and 1.32), and was 77% of a
-        layout_cdla run on 1.32.  The same values, bit for bit: a selection computes nothing."""
+        """``on`` where the scalar ``switch`` holds, else ``off``: an If whose branches are one node
+        each, an Identity (a Cast back to float32 for a float16 low copy, :meth:`_rounded`).  Not
+        ``Where``: onnxruntime's CPU Where broadcasting a scalar condition costs 2-2.5x the If's copy
+        (250k floats: 99-114 us against 40-66, onnxruntime 1.19 and 1.32), and was 77% of a
+        layout_cdla run on 1.32.  The same values, bit for bit: a selection rounds nothing itself."""
         def branch(src: str, tag: str) -> onnx.GraphProto:
             copy = self._names(f"{out}__{tag}")
             node = (helper.make_node("Cast", [src], [copy], name=copy, to=TensorProto.FLOAT) if src in self._low_copies
