@@ -109,3 +109,29 @@ def test_the_metric_decides_what_the_search_gives_up():
     assert cal.met and cal.metric == {"logits": "argmax"}
     assert cal.plain.tune_error <= 1e-2 and cal.moved == []  # ... the predicted classes are not
     assert cal.holdout_samples == 1 and cal.final.holdout == {"logits": cal.final.holdout["logits"]}
+
+
+def test_relative_error_of_finite_floats_takes_the_short_way_to_the_same_figure():
+    from onnxmp.parity import metrics
+
+    def general(ref, out):  # the masked float64 path, which arrays with inf/NaN take
+        r, c = metrics._finite_pairs(ref, out)
+        return float(np.abs(c - r).max()) / max(float(np.abs(r).max()), 1e-12)
+
+    rng = np.random.default_rng(0)
+    for dtype in (np.float16, np.float32, np.float64):
+        for scale in (1e-6, 1.0, 1e3):
+            ref = (rng.standard_normal(1000) * scale).astype(dtype)
+            out = (ref.astype(np.float64) * (1 + rng.standard_normal(1000) * 1e-3)).astype(dtype)
+            assert metrics._relative_error_finite(ref, out) == general(ref, out) == metrics.relative_error(ref, out)
+    # Not taken: inf in the reference, other shapes, integers, nothing at all.
+    ref = np.array([1.0, np.inf, -4.0], np.float32)
+    assert metrics._relative_error_finite(ref, ref + 1) is None
+    assert metrics.relative_error(ref, np.array([1.5, np.inf, -4.0], np.float32)) == 0.125
+    assert metrics._relative_error_finite(np.zeros(3, np.float32), np.zeros(4, np.float32)) is None
+    assert metrics._relative_error_finite(np.arange(3), np.arange(3)) is None
+    assert metrics._relative_error_finite(np.zeros(0, np.float32), np.zeros(0, np.float32)) is None
+    # Taken, and a candidate non-finite where the reference is finite fails outright.
+    assert metrics.relative_error(np.ones(3, np.float32), np.array([1, np.nan, 1], np.float32)) == math.inf
+    # Scalars (0-d outputs) too.
+    assert metrics.relative_error(np.array(2.0, np.float32), np.array(2.5, np.float32)) == 0.25

@@ -2,6 +2,7 @@
 the coloring."""
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
 
 import numpy as np
@@ -91,7 +92,12 @@ def _fold_magnitudes(out: dict[str, float], run: Mapping[str, np.ndarray]) -> No
     for name, value in run.items():
         if value.dtype != np.float32 or value.size == 0:
             continue
-        finite = value[np.isfinite(value)]
-        peak = float(np.abs(finite).max()) if finite.size else 0.0
+        hi, lo = float(value.max()), float(value.min())
+        if math.isfinite(hi) and math.isfinite(lo):
+            # No inf/NaN (max and min propagate NaN): two reductions, no masked copy of each tensor
+            peak = max(abs(hi), abs(lo))
+        else:
+            finite = value[np.isfinite(value)]
+            peak = float(np.abs(finite).max()) if finite.size else 0.0
         out[name] = max(out.get(name, 0.0), peak)
 

@@ -4,8 +4,9 @@ sample, with no convert, verify or session build in between.
 
 For each node ``n`` that runs in low precision after plain conversion, each of its low-precision
 inputs and outputs ``t`` becomes ``low[n] ? round(t) : t`` (an If selecting, :meth:`Switchboard._select`)
-where ``round`` is a ``Cast(to=FLOAT16) -> Cast(to=FLOAT)`` pair (as in :mod:`onnxmp.parity.emulate`) and ``low`` is a
-bool vector fed with the sample.  With every switch on it reproduces the emulated real conversion
+where ``round`` is a ``Cast(to=FLOAT16) -> Cast(to=FLOAT)`` pair (as in :mod:`onnxmp.parity.emulate`; with
+float16 the first Cast is shared by a tensor's selections and the second runs in each one's branch) and
+``low`` is a bool vector fed with the sample.  With every switch on it reproduces the emulated real conversion
 (bit for bit on the bundled models; kernels fed through the selection may sum in another order, so a
 value can round one ulp apart), and with every switch off it is the float32 model.
 """
@@ -56,6 +57,10 @@ class Switchboard:
         import onnxruntime as ort
 
         self.low_type = low_precision(precision).onnx_type
+        # float16: a switched tensor's low copy is one Cast, and each selection's "on" branch casts it
+        # back: one full-size float32 pass less per tensor than Cast, Cast, then a copy in the branch
+        # (bfloat16 keeps the pair: numpy has no bfloat16 to fetch the low copy as).
+        self._split = self.low_type == TensorProto.FLOAT16
         self.nodes: list[str] = []  # switch index -> node name, topological (bodies at their parent)
         proto = onnx.ModelProto()
         proto.CopyFrom(model)
@@ -64,6 +69,7 @@ class Switchboard:
         self._names = FreshNames(proto_names(proto.graph))
         self._switch: dict[str, str] = {}
         self._ungated: dict[str, tuple[str, str, str]] = {}  # low output with no gate -> (its node, raw, rounded)
+        self._low_copies: set[str] = set()  # fetched names typed low precision (float16), cast on fetch
         self.follows = _single_reader_constants(proto.graph, low)
         self.followers: dict[str, list[str]] = {}
         for constant, reader in self.follows.items():
@@ -85,12 +91,17 @@ class Switchboard:
         for t in self.probed:
             # an output with no gate is fetched as its raw or its rounded value, as its switch says
             for fetched in self._ungated[t][1:] if t in self._ungated else (t,):
-                proto.graph.output.append(helper.make_tensor_value_info(fetched, TensorProto.FLOAT, None))
+                kind = self.low_type if fetched in self._low_copies else TensorProto.FLOAT
+                proto.graph.output.append(helper.make_tensor_value_info(fetched, kind, None))
         self.low = dict(low)
         options = runtime.session_options(optimization="disable")
         # ORT's memory-reuse planner is superlinear in the number of values: it took 5 s of a
         # 4,500-node switchboard's 5.5 s start-up.  Runs are short; allocation is cheap by comparison.
         options.enable_mem_reuse = False
+        # Nor a memory pattern: without reuse the pattern is one block as large as every value of a
+        # run together.  With it, layout_cdla's (1 GB of values a sample) first runs after a change of
+        # switches took 1.4 to 3.4 s instead of 0.2, and the attribution's eight runs 9.6 s, not 4.5-5.8.
+        options.enable_mem_pattern = False
         # No optimization at all, as the measurement of the written model (session.py).
         if is_large(proto):
             # Each switched weight's rounded copies come from Casts that read only initializers,
@@ -147,15 +158,25 @@ class Switchboard:
         return [helper.make_node("Cast", [src], [low], name=low, to=self.low_type),
                 helper.make_node("Cast", [low], [dst], name=dst, to=TensorProto.FLOAT)]
 
+    def _rounded(self, src: str, dst: str) -> list[onnx.NodeProto]:
+        """``dst``: what a selection's "on" branch reads for ``src`` rounded, shared by every selection
+        of ``src`` (split: its low-precision copy, which the branch casts back)."""
+        if not self._split:
+            return self._round(src, dst)
+        self._low_copies.add(dst)
+        return [helper.make_node("Cast", [src], [dst], name=dst, to=self.low_type)]
+
     def _select(self, switch: str, on: str, off: str, out: str) -> onnx.NodeProto:
-        """``on`` where the scalar ``switch`` holds, else ``off``: an If whose branches are one Identity
-        each.  Not ``Where``: onnxruntime's CPU Where broadcasting a scalar condition costs 2-2.5x the
-        If's copy (250k floats: 99-114 us against 40-66, onnxruntime 1.19 and 1.32), and was 77% of a
-        layout_cdla run on 1.32.  The same values, bit for bit: a selection computes nothing."""
+        """``on`` where the scalar ``switch`` holds, else ``off``: an If whose branches are one node
+        each, an Identity (a Cast back to float32 for a float16 low copy, :meth:`_rounded`).  Not
+        ``Where``: onnxruntime's CPU Where broadcasting a scalar condition costs 2-2.5x the If's copy
+        (250k floats: 99-114 us against 40-66, onnxruntime 1.19 and 1.32), and was 77% of a
+        layout_cdla run on 1.32.  The same values, bit for bit: a selection rounds nothing itself."""
         def branch(src: str, tag: str) -> onnx.GraphProto:
             copy = self._names(f"{out}__{tag}")
-            return helper.make_graph([helper.make_node("Identity", [src], [copy], name=copy)], copy, [],
-                                     [helper.make_tensor_value_info(copy, TensorProto.FLOAT, None)])
+            node = (helper.make_node("Cast", [src], [copy], name=copy, to=TensorProto.FLOAT) if src in self._low_copies
+                    else helper.make_node("Identity", [src], [copy], name=copy))
+            return helper.make_graph([node], copy, [], [helper.make_tensor_value_info(copy, TensorProto.FLOAT, None)])
 
         return helper.make_node("If", [switch], [out], name=self._names(f"{out}__select"),
                                 then_branch=branch(on, "on"), else_branch=branch(off, "off"))
@@ -180,7 +201,7 @@ class Switchboard:
                 if tensor not in gated:
                     if tensor not in rounded:
                         rounded[tensor] = self._names(f"{tensor}__rounded")
-                        out.extend(self._round(tensor, rounded[tensor]))
+                        out.extend(self._rounded(tensor, rounded[tensor]))
                     gated[tensor] = self._names(f"{tensor}__{node.name}__in")
                     if tensor in gated_output:
                         # Read rounded when either end is low: one selection over the producer's raw value,
@@ -200,7 +221,7 @@ class Switchboard:
                     continue
                 raw = self._names(f"{tensor}__raw")
                 node.output[k] = raw
-                tail.extend(self._round(raw, self._names(f"{tensor}__raw_rounded")))
+                tail.extend(self._rounded(raw, self._names(f"{tensor}__raw_rounded")))
                 # Rounding is idempotent, so round(tensor) is round(raw) whatever this node's switch
                 # says: a low reader takes that copy instead of two more Casts over the tensor.
                 rounded[tensor] = tail[-1].output[0]
@@ -242,7 +263,9 @@ class Switchboard:
         runs = run_samples(self.session, samples, list(fetch.values()), {SWITCH_INPUT: mask})
         if all(n == f for n, f in fetch.items()):
             return runs
-        return ({n: out[fetch[n]] for n in names} for out in runs)
+        # float16 -> float32 is exact: the same values a Cast back would have given
+        return ({n: out[f].astype(np.float32) if f in self._low_copies else out[f] for n, f in fetch.items()}
+                for out in runs)
 
 
 def _read_other_than_low(graph: onnx.GraphProto, low: Mapping[str, LowNode]) -> set[str]:

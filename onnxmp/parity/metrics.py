@@ -60,8 +60,30 @@ def _finite_pairs(ref: np.ndarray, cand: np.ndarray) -> tuple[np.ndarray, np.nda
     return ref[finite], cand[finite]
 
 
+def _relative_error_finite(ref, cand) -> float | None:
+    """:func:`relative_error` of two float arrays of one shape whose ``ref`` is finite everywhere, with
+    one float64 array instead of two converted copies and no masking (None otherwise).  The same
+    figure bit for bit: the difference is taken in float64 as before, and abs and max are exact in
+    the arrays' own type.  Attribution folds a layout_cdla sample's 1 GB of intermediates through
+    this: 1.5 s a sample the general way."""
+    if not (isinstance(ref, np.ndarray) and isinstance(cand, np.ndarray) and ref.shape == cand.shape
+            and ref.dtype.kind == "f" and cand.dtype.kind == "f" and ref.size):
+        return None
+    if not np.isfinite(ref).all():
+        return None
+    if not np.isfinite(cand).all():
+        return math.inf
+    diff = np.empty(ref.shape, np.float64)  # an array even for 0-d operands, so abs can work in place
+    np.subtract(cand, ref, out=diff, dtype=np.float64)
+    np.abs(diff, out=diff)
+    return float(diff.max()) / max(float(np.abs(ref).max()), 1e-12)
+
+
 def relative_error(ref: np.ndarray, cand: np.ndarray) -> float:
     """max |cand - ref| / max |ref|; inf when cand is non-finite where ref is finite."""
+    fast = _relative_error_finite(ref, cand)
+    if fast is not None:
+        return fast
     pairs = _finite_pairs(ref, cand)
     if pairs is None:
         return math.inf
