@@ -23,7 +23,7 @@ from onnxmp import targets
 from onnxmp.kernels import KernelTable
 from onnxmp.naming import FreshNames
 from onnxmp.training.build.graph_check import FLOAT_NAMES, float_params
-from onnxmp.training.nodes import FLOATS, Nodes
+from onnxmp.training.nodes import Nodes
 
 MS_DOMAIN = "com.microsoft"
 INT64_MAX = np.iinfo(np.int64).max
