@@ -213,6 +213,7 @@ def test_the_driver_releases_what_an_earlier_cycle_forced_and_each_accepted_cand
     from tests.test_calibrate_truth import _conv_net, _samples
 
     real_search, real_release = driver._Calibration.search, driver._Calibration.release_landed
+    real_scorer = driver._Calibration._scorer
     state = {"releasing": False}
     accepted: list[dict[str, str]] = []
 
@@ -224,21 +225,28 @@ def test_the_driver_releases_what_an_earlier_cycle_forced_and_each_accepted_cand
         return found
 
     def release_landed(self, *args, **kwargs):
-        state["releasing"], state["cal"] = True, self
+        # the base forced besides each candidate: none where the release reuses cycle 1's oracle
+        state["releasing"], state["cal"], state["base"] = True, self, frozenset()
         try:
             return real_release(self, *args, **kwargs)
         finally:
             state["releasing"] = False
 
+    def scorer(self, board, order, tol, base=frozenset()):
+        if state["releasing"]:
+            state["base"] = base
+        return real_scorer(self, board, order, tol, base)
+
     class Recording(driver.Oracle):
         def __call__(self, fp32):
             probe = super().__call__(fp32)
             if state["releasing"] and probe.passed:
-                accepted.append({**state["cal"].forced, **dict.fromkeys(probe.fp32, "accepted")})
+                accepted.append({**dict.fromkeys(state["base"], "base"), **dict.fromkeys(probe.fp32, "accepted")})
             return probe
 
     monkeypatch.setattr(driver._Calibration, "search", search)
     monkeypatch.setattr(driver._Calibration, "release_landed", release_landed)
+    monkeypatch.setattr(driver._Calibration, "_scorer", scorer)
     monkeypatch.setattr(driver, "Oracle", Recording)
     result = onnxmp.convert(_conv_net(layers=6), calibration=_samples(4), tolerance=5e-4, holdout=1)
     cal = result.report.calibration

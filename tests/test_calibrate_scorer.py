@@ -69,8 +69,8 @@ def test_a_pooled_metric_runs_every_sample_even_when_it_fails():
 def test_the_same_switches_are_one_model_and_run_once(monkeypatch):
     cal, board, runs, errors = _setup()
     evaluate = cal._scorer(board, [0, 1, 2, 3], max(errors) * 2)
-    same = cal.written_off(board, frozenset({"culprit2"}))
-    monkeypatch.setattr(cal, "written_off", lambda b, fp32: same if "culprit2" in fp32 else frozenset())
+    same = cal.written_off(board, frozenset({"culprit2"}), frozenset())
+    monkeypatch.setattr(cal, "written_off", lambda b, fp32, base: same if "culprit2" in fp32 else frozenset())
     first = evaluate(frozenset({"culprit2"}))
     assert len(runs) == 4
     # Another forced set that writes the same model: no run; a different model: its own runs.

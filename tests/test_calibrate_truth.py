@@ -178,7 +178,7 @@ def test_the_search_scores_the_coloring_a_candidate_writes_not_just_its_nodes():
     written = cal.measure(cal.convert({"m0": "candidate"})).tune_error
     assert written > 1e-2  # the candidate fails once written
     assert score({"m0"}) <= 1e-2  # switching m0's rounding alone (the old scoring) accepted it
-    off = cal.written_off(board, {"m0"})
+    off = cal.written_off(board, {"m0"}, frozenset())
     assert {"m0", "relu", "sub", "add"} <= off and "m1" not in off  # propagation moved m0's readers too
     # The new scoring fails it as written does, with the written model's error (the error here IS a float32
     # rounding residue, so a MatMul summing in another order moves it by a percent or so).

@@ -192,15 +192,16 @@ class _Calibration:
             self._colorings = Colorings(state.normalized.index, state.resolved.replace(magnitudes=self.magnitudes))
         return self._colorings.low(forced)
 
-    def written_off(self, board: Switchboard, fp32: Iterable[str]) -> frozenset[str]:
+    def written_off(self, board: Switchboard, fp32: Iterable[str], base: Iterable[str]) -> frozenset[str]:
         """The switches a candidate turns off: not just its nodes but every node its written model
         computes in float32.  Convert denies the candidate's nodes (and the Constants that follow them,
-        as the driver forces them), and TF's propagation moves their neighbours too (deny runs forward
+        as the driver forces them) on top of ``base``, the nodes forced before the candidates (an
+        earlier cycle's), and TF's propagation moves their neighbours too (deny runs forward
         through infer and clear ops; a clear op no longer between low ones leaves).  Set to that
         coloring, the switchboard computes what the written model does, so a candidate that passes the
         search passes written."""
         fp32 = set(fp32)
-        forced = {*self.forced, *fp32, *(c for n in fp32 for c in board.followers.get(n, ()))}
+        forced = {*base, *fp32, *(c for n in fp32 for c in board.followers.get(n, ()))}
         return frozenset(board.nodes) - self.low_after(forced)
 
     def measure(self, result) -> Measurement:
@@ -305,7 +306,7 @@ class _Calibration:
         sample_error = [0.0] * len(self.search_samples)
         order_samples = list(range(len(self.search_samples)))
         self._order_samples = order_samples
-        evaluate = self._scorer(board, order_samples, tune_tol)
+        evaluate = self._scorer(board, order_samples, tune_tol, frozenset(self.forced))
         budget = self.max_runs - self.runs - 2  # the attribution's two passes come first
         if budget <= 0 or self._out_of_time():
             self.report.budget_exhausted = True
@@ -354,9 +355,11 @@ class _Calibration:
         return [*found, *(MovedNode(c, low[c].op, "follows its reader", None, None)
                           for item in found for c in board.followers.get(item.node, ()))]
 
-    def _scorer(self, board: Switchboard, order_samples: list[int], tune_tol: float):
+    def _scorer(self, board: Switchboard, order_samples: list[int], tune_tol: float,
+                base: frozenset[str] = frozenset()):
         """``evaluate(fp32, full=False)``: a candidate's worst error over the search's samples, as a
-        multiple of ``tune_tol``, scored as the model it writes (:meth:`written_off`)."""
+        multiple of ``tune_tol``, scored as the model it writes (:meth:`written_off`) with ``base``
+        forced besides."""
         early = _worst_sample(self.plan, self.search_refs)
         # Per switch vector, the worst error of each sample run so far.  Two candidates that write the
         # same model (the coloring's propagation maps several forced sets onto one) are one model, and
@@ -365,7 +368,7 @@ class _Calibration:
         seen: dict[frozenset[str], dict[int, float]] = {}
 
         def evaluate(fp32: frozenset[str], full: bool = False) -> float:
-            off = self.written_off(board, fp32)
+            off = self.written_off(board, fp32, base)
             if not early:  # a pooled metric judges the samples together: every one, every time
                 refs = [self.search_refs[i] for i in order_samples]
                 outs = list(board.iter_run(off, [self.search_samples[i] for i in order_samples]))
@@ -449,17 +452,17 @@ class _Calibration:
         if plain.oracle is not None and bool(self.report.holdout_joined) == plain.joined and not extra:
             oracle = plain.oracle  # same board, samples and base: its cache holds what cycle 1 measured
         else:
-            evaluate = self._scorer(plain.board, self._order_samples, self.tolerance)
+            # Forced besides each candidate: what the first board does not switch (the candidates name
+            # every other forced node themselves).
+            evaluate = self._scorer(plain.board, self._order_samples, self.tolerance, frozenset(extra))
             oracle = Oracle(evaluate, max_runs=0, full=lambda fp32: evaluate(fp32, full=True), deadline=self.deadline)
         oracle.on_run = bar
         oracle.max_runs = oracle.runs + max(self.max_runs - self.runs, 0)
-        before, saved = oracle.runs, self.forced
-        self.forced = extra  # the candidates name every other forced node themselves
+        before = oracle.runs
         try:
             kept, record = release_heavy(switched, plain.heavy, plain.order, oracle,
                                          {n: ops.get(n, "") for n in switched}, self.tolerance)
         finally:
-            self.forced = saved
             self.runs += oracle.runs - before
             plain.board = plain.oracle = None  # done with: not alive beside the confirmation's session
         record.landed, record.ruled = True, ruled
