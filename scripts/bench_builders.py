@@ -38,7 +38,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import resource
 import statistics
 import subprocess
 import sys
@@ -47,6 +46,7 @@ import time
 from pathlib import Path
 
 import numpy as np
+from peak_rss import peak_rss_mib
 
 ROOT = Path(__file__).resolve().parents[1]
 EXPORTS = ROOT / "models" / "exports"
@@ -54,16 +54,6 @@ DEFAULT = ("bert2.torchscript17", "gpt2.torchscript17", "vit.torchscript17", "re
 THREADS = (1, 2)
 
 
-
-def _peak_rss_mib() -> float:
-    """This process's peak RSS: VmHWM, which starts afresh at exec.  Linux's ru_maxrss does not: a
-    child reports at least its parent's peak at the fork (the benchmark's parent, which holds every
-    entry's models), so every variant's figure read the same, and grew from entry to entry."""
-    try:
-        with open("/proc/self/status") as f:
-            return next(int(line.split()[1]) for line in f if line.startswith("VmHWM:")) / 1024
-    except (OSError, StopIteration):
-        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 def _matrix() -> dict:
     return json.loads((EXPORTS / "matrix.json").read_text())
@@ -173,7 +163,7 @@ def child(argv) -> int:
             losses.append(result.loss)
     print(json.dumps({"seconds": statistics.median(times), "cpu_s": statistics.median(process_cpu),
                       "cpu_min_s": min(process_cpu), "thread_cpu_s": statistics.median(thread_cpu), "losses": losses,
-                      "peak_rss_mib": _peak_rss_mib()}))
+                      "peak_rss_mib": peak_rss_mib()}))
     return 0
 
 

@@ -60,6 +60,7 @@ sys.path.insert(0, str(ROOT))
 import onnx  # noqa: E402
 
 import onnxmp  # noqa: E402
+from peak_rss import peak_rss_mib  # noqa: E402
 from onnxmp.files import guard_arguments, write_text_atomic  # noqa: E402
 from models import zoo  # noqa: E402
 
@@ -263,9 +264,7 @@ def rss_child(thing: str, path: str) -> None:
         run_ours(model)
     elif thing == "occ":
         run_occ(model)
-    with open("/proc/self/status") as f:
-        kb = next(int(line.split()[1]) for line in f if line.startswith("VmHWM:"))
-    print(kb / 1024)
+    print(peak_rss_mib())
 
 
 def _ratio(a: dict, b: dict, timeout: float | None) -> dict:

@@ -14,25 +14,15 @@ from __future__ import annotations
 
 import argparse
 import json
-import resource
 import statistics
 import sys
 import time
 from pathlib import Path
 
+from peak_rss import peak_rss_mib
+
 EXPORTS = Path(__file__).resolve().parents[1] / "models" / "exports"
 
-
-
-def _peak_rss_mib() -> float:
-    """This process's peak RSS: VmHWM, which starts afresh at exec.  Linux's ru_maxrss does not: a
-    child reports at least its parent's peak at the fork (the benchmark's parent, which holds every
-    entry's models), so every variant's figure read the same, and grew from entry to entry."""
-    try:
-        with open("/proc/self/status") as f:
-            return next(int(line.split()[1]) for line in f if line.startswith("VmHWM:")) / 1024
-    except (OSError, StopIteration):
-        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -84,7 +74,7 @@ def main(argv=None) -> int:
                               "cpu_s": statistics.median(process_cpu), "cpu_min_s": min(process_cpu),
                               "thread_cpu_s": statistics.median(thread_cpu),
                               # the process's peak so far: run one entry per process for each one's own
-                              "peak_rss_mib": _peak_rss_mib()}), flush=True)
+                              "peak_rss_mib": peak_rss_mib()}), flush=True)
         except Exception as exc:  # one entry's failure is reported in its row, the others still run
             print(json.dumps({"entry": key, "error": f"{type(exc).__name__}: {exc}"[:200]}), flush=True)
     return 0
