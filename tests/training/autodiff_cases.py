@@ -324,6 +324,9 @@ CASES: list[Case] = [
          {"x": F((2, 8, 7, 6), ("N", 8, 7, 6)), "w": F((3, 8, 3, 2))}),
     Case("Conv_patches_1d", ("", "Conv"), [N("Conv", ["x", "w"], strides=[3], pads=[2, 0])],
          {"x": F((2, 9, 8)), "w": F((2, 9, 4))}),
+    # without pads: no Pad between the transpose and the Gather
+    Case("Conv_patches_unpadded", ("", "Conv"), [N("Conv", ["x", "w"], strides=[2, 1])],
+         {"x": F((2, 8, 6, 5), ("N", 8, 6, 5)), "w": F((3, 8, 3, 2))}),
     Case("Conv_patches_symbolic_extents", ("", "Conv"), [N("Conv", ["x", "w"], pads=[1, 1, 1, 1])],
          {"x": F((1, 8, 4, 5), ("N", 8, "H", "W")), "w": F((2, 8, 3, 3))}),
     Case("Conv_1d_same", ("", "Conv"), [N("Conv", ["x", "w"], auto_pad="SAME_UPPER", strides=[2])],

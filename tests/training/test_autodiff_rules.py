@@ -349,7 +349,8 @@ def test_a_relu_before_a_max_pool_masks_the_pooled_gradient(name, dtype, pooled)
 
 
 @pytest.mark.parametrize("name, patches", [("Conv_patches", True), ("Conv_patches_strided_dilated", True),
-                                           ("Conv_patches_1d", True), ("Conv_patches_symbolic_extents", False),
+                                           ("Conv_patches_1d", True), ("Conv_patches_unpadded", True),
+                                           ("Conv_patches_symbolic_extents", False),
                                            ("Conv", False), ("Conv_grouped", False), ("Conv_1x1", False)])
 def test_conv_weight_gradient_by_patches(name, patches):
     """float32, static extents, 8 or more channels, one group, a kernel wider than 1x1: dW is one
@@ -370,6 +371,7 @@ def test_conv_weight_gradient_by_patches(name, patches):
             ops = [n.op_type for n in added]
             assert ops.count("Einsum") == 1 and "Conv" not in ops and "Gemm" not in ops
             assert ops.count("Transpose") == 1 and "Reshape" in ops and ops.count("Reshape") == 1
+            assert ops.count("Pad") == (0 if name == "Conv_patches_unpadded" else 1)  # a Pad of nothing copies X
 
 
 def test_a_cuda_build_keeps_one_conv_for_the_weight_gradient():

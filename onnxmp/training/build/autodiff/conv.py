@@ -175,7 +175,9 @@ def _patch_weight_grad(c: Vjp, x: str, w_shape, dy: str, kernel, strides, dilati
     n = len(kernel)
     channels = w_shape[1]
     last = [0, *range(2, 2 + n), 1]
-    xp = c.op("Pad", c.transpose(x, last), c.ints([0, *begin, 0, 0, *end, 0]))
+    xp = c.transpose(x, last)
+    if any(begin + end):  # a Pad of nothing would still copy X
+        xp = c.op("Pad", xp, c.ints([0, *begin, 0, 0, *end, 0]))
     rows = c.op("Reshape", xp, c.ints([0, int(np.prod(padded)), channels]))
     grids = np.meshgrid(*[np.arange(o) for o in outs], *[np.arange(k) for k in kernel], indexing="ij")
     flat = np.zeros(grids[0].shape, np.int64)
